@@ -1,0 +1,158 @@
+"""Configurations of GLM-5.3-Flash for glm53flash-hf.
+
+The classes subclass transformers' ``Glm5Next*Config`` and keep ``model_type = "glm5_next"`` so a checkpoint
+saved by this package stays loadable by transformers' built-in ``Glm5NextForConditionalGeneration`` and by
+inference engines that key on ``model_type``. They add:
+
+* ``num_nextn_predict_layers`` (text config): number of multi-token-prediction (MTP) layers stored after the
+  main stack at ``layers.{num_hidden_layers + i}``; 0 when absent, 1 in the release.
+* ``kernels`` (text config): which implementation each operator family uses, ``"auto"`` (fused kernel on a
+  CUDA tensor when it is installed, torch otherwise), ``"torch"`` or ``"fused"``. A string applies to every
+  family; a dict names families among ``kda``, ``mhc``, ``dsa``, ``moe`` (missing ones are ``"auto"``).
+
+Unsupported combinations raise ``ValueError`` naming the field and its value (see
+:meth:`Glm53FlashTextConfig.validate_architecture`). Field meanings: ``shared/reference/model-spec.md`` §1-§2.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers.models.glm5_next.configuration_glm5_next import (
+    Glm5NextConfig,
+    Glm5NextTextConfig,
+    Glm5NextVisionConfig,
+)
+
+KERNEL_FAMILIES = ("kda", "mhc", "dsa", "moe")
+KERNEL_CHOICES = ("auto", "torch", "fused")
+
+# Spellings of the DSA layer type seen in released configs and transformers versions.
+_INDEXED_ALIASES = {"deepseek_sparse_attention": "indexed_attention", "full_attention": "indexed_attention"}
+LAYER_TYPES = ("linear_attention", "indexed_attention")
+MLP_LAYER_TYPES = ("dense", "sparse")
+INDEXER_TYPES = ("full", "shared")
+
+
+def normalize_kernels(value) -> dict:
+    """Return ``{family: choice}`` for every family in :data:`KERNEL_FAMILIES`.
+
+    Raises:
+        ValueError: for an unknown family or choice.
+    """
+    if value is None:
+        value = "auto"
+    if isinstance(value, str):
+        if value not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES} or a dict per family; got kernels={value!r}")
+        return {family: value for family in KERNEL_FAMILIES}
+    if not isinstance(value, dict):
+        raise ValueError(f"kernels must be a string or a dict; got kernels={value!r}")
+    unknown = set(value) - set(KERNEL_FAMILIES)
+    if unknown:
+        raise ValueError(f"kernels has unknown families {sorted(unknown)}; known: {KERNEL_FAMILIES}")
+    out = {}
+    for family in KERNEL_FAMILIES:
+        choice = value.get(family, "auto")
+        if choice not in KERNEL_CHOICES:
+            raise ValueError(f"kernels[{family!r}] must be one of {KERNEL_CHOICES}; got {choice!r}")
+        out[family] = choice
+    return out
+
+
+@strict
+class Glm53FlashTextConfig(Glm5NextTextConfig):
+    r"""Text configuration of GLM-5.3-Flash (``model_type = "glm5_next_text"``).
+
+    All fields of transformers' ``Glm5NextTextConfig``, plus:
+
+    num_nextn_predict_layers (`int`, defaults to 0):
+        Number of MTP layers stored after the main stack (the release has 1, at ``layers.45``).
+    kernels (`str | dict`, defaults to ``"auto"``):
+        Implementation per operator family, see the module docstring.
+
+    ``layer_types`` accepts ``"linear_attention"``, ``"indexed_attention"`` and the older spellings
+    ``"deepseek_sparse_attention"`` / ``"full_attention"`` (normalised to ``"indexed_attention"``).
+    """
+
+    num_nextn_predict_layers: int = 0
+    kernels: dict | str | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.layer_types is not None:
+            self.layer_types = [_INDEXED_ALIASES.get(t, t) for t in self.layer_types]
+        if self.num_nextn_predict_layers is None:
+            self.num_nextn_predict_layers = 0
+        self.kernels = normalize_kernels(self.kernels)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Check the combination of fields; raise ``ValueError`` naming the field and value."""
+        super().validate_architecture()
+        n = self.num_hidden_layers
+        for name, allowed in (
+            ("layer_types", LAYER_TYPES),
+            ("mlp_layer_types", MLP_LAYER_TYPES),
+            ("indexer_types", INDEXER_TYPES),
+        ):
+            values = getattr(self, name)
+            if len(values) < n:
+                raise ValueError(f"{name} has {len(values)} entries but num_hidden_layers={n}")
+            bad = [v for v in values if v not in allowed]
+            if bad:
+                raise ValueError(f"{name} contains unsupported value {bad[0]!r}; allowed: {allowed}")
+        if self.qk_rope_head_dim != 0:
+            raise ValueError(f"qk_rope_head_dim must be 0 (NoPE DSA); got qk_rope_head_dim={self.qk_rope_head_dim}")
+        if self.index_topk % self.index_kpool != 0:
+            raise ValueError(
+                f"index_topk ({self.index_topk}) must be divisible by index_kpool ({self.index_kpool})"
+            )
+        # A shared indexer layer reuses the selection of the previous full DSA layer.
+        seen_full = False
+        for i in range(n):
+            if self.layer_types[i] != "indexed_attention":
+                continue
+            if self.indexer_types[i] == "full":
+                seen_full = True
+            elif not seen_full:
+                raise ValueError(
+                    f"indexer_types[{i}]='shared' but no earlier DSA layer has a 'full' indexer to share"
+                )
+        if self.n_routed_experts % self.n_group != 0:
+            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}]; got topk_group={self.topk_group}")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(
+                f"n_group={self.n_group} leaves fewer than 2 experts per group (n_routed_experts={self.n_routed_experts})"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, n_routed_experts={self.n_routed_experts}]; "
+                f"got num_experts_per_tok={self.num_experts_per_tok}"
+            )
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0; got {self.num_nextn_predict_layers}")
+        if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
+            raise ValueError(f"linear_lower_bound must be negative or None; got {self.linear_lower_bound}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (clamped SwiGLU, KDA conv); got hidden_act={self.hidden_act!r}")
+
+
+@strict
+class Glm53FlashVisionConfig(Glm5NextVisionConfig):
+    """Vision-tower configuration; identical to transformers' ``Glm5NextVisionConfig`` (the tower is reused as is)."""
+
+
+@strict
+class Glm53FlashConfig(Glm5NextConfig):
+    """Top-level GLM-5.3-Flash configuration (``model_type = "glm5_next"``), with our text and vision configs.
+
+    ``Glm53FlashConfig(text_config={...}, vision_config={...})``; flat (text-only) configs are forwarded to
+    ``text_config`` as in transformers.
+    """
+
+    sub_configs_defaults = {
+        "vision_config": Glm53FlashVisionConfig,
+        "text_config": Glm53FlashTextConfig,
+    }
+
+
+__all__ = ["Glm53FlashConfig", "Glm53FlashTextConfig", "Glm53FlashVisionConfig", "normalize_kernels"]

@@ -1,0 +1,192 @@
+"""Document boundaries for packed and padded batches.
+
+Every layer that mixes tokens (KDA's short convolution and recurrence, the KPool indexer, sparse DSA
+attention, the MTP roll) must keep documents apart. This module turns what a caller hands the model
+(``attention_mask``, ``position_ids`` restarting at 0 as produced by ``DataCollatorWithFlattening``,
+and/or ``cu_seq_lens_q`` / ``cu_seqlens``) into one :class:`DocumentLayout` built once per forward and
+passed to every layer.
+
+Conventions (the same as fla's varlen kernels):
+
+* a *segment* is a maximal run of tokens of one row that belong to one document; runs of padding
+  tokens are segments of their own, flagged invalid, whose outputs are never read;
+* ``cu_seqlens`` indexes the row-major flattened ``B * S`` tokens, so ``q.reshape(1, B * S, ...)``
+  with ``cu_seqlens`` is a valid fla varlen call; segments never cross rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DocumentLayout:
+    """Segment structure of a ``[B, S]`` batch.
+
+    Attributes:
+        batch_size, seq_len: ``B`` and ``S``.
+        valid: bool ``[B, S]``, False on padding tokens.
+        doc_start: long ``[B, S]``, row index of the first token of the token's segment.
+        local_pos: long ``[B, S]``, position of the token inside its segment (0-based).
+        seq_idx: long ``[B, S]``, global segment index (index into ``cu_seqlens``).
+        cu_seqlens: long ``[N + 1]``, segment boundaries over the flattened ``B * S`` tokens.
+        segment_valid: bool ``[N]``, False for padding segments.
+        max_seqlen: longest segment, in tokens (a Python int).
+        trivial: True when every row is one valid segment (no packing, no padding): layers may take
+            their plain batched path.
+    """
+
+    batch_size: int
+    seq_len: int
+    valid: torch.Tensor
+    doc_start: torch.Tensor
+    local_pos: torch.Tensor
+    seq_idx: torch.Tensor
+    cu_seqlens: torch.Tensor
+    segment_valid: torch.Tensor
+    max_seqlen: int
+    trivial: bool
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    def segment_lengths(self) -> torch.Tensor:
+        """Long ``[N]``: the length of each segment."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+
+def _as_2d(name: str, value: torch.Tensor, batch_size: int, seq_len: int) -> torch.Tensor:
+    if value.dim() == 1:
+        value = value.unsqueeze(0)
+    if value.dim() != 2 or value.shape[-1] != seq_len or value.shape[0] not in (1, batch_size):
+        raise ValueError(f"{name} must have shape [{batch_size}, {seq_len}] (or [1, {seq_len}]); got {tuple(value.shape)}")
+    return value.expand(batch_size, seq_len)
+
+
+def build_document_layout(
+    batch_size: int,
+    seq_len: int,
+    device: torch.device | str,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> DocumentLayout:
+    """Build the :class:`DocumentLayout` of a ``[B, S]`` batch.
+
+    A new segment starts at the first token of each row, wherever padding begins or ends
+    (``attention_mask`` 0/1 changes), wherever ``position_ids`` do not continue by +1 (the
+    ``DataCollatorWithFlattening`` convention: positions restart at 0 per document), and at every
+    boundary in ``cu_seqlens`` (flattened over ``B * S``, as ``cu_seq_lens_q`` from the collator).
+
+    Args:
+        batch_size, seq_len: ``B`` and ``S``.
+        device: device of the returned tensors.
+        attention_mask: optional ``[B, S]`` (bool or 0/1 ints); 0 marks padding. A 4-D mask is rejected.
+        position_ids: optional long ``[B, S]`` or ``[1, S]``.
+        cu_seqlens: optional int ``[N + 1]`` cumulative lengths over the flattened tokens, starting
+            at 0 and ending at ``B * S``.
+        seq_idx: optional int ``[B, S]`` document index per token; a change starts a segment.
+
+    Raises:
+        ValueError: when a tensor has the wrong shape, ``cu_seqlens`` is not a non-decreasing
+            sequence from 0 to ``B * S``, or it describes an empty document (two equal entries).
+    """
+    total = batch_size * seq_len
+    arange = torch.arange(seq_len, device=device)
+    starts = torch.zeros(batch_size, seq_len, dtype=torch.bool, device=device)
+    starts[:, 0] = True
+
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask must be a 2-D [batch, seq] padding mask; got shape {tuple(attention_mask.shape)}"
+            )
+        valid = _as_2d("attention_mask", attention_mask.to(device), batch_size, seq_len).bool()
+        starts[:, 1:] |= valid[:, 1:] != valid[:, :-1]
+    else:
+        valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+
+    if position_ids is not None:
+        pos = _as_2d("position_ids", position_ids.to(device), batch_size, seq_len)
+        # Positions of padding tokens are arbitrary (generate fills them with 1): only valid tokens split.
+        starts[:, 1:] |= (pos[:, 1:] != pos[:, :-1] + 1) & valid[:, 1:]
+
+    if seq_idx is not None:
+        sidx = _as_2d("seq_idx", seq_idx.to(device), batch_size, seq_len)
+        starts[:, 1:] |= sidx[:, 1:] != sidx[:, :-1]
+
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=device, dtype=torch.long).flatten()
+        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError(
+                f"cu_seqlens must start at 0 and end at batch*seq = {total}; got {cu.tolist()[:8]}"
+                f"{'...' if cu.numel() > 8 else ''} (last {int(cu[-1]) if cu.numel() else 'none'})"
+            )
+        lengths = cu[1:] - cu[:-1]
+        if bool((lengths <= 0).any()):
+            bad = int(torch.nonzero(lengths <= 0)[0, 0])
+            raise ValueError(
+                f"cu_seqlens describes an empty or negative-length document at index {bad} "
+                f"(cu_seqlens[{bad}]={int(cu[bad])}, cu_seqlens[{bad + 1}]={int(cu[bad + 1])})"
+            )
+        flat = starts.view(-1)
+        flat[cu[:-1]] = True
+
+    flat_starts = starts.reshape(-1)
+    start_positions = torch.nonzero(flat_starts).flatten()
+    cu_full = torch.cat([start_positions, torch.tensor([total], device=device, dtype=torch.long)])
+    seq_idx = (torch.cumsum(flat_starts.long(), 0) - 1).view(batch_size, seq_len)
+    doc_start = torch.cummax(torch.where(starts, arange.expand(batch_size, -1), torch.zeros_like(arange)), dim=1).values
+    local_pos = arange.unsqueeze(0) - doc_start
+    segment_valid = valid.reshape(-1)[start_positions]
+    lengths = cu_full[1:] - cu_full[:-1]
+    max_seqlen = int(lengths.max()) if lengths.numel() else 0
+    trivial = bool(start_positions.numel() == batch_size and bool(valid.all()))
+    return DocumentLayout(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        valid=valid,
+        doc_start=doc_start,
+        local_pos=local_pos,
+        seq_idx=seq_idx,
+        cu_seqlens=cu_full,
+        segment_valid=segment_valid,
+        max_seqlen=max_seqlen,
+        trivial=trivial,
+    )
+
+
+def layout_from_kwargs(
+    batch_size: int,
+    seq_len: int,
+    device: torch.device | str,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> DocumentLayout:
+    """Build the layout from a model's forward arguments.
+
+    Reads ``cu_seq_lens_q`` (transformers' ``FlashAttentionKwargs``, what
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds) or ``cu_seqlens`` and
+    ``seq_idx`` (``return_seq_idx=True``) from ``kwargs``.
+
+    Raises:
+        ValueError: as :func:`build_document_layout`, or when ``cu_seq_lens_q`` and ``cu_seqlens`` differ.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    cu2 = kwargs.get("cu_seqlens")
+    if cu is not None and cu2 is not None and not torch.equal(cu.long().cpu(), cu2.long().cpu()):
+        raise ValueError("cu_seq_lens_q and cu_seqlens were both given and differ")
+    return build_document_layout(
+        batch_size,
+        seq_len,
+        device,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cu_seqlens=cu if cu is not None else cu2,
+        seq_idx=kwargs.get("seq_idx"),
+    )
