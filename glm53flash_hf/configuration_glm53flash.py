@@ -84,8 +84,11 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
-        """Check the combination of fields; raise ``ValueError`` naming the field and value."""
-        super().validate_architecture()
+        """Check the combination of fields; raise ``ValueError`` naming the field and value.
+
+        Our checks run before transformers' own so the messages name the field (``@strict`` wraps the
+        ``ValueError`` in ``StrictDataclassClassValidationError``, which keeps the message).
+        """
         n = self.num_hidden_layers
         for name, allowed in (
             ("layer_types", LAYER_TYPES),
@@ -104,16 +107,16 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
             raise ValueError(
                 f"index_topk ({self.index_topk}) must be divisible by index_kpool ({self.index_kpool})"
             )
-        # A shared indexer layer reuses the selection of the previous full DSA layer.
-        seen_full = False
+        # A "shared" DSA layer reuses the selection of the DSA layer right before it, which must run its own
+        # ("full") indexer (the selection is handed from one layer to the next, as in transformers).
         for i in range(n):
-            if self.layer_types[i] != "indexed_attention":
+            if self.layer_types[i] != "indexed_attention" or self.indexer_types[i] != "shared":
                 continue
-            if self.indexer_types[i] == "full":
-                seen_full = True
-            elif not seen_full:
+            if i == 0 or self.layer_types[i - 1] != "indexed_attention" or self.indexer_types[i - 1] != "full":
                 raise ValueError(
-                    f"indexer_types[{i}]='shared' but no earlier DSA layer has a 'full' indexer to share"
+                    f"indexer_types[{i}]='shared' needs layer {i - 1} to be an indexed_attention layer with a 'full' "
+                    f"indexer; got layer_types[{i - 1}]={self.layer_types[i - 1] if i else None!r}, "
+                    f"indexer_types[{i - 1}]={self.indexer_types[i - 1] if i else None!r}"
                 )
         if self.n_routed_experts % self.n_group != 0:
             raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
@@ -134,6 +137,7 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
             raise ValueError(f"linear_lower_bound must be negative or None; got {self.linear_lower_bound}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' (clamped SwiGLU, KDA conv); got hidden_act={self.hidden_act!r}")
+        super().validate_architecture()
 
 
 @strict

@@ -1,0 +1,353 @@
+"""GLM-5.3-Flash text model for glm53flash-hf.
+
+Data path (``shared/reference/model-spec.md`` §3; ``DESIGN.md``)::
+
+    input_ids ─ embed_tokens ─ expand to hc_mult streams X [B,S,N,D]
+      for each main layer:
+        hc_pre → input_layernorm → KDA | DSA (+ KPool indexer) → hc_post
+        hc_pre → post_attention_layernorm → dense MLP | MoE     → hc_post
+      mean over streams → norm → lm_head                        → logits, loss
+
+Document boundaries are turned once per forward into a :class:`~.packing.DocumentLayout` (from the 2-D
+``attention_mask``, ``position_ids`` restarting at 0, and/or ``cu_seq_lens_q`` / ``cu_seqlens`` / ``seq_idx``)
+and handed to every layer that mixes tokens, so each packed document and each left-padded row computes exactly
+what it computes alone.
+
+Module and parameter names equal transformers' ``glm5_next`` in-memory names (``Glm5NextTextModel``), so the
+text model's state dict is interchangeable with ``Glm5NextForConditionalGeneration.model.language_model``; the
+published on-disk layout (per-expert weights, split conv, ``hc_*``, ``model.language_model.`` prefix) is read
+through the conversions registered in :mod:`.checkpoint`. The MTP layers (``num_nextn_predict_layers``) sit
+after the main stack at ``layers.{num_hidden_layers + i}``, as in the published checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import logging
+
+from .checkpoint import VISION_KEY_PATTERNS, checkpoint_keys, count_matching, register_conversions, strict_load_report
+from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
+from .dsa import Glm53FlashAttention, init_dsa_weights
+from .kda import Glm53FlashLinearAttention, init_kda_weights
+from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
+from .moe import Glm53FlashMLP, Glm53FlashMoE, init_moe_weights
+from .norm import Glm53FlashRMSNorm
+from .packing import DocumentLayout, layout_from_kwargs
+
+logger = logging.get_logger(__name__)
+
+register_conversions()
+
+
+def _no_cache(cache, use_cache) -> None:
+    if cache is not None or use_cache:
+        raise NotImplementedError(
+            "glm53flash-hf does not implement the generation cache yet (use_cache=True / past_key_values); "
+            "call the model with use_cache=False (generate(..., use_cache=False))."
+        )
+
+
+class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
+    """One main-stack layer: two mHC sites around attention (KDA or DSA) and the MLP (dense or MoE).
+
+    Args:
+        config: :class:`Glm53FlashTextConfig`.
+        layer_idx: index in ``config.layer_types`` / ``mlp_layer_types``.
+
+    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None)`` returns ``(hidden_states [B,S,N,D],
+    topk_indices or None)``; the indices are returned when the next layer is a ``shared`` indexer layer.
+    Source: transformers ``Glm5NextTextDecoderLayer``; mHC as in model-spec §7.
+    """
+
+    def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.self_attn = Glm53FlashLinearAttention(config, layer_idx)
+        else:
+            self.self_attn = Glm53FlashAttention(config, layer_idx)
+        self.mlp = Glm53FlashMoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else Glm53FlashMLP(config)
+        self.input_layernorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = Glm53FlashHyperConnection(config)
+        self.ffn_hc = Glm53FlashHyperConnection(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        layout: DocumentLayout,
+        prev_topk_indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        residual = hidden_states
+        post, comb, x = self.attn_hc(hidden_states)
+        x = self.input_layernorm(x)
+        topk_indices = None
+        if self.layer_type == "linear_attention":
+            x = self.self_attn(x, layout=layout)
+        else:
+            x, topk_indices = self.self_attn(x, layout=layout, prev_topk_indices=prev_topk_indices)
+        hidden_states = hc_post(x, residual, post, comb)
+
+        residual = hidden_states
+        post, comb, x = self.ffn_hc(hidden_states)
+        x = self.post_attention_layernorm(x)
+        x = self.mlp(x)
+        hidden_states = hc_post(x, residual, post, comb)
+        return hidden_states, topk_indices
+
+
+class Glm53FlashSharedHead(nn.Module):
+    """Holds the MTP layer's ``shared_head.norm`` (the published key); logits go through the main ``lm_head``."""
+
+    def __init__(self, config: Glm53FlashTextConfig):
+        super().__init__()
+        self.norm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Glm53FlashMTPLayer(GradientCheckpointingLayer):
+    """Multi-token-prediction layer (model-spec §9), stored at ``layers.{num_hidden_layers + i}``.
+
+    ``x = eh_proj([enorm(embed(t + k)), hnorm(h)])`` (embedding first), then a plain pre-norm residual block
+    with its own DSA attention (full indexer) and MoE (no mHC), then ``shared_head.norm``.
+
+    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout)`` → ``[B,S,D]`` (normalised; feed to
+    ``lm_head``). The caller rolls ``inputs_embeds`` per document (training issue).
+    """
+
+    def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.enorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.input_layernorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Glm53FlashAttention(config, layer_idx, indexer_type="full")
+        self.mlp = Glm53FlashMoE(config)
+        self.shared_head = Glm53FlashSharedHead(config)
+
+    def forward(self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(inputs_embeds), self.hnorm(hidden_states)], dim=-1))
+        residual = x
+        attn, _ = self.self_attn(self.input_layernorm(x), layout=layout)
+        x = residual + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self.shared_head.norm(x)
+
+
+class Glm53FlashPreTrainedModel(PreTrainedModel):
+    """Base class: initialisation, fp32-kept parameters and loading rules shared by the GLM-5.3-Flash models."""
+
+    config_class = Glm53FlashConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _no_split_modules = ["Glm53FlashDecoderLayer", "Glm53FlashMTPLayer"]
+    _keep_in_fp32_modules_strict = [
+        "e_score_correction_bias",
+        "gate.weight",
+        "conv1d",
+        "dt_bias",
+        "A_log",
+        "attn_hc.base",
+        "attn_hc.scale",
+        "ffn_hc.base",
+        "ffn_hc.scale",
+    ]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        config = self.config.get_text_config(decoder=True)
+        init_kda_weights(module, config)
+        init_dsa_weights(module, config)
+        init_mhc_weights(module, config)
+        init_moe_weights(module, config)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained`` with strict key accounting (see :func:`.checkpoint.strict_load_report`).
+
+        Missing or unexpected checkpoint keys raise ``ValueError`` listing them, unless
+        ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` is passed (then it warns). A text-only class
+        skips the vision tower's tensors of a multimodal checkpoint and says so in one info line.
+        """
+        allow_missing = kwargs.pop("allow_missing_keys", False)
+        allow_unexpected = kwargs.pop("allow_unexpected_keys", False)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        strict_load_report(model, info, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+        if getattr(cls, "_skips_vision_tower", False):
+            skipped = count_matching(checkpoint_keys(pretrained_model_name_or_path), VISION_KEY_PATTERNS)
+            if skipped:
+                logger.info(f"{cls.__name__}: skipped {skipped} vision-tower tensors of the checkpoint (text-only class)")
+        return (model, info) if want_info else model
+
+
+class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
+    """The GLM-5.3-Flash decoder stack (``Glm5NextTextModel``-compatible state dict).
+
+    ``forward(input_ids [B,S] | inputs_embeds [B,S,D], attention_mask [B,S]?, position_ids [B,S]?,
+    **packing_kwargs)`` → ``MoeModelOutputWithPast`` with ``last_hidden_state`` = ``norm(mean_streams(X))``
+    ``[B,S,D]``; ``hidden_states`` (when ``output_hidden_states``) holds the stream tensors ``[B,S,N,D]`` after
+    the embedding expansion and after each layer.
+
+    Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``), ``seq_idx`` (``[B,S]``), see
+    :func:`.packing.layout_from_kwargs`.
+
+    Raises:
+        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; a non-2-D attention mask; bad packing.
+        NotImplementedError: a generation cache was requested.
+    """
+
+    config_class = Glm53FlashTextConfig
+
+    def __init__(self, config: Glm53FlashTextConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        n = config.num_hidden_layers
+        layers = [Glm53FlashDecoderLayer(config, i) for i in range(n)]
+        layers += [Glm53FlashMTPLayer(config, n + i) for i in range(config.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = Glm53FlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        _no_cache(cache if cache is not None else past_key_values, use_cache)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        layout = layout_from_kwargs(
+            batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        hidden_states = hc_expand(inputs_embeds, self.config.hc_mult)
+        all_hidden = (hidden_states,) if output_hidden_states else None
+        topk_indices = None
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, topk_indices = layer(hidden_states, layout, prev_topk_indices=topk_indices)
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+        hidden_states = self.norm(hc_head(hidden_states))
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden)
+
+
+@dataclass
+class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    """``MoeCausalLMOutputWithPast`` plus ``mtp_loss`` (filled by the MTP objective when enabled)."""
+
+    mtp_loss: torch.FloatTensor | None = None
+
+
+class Glm53FlashForCausalLM(Glm53FlashPreTrainedModel, GenerationMixin):
+    """Text-only GLM-5.3-Flash causal LM (``lm_head`` untied).
+
+    Takes the top-level :class:`Glm53FlashConfig` (its ``text_config`` builds the model) or a
+    :class:`Glm53FlashTextConfig`. Loads the published layout (``model.language_model.*``, per-expert weights,
+    split conv, ``hc_*``); vision tensors in a multimodal checkpoint are skipped with one info line.
+
+    ``forward(..., labels=None, num_items_in_batch=None, logits_to_keep=0)`` returns
+    :class:`Glm53FlashCausalLMOutputWithPast`; ``loss`` is transformers' ``ForCausalLMLoss`` (shifted, fp32,
+    summed and divided by ``num_items_in_batch`` when given, so Trainer's gradient accumulation is exact).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    accepts_loss_kwargs = True
+    _keys_to_ignore_on_load_unexpected = list(VISION_KEY_PATTERNS)
+    _skips_vision_tower = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        text_config = config.get_text_config(decoder=True)
+        self.model = Glm53FlashTextModel._from_config(text_config)
+        self.vocab_size = text_config.vocab_size
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> Glm53FlashCausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+        else:
+            hidden_states = hidden_states[:, logits_to_keep, :]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **loss_kwargs)
+        return Glm53FlashCausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+__all__ = [
+    "Glm53FlashPreTrainedModel",
+    "Glm53FlashTextModel",
+    "Glm53FlashForCausalLM",
+    "Glm53FlashDecoderLayer",
+    "Glm53FlashMTPLayer",
+]

@@ -1,0 +1,114 @@
+"""Shared tiny configurations and the transformers oracle for the tests.
+
+Every config here contains each layer kind the issue asks to exercise: KDA, DSA with a ``full`` and a
+``shared`` indexer layer, dense and MoE MLP, ``hc_mult=4``, ``index_kpool>1`` with a tail,
+``index_topk`` well below the test sequence lengths, and ``n_group>1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PARITY_TEXT = dict(
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=5,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse", "dense"],
+    indexer_types=["full", "full", "shared", "full", "full"],
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=0,
+    v_head_dim=12,
+    index_n_heads=8,  # 2 heads give exact score ties (relu zeros), making top-k selection ambiguous
+    index_head_dim=16,
+    index_topk=8,
+    index_kpool=4,
+    linear_num_heads=2,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    swiglu_limit=10.0,
+    hc_mult=4,
+    rms_norm_eps=1e-5,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=48,
+    patch_size=14,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    projection_intermediate_size=48,
+)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> None:
+    """Give every parameter and float buffer non-trivial values (HF initialises the KPool gate to ones,
+    ``ape`` and the router bias to zeros, which would make selection and routing degenerate).
+
+    fp32 gate parameters (A_log, dt_bias) keep sensible ranges so the decay is neither 0 nor 1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 1.0 - 0.5)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith(".scale"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("index_kpool_compress_gate") or name.endswith("index_kpool_compress_ape"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+
+
+def hf_reference(text_overrides: dict | None = None, seed: int = 0):
+    """transformers' built-in ``Glm5NextForConditionalGeneration`` (fp32, eager attention), randomised."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+
+    text = dict(PARITY_TEXT, **(text_overrides or {}))
+    config = Glm5NextConfig(text_config=text, vision_config=TINY_VISION)
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Glm5NextForConditionalGeneration(config).float().eval()
+    randomize_(model, seed)
+    return model
+
+
+def ours_from_hf_folder(folder, cls=None, **kwargs):
+    """Load our text-only causal LM from a folder written by transformers' built-in class (file to file)."""
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+
+    cls = cls or Glm53FlashForCausalLM
+    return cls.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a-b| / max |b| (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.abs().max().item()
+    return (a - b).abs().max().item() / denom if denom > 0 else (a - b).abs().max().item()
