@@ -195,6 +195,33 @@ def sparse_mla(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries along the last axis, ties broken toward the lower index.
+
+    ``torch.topk`` breaks exact ties arbitrarily (the choice depends on the array's length and on where the entries
+    sit), so a document's selection could change when other documents are packed beside it. Exact ties are common
+    in the KPool indexer (``relu`` makes every head's score 0 for many pools), hence this deterministic rule: among
+    equal scores the earlier pool wins, whatever else is in the row.
+
+    Args:
+        scores: float ``[..., P]`` (may hold ``-inf``), ``1 <= k <= P``.
+
+    Returns:
+        long ``[..., k]`` indices: the finite picks in increasing index order, then the ``-inf`` ones (when fewer
+        than ``k`` entries are finite), also in increasing index order (not score order).
+    """
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    greater = scores > kth
+    tied = scores == kth
+    need = k - greater.sum(-1, keepdim=True)
+    chosen = greater | (tied & (torch.cumsum(tied, dim=-1) <= need))
+    num = scores.shape[-1]
+    rank = torch.arange(num, 0, -1, device=scores.device)  # earlier entries get larger keys
+    # Finite picks first (so -inf fillers, e.g. pools of other documents, come last), each group in index order.
+    key = torch.where(chosen, rank + num * torch.isfinite(scores), torch.zeros_like(rank))
+    return key.topk(k, dim=-1).indices
+
+
 def _check_layout(layout: DocumentLayout, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
     if layout is None:
         return build_document_layout(batch, seq_len, device)
@@ -274,7 +301,8 @@ class Glm53FlashIndexer(nn.Module):
 
         Returns:
             int32 ``[B, S, W]`` (``W = output_width``) row-local token ids, ``-1`` padding. Selected pools come
-            first (``kp`` ids each, ordered by decreasing score), then ``-1`` for unfilled pool slots, then the tail
+            first (``kp`` ids each, in increasing pool order; exact score ties go to the earlier pool, see
+            :func:`stable_topk_indices`), then ``-1`` for unfilled pool slots, then the tail
             slots. Padding queries (``layout.valid`` False) are all ``-1``. Runs without gradient (frozen indexer).
 
         Raises:
@@ -349,7 +377,7 @@ class Glm53FlashIndexer(nn.Module):
                 selectable = (pool_ids >= lo[:, start:end, None]) & (pool_ids < hi[:, start:end, None])
                 scores = scores.masked_fill_(~selectable, float("-inf"))
                 take = min(select_pools, pools_here)
-                top = scores.topk(take, dim=-1).indices  # [B, C, take]
+                top = stable_topk_indices(scores, take)  # [B, C, take]
                 top_ok = selectable.gather(-1, top)
                 top_end = pool_end.gather(1, top.reshape(batch, size * take)).view(batch, size, take)
                 token_ids = top_end[..., None] + slot_offsets  # [B, C, take, kp]

@@ -561,7 +561,9 @@ def test_no_quadratic_buffers():
 
 
 def test_bf16_runs_and_tracks_fp32():
-    config = make_config()
+    # index_topk covers every pool, so the selection cannot differ between precisions: bf16 rounding makes
+    # near-tied pool scores exactly equal and may legitimately change a sparse selection (model-spec §13.12).
+    config = make_config(index_topk=32)
     ours = randomize_(Glm53FlashAttention(config, 3), seed=22)
     x = torch.randn(2, 29, HIDDEN)
     layout = build_document_layout(2, 29, "cpu")
@@ -570,3 +572,64 @@ def test_bf16_runs_and_tracks_fp32():
         low, _ = ours.to(torch.bfloat16)(x.bfloat16(), layout)
     assert low.dtype == torch.bfloat16
     assert rel_err(low.float(), ref) < 5e-2
+
+
+def test_stable_topk_breaks_ties_toward_earlier_entries():
+    from glm53flash_hf.dsa import stable_topk_indices
+
+    scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0], [float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0]])
+    assert stable_topk_indices(scores, 3).tolist() == [[0, 1, 4], [1, 2, 4]]
+    assert stable_topk_indices(scores[1:], 5).tolist() == [[1, 2, 4, 5, 0]]
+    gen = torch.Generator().manual_seed(0)
+    distinct = torch.randn(4, 50, generator=gen)
+    ours = stable_topk_indices(distinct, 7).sort(-1).values
+    assert torch.equal(ours, distinct.topk(7).indices.sort(-1).values)
+
+
+def _tie_setup():
+    config = make_config(index_n_heads=2)
+    torch.manual_seed(0)
+    ours = Glm53FlashIndexer(config, 1)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name == "index_kpool_compress_gate":
+                p.fill_(1.0)
+            elif name == "index_kpool_compress_ape":
+                p.zero_()
+            elif p.dim() == 2:
+                p.normal_(0, 0.2)
+    lengths = [37, 1, 52]
+    S = sum(lengths)
+    h, qr = indexer_inputs(1, S, seed=7)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ours, lengths, h, qr, pos
+
+
+def _packed_matches_alone(ours, lengths, h, qr, pos):
+    S = sum(lengths)
+    got = ours(h, qr, build_document_layout(1, S, "cpu", position_ids=pos))
+    off = 0
+    for n in lengths:
+        alone = ours(h[:, off : off + n], qr[:, off : off + n], build_document_layout(1, n, "cpu"))
+        packed = got[:, off : off + n]
+        if not torch.equal(torch.where(packed >= 0, packed - off, packed), alone):
+            return False
+        off += n
+    return True
+
+
+def test_indexer_packed_equals_separate_with_score_ties():
+    """Default initialisation (compress gate ones, ape zeros) and 2 heads: many pools score exactly 0.
+
+    torch.topk breaks such ties by array position, which differs between a packed row and a document alone;
+    the indexer's deterministic rule (earlier pool wins) keeps the selections identical, slot for slot.
+    """
+    assert _packed_matches_alone(*_tie_setup())
+
+
+def test_plain_topk_would_break_packing_under_ties(monkeypatch):
+    """The setting above really has ties that plain torch.topk resolves differently when packed."""
+    import glm53flash_hf.dsa as dsa
+
+    monkeypatch.setattr(dsa, "stable_topk_indices", lambda scores, k: scores.topk(k, dim=-1).indices)
+    assert not _packed_matches_alone(*_tie_setup())

@@ -125,3 +125,20 @@ def test_layout_left_padding_and_positions():
 def test_layout_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_document_layout(1, 6, "cpu", **kwargs)
+
+
+def test_packed_equals_separate_default_init_tiny_config():
+    """The embedded tiny config at its default initialisation (indexer scores full of exact ties)."""
+    from glm53flash_hf import Glm53FlashConfig, Glm53FlashForCausalLM
+
+    torch.manual_seed(0)
+    model = Glm53FlashForCausalLM(Glm53FlashConfig.from_json_file("configuration/tiny.json")).eval()
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 256, (n,), generator=gen) for n in (96, 1, 80, 33)]
+    ids, pos, _ = _packed_inputs(docs)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos).logits[0]
+        start = 0
+        for d in docs:
+            assert rel_err(packed[start : start + len(d)], model(input_ids=d[None]).logits[0]) < 1e-5, len(d)
+            start += len(d)
