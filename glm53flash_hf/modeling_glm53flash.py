@@ -46,6 +46,13 @@ logger = logging.get_logger(__name__)
 
 register_conversions()
 
+# Auto classes served by the remote code; written into config.json by save_pretrained.
+AUTO_MAP = {
+    "AutoConfig": "configuration_glm53flash.Glm53FlashConfig",
+    "AutoModel": "modeling_glm53flash.Glm53FlashTextModel",
+    "AutoModelForCausalLM": "modeling_glm53flash.Glm53FlashForCausalLM",
+}
+
 
 def _no_cache(cache, use_cache) -> None:
     if cache is not None or use_cache:
@@ -298,6 +305,14 @@ class Glm53FlashForCausalLM(Glm53FlashPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.post_init()
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
+        weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
+        with ``model_type: glm5_next`` and ``auto_map`` entries for every Auto class this package serves, and a
+        copy of the package's modules needed by the remote code."""
+        self.config.auto_map = dict(getattr(self.config, "auto_map", None) or {}, **AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -343,6 +358,11 @@ class Glm53FlashForCausalLM(Glm53FlashPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **loss_kwargs)
         return Glm53FlashCausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
+
+# Make save_pretrained copy this module and its relative imports next to the weights (remote code).
+Glm53FlashConfig.register_for_auto_class()
+Glm53FlashForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+Glm53FlashTextModel.register_for_auto_class("AutoModel")
 
 __all__ = [
     "Glm53FlashPreTrainedModel",

@@ -1,0 +1,129 @@
+"""Block-scaled FP8 (e4m3, 128x128 blocks, ``weight_scale_inv``) as stored by the GLM-5.3-Flash FP8 release.
+
+Format (model-spec §11): a weight ``W [out, in]`` is stored as ``float8_e4m3fn`` next to ``<name>_scale_inv`` fp32
+``[ceil(out/128), ceil(in/128)]``; the last blocks may be partial. Dequantization repeats each scale over its
+block, crops to the weight shape and multiplies: ``W ≈ W_fp8.float() * scale_inv``.
+
+Which weights the release quantizes (inferred by count, model-spec §11): routed and shared experts, dense MLPs and
+four projections of each DSA/MTP attention block; ``kv_b_proj`` stays unquantized (absorption needs it), as do
+KDA, the indexer, ``eh_proj``, embeddings, ``lm_head``, norms, gates, mHC and the vision tower.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+BLOCK = (128, 128)
+
+# Published-key suffixes quantized in the FP8 release (see the module docstring).
+FP8_KEY_PATTERNS = (
+    r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$",
+    r"\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$",
+    r"\.mlp\.(gate|up|down)_proj\.weight$",
+    r"\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$",
+)
+
+# `quantization_config.modules_to_not_convert` written with FP8 checkpoints (module-name fragments).
+MODULES_TO_NOT_CONVERT = [
+    "lm_head",
+    "embed_tokens",
+    "model.visual",
+    "kv_b_proj",
+    "indexer",
+    "eh_proj",
+    "mlp.gate",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "b_proj",
+    "f_a_proj",
+    "f_b_proj",
+    "g_a_proj",
+    "g_b_proj",
+]
+
+
+def fp8_keys_of(keys) -> set[str]:
+    """The subset of published ``keys`` that the FP8 release quantizes.
+
+    A ``self_attn.o_proj`` is FP8 only in DSA/MTP attention blocks (those that also hold ``q_a_proj``).
+    """
+    keys = list(keys)
+    dsa_prefixes = {k[: -len("q_a_proj.weight")] for k in keys if k.endswith("self_attn.q_a_proj.weight")}
+    out = set()
+    for k in keys:
+        if k.endswith("self_attn.o_proj.weight"):
+            if k[: -len("o_proj.weight")] in dsa_prefixes:
+                out.add(k)
+        elif any(re.search(p, k) for p in FP8_KEY_PATTERNS):
+            out.add(k)
+    return out
+
+
+def quantize_fp8_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight to block-scaled e4m3.
+
+    Args:
+        weight: float ``[out, in]``.
+        block: block size ``(rows, cols)``, 128x128 in the release.
+
+    Returns:
+        ``(weight_fp8 [out, in] float8_e4m3fn, scale_inv [ceil(out/rows), ceil(in/cols)] float32)`` with
+        ``scale_inv = amax(|block|) / 448`` (1 for an all-zero block).
+
+    Raises:
+        ValueError: for a non-2-D weight.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"FP8 block quantization needs a 2-D weight; got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    br, bc = block
+    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    w = weight.float()
+    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w
+    blocks = padded.view(nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nr * br, nc * bc)[:rows, :cols]
+    return q.to(FP8_DTYPE).contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_blockwise(
+    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_blockwise`: ``weight.float() * scale_inv`` (repeated per block, cropped).
+
+    The block size is inferred from the two shapes (``ceil(out / scale_rows)``), as transformers does.
+
+    Raises:
+        ValueError: when ``scale_inv`` cannot tile ``weight``.
+    """
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(
+            f"expected a 2-D FP8 weight and 2-D scale_inv; got {tuple(weight.shape)} and {tuple(scale_inv.shape)}"
+        )
+    rows, cols = weight.shape
+    nr, nc = scale_inv.shape
+    br, bc = math.ceil(rows / nr), math.ceil(cols / nc)
+    if math.ceil(rows / br) != nr or math.ceil(cols / bc) != nc:
+        raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not tile weight {tuple(weight.shape)}")
+    scale = scale_inv.float().repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+def fp8_quantization_config() -> dict:
+    """The ``quantization_config`` written into ``config.json`` of an FP8 checkpoint (transformers'
+    ``FineGrainedFP8Config`` reads it; on CPU it dequantizes on load)."""
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(BLOCK),
+        "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT),
+    }
