@@ -95,11 +95,12 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK)
 
 
 def dequantize_fp8_blockwise(
-    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: tuple[int, int] = BLOCK
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8_blockwise`: ``weight.float() * scale_inv`` (repeated per block, cropped).
 
-    The block size is inferred from the two shapes (``ceil(out / scale_rows)``), as transformers does.
+    ``block`` (128x128 in the release) is used when the scale grid matches it (``ceil(out / 128)`` rows, last
+    block partial); otherwise the block is inferred as ``out / scale_rows`` (which must divide evenly).
 
     Raises:
         ValueError: when ``scale_inv`` cannot tile ``weight``.
@@ -110,8 +111,9 @@ def dequantize_fp8_blockwise(
         )
     rows, cols = weight.shape
     nr, nc = scale_inv.shape
-    br, bc = math.ceil(rows / nr), math.ceil(cols / nc)
-    if math.ceil(rows / br) != nr or math.ceil(cols / bc) != nc:
+    br = block[0] if math.ceil(rows / block[0]) == nr else rows // nr
+    bc = block[1] if math.ceil(cols / block[1]) == nc else cols // nc
+    if br * nr < rows or bc * nc < cols or br == 0 or bc == 0:
         raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not tile weight {tuple(weight.shape)}")
     scale = scale_inv.float().repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
     return (weight.float() * scale).to(dtype)
