@@ -26,14 +26,23 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
-from .checkpoint import VISION_KEY_PATTERNS, checkpoint_keys, count_matching, register_conversions, strict_load_report
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
+
+from .checkpoint import (
+    VISION_KEY_PATTERNS,
+    checkpoint_keys,
+    count_matching,
+    layer_conversions,
+    register_conversions,
+    strict_load_report,
+)
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .kda import Glm53FlashLinearAttention, init_kda_weights
@@ -45,6 +54,9 @@ from .packing import DocumentLayout, layout_from_kwargs
 logger = logging.get_logger(__name__)
 
 register_conversions()
+# The VL classes keep the published prefixes (model.language_model., model.visual.); only the per-layer transforms.
+for _name in ("Glm53FlashForConditionalGeneration", "Glm53FlashModel"):
+    register_checkpoint_conversion_mapping(_name, layer_conversions(), overwrite=True)
 
 # Auto classes served by the remote code; written into config.json by save_pretrained.
 AUTO_MAP = {
@@ -280,6 +292,22 @@ class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     mtp_loss: torch.FloatTensor | None = None
 
 
+def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "Glm53FlashCausalLMOutputWithPast":
+    """Logits of the kept positions and transformers' ``ForCausalLMLoss`` (shifted; summed and divided by
+    ``num_items_in_batch`` when the Trainer passes it) — shared by the text-only and the VL heads."""
+    hidden_states = outputs.last_hidden_state
+    if isinstance(logits_to_keep, int):
+        hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+    else:
+        hidden_states = hidden_states[:, logits_to_keep, :]
+    logits = head_model.lm_head(hidden_states)
+    loss = None
+    if labels is not None:
+        loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+        loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **loss_kwargs)
+    return Glm53FlashCausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
 class Glm53FlashForCausalLM(Glm53FlashPreTrainedModel, GenerationMixin):
     """Text-only GLM-5.3-Flash causal LM (``lm_head`` untied).
 
@@ -346,17 +374,215 @@ class Glm53FlashForCausalLM(Glm53FlashPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
-        else:
-            hidden_states = hidden_states[:, logits_to_keep, :]
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **loss_kwargs)
-        return Glm53FlashCausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return _lm_head_and_loss(self, outputs, labels, logits_to_keep, kwargs)
+
+
+@dataclass
+class Glm53FlashModelOutputWithPast(MoeModelOutputWithPast):
+    """Base VL model output: ``last_hidden_state`` ``[B,S,D]`` plus the vision tower outputs that were computed."""
+
+    image_outputs: object | None = None
+    video_outputs: object | None = None
+
+
+def placeholder_masks(
+    input_ids: torch.Tensor | None,
+    mm_token_type_ids: torch.Tensor | None,
+    config,
+    inputs_embeds: torch.Tensor | None = None,
+    embed_tokens: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Image and video placeholder masks ``[B, S]`` (bool).
+
+    After the processor's expansion images and videos both use ``<|image|>`` (``config.image_token_id``); a
+    placeholder belongs to a video when it sits inside a ``<|begin_of_video|> … <|end_of_video|>`` span
+    (model-spec §12). ``mm_token_type_ids`` (1 image, 2 video, 0 text), when given, is the authoritative signal
+    and is used as is. Without ``input_ids`` the tokens are recognised by comparing ``inputs_embeds`` with the
+    embeddings of the special tokens (as transformers does).
+    """
+    if mm_token_type_ids is not None:
+        return mm_token_type_ids == 1, mm_token_type_ids == 2
+    if input_ids is None:
+        if inputs_embeds is None or embed_tokens is None:
+            raise ValueError("placeholder_masks needs input_ids, mm_token_type_ids or inputs_embeds + embed_tokens")
+
+        def is_token(token_id):
+            ref = embed_tokens(torch.tensor(token_id, device=inputs_embeds.device))
+            return (inputs_embeds == ref).all(-1)
+
+        placeholder = is_token(config.image_token_id)
+        starts, ends = is_token(config.video_start_token_id), is_token(config.video_end_token_id)
+    else:
+        placeholder = input_ids == config.image_token_id
+        starts, ends = input_ids == config.video_start_token_id, input_ids == config.video_end_token_id
+    in_video = starts.long().cumsum(-1) > ends.long().cumsum(-1)
+    return placeholder & ~in_video, placeholder & in_video
+
+
+class Glm53FlashModel(Glm53FlashPreTrainedModel):
+    """GLM-5.3-Flash vision-language base model: transformers' glm5_next vision tower (reused as is) and our text
+    model (``model.visual.*`` / ``model.language_model.*``, the published layout).
+
+    ``forward(input_ids | inputs_embeds, attention_mask?, position_ids?, pixel_values?, image_grid_thw?,
+    pixel_values_videos?, video_grid_thw?, mm_token_type_ids?, **packing_kwargs)``: the vision features replace the
+    placeholder embeddings in order (images, then videos, each in reading order over the flattened batch), then
+    the text model runs with the document layout of the batch.
+
+    Raises:
+        ValueError: when the number of image (or video) placeholders differs from the number of feature rows; the
+            message names both counts.
+    """
+
+    def __init__(self, config: Glm53FlashConfig):
+        super().__init__(config)
+        self.visual = Glm5NextVisionModel._from_config(config.vision_config)
+        self.language_model = Glm53FlashTextModel._from_config(config.text_config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.language_model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.language_model.embed_tokens = value
+
+    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor) -> torch.Tensor:
+        """Merged image features ``[sum_i t_i*h_i*w_i / merge^2, text hidden]`` for ``pixel_values`` ``[patches, C*T*P*P]``."""
+        out = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
+        return out.pooler_output
+
+    def get_video_features(self, pixel_values_videos: torch.Tensor, video_grid_thw: torch.LongTensor) -> torch.Tensor:
+        """Merged video features; each temporal slice (tubelet) is its own attention sequence, as the reference:
+        ``video_grid_thw`` rows ``[t, h, w]`` become ``t`` rows ``[1, h, w]``."""
+        hw = torch.repeat_interleave(video_grid_thw[:, 1:], video_grid_thw[:, 0], dim=0)
+        grid = torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
+        out = self.visual(pixel_values_videos.to(self.visual.dtype), grid_thw=grid)
+        return out.pooler_output
+
+    @staticmethod
+    def _splice(inputs_embeds, mask, features, what: str):
+        n_tokens = int(mask.sum())
+        if n_tokens != features.shape[0]:
+            raise ValueError(
+                f"{what} placeholders and features do not match: {n_tokens} {what} placeholder tokens in the input, "
+                f"{features.shape[0]} {what} feature rows from the vision tower"
+            )
+        return inputs_embeds.masked_scatter(mask[..., None], features.to(inputs_embeds.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,
+        video_grid_thw: torch.LongTensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> Glm53FlashModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        image_features = video_features = None
+        if pixel_values is not None or pixel_values_videos is not None:
+            image_mask, video_mask = placeholder_masks(
+                input_ids, mm_token_type_ids, self.config, inputs_embeds, self.get_input_embeddings()
+            )
+            if pixel_values is not None:
+                if image_grid_thw is None:
+                    raise ValueError("pixel_values needs image_grid_thw")
+                image_features = self.get_image_features(pixel_values, image_grid_thw)
+                inputs_embeds = self._splice(inputs_embeds, image_mask, image_features, "image")
+            if pixel_values_videos is not None:
+                if video_grid_thw is None:
+                    raise ValueError("pixel_values_videos needs video_grid_thw")
+                video_features = self.get_video_features(pixel_values_videos, video_grid_thw)
+                inputs_embeds = self._splice(inputs_embeds, video_mask, video_features, "video")
+        outputs = self.language_model(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        return Glm53FlashModelOutputWithPast(
+            last_hidden_state=outputs.last_hidden_state,
+            hidden_states=outputs.hidden_states,
+            image_outputs=image_features,
+            video_outputs=video_features,
+        )
+
+
+class Glm53FlashForConditionalGeneration(Glm53FlashPreTrainedModel, GenerationMixin):
+    """GLM-5.3-Flash image/video-text-to-text model (``AutoModelForImageTextToText``); keys as transformers'
+    ``Glm5NextForConditionalGeneration`` (``model.visual.*``, ``model.language_model.*``, ``lm_head``).
+
+    ``forward`` takes :class:`Glm53FlashModel`'s inputs plus ``labels`` / ``num_items_in_batch`` /
+    ``logits_to_keep``, and returns :class:`Glm53FlashCausalLMOutputWithPast` (loss as
+    :class:`Glm53FlashForCausalLM`).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+    accepts_loss_kwargs = True
+    _no_split_modules = ["Glm53FlashDecoderLayer", "Glm53FlashMTPLayer", "Glm5NextVisionBlock"]
+
+    def __init__(self, config: Glm53FlashConfig):
+        super().__init__(config)
+        self.model = Glm53FlashModel(config)
+        text_config = config.get_text_config(decoder=True)
+        self.vocab_size = text_config.vocab_size
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,
+        video_grid_thw: torch.LongTensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> Glm53FlashCausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        return _lm_head_and_loss(self, outputs, labels, logits_to_keep, kwargs)
 
 
 # Make save_pretrained copy this module and its relative imports next to the weights (remote code).
@@ -368,6 +594,8 @@ __all__ = [
     "Glm53FlashPreTrainedModel",
     "Glm53FlashTextModel",
     "Glm53FlashForCausalLM",
+    "Glm53FlashModel",
+    "Glm53FlashForConditionalGeneration",
     "Glm53FlashDecoderLayer",
     "Glm53FlashMTPLayer",
 ]

@@ -84,13 +84,15 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> None
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
 
 
-def hf_reference(text_overrides: dict | None = None, seed: int = 0):
-    """transformers' built-in ``Glm5NextForConditionalGeneration`` (fp32, eager attention), randomised."""
+def hf_reference(text_overrides: dict | None = None, seed: int = 0, top_overrides: dict | None = None):
+    """transformers' built-in ``Glm5NextForConditionalGeneration`` (fp32, eager attention), randomised.
+
+    ``top_overrides`` sets top-level config fields (e.g. the image/video special-token ids)."""
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
     text = dict(PARITY_TEXT, **(text_overrides or {}))
-    config = Glm5NextConfig(text_config=text, vision_config=TINY_VISION)
+    config = Glm5NextConfig(text_config=text, vision_config=TINY_VISION, **(top_overrides or {}))
     config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"
     torch.manual_seed(seed)
