@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
-from .configuration_glm53flash import normalize_kernels
+from .dispatch import choose_backend, requested_backend
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_document_layout
 
@@ -44,7 +44,6 @@ __all__ = [
 DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 26  # [B, chunk, index_n_heads, pools] score buffer of the indexer
 DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 26  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
 
-SPARSE_MLA_BACKENDS = ("auto", "torch", "fused")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -178,16 +177,11 @@ def sparse_mla(
             tensors' device, else torch: today always torch) or ``"fused"`` (the Triton kernel; not yet shipped).
 
     Raises:
-        ValueError: for an unknown ``backend``.
-        NotImplementedError: for ``backend="fused"`` (no fused sparse-MLA kernel in this version).
+        ValueError: for an unknown ``backend``. ``"fused"`` without a usable kernel warns once and runs torch
+            (:func:`.dispatch.choose_backend`).
     """
-    if backend in ("auto", "torch"):
-        return sparse_mla_torch(q_abs, latent, indices, scale, query_chunk=query_chunk)
-    if backend == "fused":
-        raise NotImplementedError(
-            "kernels['dsa']='fused' requested, but this version has no fused sparse-MLA kernel; use 'torch' or 'auto'"
-        )
-    raise ValueError(f"backend must be one of {SPARSE_MLA_BACKENDS}; got backend={backend!r}")
+    choose_backend("dsa", backend, q_abs)  # no fused sparse-MLA kernel yet: "fused" warns once, torch runs
+    return sparse_mla_torch(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -457,7 +451,7 @@ class Glm53FlashAttention(nn.Module):
             not self.skip_topk and layer_idx + 1 < num_layers and config.indexer_types[layer_idx + 1] == "shared"
         )
         self.scaling = self.qk_head_dim**-0.5
-        self.backend = normalize_kernels(getattr(config, "kernels", None))["dsa"]
+        self.backend = requested_backend(config, "dsa")
         self.query_chunk: int | None = None
 
         bias = config.attention_bias

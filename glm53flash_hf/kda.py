@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from transformers import initialization as init
 
+from .dispatch import choose_backend, requested_backend
 from .packing import DocumentLayout
 
 __all__ = [
@@ -655,32 +656,28 @@ _CHUNK_BACKENDS = {"torch": chunk_kda_torch}
 _CONV_BACKENDS = {"torch": causal_conv1d_torch}
 
 
-def _resolve(backend: str, table: dict, what: str):
-    if backend == "auto":
-        backend = "torch"  # the fused (fla) path is not available yet
-    if backend == "fused" and "fused" not in table:
-        raise NotImplementedError(f"kernels['kda']='fused': the fused fla path for {what} is not implemented yet")
-    if backend not in table:
-        raise ValueError(f"backend must be one of 'auto', 'torch', 'fused'; got backend={backend!r}")
-    return table[backend]
+def _resolve(backend: str, table: dict, *tensors):
+    return table[choose_backend("kda", backend, *tensors)]
 
 
 def kda_chunk(q, k, v, g, beta, *, backend: str = "torch", **kwargs):
     """Chunked KDA through the chosen backend (``"auto"``, ``"torch"``; ``"fused"`` later). See :func:`chunk_kda_torch`.
 
     Raises:
-        ValueError: unknown backend. NotImplementedError: ``"fused"`` (not available yet).
+        ValueError: unknown backend. ``"fused"`` without a usable kernel warns once and runs torch
+        (:func:`.dispatch.choose_backend`).
     """
-    return _resolve(backend, _CHUNK_BACKENDS, "chunk_kda")(q, k, v, g, beta, **kwargs)
+    return _resolve(backend, _CHUNK_BACKENDS, q)(q, k, v, g, beta, **kwargs)
 
 
 def kda_conv(x, weight, *, backend: str = "torch", **kwargs):
     """Short causal convolution through the chosen backend. See :func:`causal_conv1d_torch`.
 
     Raises:
-        ValueError: unknown backend. NotImplementedError: ``"fused"`` (not available yet).
+        ValueError: unknown backend. ``"fused"`` without a usable kernel warns once and runs torch
+        (:func:`.dispatch.choose_backend`).
     """
-    return _resolve(backend, _CONV_BACKENDS, "causal_conv1d")(x, weight, **kwargs)
+    return _resolve(backend, _CONV_BACKENDS, x)(x, weight, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -787,8 +784,7 @@ class Glm53FlashLinearAttention(nn.Module):
         self.activation = config.hidden_act
         if self.activation not in ("silu", "swish"):
             raise ValueError(f"hidden_act must be 'silu' for the KDA short convolution; got {self.activation!r}")
-        kernels = getattr(config, "kernels", None)
-        self.backend = kernels.get("kda", "auto") if isinstance(kernels, dict) else (kernels or "auto")
+        self.backend = requested_backend(config, "kda")
 
         self.q_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)
         self.k_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)

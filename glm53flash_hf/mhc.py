@@ -37,20 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-BACKENDS = ("torch",)
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"mHC backend must be one of {BACKENDS} (no fused mHC kernel yet); got backend={backend!r}")
-
-
-def _config_backend(config) -> str:
-    """Backend named by ``config.kernels['mhc']``: ``"auto"`` and ``"torch"`` both give ``"torch"`` today."""
-    kernels = getattr(config, "kernels", None)
-    choice = kernels.get("mhc", "auto") if isinstance(kernels, dict) else (kernels or "auto")
-    return "torch" if choice == "auto" else choice
-
+from .dispatch import choose_backend, requested_backend
 
 def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Make positive ``[..., N, N]`` matrices (approximately) doubly stochastic, as the reference does.
@@ -110,7 +97,7 @@ def hc_pre(
     Raises:
         ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1``, unknown backend.
     """
-    _check_backend(backend)
+    choose_backend("mhc", backend)  # validates; only the torch path exists for mHC today
     if hidden_streams.dim() != 4:
         raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
     batch, seq, n, dim = hidden_streams.shape
@@ -164,7 +151,7 @@ def hc_post(
     Raises:
         ValueError: shapes that do not fit, unknown backend.
     """
-    _check_backend(backend)
+    choose_backend("mhc", backend)  # validates; only the torch path exists for mHC today
     if residual.dim() != 4:
         raise ValueError(f"residual must be [B, S, N, D]; got shape {tuple(residual.shape)}")
     b, s, n, d = residual.shape
@@ -255,7 +242,7 @@ class Glm53FlashHyperConnection(nn.Module):
             sinkhorn_iters=self.hc_sinkhorn_iters,
             hc_eps=self.hc_eps,
             norm_eps=self.norm_eps,
-            backend=_config_backend(self.config),
+            backend=requested_backend(self.config, "mhc"),
         )
 
     def extra_repr(self) -> str:

@@ -56,20 +56,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
-BACKENDS = ("torch",)
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"MoE backend must be one of {BACKENDS} (no fused MoE kernel yet); got backend={backend!r}")
-
-
-def _config_backend(config) -> str:
-    """Backend named by ``config.kernels['moe']``: ``"auto"`` and ``"torch"`` both give ``"torch"`` today."""
-    kernels = getattr(config, "kernels", None)
-    choice = kernels.get("moe", "auto") if isinstance(kernels, dict) else (kernels or "auto")
-    return "torch" if choice == "auto" else choice
-
+from .dispatch import choose_backend, requested_backend
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """Clamped SwiGLU of GLM-5.3-Flash: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
@@ -271,7 +258,7 @@ def grouped_experts_forward(
     Raises:
         ValueError: unknown backend; shapes that do not fit together.
     """
-    _check_backend(backend)
+    choose_backend("moe", backend)  # validates; only the torch path exists for MoE today
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [T, H]; got shape {tuple(hidden_states.shape)}")
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
@@ -359,7 +346,7 @@ class Glm53FlashExperts(nn.Module):
             self.down_proj,
             self.swiglu_limit,
             drop_out_of_range=getattr(self, "_is_expert_parallel", False),
-            backend=_config_backend(self.config),
+            backend=requested_backend(self.config, "moe"),
         )
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
