@@ -9,28 +9,167 @@ In memory (as in transformers' ``glm5_next``) experts are fused 3-D tensors, the
 transformers skips its own ``glm5_next`` conversions for remote-code classes
 (``conversion_mapping.get_model_conversion_mapping``), so :func:`register_conversions` registers ours, keyed by
 our class names, at import of the modeling file. The same list is reverted by ``save_pretrained``.
+
+Key-prefix variants accepted on load (text-only classes):
+
+=========================  ====================================================================================
+text keys under            how they reach the in-memory name
+=========================  ====================================================================================
+``model.language_model.``  registered renaming (``Glm53FlashForCausalLM``: → ``model.``; text model: → ``""``)
+``language_model.``        the same renaming (second source pattern)
+``model.``                 already the causal LM's name; the text model strips it (transformers'
+                           ``base_model_prefix`` logic in ``core_model_loading.rename_source_key``)
+none (``layers.N…``)       the causal LM adds ``model.`` (same ``base_model_prefix`` logic); the text model's name
+=========================  ====================================================================================
+
+Vision tensors (``model.visual.``, ``visual.``, ``vision_tower.``, ``model.vision_tower.``) stay unexpected and are
+dropped by the text-only classes' ``_keys_to_ignore_on_load_unexpected``, reported in one info line.
+
+Saving always writes the canonical layout: the causal LM's prefix renaming has several sources and one target;
+its reverse (``WeightTransform.reverse_transform`` swaps sources and targets, and ``rename_source_key`` always
+uses the first target) writes the *first* source, ``model.language_model.``. After loading,
+:func:`load_pretrained` replaces the model's ``_weight_conversions`` (transformers keeps only the transforms that
+matched the checkpoint) by the full registered list, so a model loaded from the ``model.`` or un-prefixed variant
+also saves ``model.language_model.*``. The text model's prefix renaming is load-only: it saves its own names.
+
+FP8 (block-scaled e4m3, ``<name>_scale_inv``): transformers' ``FineGrainedFP8HfQuantizer`` dequantizes on load
+(forced on CPU; we request it everywhere, since our fused modules have no FP8 compute path). Its
+``update_weight_conversions`` prepends ``Fp8Dequantize`` to our converters, so per-expert weight + scale pairs
+are dequantized before the expert merge, and a catch-all converter handles the other weights. The checkpoint's
+shards are opened lazily together (``safe_open`` slices), so a scale in another shard than its weight is found,
+and each parameter is materialised on its own. :func:`inspect_checkpoint` checks what transformers' path does not
+(see there).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import re
+from dataclasses import dataclass, field
 
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+import torch
+from transformers.conversion_mapping import get_model_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    ConversionOps,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+)
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# Checkpoint keys of the vision tower, skipped by the text-only class.
+# Checkpoint keys of the vision tower, skipped by the text-only classes.
 VISION_KEY_PATTERNS = (r"^model\.visual\.", r"^visual\.", r"^vision_tower\.", r"^model\.vision_tower\.")
+# Text-key prefixes seen in released and community checkpoints, canonical first.
+TEXT_PREFIXES = ("model.language_model.", "language_model.", "model.", "")
+# The text model (AutoModel) has no LM head: a full checkpoint's head is skipped (and reported) too.
+LM_HEAD_KEY_PATTERNS = (r"^lm_head\.weight$",)
+
+SCALE_SUFFIX = "_scale_inv"
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_SAFETENSORS_SINGLE = "model.safetensors"
+
+
+class _Passthrough(ConversionOps):
+    """Identity op (the reverse of :class:`CastToParamDtype`)."""
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, **kwargs):
+        return input_dict
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _Passthrough()
+
+
+class CastToParamDtype(ConversionOps):
+    """Cast a converter's output to the dtype of the parameter it loads into (last op of our converters).
+
+    Why: under a pre-quantized FP8 checkpoint transformers' loader materialises a converter's inputs in their file
+    dtype (``HfQuantizer.get_new_dtype`` returns None once ``Fp8Dequantize`` is in the chain) and
+    ``Fp8Dequantize`` passes inputs that have no scale through untouched, so e.g. the bf16 ``q/k/v_conv1d`` of an
+    FP8 checkpoint would land as a bf16 ``conv1d`` although the model keeps it in fp32
+    (``_keep_in_fp32_modules_strict``). Without a quantizer the inputs already have the parameter's dtype and
+    this is a no-op. Saving uses the identity.
+    """
+
+    def convert(
+        self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, model=None, **kwargs
+    ):
+        if model is None or full_layer_name is None:
+            return input_dict
+        try:
+            module_path, _, name = full_layer_name.rpartition(".")
+            ref = getattr(model.get_submodule(module_path) if module_path else model, name)
+        except AttributeError:
+            return input_dict
+        dtype = getattr(ref, "dtype", None)
+        if dtype is None or not dtype.is_floating_point:
+            return input_dict
+
+        def cast(t):
+            if isinstance(t, list):
+                return [cast(x) for x in t]
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+
+        return {k: cast(v) for k, v in input_dict.items()}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _Passthrough()
+
+
+class _InertRenaming(WeightRenaming):
+    """A renaming that never matches (the save-time reverse of :class:`LoadOnlyRenaming`)."""
+
+    __slots__ = ()
+
+    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        return source_key, None
+
+    def reverse_transform(self) -> WeightRenaming:
+        return self
+
+
+class LoadOnlyRenaming(WeightRenaming):
+    """A ``WeightRenaming`` applied when loading only; ``save_pretrained`` keeps the model's own names.
+
+    Used by the text model to accept the causal-LM prefixes without writing them back (a text model saves its own
+    ``layers.N…`` names, as transformers' base models do). Also harmless when the text model is a scoped sub-model
+    of the causal LM or of the VL model: there its keys arrive without these prefixes.
+    """
+
+    __slots__ = ()
+
+    def reverse_transform(self) -> WeightRenaming:
+        return _InertRenaming(source_patterns=r"^\b$", target_patterns="")
+
+
+def causal_lm_prefix_renaming() -> WeightRenaming:
+    """``model.language_model.`` / ``language_model.`` → ``model.`` (Glm53FlashForCausalLM).
+
+    One renaming with two sources, canonical first: its reverse writes ``model.language_model.``.
+    The ``^`` on the target anchors the reverse's source.
+    """
+    return WeightRenaming(
+        source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns=r"^model\."
+    )
+
+
+def text_model_prefix_renaming() -> WeightRenaming:
+    """``model.language_model.`` / ``language_model.`` → ``""`` (Glm53FlashTextModel; load only). ``model.`` is
+    stripped by transformers' ``base_model_prefix`` logic."""
+    return LoadOnlyRenaming(source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns="")
 
 
 def layer_conversions() -> list:
     """The per-layer transforms (published key → in-memory parameter), independent of the key prefix.
 
-    Order matters only for documentation; renamings apply before converters (transformers' loader).
+    Renamings apply before converters (transformers' loader); each converter ends with :class:`CastToParamDtype`.
     """
     renames = [
         (r"self_attn\.f_a_proj\.", "self_attn.forget_gate.f_a_proj."),
@@ -43,17 +182,17 @@ def layer_conversions() -> list:
         WeightConverter(
             source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
             target_patterns="mlp.experts.gate_up_proj",
-            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1), CastToParamDtype()],
         ),
         WeightConverter(
             source_patterns="mlp.experts.*.down_proj.weight",
             target_patterns="mlp.experts.down_proj",
-            operations=[MergeModulelist(dim=0)],
+            operations=[MergeModulelist(dim=0), CastToParamDtype()],
         ),
         WeightConverter(
             source_patterns=["self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight"],
             target_patterns="self_attn.conv1d.weight",
-            operations=[Concatenate(dim=0)],
+            operations=[Concatenate(dim=0), CastToParamDtype()],
         ),
     ]
     return out
@@ -63,27 +202,39 @@ def register_conversions() -> None:
     """Register our conversions with transformers (idempotent; the module may be imported from several
     remote-code cache folders, hence ``overwrite=True``).
 
-    * ``Glm53FlashForCausalLM``: ``model.language_model.`` → ``model.`` plus :func:`layer_conversions`.
-    * ``Glm53FlashTextModel``: :func:`layer_conversions` (keys relative to the text model).
+    * ``Glm53FlashTextModel``: :func:`text_model_prefix_renaming` + :func:`layer_conversions` (keys relative to
+      the text model). transformers also applies this entry, scoped, to the text model nested in the causal LM.
+    * ``Glm53FlashForCausalLM``: :func:`causal_lm_prefix_renaming` (the layer transforms come from the nested text
+      model's entry).
     """
     register_checkpoint_conversion_mapping(
-        "Glm53FlashForCausalLM",
-        [WeightRenaming(source_patterns=r"^model\.language_model\.", target_patterns="model.")] + layer_conversions(),
-        overwrite=True,
+        "Glm53FlashTextModel", [text_model_prefix_renaming()] + layer_conversions(), overwrite=True
     )
-    register_checkpoint_conversion_mapping("Glm53FlashTextModel", layer_conversions(), overwrite=True)
+    register_checkpoint_conversion_mapping("Glm53FlashForCausalLM", [causal_lm_prefix_renaming()], overwrite=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checkpoint files
+
+
+def _local_folder(path, subfolder: str = "") -> str | None:
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    folder = os.path.join(os.fspath(path), subfolder or "")
+    return folder if os.path.isdir(folder) else None
 
 
 def checkpoint_keys(path: str) -> list[str] | None:
     """All tensor names of a local checkpoint folder (from the safetensors index or file headers), or None
     when ``path`` is not a local folder with safetensors files."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+    folder = _local_folder(path)
+    if folder is None:
         return None
-    index = os.path.join(path, "model.safetensors.index.json")
+    index = os.path.join(folder, _SAFETENSORS_INDEX)
     if os.path.isfile(index):
         with open(index) as f:
             return list(json.load(f)["weight_map"])
-    single = os.path.join(path, "model.safetensors")
+    single = os.path.join(folder, _SAFETENSORS_SINGLE)
     if os.path.isfile(single):
         from safetensors import safe_open
 
@@ -92,20 +243,238 @@ def checkpoint_keys(path: str) -> list[str] | None:
     return None
 
 
+def read_weight_map(folder: str) -> dict[str, str] | None:
+    """``{tensor name: shard file name}`` of a local folder: the index's ``weight_map``, or every key of a single
+    ``model.safetensors``; None when the folder has neither.
+
+    Raises:
+        ValueError: an unreadable index (names the file), or a single file that is corrupt (see :func:`open_shard`).
+    """
+    index = os.path.join(folder, _SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a readable safetensors index ({type(e).__name__}: {e})") from e
+        return dict(weight_map)
+    single = os.path.join(folder, _SAFETENSORS_SINGLE)
+    if os.path.isfile(single):
+        with open_shard(single) as f:
+            return dict.fromkeys(f.keys(), _SAFETENSORS_SINGLE)
+    return None
+
+
+class open_shard:
+    """``safetensors.safe_open(path, framework="pt")`` whose errors name the file.
+
+    A truncated file ("incomplete metadata, file not fully covered"), a damaged header or a missing file raise
+    ``ValueError`` ("<path>: corrupt or truncated safetensors file (...)") chained to safetensors' error, which
+    itself does not name the file. Use as a context manager.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._handle = None
+
+    def __enter__(self):
+        from safetensors import safe_open
+
+        if not os.path.isfile(self.path):
+            raise ValueError(f"{self.path}: checkpoint shard not found")
+        try:
+            self._handle = safe_open(self.path, framework="pt")
+            return self._handle.__enter__()
+        except Exception as e:  # safetensors raises SafetensorError (an Exception subclass) or OSError
+            raise ValueError(
+                f"{self.path}: corrupt or truncated safetensors file ({type(e).__name__}: {e}); "
+                "re-download or re-write this shard"
+            ) from e
+
+    def __exit__(self, *exc):
+        if self._handle is not None:
+            self._handle.__exit__(*exc)
+            self._handle = None
+        return False
+
+
+def read_quantization_config(folder: str) -> dict | None:
+    """The ``quantization_config`` dict of ``folder/config.json`` (top level or inside ``text_config``), or None."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = json.load(f)
+    return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+
+
+def fp8_block_size(quantization_config: dict | None) -> tuple[int, int]:
+    """``weight_block_size`` of an FP8 ``quantization_config`` (128x128 when absent)."""
+    block = (quantization_config or {}).get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[1])
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`inspect_checkpoint` learned from a local folder's safetensors headers.
+
+    Attributes:
+        folder: the folder.
+        weight_map: ``{tensor name: shard file name}``.
+        dtypes: ``{tensor name: safetensors dtype string}`` (``"BF16"``, ``"F8_E4M3"``, …).
+        shapes: ``{tensor name: shape list}``.
+        quantization_config: the config's ``quantization_config`` dict or None.
+        fp8_weights: names of the FP8 tensors (each has a ``<name>_scale_inv`` somewhere in the checkpoint).
+    """
+
+    folder: str
+    weight_map: dict[str, str]
+    dtypes: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    quantization_config: dict | None = None
+    fp8_weights: set[str] = field(default_factory=set)
+
+    @property
+    def is_fp8(self) -> bool:
+        """True when the checkpoint stores FP8 weights."""
+        return bool(self.fp8_weights)
+
+
+def is_fp8_dtype(dtype: str) -> bool:
+    """True for safetensors FP8 dtype strings (``F8_E4M3``, ``F8_E5M2``, …)."""
+    return dtype.startswith("F8")
+
+
+def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], *, for_transformers: bool) -> None:
+    """Check that ``<key>_scale_inv`` tiles ``<key>`` with ``block``-sized blocks (last blocks may be partial).
+
+    With ``for_transformers=True`` also check that transformers' ``Fp8Dequantize`` reads the grid the same way: it
+    derives the block as ``rows // scale_rows`` (and raises unless that divides), which equals the file's block only
+    when each dimension is a multiple of the block or has a single block. The release's FP8 weights are all
+    multiples of 128 and the tiny model's are below 128, so both pass; other shapes would be dequantized with a
+    wrong block (silently, when the division happens to be exact).
+
+    Raises:
+        ValueError: naming the key, both shapes and the block size.
+    """
+    if len(weight_shape) != 2 or len(scale_shape) != 2:
+        raise ValueError(
+            f"{key}: FP8 weight {list(weight_shape)} with scale {key}{SCALE_SUFFIX} {list(scale_shape)}: "
+            "block-scaled FP8 needs a 2-D weight and a 2-D scale grid"
+        )
+    expected = [math.ceil(weight_shape[0] / block[0]), math.ceil(weight_shape[1] / block[1])]
+    if list(scale_shape) != expected:
+        raise ValueError(
+            f"{key}: scale {key}{SCALE_SUFFIX} has shape {list(scale_shape)}, expected {expected} for weight "
+            f"{list(weight_shape)} with {block[0]}x{block[1]} blocks (quantization_config.weight_block_size)"
+        )
+    if for_transformers:
+        for dim, (size, n, b) in enumerate(zip(weight_shape, scale_shape, block)):
+            if n > 1 and size % b:
+                raise ValueError(
+                    f"{key}: weight {list(weight_shape)} has a partial {b}-block in dim {dim} and {n} blocks; "
+                    "transformers' Fp8Dequantize infers the block as size // blocks and would dequantize it wrongly. "
+                    "Dequantize the checkpoint first with `glm53flash-crop SRC OUT --layers <num_hidden_layers>` "
+                    "(exact partial-block handling), then load OUT."
+                )
+
+
+def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = True) -> CheckpointInfo | None:
+    """Read and check the safetensors headers of a local checkpoint folder (None for a Hub id or a folder without
+    safetensors files: transformers' own checks apply then).
+
+    Checks, each raising ``ValueError`` naming the file or key:
+
+    * every shard opens (``safe_open`` detects truncation and damaged headers; its own message does not name the
+      file) and holds the tensors the index assigns to it;
+    * FP8: each FP8 tensor has its ``<name>_scale_inv`` (searched in every shard, not only the weight's), each
+      scale has its weight, the config has a ``quantization_config`` (without one transformers would cast the FP8
+      values to the model dtype, unscaled), and the scale grid tiles the weight (:func:`check_fp8_pair`).
+
+    Only headers are read (a few KB per shard); tensor data is not checked (safetensors has no checksums).
+    """
+    folder = _local_folder(path, subfolder)
+    if folder is None:
+        return None
+    weight_map = read_weight_map(folder)
+    if weight_map is None:
+        return None
+    info = CheckpointInfo(folder=folder, weight_map=weight_map, quantization_config=read_quantization_config(folder))
+    by_file: dict[str, list[str]] = {}
+    for key, fname in weight_map.items():
+        by_file.setdefault(fname, []).append(key)
+    for fname in sorted(by_file):
+        fpath = os.path.join(folder, fname)
+        with open_shard(fpath) as f:
+            present = set(f.keys())
+            missing = [k for k in by_file[fname] if k not in present]
+            if missing:
+                raise ValueError(
+                    f"{fpath}: the index assigns {len(missing)} tensors to this shard that it does not contain: "
+                    f"{_listing(missing)}"
+                )
+            for key in by_file[fname]:
+                sl = f.get_slice(key)
+                info.dtypes[key] = sl.get_dtype()
+                info.shapes[key] = list(sl.get_shape())
+    fp8 = {k for k, d in info.dtypes.items() if is_fp8_dtype(d)}
+    scales = {k for k in weight_map if k.endswith(SCALE_SUFFIX)}
+    orphans = sorted(s for s in scales if s[: -len(SCALE_SUFFIX)] not in weight_map)
+    if orphans:
+        raise ValueError(f"{len(orphans)} FP8 scale tensors have no weight in the checkpoint: {_listing(orphans)}")
+    unscaled = sorted(k for k in fp8 if k + SCALE_SUFFIX not in weight_map)
+    if unscaled:
+        raise ValueError(
+            f"{len(unscaled)} FP8 tensors have no {SCALE_SUFFIX} in any shard of {folder}: {_listing(unscaled)}"
+        )
+    scaled_not_fp8 = sorted(s[: -len(SCALE_SUFFIX)] for s in scales if s[: -len(SCALE_SUFFIX)] not in fp8)
+    if scaled_not_fp8:
+        raise ValueError(
+            f"{len(scaled_not_fp8)} tensors have a {SCALE_SUFFIX} but are not FP8 "
+            f"(dtype {info.dtypes[scaled_not_fp8[0]]}): {_listing(scaled_not_fp8)}"
+        )
+    if fp8:
+        qc = info.quantization_config
+        if not qc or qc.get("quant_method") != "fp8":
+            raise ValueError(
+                f"{folder} stores {len(fp8)} FP8 tensors (e.g. {min(fp8)}) but config.json has "
+                f"quantization_config={qc!r}; block-scaled FP8 needs quant_method 'fp8'"
+            )
+        block = fp8_block_size(qc)
+        for key in sorted(fp8):
+            check_fp8_pair(
+                key, info.shapes[key], info.shapes[key + SCALE_SUFFIX], block, for_transformers=for_transformers
+            )
+    info.fp8_weights = fp8
+    return info
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Strict key accounting
+
+
 def _listing(keys, limit: int = 20) -> str:
     keys = sorted(keys)
     shown = ", ".join(keys[:limit])
     return f"{shown}{f', ... ({len(keys)} in all)' if len(keys) > limit else f' ({len(keys)})'}"
 
 
-def strict_load_report(model, info: dict, *, allow_missing: bool = False, allow_unexpected: bool = False) -> None:
+def strict_load_report(
+    model,
+    info: dict,
+    *,
+    allow_missing: bool = False,
+    allow_unexpected: bool = False,
+    allow_mismatched: bool = False,
+) -> None:
     """Raise on a load that would leave parameters at random init or drop checkpoint tensors.
 
     Args:
         model: the loaded model.
         info: ``from_pretrained(..., output_loading_info=True)``'s dict (``missing_keys``, ``unexpected_keys``,
             ``mismatched_keys``, ``error_msgs``).
-        allow_missing / allow_unexpected: explicit opt-outs; they turn the error into a warning.
+        allow_missing / allow_unexpected / allow_mismatched: explicit opt-outs (``allow_missing_keys=True``,
+            ``allow_unexpected_keys=True``, ``ignore_mismatched_sizes=True``); they turn the error into a warning.
 
     Raises:
         ValueError: listing the first 20 keys and the count, for missing keys, unexpected keys, or shape
@@ -113,11 +482,19 @@ def strict_load_report(model, info: dict, *, allow_missing: bool = False, allow_
     """
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
-        rows = [f"{k}: checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in sorted(mismatched)]
-        raise ValueError(f"Shape mismatch for {len(rows)} checkpoint tensors: " + "; ".join(rows[:20]))
+        rows = [f"{k}: checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in sorted(mismatched, key=str)]
+        message = f"Shape mismatch for {len(rows)} checkpoint tensors of {type(model).__name__}: "
+        message += "; ".join(rows[:20])
+        if len(rows) > 20:
+            message += f"; ... ({len(rows)} in all)"
+        if allow_mismatched:
+            logger.warning(message + " (ignore_mismatched_sizes=True: those parameters keep their initial values)")
+        else:
+            raise ValueError(message)
     missing = set(info.get("missing_keys") or ())
     unexpected = set(info.get("unexpected_keys") or ())
-    for keys, allowed, what in ((missing, allow_missing, "missing from"), (unexpected, allow_unexpected, "unexpected in")):
+    cases = ((missing, allow_missing, "missing from"), (unexpected, allow_unexpected, "unexpected in"))
+    for keys, allowed, what in cases:
         if not keys:
             continue
         message = f"{len(keys)} keys {what} the checkpoint for {type(model).__name__}: {_listing(keys)}"
@@ -133,3 +510,101 @@ def count_matching(keys: list[str] | None, patterns) -> int:
         return 0
     compiled = [re.compile(p) for p in patterns]
     return sum(1 for k in keys if any(c.search(k) for c in compiled))
+
+
+# kwargs that ``PreTrainedModel.from_pretrained`` consumes itself (its signature and the names it pops); the rest
+# goes to the config class, as transformers does when it loads the config.
+_MODEL_LOADING_KWARGS = {
+    "config", "cache_dir", "ignore_mismatched_sizes", "force_download", "local_files_only", "token", "revision",
+    "use_safetensors", "weights_only", "fusion_config", "disable_mmap", "state_dict", "proxies", "tqdm_class",
+    "output_loading_info", "_from_pipeline", "_from_auto", "dtype", "torch_dtype", "device_map", "max_memory",
+    "offload_folder", "offload_buffers", "quantization_config", "subfolder", "_commit_hash", "variant",
+    "adapter_kwargs", "adapter_name", "generation_config", "gguf_file", "distributed_config", "device_mesh",
+    "tp_plan", "tp_size", "trust_remote_code", "allow_all_kernels", "use_kernels", "kernel_config", "key_mapping",
+    "mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+}  # fmt: skip
+
+
+def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict) -> None:
+    """Make transformers load ``ckpt`` (FP8) dequantized: pass ``FineGrainedFP8Config(dequantize=True)`` (merged
+    into the file's config as loading attributes), and make sure the model's config carries the file's
+    ``quantization_config``, which is what marks a checkpoint as pre-quantized (``quantizers.auto.get_hf_quantizer``).
+
+    The text model's config is the ``text_config`` part of ``config.json`` and loses the top-level
+    ``quantization_config``; without it transformers would take our config for on-the-fly quantization, load the
+    e4m3 values cast to the model dtype without their scales and report the scales unexpected. For such a class
+    the config is loaded here (with the caller's config overrides, as transformers would) and the dict attached.
+    """
+    from transformers import FineGrainedFP8Config, PreTrainedConfig
+
+    qc = dict(ckpt.quantization_config)
+    kwargs["quantization_config"] = FineGrainedFP8Config(
+        weight_block_size=fp8_block_size(qc), dequantize=True, modules_to_not_convert=qc.get("modules_to_not_convert")
+    )
+
+    def has_qc(config) -> bool:
+        text = config.get_text_config(decoder=True)
+        return getattr(config, "quantization_config", None) is not None or (
+            getattr(text, "quantization_config", None) is not None
+        )
+
+    config = kwargs.get("config")
+    if isinstance(config, PreTrainedConfig):
+        if not has_qc(config):
+            config = kwargs["config"] = copy.deepcopy(config)
+            config.quantization_config = qc
+        return
+    where = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+    location = {k: kwargs[k] for k in where if k in kwargs}
+    if has_qc(cls.config_class.from_pretrained(config or path, **location)):
+        return
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k not in _MODEL_LOADING_KWARGS}
+    config, unused = cls.config_class.from_pretrained(
+        config or path, return_unused_kwargs=True, **location, **overrides
+    )
+    config.quantization_config = qc
+    kwargs.update(unused)
+    kwargs["config"] = config
+
+
+def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
+    """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader with our checks around it.
+
+    Before: :func:`inspect_checkpoint` (local folders): corrupt/truncated shards, index/shard disagreement, FP8
+    consistency, each raising ``ValueError`` that names the file or key. An FP8 checkpoint is loaded with
+    ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a ``quantization_config``.
+
+    After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
+    ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;
+    transformers itself would raise a ``RuntimeError`` without the key names for a shape mismatch, so we load with
+    ``ignore_mismatched_sizes=True`` and raise ours). The model's ``_weight_conversions`` become the full
+    registered list so ``save_pretrained`` writes the canonical layout whatever prefix variant (or caller's
+    ``key_mapping``) was read; transformers would keep only the transforms that matched. A class
+    with ``_skips_vision_tower`` logs one info line counting the skipped vision (and, for the text model,
+    ``lm_head``) tensors.
+
+    Returns:
+        the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
+    """
+    allow_missing = kwargs.pop("allow_missing_keys", False)
+    allow_unexpected = kwargs.pop("allow_unexpected_keys", False)
+    allow_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
+    want_info = kwargs.pop("output_loading_info", False)
+    ckpt = inspect_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
+    if ckpt is not None and ckpt.is_fp8 and kwargs.get("quantization_config") is None:
+        _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs)
+    model, info = parent_from_pretrained(
+        pretrained_model_name_or_path, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+    )
+    strict_load_report(
+        model, info, allow_missing=allow_missing, allow_unexpected=allow_unexpected, allow_mismatched=allow_mismatched
+    )
+    model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+    if getattr(cls, "_skips_vision_tower", False):
+        keys = list(ckpt.weight_map) if ckpt is not None else checkpoint_keys(pretrained_model_name_or_path)
+        vision = count_matching(keys, VISION_KEY_PATTERNS)
+        head = count_matching(keys, LM_HEAD_KEY_PATTERNS) if not hasattr(model, "lm_head") else 0
+        if vision or head:
+            parts = [f"{vision} vision-tower tensors"] + ([f"{head} lm_head tensors"] if head else [])
+            logger.info(f"{cls.__name__}: skipped {' and '.join(parts)} of the checkpoint (text-only class)")
+    return (model, info) if want_info else model

@@ -51,9 +51,10 @@ MODULES_TO_NOT_CONVERT = [
 def fp8_keys_of(keys) -> set[str]:
     """The subset of published ``keys`` that the FP8 release quantizes.
 
-    A ``self_attn.o_proj`` is FP8 only in DSA/MTP attention blocks (those that also hold ``q_a_proj``).
+    A ``self_attn.o_proj`` is FP8 only in DSA/MTP attention blocks (those that also hold ``q_a_proj``); the
+    vision tower (``model.visual.``, ``visual.``, ``vision_tower.``) is never quantized.
     """
-    keys = list(keys)
+    keys = [k for k in keys if not re.match(r"^(model\.)?(visual|vision_tower)\.", k)]  # vision stays unquantized
     dsa_prefixes = {k[: -len("q_a_proj.weight")] for k in keys if k.endswith("self_attn.q_a_proj.weight")}
     out = set()
     for k in keys:

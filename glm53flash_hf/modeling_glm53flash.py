@@ -32,17 +32,9 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-from .checkpoint import (
-    VISION_KEY_PATTERNS,
-    checkpoint_keys,
-    count_matching,
-    layer_conversions,
-    register_conversions,
-    strict_load_report,
-)
+from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .kda import Glm53FlashLinearAttention, init_kda_weights
@@ -54,15 +46,13 @@ from .packing import DocumentLayout, layout_from_kwargs
 logger = logging.get_logger(__name__)
 
 register_conversions()
-# The VL classes keep the published prefixes (model.language_model., model.visual.); only the per-layer transforms.
-for _name in ("Glm53FlashForConditionalGeneration", "Glm53FlashModel"):
-    register_checkpoint_conversion_mapping(_name, layer_conversions(), overwrite=True)
 
 # Auto classes served by the remote code; written into config.json by save_pretrained.
 AUTO_MAP = {
     "AutoConfig": "configuration_glm53flash.Glm53FlashConfig",
-    "AutoModel": "modeling_glm53flash.Glm53FlashTextModel",
+    "AutoModel": "modeling_glm53flash.Glm53FlashModel",
     "AutoModelForCausalLM": "modeling_glm53flash.Glm53FlashForCausalLM",
+    "AutoModelForImageTextToText": "modeling_glm53flash.Glm53FlashForConditionalGeneration",
 }
 
 
@@ -193,24 +183,29 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         init_mhc_weights(module, config)
         init_moe_weights(module, config)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
+        weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
+        with ``model_type: glm5_next`` and ``auto_map`` entries for every Auto class this package serves, and a
+        copy of the package's modules needed by the remote code."""
+        self.config.auto_map = dict(getattr(self.config, "auto_map", None) or {}, **AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained`` with strict key accounting (see :func:`.checkpoint.strict_load_report`).
+        """``PreTrainedModel.from_pretrained`` with checkpoint checks and strict key accounting
+        (:func:`.checkpoint.load_pretrained`).
 
-        Missing or unexpected checkpoint keys raise ``ValueError`` listing them, unless
-        ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` is passed (then it warns). A text-only class
-        skips the vision tower's tensors of a multimodal checkpoint and says so in one info line.
+        Accepts the key-prefix variants of :mod:`.checkpoint` and FP8 checkpoints (dequantized on load). Missing,
+        unexpected or shape-mismatched keys raise ``ValueError`` listing them, unless ``allow_missing_keys=True`` /
+        ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns); a corrupt or
+        truncated shard raises ``ValueError`` naming the file. A text-only class skips the vision tower's tensors
+        of a multimodal checkpoint and says so in one info line. ``save_pretrained`` then writes the canonical
+        layout whatever variant was read.
         """
-        allow_missing = kwargs.pop("allow_missing_keys", False)
-        allow_unexpected = kwargs.pop("allow_unexpected_keys", False)
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        strict_load_report(model, info, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-        if getattr(cls, "_skips_vision_tower", False):
-            skipped = count_matching(checkpoint_keys(pretrained_model_name_or_path), VISION_KEY_PATTERNS)
-            if skipped:
-                logger.info(f"{cls.__name__}: skipped {skipped} vision-tower tensors of the checkpoint (text-only class)")
-        return (model, info) if want_info else model
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
 
 
 class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
@@ -230,6 +225,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     """
 
     config_class = Glm53FlashTextConfig
+    _keys_to_ignore_on_load_unexpected = list(VISION_KEY_PATTERNS) + [r"^lm_head\.weight$"]
+    _skips_vision_tower = True
 
     def __init__(self, config: Glm53FlashTextConfig):
         super().__init__(config)
@@ -333,14 +330,6 @@ class Glm53FlashForCausalLM(Glm53FlashPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.post_init()
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
-        weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
-        with ``model_type: glm5_next`` and ``auto_map`` entries for every Auto class this package serves, and a
-        copy of the package's modules needed by the remote code."""
-        self.config.auto_map = dict(getattr(self.config, "auto_map", None) or {}, **AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -432,6 +421,8 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         ValueError: when the number of image (or video) placeholders differs from the number of feature rows; the
             message names both counts.
     """
+
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
     def __init__(self, config: Glm53FlashConfig):
         super().__init__(config)
@@ -588,7 +579,8 @@ class Glm53FlashForConditionalGeneration(Glm53FlashPreTrainedModel, GenerationMi
 # Make save_pretrained copy this module and its relative imports next to the weights (remote code).
 Glm53FlashConfig.register_for_auto_class()
 Glm53FlashForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-Glm53FlashTextModel.register_for_auto_class("AutoModel")
+Glm53FlashModel.register_for_auto_class("AutoModel")
+Glm53FlashForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
 
 __all__ = [
     "Glm53FlashPreTrainedModel",

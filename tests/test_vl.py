@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny import PARITY_TEXT, hf_reference, rel_err
+from tiny import hf_reference, rel_err
 
 IMG, BOI, EOI, BOV, EOV = 200, 201, 202, 203, 204
 SPECIAL = dict(
@@ -139,3 +139,52 @@ def test_packed_vl_rows_equal_samples_alone(pair):
             alone = ours(input_ids=s_ids, **s_kwargs).logits[0]
             assert rel_err(packed[start : start + s_ids.shape[1]], alone) < 1e-5
             start += s_ids.shape[1]
+
+
+def test_embedded_default_end_to_end_with_real_photo(tmp_path):
+    """make-tiny folder → AutoProcessor + AutoModelForImageTextToText (remote code) on scikit-image's astronaut."""
+    import skimage.data
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from glm53flash_hf.make_tiny import make_tiny
+
+    folder = make_tiny(str(tmp_path / "tiny"), show_progress=False)
+    processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
+    model = AutoModelForImageTextToText.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    assert type(processor).__module__.startswith("transformers_modules.")
+    assert type(model).__module__.startswith("transformers_modules.")
+    image = Image.fromarray(skimage.data.astronaut()).resize((112, 112))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    merge = model.config.vision_config.spatial_merge_size
+    assert int((inputs["mm_token_type_ids"] == 1).sum()) == int(inputs["image_grid_thw"].prod()) // merge**2
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
+
+
+def test_vl_save_writes_the_published_layout(tmp_path):
+    """Load the embedded default with the VL class, save it: same published keys (vision included), same values."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from glm53flash_hf.make_tiny import make_tiny
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForConditionalGeneration
+
+    def tensors(folder):
+        out = {}
+        for name in os.listdir(folder):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(folder, name)))
+        return out
+
+    src = make_tiny(str(tmp_path / "tiny"), show_progress=False)
+    model = Glm53FlashForConditionalGeneration.from_pretrained(src)
+    model.save_pretrained(tmp_path / "saved")
+    a, b = tensors(src), tensors(tmp_path / "saved")
+    assert set(a) == set(b)
+    assert any(k.startswith("model.visual.") for k in b) and any(".mlp.experts.0.gate_proj." in k for k in b)
+    assert all(torch.equal(a[k].float(), b[k].float()) for k in a)

@@ -1,0 +1,444 @@
+"""``glm53flash-make-tiny OUT``: write the embedded default checkpoint, a tiny random-init GLM-5.3-Flash.
+
+The folder has the published layout (``shared/reference/model-spec.md`` §11) and loads like a release download:
+
+* text weights written by :meth:`Glm53FlashForCausalLM.save_pretrained` (``model.language_model.*``,
+  per-expert MoE weights, split KDA convolutions, ``hc_*``, the MTP layer at ``layers.{num_hidden_layers}``,
+  ``lm_head``), ``config.json`` with ``model_type: glm5_next`` and ``auto_map``, and the remote-code modules;
+* a small vision tower: transformers' ``Glm5NextVisionModel(config.vision_config)`` at its own initialisation,
+  stored under ``model.visual.*`` in an extra shard (the text-only class skips it; transformers' built-in
+  ``Glm5NextForConditionalGeneration`` loads it);
+* ``model.safetensors.index.json`` naming every tensor's shard (``model-0000i-of-0000n.safetensors``);
+* a byte-level BPE tokenizer trained with ``tokenizers`` on CPython's ``pydoc_data.topics`` (the language
+  reference that ships with Python), followed by the GLM special tokens, saved with transformers so
+  ``AutoTokenizer.from_pretrained(OUT)`` works offline.
+
+Token layout: the BPE vocabulary fills ids ``0 .. P-1`` where ``P`` is the config's ``pad_token_id``
+(2000 for ``configuration/tiny.json``); the special tokens follow in the order of
+:data:`glm53flash_hf.make_tiny.SPECIAL_TOKENS`, so
+``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``, ``<|observation|>`` = ``P+9`` (the three EOS ids, as in
+the release), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` = ``P+16``, ``<|video|>`` = ``P+17``.
+``<think>`` .. ``</arg_value>`` are added tokens that decode as text (kept by ``skip_special_tokens``, for
+reasoning and tool-call parsers); the others are special tokens. The model's ``vocab_size`` may be larger
+than the tokenizer (padded rows, as in the release). Every id in the
+config is checked against the tokenizer; a disagreement raises ``ValueError`` naming the field.
+
+Everything is deterministic given ``--seed``: two runs write byte-identical files. Weights use transformers'
+initialisation (the model's ``_init_weights``) under ``torch.manual_seed(seed)``; the vision tower uses
+``seed + 1``. Nothing is downloaded.
+
+``--fp8`` stores the tensors the FP8 release quantizes (:func:`glm53flash_hf.fp8.fp8_keys_of`) as block-scaled
+``float8_e4m3fn`` plus ``<key>_scale_inv`` (fp32, 128x128 blocks) and writes
+:func:`glm53flash_hf.fp8.fp8_quantization_config` into ``config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CONFIG = os.path.join(os.path.dirname(HERE), "configuration", "tiny.json")
+
+# GLM special tokens in id order (model-spec §12); the first one sits at the config's pad_token_id.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|begin_of_audio|>",
+    "<|end_of_audio|>",
+    "<|image|>",
+    "<|video|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
+
+# Added tokens that decode as text (kept by ``decode(..., skip_special_tokens=True)``) so reasoning and tool-call
+# parsers see them; they are still never split. The others are special tokens.
+TEXT_TAG_TOKENS = frozenset(SPECIAL_TOKENS[SPECIAL_TOKENS.index("<think>") :])
+
+# Config fields holding special-token ids → the token each must name (``eos_token_id`` is a list).
+TOKEN_ID_FIELDS = {
+    "pad_token_id": "<|endoftext|>",
+    "eos_token_id": ["<|endoftext|>", "<|user|>", "<|observation|>"],
+    "image_token_id": "<|image|>",
+    "video_token_id": "<|video|>",
+    "image_start_token_id": "<|begin_of_image|>",
+    "image_end_token_id": "<|end_of_image|>",
+    "video_start_token_id": "<|begin_of_video|>",
+    "video_end_token_id": "<|end_of_video|>",
+}
+
+# GPT-4-style split before byte-level encoding (contractions, letter runs, up to 3 digits, punctuation, spaces).
+PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def corpus_texts() -> list[str]:
+    """The training text: every topic of CPython's ``pydoc_data.topics``, in sorted topic order."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def train_tokenizer(bpe_vocab_size: int):
+    """Train the byte-level BPE tokenizer and append :data:`SPECIAL_TOKENS` (``special=True`` except the
+    :data:`TEXT_TAG_TOKENS`).
+
+    Args:
+        bpe_vocab_size: number of ordinary tokens (256 byte symbols + merges); the specials get ids
+            ``bpe_vocab_size .. bpe_vocab_size + len(SPECIAL_TOKENS) - 1``.
+
+    Returns:
+        a ``tokenizers.Tokenizer``. Training is deterministic (same inputs → identical ``to_str()``).
+
+    Raises:
+        ValueError: when ``bpe_vocab_size`` is below the 256-symbol byte alphabet, or the corpus cannot fill it.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if bpe_vocab_size <= len(alphabet):
+        raise ValueError(
+            f"the BPE vocabulary (pad_token_id={bpe_vocab_size}) must exceed the {len(alphabet)}-symbol byte alphabet"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=bpe_vocab_size, show_progress=False, initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(corpus_texts(), trainer=trainer)
+    if tokenizer.get_vocab_size() != bpe_vocab_size:
+        raise ValueError(
+            f"BPE training on pydoc_data.topics reached {tokenizer.get_vocab_size()} tokens, not the "
+            f"{bpe_vocab_size} requested (pad_token_id)"
+        )
+    for token in SPECIAL_TOKENS:  # one at a time: ids follow SPECIAL_TOKENS order
+        if token in TEXT_TAG_TOKENS:
+            tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)])
+        else:
+            tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+    return tokenizer
+
+
+def check_token_ids(config, tokenizer) -> None:
+    """Check every special-token id field of ``config`` (top level and ``text_config``) against ``tokenizer``.
+
+    Raises:
+        ValueError: naming the field, its value and the id the tokenizer gives the token; or when the
+            tokenizer does not fit in the text config's ``vocab_size``.
+    """
+    text = config.get_text_config(decoder=True)
+    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    if n_tokens > text.vocab_size:
+        raise ValueError(f"the tokenizer has {n_tokens} tokens but text_config.vocab_size={text.vocab_size}")
+    for field, token in TOKEN_ID_FIELDS.items():
+        tokens = token if isinstance(token, list) else [token]
+        expected = [tokenizer.token_to_id(t) for t in tokens]
+        expected = expected if isinstance(token, list) else expected[0]
+        # pad/eos must be in text_config, the media ids at the top level; a copy elsewhere must agree too.
+        home = text if field in ("pad_token_id", "eos_token_id") else config
+        for owner, name in ((config, "config"), (text, "text_config")):
+            value = getattr(owner, field, None)
+            if value is None and owner is not home:
+                continue
+            if value != expected:
+                raise ValueError(
+                    f"{name}.{field}={value!r} does not match the tokenizer ({token!r} -> {expected!r}); the special "
+                    f"tokens start at pad_token_id and follow glm53flash_hf.make_tiny.SPECIAL_TOKENS"
+                )
+
+
+def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
+    """Save ``tokenizer`` with transformers (``PreTrainedTokenizerFast`` / ``TokenizersBackend``), with
+    ``<|endoftext|>`` as EOS and pad token, left padding like GLM, ``model_max_length``, and the GLM special tokens
+    (all of :data:`SPECIAL_TOKENS` but :data:`TEXT_TAG_TOKENS`) as extra special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+        extra_special_tokens=[t for t in SPECIAL_TOKENS[1:] if t not in TEXT_TAG_TOKENS],
+    )
+    hf_tokenizer.save_pretrained(out)
+
+
+def _weight_files(out: str) -> tuple[list[str], dict[str, str]]:
+    """Shard file names (in order) and the key → file map of the safetensors checkpoint in ``out``."""
+    index_path = os.path.join(out, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        return files, dict(weight_map)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        return ["model.safetensors"], {k: "model.safetensors" for k in f.keys()}
+
+
+def _tensor_bytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _quantize_shard(tensors: dict, fp8_keys: set) -> dict:
+    """Replace each key of ``fp8_keys`` by its block-scaled e4m3 weight plus ``<key>_scale_inv``."""
+    from .fp8 import quantize_fp8_blockwise
+
+    out = {}
+    for key in sorted(tensors):
+        if key in fp8_keys:
+            out[key], out[key + "_scale_inv"] = quantize_fp8_blockwise(tensors[key])
+        else:
+            out[key] = tensors[key]
+    return out
+
+
+def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8: bool) -> None:
+    """Rewrite the text shards written by ``save_pretrained`` as ``model-0000i-of-0000n.safetensors`` (FP8 when
+    ``fp8``), add ``vision_state`` (keys already prefixed ``model.visual.``) as the last shard, and write
+    ``model.safetensors.index.json`` (``metadata.total_size`` in bytes, ``metadata.total_parameters``)."""
+    from safetensors.torch import load_file, save_file
+
+    from .fp8 import fp8_keys_of
+
+    files, weight_map = _weight_files(out)
+    fp8_keys = fp8_keys_of(weight_map) if fp8 else set()
+    n = len(files) + 1
+    new_map: dict[str, str] = {}
+    total_size = 0
+    for i, name in enumerate(files):
+        tensors = load_file(os.path.join(out, name))
+        if fp8:
+            tensors = _quantize_shard(tensors, fp8_keys)
+        new_name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.remove(os.path.join(out, name))
+        save_file(tensors, os.path.join(out, new_name), metadata={"format": "pt"})
+        new_map.update({k: new_name for k in tensors})
+        total_size += _tensor_bytes(tensors)
+    vision_name = f"model-{n:05d}-of-{n:05d}.safetensors"
+    save_file(vision_state, os.path.join(out, vision_name), metadata={"format": "pt"})
+    new_map.update({k: vision_name for k in vision_state})
+    total_size += _tensor_bytes(vision_state)
+    index = {
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
+        "weight_map": dict(sorted(new_map.items())),
+    }
+    with open(os.path.join(out, SAFETENSORS_INDEX), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _prepare_out(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"OUT={out!r} exists and is not a folder")
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace the checkpoint files in it")
+        for name in os.listdir(out):
+            if name.endswith(".safetensors") or name == SAFETENSORS_INDEX:
+                os.remove(os.path.join(out, name))
+    os.makedirs(out, exist_ok=True)
+
+
+def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: bool = False,
+              dtype: str = "bfloat16", overwrite: bool = False, show_progress: bool = True) -> str:
+    """Write the tiny checkpoint folder (see the module docstring); return ``out``.
+
+    Args:
+        out: destination folder (created; must be empty unless ``overwrite``).
+        config_path: a GLM-5.3-Flash ``config.json`` (``text_config`` + ``vision_config``).
+        seed: ``torch.manual_seed`` of the text model's initialisation (vision: ``seed + 1``).
+        fp8: store the FP8-release tensors as block-scaled e4m3 with ``_scale_inv``.
+        dtype: ``"bfloat16"`` (as the release) or ``"float32"``; the model's fp32-kept parameters (router,
+            ``e_score_correction_bias``, KDA ``conv1d``/``A_log``/``dt_bias``, mHC ``base``/``scale``) stay fp32.
+        overwrite: allow a non-empty ``out`` (its safetensors files and index are removed first).
+        show_progress: tqdm progress bar.
+
+    Raises:
+        ValueError: bad ``dtype``, a non-empty ``out`` without ``overwrite``, or config token ids that do not
+            match the tokenizer layout (see :func:`check_token_ids`).
+    """
+    import torch
+
+    from .configuration_glm53flash import Glm53FlashConfig
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}; got dtype={dtype!r}")
+    with open(config_path) as f:
+        raw = json.load(f)
+    for section in ("text_config", "vision_config"):
+        if not isinstance(raw.get(section), dict):
+            raise ValueError(f"{config_path}: needs a {section!r} object (the defaults are the full-size release)")
+    config = Glm53FlashConfig.from_dict(raw)
+    text = config.get_text_config(decoder=True)
+    if not isinstance(text.pad_token_id, int):
+        raise ValueError(f"{config_path}: text_config.pad_token_id must be an int (first special token id); got "
+                         f"{text.pad_token_id!r}")
+
+    from transformers.utils import logging as hf_logging
+
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    if not show_progress:
+        hf_logging.disable_progress_bar()
+    try:
+        _write(out, config, text, seed, fp8, dtypes[dtype], overwrite, show_progress)
+    finally:
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
+    return out
+
+
+def _write(out, config, text, seed, fp8, dtype, overwrite, show_progress) -> None:
+    import torch
+    from tqdm.auto import tqdm
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
+
+    from .modeling_glm53flash import Glm53FlashForCausalLM
+
+    # fork_rng: the caller's global RNG state is left as it was.
+    bar = tqdm(total=5, desc="glm53flash-make-tiny", disable=not show_progress)
+    with torch.random.fork_rng(devices=[]), bar:
+        bar.set_postfix_str("tokenizer")
+        tokenizer = train_tokenizer(text.pad_token_id)
+        check_token_ids(config, tokenizer)
+        _prepare_out(out, overwrite)
+        bar.update(1)
+
+        bar.set_postfix_str("text model")
+        torch.manual_seed(seed)
+        model = Glm53FlashForCausalLM._from_config(config, dtype=dtype)
+        model.save_pretrained(out)
+        total_parameters = model.num_parameters()
+        del model
+        bar.update(1)
+
+        bar.set_postfix_str("vision tower" + (" + fp8" if fp8 else ""))
+        torch.manual_seed(seed + 1)
+        vision = Glm5NextVisionModel._from_config(config.vision_config, dtype=dtype)
+        vision_state = {f"model.visual.{k}": v.contiguous() for k, v in sorted(vision.state_dict().items())}
+        total_parameters += vision.num_parameters()
+        add_vision_and_fp8(out, vision_state, total_parameters, fp8)
+        if fp8:
+            _add_quantization_config(out)
+        bar.update(2)
+
+        bar.set_postfix_str("save tokenizer + processor")
+        save_tokenizer(tokenizer, out, model_max_length=text.max_position_embeddings)
+        save_processor(out, config)
+        bar.update(1)
+
+
+def save_processor(out: str, config) -> None:
+    """Write :class:`~.processing_glm53flash.Glm53FlashProcessor` (transformers' glm5_next PIL image processor,
+    our video processor, the tokenizer already in ``out`` and the GLM-5.3 chat template) into ``out``, with the
+    vision tower's patch/merge sizes, so ``AutoProcessor.from_pretrained(out, trust_remote_code=True)`` works."""
+    from transformers import AutoTokenizer
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+
+    from .processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
+
+    vision = config.vision_config
+    sizes = dict(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size
+    )
+    processor = Glm53FlashProcessor(
+        Glm5NextImageProcessorPil(**sizes), AutoTokenizer.from_pretrained(out), Glm53FlashVideoProcessor(**sizes)
+    )
+    processor.save_pretrained(out)
+
+
+def _add_quantization_config(out: str) -> None:
+    from .fp8 import fp8_quantization_config
+
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = fp8_quantization_config()
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _plain(text: str) -> str:
+    """Docstring text for ``--help``: reST roles and literals as plain text."""
+    return re.sub(r":(?:meth|func|data|class|mod):`~?\.?([^`]*)`", r"\1", text).replace("``", "")
+
+
+def main(argv=None) -> int:
+    """Command-line entry point of ``glm53flash-make-tiny``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="glm53flash-make-tiny",
+        description=_plain(__doc__.split("\n\n")[0]),
+        epilog=_plain(__doc__.split("\n\n", 1)[1]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("out", metavar="OUT", help="folder to write (created; must be empty unless --overwrite)")
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="store the tensors the FP8 release quantizes (experts, shared experts, dense MLPs, 4 DSA/MTP "
+        "projections) as float8_e4m3fn with 128x128-block <key>_scale_inv, and write quantization_config",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed of the weights (text: seed, vision: seed+1); default 0"
+    )
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="model config JSON with text_config and vision_config (default: the package's configuration/tiny.json); "
+        "its special-token ids must follow the layout described below",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="dtype of the stored weights (default bfloat16, as the release); fp32-kept parameters stay float32",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="write into a non-empty OUT, removing its old safetensors files"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    make_tiny(args.out, config_path=args.config, seed=args.seed, fp8=args.fp8, dtype=args.dtype,
+              overwrite=args.overwrite, show_progress=not args.quiet)
+    print(f"wrote {os.path.abspath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,809 @@
+"""Processor for GLM-5.3-Flash: text, images and videos in, model inputs (and SFT labels) out.
+
+:class:`Glm53FlashProcessor` is a transformers ``ProcessorMixin`` (loadable with
+``AutoProcessor.from_pretrained(folder, trust_remote_code=True)`` through ``auto_map``) made of
+
+* an image processor: transformers' ``Glm5NextImageProcessorPil`` (or the torchvision
+  ``Glm5NextImageProcessor``; any image processor with ``merge_size`` and ``image_grid_thw`` output works),
+  reused as is;
+* a tokenizer holding the GLM special tokens (their ids are read from the tokenizer by token string,
+  never hard-coded);
+* a video processor: :class:`Glm53FlashVideoProcessor`, the glm5_next video pipeline on the PIL/NumPy
+  backend (see its docstring for why it exists and how it relates to transformers' ``Glm5NextVideoProcessor``);
+* the GLM-5.3 chat template, ``chat_template.jinja`` next to this file.
+
+Placeholder expansion follows ``shared/reference/model-spec.md`` section 12 and transformers 5.24's
+``Glm5NextProcessor`` (the reference; ``tests/test_processing.py`` compares the two on the same inputs):
+only the inner marker is expanded, the begin/end wrappers stay.
+
+* ``<|image|>`` -> ``<|image|>`` x (t*h*w / merge^2) for the image's ``image_grid_thw`` row.
+* ``<|video|>`` -> for each tubelet (``temporal_patch_size`` frames): ``<|begin_of_image|>`` +
+  ``<|image|>`` x (h*w / merge^2) + ``<|end_of_image|>`` + ``"{t:.1f} seconds"``, ``t`` being the
+  timestamp of the tubelet's first frame (``frames_indices[::temporal_patch_size] / fps``). Without an fps in
+  the video metadata the processor warns once (per processor) and uses 24 fps, as the reference does.
+* ``mm_token_type_ids``: 1 for ``<|image|>`` outside any ``<|begin_of_video|>`` ... ``<|end_of_video|>``
+  span, 2 for ``<|image|>`` inside one, 0 for every other token. ``<|video|>`` never remains in ``input_ids``.
+
+Deliberate differences from the reference ``Glm5NextProcessor`` (same ``input_ids`` otherwise):
+
+* a video whose metadata yields a different number of timestamps than it has tubelets raises ``ValueError``
+  (the reference silently truncates or repeats the last timestamp);
+* the fps warning is a Python ``UserWarning`` issued once per processor instance (the reference logs once
+  per process through transformers' logger), and the caller's ``VideoMetadata`` objects are not modified (the
+  reference writes ``fps`` and ``frames_indices`` into them);
+* loading never goes through ``AutoVideoProcessor`` (which needs torchvision); see
+  :meth:`Glm53FlashProcessor._get_arguments_from_pretrained`.
+
+SFT: :meth:`Glm53FlashProcessor.build_sft_example` renders a conversation with the template's
+``{% generation %}`` spans and returns ``labels`` (-100 outside the trained spans) next to the model inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.image_processing_backends import PilBackend
+from transformers.image_utils import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    ChannelDimension,
+    PILImageResampling,
+    SizeDict,
+    infer_channel_dimension_format,
+)
+from transformers.models.glm5_next.image_processing_pil_glm5_next import smart_resize
+from transformers.processing_utils import MultiModalData, ProcessorMixin, VideosKwargs
+from transformers.utils.chat_template_utils import render_jinja_template
+from transformers.video_processing_utils import VideoProcessorMixin
+from transformers.video_utils import VideoMetadata, is_valid_video, make_batched_metadata, make_batched_videos
+
+CHAT_TEMPLATE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja")
+
+IGNORE_INDEX = -100
+
+IMAGE_TOKEN = "<|image|>"
+VIDEO_TOKEN = "<|video|>"
+BEGIN_OF_IMAGE = "<|begin_of_image|>"
+END_OF_IMAGE = "<|end_of_image|>"
+BEGIN_OF_VIDEO = "<|begin_of_video|>"
+END_OF_VIDEO = "<|end_of_video|>"
+END_OF_TEXT = "<|endoftext|>"
+
+# Tokens the processor needs as single vocabulary entries (looked up by string in the tokenizer).
+REQUIRED_TOKENS = (
+    IMAGE_TOKEN,
+    VIDEO_TOKEN,
+    BEGIN_OF_IMAGE,
+    END_OF_IMAGE,
+    BEGIN_OF_VIDEO,
+    END_OF_VIDEO,
+    END_OF_TEXT,
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<think>",
+    "</think>",
+)
+
+# Frames per second assumed for a video whose metadata has none (the reference's default).
+DEFAULT_VIDEO_FPS = 24
+
+
+def load_chat_template() -> str:
+    """The GLM-5.3 chat template shipped with this package (``chat_template.jinja``), as a string.
+
+    Raises:
+        FileNotFoundError: when the file is missing next to this module (e.g. a copy of the module without it).
+    """
+    if not os.path.isfile(CHAT_TEMPLATE_FILE):
+        raise FileNotFoundError(
+            f"the GLM-5.3 chat template {CHAT_TEMPLATE_FILE} is missing; pass chat_template= explicitly or load "
+            "the processor from a folder that holds chat_template.jinja"
+        )
+    with open(CHAT_TEMPLATE_FILE, encoding="utf-8") as f:
+        return f.read()
+
+
+def _none_if_empty(media):
+    """``None`` for ``None`` or an empty list/tuple, else ``media`` unchanged (arrays are never truth-tested)."""
+    if media is None or (isinstance(media, (list, tuple)) and len(media) == 0):
+        return None
+    return media
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Video processor
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Glm53FlashVideoProcessorKwargs(VideosKwargs, total=False):
+    """Keyword arguments of :class:`Glm53FlashVideoProcessor` on top of transformers' ``VideosKwargs``.
+
+    patch_size: spatial patch of the vision tower (14). temporal_patch_size: frames per tubelet (2).
+    merge_size: spatial merge of the projector (2). patch_expand_factor: extra alignment factor (1).
+    max_frames: cap on sampled frames (2048). min_image_tokens / max_image_tokens: token budget of the whole
+    video for ``smart_resize`` (16 / 240000).
+    """
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    patch_expand_factor: int
+    max_frames: int
+    min_image_tokens: int
+    max_image_tokens: int
+
+
+class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
+    """The glm5_next video pipeline on transformers' PIL/NumPy backend.
+
+    Why it exists: transformers 5.24's ``Glm5NextVideoProcessor`` (like every transformers video processor and
+    ``AutoVideoProcessor``) requires torchvision, and no torchvision build matching a CPU-only torch is
+    installable here (the PyPI wheels need CUDA torch libraries). The steps and defaults are those of
+    ``Glm5NextVideoProcessor``; only the resize is PIL's bicubic (as in ``Glm5NextImageProcessorPil``)
+    instead of torchvision's, so ``video_grid_thw`` and the placeholder counts are identical and pixel values
+    agree to resampling differences.
+
+    Pipeline per video ``[T, H, W, C]`` or ``[T, C, H, W]`` (uint8 or float, RGB):
+
+    1. frame sampling (:meth:`sample_frames`, needs ``video_metadata`` with ``fps``; pass
+       ``do_sample_frames=False`` for already-sampled frames);
+    2. ``smart_resize`` over the whole clip (``num_frames = T``, factor ``patch*merge*expand`` = 28, budget
+       ``min_image_tokens .. max_image_tokens`` tokens), resize with aspect ratio kept, zero padding at the
+       bottom/right up to the aligned canvas;
+    3. rescale (1/255) and normalize (CLIP mean/std);
+    4. an odd frame count is padded by repeating the last frame; patches are laid out
+       ``(t, h/merge, w/merge, merge_h, merge_w)`` with features ``(C, temporal, patch, patch)``.
+
+    Output: ``pixel_values_videos`` float32 ``[sum(t*h*w), C*temporal*patch*patch]`` (1176 by default),
+    ``video_grid_thw`` int64 ``[num_videos, 3]``, and ``video_metadata`` when ``return_metadata=True``.
+    Video files and URLs are decoded by transformers' ``fetch_videos`` (needs a decoder such as PyAV).
+    """
+
+    resample = PILImageResampling.BICUBIC
+    size = {"longest_edge": 1}
+    image_mean = OPENAI_CLIP_MEAN
+    image_std = OPENAI_CLIP_STD
+    do_resize = True
+    do_rescale = True
+    do_normalize = True
+    do_convert_rgb = True
+    do_sample_frames = True
+    patch_size = 14
+    temporal_patch_size = 2
+    merge_size = 2
+    patch_expand_factor = 1
+    max_duration = 0
+    max_frames = 2048
+    num_frames = 16
+    fps = 2
+    min_image_tokens = 16
+    max_image_tokens = 240000
+    valid_kwargs = Glm53FlashVideoProcessorKwargs
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    # ---- frame sampling -------------------------------------------------------------------------------------
+
+    def sample_frames(self, metadata: VideoMetadata, fps: int | float | None = None, **kwargs) -> np.ndarray:
+        """Indices of the frames to keep, GLM style.
+
+        Frames are picked at ``fps`` (default ``self.fps`` = 2) per second of the clip, up to ``max_frames``;
+        when the greedy per-second pick yields fewer (or more) than ``int(duration * fps)`` frames the indices
+        are spread evenly instead; duplicates are dropped and an odd count is made even by repeating the last
+        index. Same rule as ``Glm5NextVideoProcessor.sample_frames`` (the tests compare the two).
+
+        Args:
+            metadata: the clip's ``VideoMetadata``; ``fps`` and ``total_num_frames`` are required,
+                ``duration`` is optional.
+            fps: target frames per second.
+
+        Returns:
+            int64 array of frame indices (even length).
+
+        Raises:
+            ValueError: when the metadata has no ``fps`` (pass ``do_sample_frames=False`` for pre-sampled frames).
+        """
+        if metadata is None or getattr(metadata, "fps", None) is None:
+            raise ValueError(
+                "Glm53FlashVideoProcessor samples frames by time and needs video_metadata with an fps; pass "
+                "video_metadata=... or do_sample_frames=False for frames that are already sampled"
+            )
+        total = int(metadata.total_num_frames)
+        source_fps = float(metadata.fps)
+        target_fps = fps if fps is not None else self.fps
+        duration = metadata.duration or round((total - 1) / source_fps) + 1
+        whole_seconds = int(duration)  # the greedy pick stops here, from the uncapped duration
+        if self.max_duration > 0:
+            duration = min(duration, self.max_duration)
+        wanted = min(int(duration * target_fps), self.max_frames)
+
+        if total < wanted:
+            picked = np.linspace(0, total - 1, wanted, dtype=int).tolist()
+        else:
+            picked = []
+            next_time = 0.0
+            step = 1 / target_fps
+            for index in range(total):
+                if index / source_fps >= next_time:
+                    picked.append(index)
+                    next_time += step
+                    if next_time >= whole_seconds:
+                        break
+        if len(picked) < wanted:
+            first, last = (picked[0], picked[-1]) if picked else (0, max(total - 1, 0))
+            picked = np.linspace(first, last, wanted, dtype=int).tolist()
+        elif len(picked) > wanted:
+            picked = np.linspace(0, total - 1, wanted, dtype=int).tolist()
+
+        unique = list(dict.fromkeys(picked))
+        if len(unique) % 2:
+            unique.append(unique[-1])
+        return np.array(unique, dtype=int)
+
+    def _decode_and_sample_videos(self, videos, video_metadata, do_sample_frames=None, sample_indices_fn=None):
+        """Batch the videos and their metadata, decode paths/URLs, and sample frames when asked."""
+        videos = make_batched_videos(videos)
+        if videos and not is_valid_video(videos[0]):
+            if isinstance(videos[0], (str, os.PathLike)):
+                return self.fetch_videos(videos, sample_indices_fn=sample_indices_fn)
+            raise ValueError(
+                f"videos must be arrays/tensors [T, H, W, C] or [T, C, H, W], lists of frames, or paths; got "
+                f"{type(videos[0]).__name__}"
+            )
+        # Copies: sampling records frames_indices, and the caller's metadata objects stay as they were.
+        metadata = [copy.copy(meta) for meta in make_batched_metadata(videos, video_metadata=video_metadata)]
+        if do_sample_frames:
+            sampled_videos, sampled_metadata = [], []
+            for video, meta in zip(videos, metadata):
+                indices = sample_indices_fn(metadata=meta)
+                meta.frames_indices = indices
+                sampled_videos.append(video[indices])
+                sampled_metadata.append(meta)
+            videos, metadata = sampled_videos, sampled_metadata
+        return videos, metadata
+
+    def _prepare_input_videos(self, videos, do_convert_rgb=None, input_data_format=None, device=None):
+        """Each video as a channels-first NumPy array ``[T, C, H, W]`` with 3 (RGB) channels."""
+        prepared = []
+        for video in videos:
+            if hasattr(video, "detach"):  # torch tensor
+                video = video.detach().cpu().numpy()
+            video = np.asarray(video)
+            if video.ndim != 4:
+                raise ValueError(f"a video must be 4-D [T, H, W, C] or [T, C, H, W]; got shape {video.shape}")
+            layout = input_data_format or infer_channel_dimension_format(video[0], num_channels=(1, 3, 4))
+            if layout == ChannelDimension.LAST:
+                video = np.moveaxis(video, -1, 1)
+            channels = video.shape[1]
+            if channels == 1 and do_convert_rgb:
+                video = np.repeat(video, 3, axis=1)
+            elif channels != 3:
+                raise ValueError(
+                    f"video frames must be RGB (3 channels) or grayscale (1 channel with do_convert_rgb); got "
+                    f"{channels} channels in a video of shape {video.shape}. Convert the frames to RGB first."
+                )
+            prepared.append(np.ascontiguousarray(video))
+        return prepared
+
+    # ---- sizes and patches ----------------------------------------------------------------------------------
+
+    def _canvas(self, num_frames: int, height: int, width: int, factor: int, temporal_factor: int,
+                min_image_tokens: int, max_image_tokens: int) -> tuple[int, int, int, int]:
+        """``(target_h, target_w, content_h, content_w)``: the aligned canvas and the resized content inside it."""
+        target_h, target_w = smart_resize(
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            temporal_factor=temporal_factor,
+            factor=factor,
+            min_pixels=min_image_tokens,
+            max_pixels=max_image_tokens,
+        )
+        scale = min(target_h / height, target_w / width)
+        if num_frames * height * width >= temporal_factor * factor**2 * min_image_tokens:
+            scale = min(1.0, scale)  # only clips below the minimum budget are enlarged
+        content_h = max(1, min(target_h, math.floor(height * scale)))
+        content_w = max(1, min(target_w, math.floor(width * scale)))
+        return target_h, target_w, content_h, content_w
+
+    def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs=None) -> int:
+        """Number of vision-tower patches (``t * h * w``, before the merge) for a clip of the given size.
+
+        ``num_frames`` is the number of frames after sampling. Kwargs in ``videos_kwargs`` override the
+        processor's ``patch_size``, ``merge_size``, ``temporal_patch_size``, ``patch_expand_factor``,
+        ``min_image_tokens`` and ``max_image_tokens``.
+        """
+        kw = videos_kwargs or {}
+        patch = kw.get("patch_size") or self.patch_size
+        merge = kw.get("merge_size") or self.merge_size
+        temporal = kw.get("temporal_patch_size") or self.temporal_patch_size
+        expand = kw.get("patch_expand_factor") or self.patch_expand_factor
+        target_h, target_w = smart_resize(
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            temporal_factor=temporal,
+            factor=patch * merge * expand,
+            min_pixels=kw.get("min_image_tokens") or self.min_image_tokens,
+            max_pixels=kw.get("max_image_tokens") or self.max_image_tokens,
+        )
+        grid_t = -(-num_frames // temporal)
+        return grid_t * (target_h // patch) * (target_w // patch)
+
+    @staticmethod
+    def patchify(video: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int):
+        """Cut a ``[T, C, H, W]`` clip into vision-tower patches.
+
+        Returns ``(patches, grid_t, grid_h, grid_w)``: ``patches`` is ``[grid_t*grid_h*grid_w,
+        C*temporal_patch_size*patch_size**2]``, rows ordered ``(t, h/merge, w/merge, merge_h, merge_w)`` and
+        features ``(C, temporal, patch_h, patch_w)``. An incomplete last tubelet repeats the last frame.
+
+        Raises:
+            ValueError: when H or W is not a multiple of ``patch_size * merge_size``.
+        """
+        frames, channels, height, width = video.shape
+        unit = patch_size * merge_size
+        if height % unit or width % unit:
+            raise ValueError(f"frames of {height}x{width} are not multiples of patch*merge={unit}")
+        if missing := -frames % temporal_patch_size:
+            video = np.concatenate([video, np.repeat(video[-1:], missing, axis=0)], axis=0)
+            frames += missing
+        grid_t, grid_h, grid_w = frames // temporal_patch_size, height // patch_size, width // patch_size
+        blocks = video.reshape(
+            grid_t, temporal_patch_size, channels,
+            grid_h // merge_size, merge_size, patch_size,
+            grid_w // merge_size, merge_size, patch_size,
+        )
+        # -> (t, h/merge, w/merge, merge_h, merge_w, C, temporal, patch_h, patch_w)
+        blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        patches = blocks.reshape(grid_t * grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
+        return patches, grid_t, grid_h, grid_w
+
+    def _preprocess(
+        self,
+        videos: list[np.ndarray],
+        do_resize: bool = True,
+        resample=PILImageResampling.BICUBIC,
+        do_rescale: bool = True,
+        rescale_factor: float = 1 / 255,
+        do_normalize: bool = True,
+        image_mean=None,
+        image_std=None,
+        patch_size: int | None = None,
+        temporal_patch_size: int | None = None,
+        merge_size: int | None = None,
+        patch_expand_factor: int | None = None,
+        min_image_tokens: int | None = None,
+        max_image_tokens: int | None = None,
+        return_tensors=None,
+        **kwargs,
+    ) -> BatchFeature:
+        """Resize, pad, rescale, normalize and patchify each ``[T, C, H, W]`` clip (see the class docstring)."""
+        all_patches, grids = [], []
+        factor = patch_size * merge_size * patch_expand_factor
+        for video in videos:
+            frames, _, height, width = video.shape
+            if do_resize:
+                target_h, target_w, content_h, content_w = self._canvas(
+                    frames, height, width, factor, temporal_patch_size, min_image_tokens, max_image_tokens
+                )
+                if (content_h, content_w) != (height, width):
+                    size = SizeDict(height=content_h, width=content_w)
+                    video = np.stack([self.resize(frame, size=size, resample=resample) for frame in video])
+                video = np.pad(
+                    video, ((0, 0), (0, 0), (0, target_h - content_h), (0, target_w - content_w)), mode="constant"
+                )
+            clip = []
+            for frame in video:
+                if do_rescale:
+                    frame = self.rescale(frame, rescale_factor)
+                if do_normalize:
+                    frame = self.normalize(frame, image_mean, image_std)
+                clip.append(np.asarray(frame, dtype=np.float32))
+            patches, grid_t, grid_h, grid_w = self.patchify(
+                np.stack(clip), patch_size, merge_size, temporal_patch_size
+            )
+            all_patches.append(patches)
+            grids.append([grid_t, grid_h, grid_w])
+        data = {
+            "pixel_values_videos": np.concatenate(all_patches, axis=0),
+            "video_grid_thw": np.array(grids, dtype=np.int64),
+        }
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Processor
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Glm53FlashProcessor(ProcessorMixin):
+    """GLM-5.3-Flash processor: tokenizer + glm5_next image processor + video processor + chat template.
+
+    ``processor(text=..., images=..., videos=...)`` returns ``input_ids``, ``attention_mask``,
+    ``mm_token_type_ids`` (0 text, 1 image placeholder, 2 video placeholder), and when given
+    ``pixel_values`` + ``image_grid_thw`` / ``pixel_values_videos`` + ``video_grid_thw``. Each
+    ``<|image|>`` / ``<|video|>`` in the text is expanded as described in the module docstring; the number of
+    markers must equal the number of images / videos (``ValueError`` otherwise, from transformers).
+
+    Args:
+        image_processor: e.g. ``transformers.Glm5NextImageProcessorPil()``; needs a ``merge_size``.
+        tokenizer: a fast tokenizer that has every token of :data:`REQUIRED_TOKENS` as one vocabulary entry.
+        video_processor: e.g. :class:`Glm53FlashVideoProcessor`; needs ``merge_size`` and
+            ``temporal_patch_size`` and must return ``video_metadata`` when asked.
+        chat_template: Jinja template; defaults to the packaged ``chat_template.jinja``.
+
+    Raises:
+        ValueError: when a required special token is missing from the tokenizer (names the tokens).
+    """
+
+    return_mm_token_type_ids = True
+    text_kwargs = {"return_token_type_ids": False}
+    videos_kwargs = {"return_metadata": True}
+
+    def __init__(self, image_processor=None, tokenizer=None, video_processor=None, chat_template=None, **kwargs):
+        if tokenizer is None:
+            raise ValueError("Glm53FlashProcessor needs a tokenizer")
+        if image_processor is None or video_processor is None:
+            raise ValueError(
+                "Glm53FlashProcessor needs an image_processor (e.g. transformers.Glm5NextImageProcessorPil()) and a "
+                "video_processor (e.g. Glm53FlashVideoProcessor())"
+            )
+        self.token_ids = self._lookup_token_ids(tokenizer)
+        self.image_token = IMAGE_TOKEN
+        self.video_token = VIDEO_TOKEN
+        self.image_token_id = self.token_ids[IMAGE_TOKEN]
+        self.video_token_id = self.token_ids[VIDEO_TOKEN]
+        self.video_start_id = self.token_ids[BEGIN_OF_VIDEO]
+        self.video_end_id = self.token_ids[END_OF_VIDEO]
+        self._warned_missing_fps = False
+        if chat_template is None and os.path.isfile(CHAT_TEMPLATE_FILE):
+            chat_template = load_chat_template()
+        super().__init__(image_processor, tokenizer, video_processor, chat_template=chat_template, **kwargs)
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        """transformers' class check, except for the video processor, which is checked against
+        ``transformers.video_processing_utils.VideoProcessorMixin`` directly: without torchvision transformers
+        exports no ``VideoProcessorMixin`` and its own check fails with an ``AttributeError``.
+
+        Raises:
+            TypeError: when ``argument`` is not of the expected base class.
+        """
+        if argument_name == "video_processor":
+            if not isinstance(argument, VideoProcessorMixin):
+                raise TypeError(
+                    f"Received a {type(argument).__name__} for argument video_processor, but a VideoProcessorMixin "
+                    "(e.g. Glm53FlashVideoProcessor) was expected."
+                )
+            return VideoProcessorMixin
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+    @staticmethod
+    def _lookup_token_ids(tokenizer) -> dict[str, int]:
+        """``{token: id}`` for :data:`REQUIRED_TOKENS`, checking each is one entry of ``tokenizer``'s vocabulary."""
+        ids, missing = {}, []
+        for token in REQUIRED_TOKENS:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if token_id is None or tokenizer.convert_ids_to_tokens(token_id) != token:
+                missing.append(token)
+            else:
+                ids[token] = int(token_id)
+        if missing:
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) lacks the GLM special tokens "
+                f"{missing}; GLM-5.3-Flash needs each of {list(REQUIRED_TOKENS)} as a single token"
+            )
+        return ids
+
+    # ---- placeholder expansion ------------------------------------------------------------------------------
+
+    def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+        """Expansion of the ``image_idx``-th ``<|image|>``: ``<|image|>`` x (prod(image_grid_thw) / merge^2)."""
+        merge = kwargs.get("merge_size") or self.image_processor.merge_size
+        count = int(np.prod(np.asarray(image_inputs["image_grid_thw"][image_idx]))) // merge**2
+        return self.image_token * count
+
+    def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
+        """Expansion of the ``video_idx``-th ``<|video|>``: one ``<|begin_of_image|>`` +
+        ``<|image|>`` x (h*w/merge^2) + ``<|end_of_image|>`` + ``"{t:.1f} seconds"`` per tubelet.
+
+        Raises:
+            ValueError: when the metadata has no ``frames_indices`` or their count does not give one timestamp
+                per tubelet.
+        """
+        merge = kwargs.get("merge_size") or self.video_processor.merge_size
+        temporal = kwargs.get("temporal_patch_size") or self.video_processor.temporal_patch_size
+        grid_t, grid_h, grid_w = (int(v) for v in np.asarray(video_inputs["video_grid_thw"][video_idx]))
+        per_tubelet = grid_h * grid_w // merge**2
+        metadata = video_inputs["video_metadata"][video_idx]
+        fps = metadata.fps
+        if fps is None:
+            if not self._warned_missing_fps:
+                warnings.warn(
+                    f"video {video_idx} has no fps in its metadata (pre-sampled frames without video_metadata?); "
+                    f"the frame timestamps in the prompt assume {DEFAULT_VIDEO_FPS} fps. Pass video_metadata for "
+                    "correct timestamps. (Warned once per processor.)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                self._warned_missing_fps = True
+            fps = DEFAULT_VIDEO_FPS
+        if metadata.frames_indices is None:
+            raise ValueError(f"video {video_idx}: the metadata has no frames_indices, so no frame timestamps")
+        timestamps = [int(i) / fps for i in metadata.frames_indices][::temporal]
+        if len(timestamps) != grid_t:
+            raise ValueError(
+                f"video {video_idx}: {len(metadata.frames_indices)} frame indices give {len(timestamps)} timestamps "
+                f"but the clip has {grid_t} tubelets (video_grid_thw {[grid_t, grid_h, grid_w]})"
+            )
+        body = self.image_token * per_tubelet
+        return "".join(f"{BEGIN_OF_IMAGE}{body}{END_OF_IMAGE}{t:.1f} seconds" for t in timestamps)
+
+    def create_mm_token_type_ids(self, input_ids) -> list[list[int]]:
+        """Per-token modality for a batch of (possibly unpadded) id rows: 2 for ``<|image|>`` inside a
+        ``<|begin_of_video|>`` ... ``<|end_of_video|>`` span, 1 for other ``<|image|>``, 0 otherwise."""
+        result = []
+        for row in input_ids:
+            ids = np.asarray(row.tolist() if hasattr(row, "tolist") else list(row), dtype=np.int64)
+            inside_video = np.cumsum(ids == self.video_start_id) > np.cumsum(ids == self.video_end_id)
+            types = np.zeros_like(ids)
+            is_image = ids == self.image_token_id
+            types[is_image & ~inside_video] = 1
+            types[is_image & inside_video] = 2
+            result.append(types.tolist())
+        return result
+
+    def _get_num_multimodal_tokens(self, image_sizes=None, video_sizes=None, **kwargs):
+        """Placeholder counts for images ``(h, w)`` and videos ``(frames, h, w)`` of the given sizes (the
+        ``<|image|>`` tokens only; video wrappers and timestamps come on top)."""
+        merged = self._merge_kwargs(**kwargs)
+        data = {}
+        if image_sizes is not None:
+            images_kwargs = merged.get("images_kwargs", {})
+            merge = images_kwargs.get("merge_size") or self.image_processor.merge_size
+            patches = [self.image_processor.get_number_of_image_patches(*s, images_kwargs) for s in image_sizes]
+            data["num_image_patches"] = patches
+            data["num_image_tokens"] = [p // merge**2 for p in patches]
+        if video_sizes is not None:
+            videos_kwargs = merged.get("videos_kwargs", {})
+            merge = videos_kwargs.get("merge_size") or self.video_processor.merge_size
+            patches = [self.video_processor.get_num_of_video_patches(*s, videos_kwargs) for s in video_sizes]
+            data["num_video_tokens"] = [p // merge**2 for p in patches]
+        return MultiModalData(**data)
+
+    @property
+    def model_input_names(self):
+        """Model inputs this processor produces (tokenizer's, image and video processors', ``mm_token_type_ids``)."""
+        return super().model_input_names + ["mm_token_type_ids"]
+
+    def post_process_image_text_to_text(self, generated_outputs, skip_special_tokens=True,
+                                        clean_up_tokenization_spaces=False, **kwargs):
+        """Decode generated ids ``[B, S]`` to strings (``tokenizer.batch_decode``)."""
+        return self.tokenizer.batch_decode(
+            generated_outputs,
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+            **kwargs,
+        )
+
+    # ---- loading --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        """Load the sub-processors of a saved processor: the tokenizer with ``AutoTokenizer``, the image
+        processor with ``AutoImageProcessor`` (PIL backend, so outputs do not depend on whether torchvision is
+        installed), and the video processor as :class:`Glm53FlashVideoProcessor` from the ``video_processor``
+        entry of ``processor_config.json``. transformers' default goes through ``AutoVideoProcessor``, which
+        raises without torchvision.
+
+        Raises:
+            ValueError: when the saved video processor is not a ``Glm53FlashVideoProcessor``.
+        """
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        processor_dict = processor_dict or {}
+        kwargs.pop("trust_remote_code", None)
+        subfolder = kwargs.pop("subfolder", "")
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        image_processor = AutoImageProcessor.from_pretrained(
+            pretrained_model_name_or_path, subfolder=subfolder, backend="pil", **kwargs
+        )
+        video_config = processor_dict.get("video_processor")
+        if video_config is not None:
+            saved_type = video_config.get("video_processor_type")
+            if saved_type not in (None, Glm53FlashVideoProcessor.__name__):
+                raise ValueError(
+                    f"{pretrained_model_name_or_path}: processor_config.json names video_processor_type={saved_type!r}; "
+                    f"Glm53FlashProcessor loads only {Glm53FlashVideoProcessor.__name__}"
+                )
+            config = {k: v for k, v in video_config.items() if k not in ("video_processor_type", "auto_map")}
+            video_processor = Glm53FlashVideoProcessor.from_dict(config)
+        else:
+            video_processor = Glm53FlashVideoProcessor.from_pretrained(
+                pretrained_model_name_or_path, subfolder=subfolder, **kwargs
+            )
+        return [image_processor, tokenizer, video_processor]
+
+    # ---- SFT ------------------------------------------------------------------------------------------------
+
+    def build_sft_example(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        images: list | None = None,
+        videos: list | None = None,
+        video_metadata: list | None = None,
+        enable_thinking: bool = True,
+        reasoning_effort: str = "max",
+        clear_thinking: bool = False,
+        max_length: int | None = None,
+        sample_id: Any = None,
+        return_tensors: str | None = "pt",
+        **processor_kwargs,
+    ) -> BatchFeature:
+        """One supervised fine-tuning example from a conversation (spec section 12's label rules).
+
+        The conversation is rendered by the chat template with ``end_of_text_after_assistant=True`` (so the
+        text is the plain GLM rendering plus ``<|endoftext|>`` after every assistant turn that no user/tool
+        turn follows), placeholders are expanded, and the template's ``{% generation %}`` spans become the
+        trained tokens through the tokenizer's offset mappings. Trained: reasoning text and ``</think>``,
+        content, tool calls, that ``<|endoftext|>``, and the ``<|user|>`` / ``<|observation|>`` right after a
+        trained assistant turn (its stop target). Not trained: ``<think>``, every prompt token, assistant turns
+        with ``"loss": False``, and assistant turns whose reasoning the template drops
+        (``clear_thinking=True``, before the last user turn). With no (or empty) reasoning ``<think></think>``
+        is rendered and ``</think>`` is trained only when ``enable_thinking``.
+
+        Args:
+            messages: chat messages (``role`` system/user/assistant/tool; ``content`` str or blocks
+                ``{"type": "text"|"image"|"video", ...}``; assistant ``reasoning_content``, ``tool_calls``
+                with dict ``arguments``, optional ``loss``).
+            tools: tool schemas for the tools block.
+            images, videos: the media in order of appearance. When both are None, they are taken from the
+                content blocks (``{"type": "image", "image": PIL}``, ``{"type": "video", "video": frames}``).
+            video_metadata: one ``VideoMetadata``/dict per video (needed for frame sampling and timestamps).
+            enable_thinking, reasoning_effort, clear_thinking: template variables (see chat_template.jinja).
+            max_length: truncate to this many tokens. A cut through an image span
+                (``<|begin_of_image|>`` ... ``<|end_of_image|>``) or a video span (``<|begin_of_video|>`` ...
+                ``<|end_of_video|>``) raises; media wholly after the cut are dropped with their pixels.
+            sample_id: a name for the sample in error messages.
+            return_tensors: "pt" (default) for torch tensors, None for lists.
+            **processor_kwargs: passed to the image/video processors (e.g. ``do_sample_frames``).
+
+        Returns:
+            ``BatchFeature`` with 1-D ``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids`` (length
+            S) and, when media are present, ``pixel_values`` / ``image_grid_thw`` /
+            ``pixel_values_videos`` / ``video_grid_thw`` for the media kept.
+
+        Raises:
+            ValueError: a truncation through a visual span (names the sample, the lengths and the span); a
+                visual placeholder inside a trained span; marker/media count mismatches (from transformers).
+        """
+        name = f"sample {sample_id!r}" if sample_id is not None else "sample"
+        conversations, _ = self._normalize_conversations(messages)
+        if images is None and videos is None:
+            batch_images, batch_videos, _, _ = self._multimodal_inputs_from_conversations(conversations, {}, False)
+            images, videos = batch_images[0], batch_videos[0]
+        rendered, generation = render_jinja_template(
+            conversations=conversations,
+            tools=tools,
+            chat_template=self._resolve_chat_template(None),
+            return_assistant_tokens_mask=True,
+            add_generation_prompt=False,
+            enable_thinking=enable_thinking,
+            reasoning_effort=reasoning_effort,
+            clear_thinking=clear_thinking,
+            end_of_text_after_assistant=True,
+            **self.tokenizer.special_tokens_map,
+        )
+        call_kwargs = dict(processor_kwargs)
+        if video_metadata is not None:
+            call_kwargs["video_metadata"] = video_metadata
+        out = self(
+            text=[rendered[0]],
+            images=_none_if_empty(images),
+            videos=_none_if_empty(videos),
+            add_special_tokens=False,
+            return_offsets_mapping=True,
+            return_text_replacement_offsets=True,
+            **call_kwargs,
+        )
+        out = self._adjust_assistant_masks_indices(out, generation)
+        input_ids = list(out["input_ids"][0])
+        trained = list(out.pop("assistant_masks")[0])
+        types = list(out["mm_token_type_ids"][0])
+        bad = [i for i, (m, t) in enumerate(zip(trained, types)) if m and t]
+        if bad:
+            raise ValueError(
+                f"{name}: {len(bad)} visual placeholder tokens (first at token {bad[0]}) lie inside a trained "
+                "assistant span; images/videos in trained assistant turns are not supported"
+            )
+        labels = [tid if m else IGNORE_INDEX for tid, m in zip(input_ids, trained)]
+
+        data = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        if max_length is not None and len(input_ids) > max_length:
+            keep_images, keep_videos = self._check_cut(input_ids, max_length, name)
+            input_ids, labels, types = input_ids[:max_length], labels[:max_length], types[:max_length]
+            data = self._keep_media(data, keep_images, keep_videos)
+        data.update(
+            input_ids=input_ids,
+            attention_mask=[1] * len(input_ids),
+            labels=labels,
+            mm_token_type_ids=types,
+        )
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def visual_spans(self, input_ids) -> list[tuple[str, int, int]]:
+        """``(kind, first, last)`` token positions (inclusive) of each image and video span in one id row.
+
+        An image span runs from ``<|begin_of_image|>`` to its ``<|end_of_image|>``; a video span from
+        ``<|begin_of_video|>`` to ``<|end_of_video|>`` (its per-tubelet image wrappers and timestamps inside).
+        An unclosed span ends at the last token.
+        """
+        ids = [int(i) for i in input_ids]
+        boi, eoi = self.token_ids[BEGIN_OF_IMAGE], self.token_ids[END_OF_IMAGE]
+        spans, open_kind, start = [], None, 0
+        for pos, tid in enumerate(ids):
+            if open_kind is None:
+                if tid == self.video_start_id:
+                    open_kind, start = "video", pos
+                elif tid == boi:
+                    open_kind, start = "image", pos
+            elif (open_kind == "video" and tid == self.video_end_id) or (open_kind == "image" and tid == eoi):
+                spans.append((open_kind, start, pos))
+                open_kind = None
+        if open_kind is not None:
+            spans.append((open_kind, start, len(ids) - 1))
+        return spans
+
+    def _check_cut(self, input_ids, max_length: int, name: str) -> tuple[int, int]:
+        """Number of images and videos wholly before a cut at ``max_length``; raises if the cut splits a span."""
+        keep_images = keep_videos = 0
+        for kind, first, last in self.visual_spans(input_ids):
+            if first < max_length <= last:
+                raise ValueError(
+                    f"{name}: truncating {len(input_ids)} tokens to max_length={max_length} cuts through the {kind} "
+                    f"span at tokens {first}..{last}; the placeholder count would no longer match the {kind} "
+                    "features. Raise max_length or drop the sample."
+                )
+            if last < max_length:
+                keep_images += kind == "image"
+                keep_videos += kind == "video"
+        return keep_images, keep_videos
+
+    @staticmethod
+    def _keep_media(data: dict, keep_images: int, keep_videos: int) -> dict:
+        """Keep the first ``keep_images`` images / ``keep_videos`` videos (grid rows and their pixel rows)."""
+        data = dict(data)
+        for pixels_key, grid_key, keep in (
+            ("pixel_values", "image_grid_thw", keep_images),
+            ("pixel_values_videos", "video_grid_thw", keep_videos),
+        ):
+            if grid_key not in data:
+                continue
+            grid = np.asarray(data[grid_key])
+            rows = int(np.prod(grid[:keep], axis=-1).sum()) if keep else 0
+            if keep == 0:
+                data.pop(grid_key)
+                data.pop(pixels_key, None)
+            else:
+                data[grid_key] = data[grid_key][:keep]
+                data[pixels_key] = data[pixels_key][:rows]
+        return data
+
+
+Glm53FlashProcessor.register_for_auto_class("AutoProcessor")
+
+__all__ = ["Glm53FlashProcessor", "Glm53FlashVideoProcessor", "load_chat_template"]
