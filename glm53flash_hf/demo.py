@@ -1,10 +1,14 @@
-"""``glm53flash-demo``: a short forward/backward pass of the tiny GLM-5.3-Flash on real text.
+"""``glm53flash-demo``: load the embedded default checkpoint as a new user would and run it on real inputs.
 
-Builds the embedded tiny configuration (``configuration/tiny.json``; every layer kind: KDA, full and shared DSA,
-dense and MoE MLP, MTP), initialises it randomly, packs three passages of CPython's ``pydoc_data.topics``
-(the language reference that ships with Python) into one row with restarting ``position_ids``, and prints the
-loss, the time and a packed-equals-separate check. Tokens are UTF-8 bytes (ids 0-255) until the project's
-tokenizer exists. Nothing is downloaded.
+1. Makes the embedded tiny checkpoint with ``glm53flash-make-tiny`` if ``--model`` is absent (every layer kind:
+   KDA, full and shared DSA, dense and MoE MLP, MTP, a small vision tower; a tokenizer trained on CPython's
+   ``pydoc_data.topics``; the processor and the GLM-5.3 chat template).
+2. Loads it through ``AutoProcessor`` and ``AutoModelForImageTextToText`` with ``trust_remote_code=True``.
+3. Packs three passages of ``pydoc_data.topics`` into one row (``position_ids`` restarting at 0), runs a forward
+   and backward pass with labels, and checks that the middle passage gives the same logits as when run alone.
+4. Renders a chat turn with scikit-image's astronaut photo through the chat template and runs the model on it.
+
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -15,50 +19,69 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CONFIG = os.path.join(os.path.dirname(HERE), "configuration", "tiny.json")
-
-
-def _passages(n: int, length: int) -> list[torch.Tensor]:
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)[:n]
-    return [torch.tensor(list(topics[name].encode("utf-8")[:length]), dtype=torch.long) for name in names]
+DEFAULT_MODEL = "glm53flash-tiny"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="model config JSON (default: configuration/tiny.json)")
-    parser.add_argument("--length", type=int, default=96, help="bytes taken from each of the three passages")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the initialisation")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"checkpoint folder; made with glm53flash-make-tiny when it does not exist (default: ./{DEFAULT_MODEL})",
+    )
+    parser.add_argument("--length", type=int, default=96, help="tokens taken from each of the three passages")
     args = parser.parse_args(argv)
 
-    from glm53flash_hf import Glm53FlashConfig, Glm53FlashForCausalLM
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    torch.manual_seed(args.seed)
-    config = Glm53FlashConfig.from_json_file(args.config)
-    model = Glm53FlashForCausalLM(config).float()
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        from .make_tiny import make_tiny
+
+        print(f"making the embedded tiny checkpoint in {args.model} ...")
+        make_tiny(args.model, show_progress=False)
+    processor = AutoProcessor.from_pretrained(args.model, trust_remote_code=True)
+    model = AutoModelForImageTextToText.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
+    text_config = model.config.get_text_config()
     n_params = sum(p.numel() for p in model.parameters())
-    docs = _passages(3, args.length)
+    print(f"loaded {type(model).__name__} from {args.model} (remote code): {n_params / 1e6:.2f} M parameters, "
+          f"layers: {', '.join(text_config.layer_types)} + {text_config.num_nextn_predict_layers} MTP")
+
+    from pydoc_data.topics import topics
+
+    tokenizer = processor.tokenizer
+    docs = [torch.tensor(tokenizer(topics[name]).input_ids[: args.length]) for name in sorted(topics)[:3]]
     ids = torch.cat(docs)[None]
     pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
     labels = ids.clone()
     labels[0, torch.cumsum(torch.tensor([0] + [len(d) for d in docs[:-1]]), 0)] = -100
-
+    model.train()
     start = time.perf_counter()
     out = model(input_ids=ids, position_ids=pos, labels=labels)
     out.loss.backward()
     elapsed = time.perf_counter() - start
-
+    model.eval()
     with torch.no_grad():
         alone = model(input_ids=docs[1][None]).logits[0]
-        packed = out.logits[0, len(docs[0]) : len(docs[0]) + len(docs[1])]
-        diff = (packed - alone).abs().max().item()
-    print(f"tiny GLM-5.3-Flash: {n_params / 1e6:.2f} M parameters, {len(config.text_config.layer_types)} layers "
-          f"({', '.join(config.text_config.layer_types)})")
-    print(f"packed row of {ids.shape[1]} tokens (3 documents from pydoc_data.topics)")
-    print(f"loss {out.loss.item():.4f}  forward+backward {elapsed:.2f} s")
-    print(f"packed vs separate (document 2): max |Δlogit| = {diff:.2e}")
+        packed = model(input_ids=ids, position_ids=pos).logits[0, len(docs[0]) : len(docs[0]) + len(docs[1])]
+    diff = (packed - alone).abs().max().item()
+    print(f"packed row of {ids.shape[1]} tokens (3 passages of pydoc_data.topics): loss {out.loss.item():.4f}, "
+          f"forward+backward {elapsed:.2f} s")
+    print(f"packed vs alone (passage 2): max |Δlogit| = {diff:.2e}")
+
+    import skimage.data
+    from PIL import Image
+
+    image = Image.fromarray(skimage.data.astronaut()).resize((112, 112))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    n_image = int((inputs["mm_token_type_ids"] == 1).sum())
+    print(f"image chat: {inputs['input_ids'].shape[1]} tokens ({n_image} image placeholders), "
+          f"next-token logits finite: {bool(torch.isfinite(logits[0, -1]).all())}")
+    print(f"prompt: {prompt!r}")
     return 0
 
 

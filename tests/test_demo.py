@@ -1,0 +1,16 @@
+"""The README's main job (``glm53flash-demo``) runs on the embedded default and reports sane numbers."""
+
+from __future__ import annotations
+
+import re
+
+from glm53flash_hf.demo import main
+
+
+def test_demo_runs_on_embedded_default(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "tiny"), "--length", "40"]) == 0
+    out = capsys.readouterr().out
+    diff = float(re.search(r"max \|Δlogit\| = ([0-9.e+-]+)", out).group(1))
+    assert diff < 1e-5
+    assert "next-token logits finite: True" in out
+    assert re.search(r"\((\d+) image placeholders\)", out).group(1) != "0"
