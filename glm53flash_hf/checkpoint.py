@@ -482,7 +482,15 @@ def strict_load_report(
     """
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
-        rows = [f"{k}: checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in sorted(mismatched, key=str)]
+        rows = []
+        for k, a, b in sorted(mismatched, key=str):
+            row = f"{k}: checkpoint {tuple(a)} vs model {tuple(b)}"
+            if re.search(r"\.experts\.(gate_up_proj|down_proj)$", k) and len(a) == 3 and a[0] != b[0]:
+                row += (
+                    f" (the checkpoint holds {a[0]} per-expert tensors for this layer, the config says {b[0]} experts:"
+                    f" mlp.experts.{{i}}.{{gate,up,down}}_proj.weight tensors are missing from the files)"
+                )
+            rows.append(row)
         message = f"Shape mismatch for {len(rows)} checkpoint tensors of {type(model).__name__}: "
         message += "; ".join(rows[:20])
         if len(rows) > 20:
@@ -493,6 +501,19 @@ def strict_load_report(
             raise ValueError(message)
     missing = set(info.get("missing_keys") or ())
     unexpected = set(info.get("unexpected_keys") or ())
+    text = model.config.get_text_config(decoder=True)
+    n_mtp = getattr(text, "num_nextn_predict_layers", 0) or 0
+    if missing and n_mtp and not allow_missing:
+        pattern = rf"layers\.({'|'.join(str(text.num_hidden_layers + i) for i in range(n_mtp))})\."
+        mtp = {k for k in model.state_dict() if re.search(pattern, k)}
+        if mtp and mtp == missing:  # every MTP tensor absent, nothing else: a checkpoint saved without MTP
+            raise ValueError(
+                f"The checkpoint has no weights for the MTP layer(s) (layers.{text.num_hidden_layers}...; {len(mtp)} "
+                f"tensors missing) but its config says num_nextn_predict_layers={n_mtp}. transformers' built-in "
+                "Glm5NextForConditionalGeneration drops the MTP layer when it saves. To run without MTP, set "
+                "config.text_config.num_nextn_predict_layers = 0 and pass that config to from_pretrained(path, "
+                "config=config) (glm53flash-export does this for such folders)."
+            )
     cases = ((missing, allow_missing, "missing from"), (unexpected, allow_unexpected, "unexpected in"))
     for keys, allowed, what in cases:
         if not keys:

@@ -90,6 +90,13 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         ``ValueError`` in ``StrictDataclassClassValidationError``, which keeps the message).
         """
         n = self.num_hidden_layers
+        for name in ("index_kpool", "index_topk", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
+                     "num_hidden_layers", "linear_num_heads", "linear_head_dim", "index_n_heads", "index_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {name}={value!r}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be positive (or None for no clamp); got swiglu_limit={self.swiglu_limit}")
         for name, allowed in (
             ("layer_types", LAYER_TYPES),
             ("mlp_layer_types", MLP_LAYER_TYPES),

@@ -75,3 +75,13 @@ def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
         _warned.add((family, reason))
         warnings.warn(f"kernels[{family!r}]='fused' was requested but cannot run: {reason}; using the torch path")
     return "torch"
+
+
+def _mhc_fused_available(*tensors: torch.Tensor) -> tuple[bool, str]:
+    """Probe of the Triton mHC kernels (imported only here, on a CUDA call: CPU runs never import triton)."""
+    from .triton_mhc import fused_mhc_available
+
+    return fused_mhc_available(*tensors)
+
+
+FUSED_AVAILABILITY["mhc"] = _mhc_fused_available

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 LINK_MODES = ("symlink", "hardlink", "copy")
@@ -182,6 +183,7 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         shutil.copy2(path, dst)
         written[os.path.basename(path)] = "code"
     config["auto_map"] = dict(config.get("auto_map") or {}, **AUTO_MAP)
+    _drop_absent_mtp(src, config)
     config_path = os.path.join(out, "config.json")
     if os.path.lexists(config_path):
         os.remove(config_path)
@@ -190,6 +192,26 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         f.write("\n")
     written["config.json"] = "config"
     return written
+
+
+def _drop_absent_mtp(src: str, config: dict) -> None:
+    """Set ``num_nextn_predict_layers`` to 0 (with a warning) when the config declares MTP layers but the weights
+    have none — transformers' built-in ``Glm5NextForConditionalGeneration.save_pretrained`` drops them."""
+    from .checkpoint import checkpoint_keys
+
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n_mtp = int(text.get("num_nextn_predict_layers") or 0)
+    n_layers = text.get("num_hidden_layers")
+    keys = checkpoint_keys(src)
+    if not n_mtp or n_layers is None or keys is None:
+        return
+    if not any(re.search(rf"layers\.{n_layers + i}\.", k) for k in keys for i in range(n_mtp)):
+        warnings.warn(
+            f"{src}: config.json declares num_nextn_predict_layers={n_mtp} but the weights hold no MTP layer "
+            f"(layers.{n_layers}.*; transformers' built-in class drops it when saving); the exported config sets "
+            "num_nextn_predict_layers=0"
+        )
+        text["num_nextn_predict_layers"] = 0
 
 
 def _plain(text: str) -> str:
@@ -221,7 +243,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     args = parser.parse_args(argv)
-    written = export(args.src, args.out, link=args.link, overwrite=args.overwrite, show_progress=not args.quiet)
+    try:
+        written = export(args.src, args.out, link=args.link, overwrite=args.overwrite, show_progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as error:  # user mistakes: one clean line, no traceback
+        parser.error(str(error))
     if not args.quiet:
         counts: dict[str, int] = {}
         for kind in written.values():

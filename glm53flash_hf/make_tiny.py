@@ -40,7 +40,8 @@ import os
 import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CONFIG = os.path.join(os.path.dirname(HERE), "configuration", "tiny.json")
+# Shipped inside the package (so non-editable installs have it); configuration/tiny.json links to it.
+DEFAULT_CONFIG = os.path.join(HERE, "tiny_config.json")
 
 # GLM special tokens in id order (model-spec §12); the first one sits at the config's pad_token_id.
 SPECIAL_TOKENS = (
@@ -434,8 +435,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    make_tiny(args.out, config_path=args.config, seed=args.seed, fp8=args.fp8, dtype=args.dtype,
-              overwrite=args.overwrite, show_progress=not args.quiet)
+    try:
+        make_tiny(args.out, config_path=args.config, seed=args.seed, fp8=args.fp8, dtype=args.dtype,
+                  overwrite=args.overwrite, show_progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as error:  # user mistakes: one clean line, no traceback
+        parser.error(str(error))
     print(f"wrote {os.path.abspath(args.out)}")
     return 0
 

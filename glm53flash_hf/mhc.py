@@ -27,7 +27,8 @@ rounding. Speed (2-core CPU, T=2048, D=1024, N=4): forward 3.6x (fp32) / 2.9x (b
 forward+backward 1.6x / 7x. The Sinkhorn iterations use exactly the reference's op sequence
 (``torch.softmax``, then column and (row, column) normalisations each with ``+hc_eps``), vectorised over tokens.
 
-Every entry point takes ``backend`` (``"torch"`` only today) so a fused kernel can be added beside it.
+``hc_pre`` and ``hc_post`` take ``backend``; ``"fused"``/``"auto"`` on CUDA tensors run the Triton kernels of
+:mod:`glm53flash_hf.triton_mhc` (same maths; chosen per call by :func:`glm53flash_hf.dispatch.choose_backend`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tens
     return comb
 
 
+def _mix_weights(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The small part of ``hc_pre``: normalised projections ``mixes [..., (2+N)*N]`` -> ``(pre [..., N],
+    post [..., N], comb [..., N, N])`` (sigmoids, ``torch.softmax``, Sinkhorn). Shared by the torch path and the fused
+    path (:mod:`glm53flash_hf.triton_mhc`, which differentiates it with torch autograd), so both run one op sequence.
+    """
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb_logits = comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n)
+    comb = sinkhorn_normalize(torch.softmax(comb_logits, dim=-1) + hc_eps, sinkhorn_iters, hc_eps)
+    return pre, post, comb
+
+
 def hc_pre(
     hidden_streams: torch.Tensor,
     fn: torch.Tensor,
@@ -87,7 +105,8 @@ def hc_pre(
         base: ``[(2+N)*N]`` fp32. scale: ``[3]`` fp32.
         sinkhorn_iters: ``config.hc_sinkhorn_iters`` (>= 1). hc_eps: ``config.hc_eps``.
         norm_eps: ``config.rms_norm_eps`` (the unweighted RMS norm's epsilon, 1e-5 in the release).
-        backend: ``"torch"`` (only choice today).
+        backend: ``"torch"``, ``"auto"`` or ``"fused"`` (:func:`glm53flash_hf.dispatch.choose_backend`; the fused
+            path is :func:`glm53flash_hf.triton_mhc.hc_pre_fused`, CUDA only).
 
     Returns:
         ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)``; ``comb[i, j]`` weighs
@@ -97,7 +116,6 @@ def hc_pre(
     Raises:
         ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1``, unknown backend.
     """
-    choose_backend("mhc", backend)  # validates; only the torch path exists for mHC today
     if hidden_streams.dim() != 4:
         raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
     batch, seq, n, dim = hidden_streams.shape
@@ -108,19 +126,19 @@ def hc_pre(
         raise ValueError(f"base must be [{mix}] and scale [3]; got {tuple(base.shape)} and {tuple(scale.shape)}")
     if sinkhorn_iters < 1:
         raise ValueError(f"hc_sinkhorn_iters must be >= 1; got {sinkhorn_iters}")
+    if choose_backend("mhc", backend, hidden_streams, fn, base, scale) == "fused":
+        from .triton_mhc import hc_pre_fused
+
+        return hc_pre_fused(
+            hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
+        )
 
     compute = torch.promote_types(hidden_streams.dtype, torch.float32)  # fp32 (fp64 for float64 streams)
     x = hidden_streams.reshape(batch, seq, n * dim).to(compute)  # no copy for contiguous fp32 streams
     mean_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / (n * dim)
     mixes = F.linear(x, fn.to(compute)) * torch.rsqrt(mean_sq + norm_eps)  # [B, S, (2+N)N]
 
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
-    pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb_logits = comb_w.view(batch, seq, n, n) * comb_s + comb_b.view(n, n)
-    comb = sinkhorn_normalize(torch.softmax(comb_logits, dim=-1) + hc_eps, sinkhorn_iters, hc_eps)
+    pre, post, comb = _mix_weights(mixes, base, scale, n=n, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
 
     collapsed = torch.matmul(pre.unsqueeze(-2), x.view(batch, seq, n, dim)).squeeze(-2)
     return post, comb, collapsed.to(hidden_streams.dtype)
@@ -143,7 +161,8 @@ def hc_post(
 
     Args:
         y: ``[B, S, D]`` sub-block output. residual: ``[B, S, N, D]`` streams that entered :func:`hc_pre`.
-        post: ``[B, S, N]`` (fp32). comb: ``[B, S, N, N]`` (fp32). backend: ``"torch"`` only today.
+        post: ``[B, S, N]`` (fp32). comb: ``[B, S, N, N]`` (fp32). backend: ``"torch"``,
+            ``"auto"`` or ``"fused"`` (fused path: :func:`glm53flash_hf.triton_mhc.hc_post_fused`, CUDA only).
 
     Returns:
         ``[B, S, N, D]`` in ``promote(residual.dtype, y.dtype)`` (``residual.dtype`` when they agree).
@@ -151,7 +170,6 @@ def hc_post(
     Raises:
         ValueError: shapes that do not fit, unknown backend.
     """
-    choose_backend("mhc", backend)  # validates; only the torch path exists for mHC today
     if residual.dim() != 4:
         raise ValueError(f"residual must be [B, S, N, D]; got shape {tuple(residual.shape)}")
     b, s, n, d = residual.shape
@@ -160,6 +178,10 @@ def hc_post(
             f"hc_post shapes do not fit residual [B,S,N,D]={tuple(residual.shape)}: y {tuple(y.shape)} (want "
             f"[B,S,D]), post {tuple(post.shape)} (want [B,S,N]), comb {tuple(comb.shape)} (want [B,S,N,N])"
         )
+    if choose_backend("mhc", backend, y, residual, post, comb) == "fused":
+        from .triton_mhc import hc_post_fused
+
+        return hc_post_fused(y, residual, post, comb)
     dtype = residual.dtype
     out = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
     expanded = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2)

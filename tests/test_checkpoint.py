@@ -356,3 +356,28 @@ def test_fp8_subfolder_load(ckpts, tmp_path):
     for cls in (Glm53FlashTextModel, Glm53FlashForCausalLM):
         model = cls.from_pretrained(tmp_path / "repo", subfolder="weights", dtype=torch.float32)
         assert getattr(model.config, "quantization_config", None) is None
+
+
+def test_checkpoint_without_mtp_layer_explains_the_fix(tmp_path):
+    """transformers' built-in class drops the MTP layer on save but keeps num_nextn_predict_layers in the config."""
+    from tiny import hf_reference
+
+    from glm53flash_hf.export import export
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+
+    hf = hf_reference(seed=3, text_overrides={"num_nextn_predict_layers": 1})
+    hf.save_pretrained(tmp_path / "builtin")
+    with pytest.raises(ValueError, match="no weights for the MTP layer.*num_nextn_predict_layers = 0"):
+        Glm53FlashForCausalLM.from_pretrained(tmp_path / "builtin")
+    with pytest.warns(UserWarning, match="no MTP layer"):
+        export(str(tmp_path / "builtin"), str(tmp_path / "exported"), show_progress=False)
+    model = Glm53FlashForCausalLM.from_pretrained(tmp_path / "exported")
+    assert model.config.text_config.num_nextn_predict_layers == 0
+
+
+def test_missing_expert_tensor_is_explained(broken):
+    """A missing per-expert tensor shows up as a short fused expert stack; the message says so."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        edit_shard(broken, f"{CANONICAL_TEXT}layers.1.mlp.experts.3.{proj}.weight", None)
+    with pytest.raises(ValueError, match=r"holds 7 per-expert tensors for this layer, the config says 8 experts"):
+        _load(broken)

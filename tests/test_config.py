@@ -54,6 +54,11 @@ def test_kernels_setting():
         (dict(index_kpool=4, n_routed_experts=10, n_group=4), "n_group"),
         (dict(index_kpool=4, num_experts_per_tok=0), "num_experts_per_tok"),
         (dict(index_kpool=4, hidden_act="gelu"), "hidden_act"),
+        (dict(index_kpool=0), "index_kpool must be a positive integer; got index_kpool=0"),
+        (dict(index_kpool=4, linear_conv_kernel_dim=0), "linear_conv_kernel_dim"),
+        (dict(index_kpool=4, hc_mult=0), "hc_mult"),
+        (dict(index_kpool=4, hc_sinkhorn_iters=0), "hc_sinkhorn_iters"),
+        (dict(index_kpool=4, swiglu_limit=-1.0), "swiglu_limit"),
         (dict(index_kpool=4, num_hidden_layers=2, mlp_layer_types=["dense", "moe"]), "mlp_layer_types"),
         (
             dict(

@@ -1,0 +1,500 @@
+"""Fused Triton kernels for the mHC sites of GLM-5.3-Flash (``hc_pre`` and ``hc_post``) with custom autograd.
+
+Our own kernels (no code copied from liger-kernel, xtuner or TileKernels; those were read for facts only). The maths is
+exactly that of the torch path in :mod:`glm53flash_hf.mhc` (the oracle of ``tests/test_triton_mhc.py``), which equals
+transformers' ``Glm5NextTextHyperConnection`` and the ``hc_post`` lines of ``Glm5NextTextDecoderLayer.forward``
+(model-spec §7, kernels.md §3).
+
+What is fused
+-------------
+:func:`hc_post_fused` — fully fused, forward and backward, one kernel each:
+
+* forward ``out[t, h, :] = rd(rd(rd(post[t, h]) * y[t]) + rd(sum_i rd(comb[t, i, h]) * residual[t, i]))`` where
+  ``rd`` rounds to the activation dtype (the reference's ``post.to(dtype)``, ``comb.to(dtype)``, its bf16 product and
+  its bf16 matmul output); products and the 4-term sum in fp32. Reads ``y`` and each residual stream once per token.
+* backward (one program per token, looping over ``D``): ``dy = sum_h rd(post_h) * g_h``,
+  ``dresidual_i = sum_h rd(comb[i, h]) * g_h`` (both accumulated in fp32, rounded once to the activation dtype),
+  ``dpost_h = sum_d g_h * y`` and ``dcomb[i, h] = sum_d residual_i * g_h`` accumulated and returned in fp32 (the
+  reference rounds these two to the activation dtype before casting to fp32, so in bf16 ours are the more exact).
+  Reads ``g``, ``y`` and the residual streams once.
+
+:func:`hc_pre_fused` — a hybrid:
+
+* fused (Triton): the per-token reductions over the ``N*D`` streams — ``proj = x @ fn^T`` (fp32 ``ieee``
+  accumulation, no TF32) and ``sumsq = sum(x^2)`` in one pass over ``X``; the collapse
+  ``collapsed = sum_n pre_n * X_n`` (fp32, rounded once) in a second pass. Backward: ``dpre = sum_d dcollapsed * X_n``
+  (one pass), ``dX = dproj @ fn + 2 * dsumsq * x + pre (x) dcollapsed`` written once (one pass), and
+  ``dfn = dproj^T @ x`` reduced over tokens in fp32 (one pass). ``X`` is read 2 times forward, 3 times backward.
+* not fused (torch, differentiated by torch autograd): everything on the tiny ``[T, (2+N)*N]`` / ``[T, N, N]``
+  tensors — ``mixes = proj * rsqrt(sumsq / (N*D) + norm_eps)``, the sigmoids, ``torch.softmax`` and all Sinkhorn
+  iterations (the op sequence of :func:`glm53flash_hf.mhc.sinkhorn_normalize`, shared with the torch path through
+  ``glm53flash_hf.mhc._mix_weights``). Backward recomputes this small graph from the saved ``proj``/``sumsq`` and
+  differentiates through every Sinkhorn step — no quantity the reference differentiates is treated as constant.
+
+Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for tests), activations in fp32/bf16/fp16, ``fn`` in
+any of those, any ``N`` and ``D`` (blocks are masked). Inputs are made contiguous (a no-op in the model). Selection
+happens in :func:`glm53flash_hf.dispatch.choose_backend` through :func:`fused_mhc_available`; CPU tensors never reach
+these functions in normal use.
+
+``triton`` is imported lazily-safe: this module imports without it (``TRITON_AVAILABLE`` is then False and the fused
+functions raise ``RuntimeError``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # optional dependency: the package must import without triton (remote-code check_imports exempts try-imports)
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised on installs without triton
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+from .mhc import _mix_weights
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_mhc_available(*tensors: torch.Tensor) -> tuple[bool, str]:
+    """Availability probe registered as ``dispatch.FUSED_AVAILABILITY["mhc"]``.
+
+    Args:
+        tensors: the call's tensors: ``(X, fn, base, scale)`` for ``hc_pre``, ``(y, residual, post, comb)`` for
+            ``hc_post``.
+
+    Returns:
+        ``(True, "")`` when the kernels can run on them, else ``(False, reason)``: triton not importable, a tensor
+        not on CUDA, an unsupported dtype (fp32/bf16/fp16 only), an activation that is not 4-D ``[B, S, N, D]`` or, for
+        ``hc_post``, ``y`` and ``residual`` of different dtypes (the torch path handles those).
+    """
+    if not TRITON_AVAILABLE:
+        return False, "triton is not installed"
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return False, "no tensors given"
+    if not all(t.is_cuda for t in tensors):
+        return False, "the tensors are not on a CUDA device"
+    bad = sorted({str(t.dtype) for t in tensors if t.dtype not in SUPPORTED_DTYPES})
+    if bad:
+        return False, f"unsupported dtype(s) {bad} (fused mHC supports float32, bfloat16, float16)"
+    if len(tensors) >= 2 and tensors[0].dim() == 3 and tensors[1].dim() == 4:  # hc_post(y, residual, ...)
+        if tensors[0].dtype != tensors[1].dtype:
+            return False, f"y ({tensors[0].dtype}) and residual ({tensors[1].dtype}) dtypes differ"
+    elif tensors[0].dim() != 4:
+        return False, f"streams must be [B, S, N, D]; got {tuple(tensors[0].shape)}"
+    return True, ""
+
+
+def _require_triton() -> None:
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("glm53flash_hf.triton_mhc needs triton (pip install triton); use the torch path instead")
+
+
+def _p2(x: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, int(x) - 1).bit_length())
+
+
+_TL_DTYPES = {}
+if TRITON_AVAILABLE:
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# ============================================================================================================ kernels
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _rd(x, DT: tl.constexpr):
+        """fp32 -> nearest DT value (ties to even), returned as fp32. bf16 by integer rounding on the bits, because
+        Triton's interpreter truncates in ``.to(tl.bfloat16)`` while GPUs round to nearest even; this gives one
+        rounding on both. (No NaN payload care: a NaN stays a NaN.)"""
+        if DT == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _hc_post_fwd_kernel(
+        y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
+        D,
+        N: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
+    ):
+        # one program: one token t, one block of BD features; out[t, h, d] for all h
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        dm = d < D
+        h = tl.arange(0, NP)
+        hm = h < N
+        y = tl.load(y_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+        post = _rd(tl.load(post_ptr + t * N + h, mask=hm, other=0.0), DT)
+        mixed = tl.zeros((NP, BD), dtype=tl.float32)
+        for i in tl.static_range(N):
+            r = tl.load(res_ptr + (t * N + i) * D + d, mask=dm, other=0.0).to(tl.float32)
+            c = _rd(tl.load(comb_ptr + (t * N + i) * N + h, mask=hm, other=0.0), DT)  # comb[t, i, :]
+            mixed += c[:, None] * r[None, :]
+        expanded = _rd(post[:, None] * y[None, :], DT)
+        out = _rd(_rd(mixed, DT) + expanded, DT).to(DT)
+        tl.store(out_ptr + (t * N + h[:, None]) * D + d[None, :], out, mask=hm[:, None] & dm[None, :])
+
+    @triton.jit
+    def _hc_post_bwd_kernel(
+        g_ptr, y_ptr, res_ptr, post_ptr, comb_ptr,
+        dy_ptr, dres_ptr, dpost_ptr, dcomb_ptr,
+        D,
+        N: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
+    ):
+        # one program: one token, loops over D; reads g, y, residual once
+        t = tl.program_id(0).to(tl.int64)
+        rows = tl.arange(0, NP)
+        rm = rows < N
+        post = _rd(tl.load(post_ptr + t * N + rows, mask=rm, other=0.0), DT)
+        dpost = tl.zeros((NP,), dtype=tl.float32)
+        dcomb = tl.zeros((NP, NP), dtype=tl.float32)  # [i, h]
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            dm = d < D
+            m2 = rm[:, None] & dm[None, :]
+            y = tl.load(y_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+            res = tl.load(res_ptr + (t * N + rows[:, None]) * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            dres = tl.zeros((NP, BD), dtype=tl.float32)
+            dy = tl.zeros((BD,), dtype=tl.float32)
+            for hh in tl.static_range(N):
+                g = tl.load(g_ptr + (t * N + hh) * D + d, mask=dm, other=0.0).to(tl.float32)
+                ccol = _rd(tl.load(comb_ptr + (t * N + rows) * N + hh, mask=rm, other=0.0), DT)
+                ph = tl.sum(tl.where(rows == hh, post, 0.0), axis=0)
+                dres += ccol[:, None] * g[None, :]
+                dy += ph * g
+                dpost += tl.where(rows == hh, tl.sum(g * y, axis=0), 0.0)
+                dcomb += tl.where(rows[None, :] == hh, tl.sum(res * g[None, :], axis=1)[:, None], 0.0)
+            tl.store(dy_ptr + t * D + d, _rd(dy, DT).to(DT), mask=dm)
+            tl.store(dres_ptr + (t * N + rows[:, None]) * D + d[None, :], _rd(dres, DT).to(DT), mask=m2)
+        tl.store(dpost_ptr + t * N + rows, dpost, mask=rm)
+        tl.store(dcomb_ptr + (t * N + rows[:, None]) * N + rows[None, :], dcomb, mask=rm[:, None] & rm[None, :])
+
+    @triton.jit
+    def _hc_pre_reduce_kernel(
+        x_ptr, fn_ptr, proj_ptr, sumsq_ptr,
+        T, K,
+        M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    ):
+        # one program: BT tokens; loops over K = N*D: proj = x @ fn^T (fp32, ieee), sumsq = sum x^2
+        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        tm = t < T
+        j = tl.arange(0, MP)
+        jm = j < M
+        acc = tl.zeros((BT, MP), dtype=tl.float32)
+        ss = tl.zeros((BT,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            w = tl.load(fn_ptr + j[None, :] * K + k[:, None], mask=jm[None, :] & km[:, None], other=0.0).to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+            ss += tl.sum(x * x, axis=1)
+        tl.store(proj_ptr + t[:, None] * M + j[None, :], acc, mask=tm[:, None] & jm[None, :])
+        tl.store(sumsq_ptr + t, ss, mask=tm)
+
+    @triton.jit
+    def _hc_collapse_kernel(
+        x_ptr, pre_ptr, out_ptr,
+        D,
+        N: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        dm = d < D
+        acc = tl.zeros((BD,), dtype=tl.float32)
+        for n in tl.static_range(N):
+            p = tl.load(pre_ptr + t * N + n).to(tl.float32)
+            acc += p * tl.load(x_ptr + (t * N + n) * D + d, mask=dm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + d, _rd(acc, DT).to(DT), mask=dm)
+
+    @triton.jit
+    def _hc_dpre_kernel(
+        x_ptr, dc_ptr, dpre_ptr,
+        D,
+        N: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
+    ):
+        # dpre[t, n] = sum_d dcollapsed[t, d] * X[t, n, d] (fp32)
+        t = tl.program_id(0).to(tl.int64)
+        rows = tl.arange(0, NP)
+        rm = rows < N
+        acc = tl.zeros((NP,), dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            dm = d < D
+            dc = tl.load(dc_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + (t * N + rows[:, None]) * D + d[None, :], mask=rm[:, None] & dm[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(x * dc[None, :], axis=1)
+        tl.store(dpre_ptr + t * N + rows, acc, mask=rm)
+
+    @triton.jit
+    def _hc_pre_dx_kernel(
+        x_ptr, fn_ptr, dproj_ptr, dsumsq_ptr, pre_ptr, dc_ptr, dx_ptr,
+        T, D,
+        N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+        HAS_DC: tl.constexpr, DT: tl.constexpr,
+    ):
+        # dX[t, n, d] = sum_j dproj[t, j] fn[j, n*D + d] + 2 dsumsq[t] X[t, n, d] + pre[t, n] dcollapsed[t, d]
+        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        n = tl.program_id(1)
+        d = tl.program_id(2) * BD + tl.arange(0, BD)
+        tm = t < T
+        dm = d < D
+        j = tl.arange(0, MP)
+        jm = j < M
+        K = N * D
+        m2 = tm[:, None] & dm[None, :]
+        dp = tl.load(dproj_ptr + t[:, None] * M + j[None, :], mask=tm[:, None] & jm[None, :], other=0.0)
+        w = tl.load(fn_ptr + j[:, None] * K + n * D + d[None, :], mask=jm[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(dp, w, input_precision="ieee")
+        x = tl.load(x_ptr + (t[:, None] * N + n) * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        ds = tl.load(dsumsq_ptr + t, mask=tm, other=0.0)
+        acc += (2.0 * ds)[:, None] * x
+        if HAS_DC:
+            p = tl.load(pre_ptr + t * N + n, mask=tm, other=0.0)
+            dc = tl.load(dc_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc += p[:, None] * dc
+        tl.store(dx_ptr + (t[:, None] * N + n) * D + d[None, :], _rd(acc, DT).to(DT), mask=m2)
+
+    @triton.jit
+    def _hc_pre_dfn_kernel(
+        x_ptr, dproj_ptr, dfn_ptr,
+        T, K,
+        M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    ):
+        # dfn[j, k] = sum_t dproj[t, j] x[t, k] (fp32), one program per block of BK columns, loops over tokens
+        k = tl.program_id(0).to(tl.int64) * BK + tl.arange(0, BK)
+        km = k < K
+        j = tl.arange(0, MP)
+        jm = j < M
+        acc = tl.zeros((MP, BK), dtype=tl.float32)
+        for t0 in range(0, T, BT):
+            t = (t0 + tl.arange(0, BT)).to(tl.int64)
+            tm = t < T
+            dp = tl.load(dproj_ptr + t[:, None] * M + j[None, :], mask=tm[:, None] & jm[None, :], other=0.0)
+            x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(tl.trans(dp), x, acc, input_precision="ieee")
+        tl.store(dfn_ptr + j[:, None] * K + k[None, :], acc, mask=jm[:, None] & km[None, :])
+
+
+# ============================================================================================================ hc_post
+def _post_blocks(dim: int) -> tuple[int, int]:
+    return min(_p2(dim, 16), 1024), min(_p2(dim, 16), 512)  # forward BD, backward BD
+
+
+class _HcPostFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, residual, post, comb):
+        b, s, n, d = residual.shape
+        t = b * s
+        y_c, res_c = y.contiguous(), residual.contiguous()
+        post_c, comb_c = post.contiguous(), comb.contiguous()
+        out = torch.empty_like(res_c)
+        bd_fwd, _ = _post_blocks(d)
+        if t > 0 and d > 0:
+            _hc_post_fwd_kernel[(t, triton.cdiv(d, bd_fwd))](
+                y_c, res_c, post_c, comb_c, out, d,
+                N=n, NP=_p2(n), BD=bd_fwd, DT=_TL_DTYPES[residual.dtype],
+            )
+        ctx.save_for_backward(y_c, res_c, post_c, comb_c)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, res, post, comb = ctx.saved_tensors
+        b, s, n, d = res.shape
+        t = b * s
+        g = grad_out.contiguous()
+        dy = torch.empty_like(y)
+        dres = torch.empty_like(res)
+        dpost = torch.empty(post.shape, dtype=torch.float32, device=post.device)
+        dcomb = torch.empty(comb.shape, dtype=torch.float32, device=comb.device)
+        _, bd_bwd = _post_blocks(d)
+        if t > 0:
+            _hc_post_bwd_kernel[(t,)](
+                g, y, res, post, comb, dy, dres, dpost, dcomb, d,
+                N=n, NP=_p2(n), BD=bd_bwd, DT=_TL_DTYPES[res.dtype],
+            )
+        return dy, dres, dpost.to(post.dtype), dcomb.to(comb.dtype)
+
+
+def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Fused ``hc_post``: ``out[..., h, :] = rd(post_h) * y + sum_i rd(comb[..., i, h]) * residual_i``.
+
+    Same maths and rounding as :func:`glm53flash_hf.mhc.hc_post` (``rd`` = cast to the activation dtype; see the
+    module docstring). Differentiable in all four inputs (custom backward kernel).
+
+    Args:
+        y: ``[B, S, D]`` sub-block output, same dtype as ``residual`` (fp32, bf16 or fp16).
+        residual: ``[B, S, N, D]`` streams.
+        post: ``[B, S, N]`` fp32 (from ``hc_pre``). comb: ``[B, S, N, N]`` fp32.
+
+    Returns:
+        ``[B, S, N, D]`` in ``residual.dtype``. Gradients: ``dy``/``dresidual`` in the activation dtype,
+        ``dpost``/``dcomb`` accumulated in fp32 and returned in the dtype of ``post``/``comb``.
+
+    Raises:
+        RuntimeError: triton is not installed.
+        ValueError: shapes that do not fit, unsupported or mismatched activation dtypes.
+    """
+    _require_triton()
+    if residual.dim() != 4:
+        raise ValueError(f"residual must be [B, S, N, D]; got shape {tuple(residual.shape)}")
+    b, s, n, d = residual.shape
+    if tuple(y.shape) != (b, s, d) or tuple(post.shape) != (b, s, n) or tuple(comb.shape) != (b, s, n, n):
+        raise ValueError(
+            f"hc_post shapes do not fit residual [B,S,N,D]={tuple(residual.shape)}: y {tuple(y.shape)}, "
+            f"post {tuple(post.shape)}, comb {tuple(comb.shape)}"
+        )
+    if residual.dtype not in SUPPORTED_DTYPES or y.dtype != residual.dtype:
+        raise ValueError(f"fused hc_post needs y and residual of one dtype in fp32/bf16/fp16; got {y.dtype}, "
+                         f"{residual.dtype}")
+    return _HcPostFunction.apply(y, residual, post, comb)
+
+
+# ============================================================================================================= hc_pre
+def _pre_blocks(t: int, k: int, d: int) -> tuple[int, int, int]:
+    """(BT tokens per program, BK columns of N*D, BD features) for the hc_pre kernels."""
+    bt = min(32, _p2(t, 16))
+    bk = min(128, _p2(k, 16))
+    bd = min(256, _p2(d, 16))
+    return bt, bk, bd
+
+
+def _small_graph(proj, sumsq, base, scale, n, k, sinkhorn_iters, hc_eps, norm_eps):
+    """torch part of hc_pre on ``[T, M]``: RMS scale, sigmoids, softmax, Sinkhorn (same ops as the torch path)."""
+    mixes = proj * torch.rsqrt(sumsq.unsqueeze(-1) / k + norm_eps)
+    return _mix_weights(mixes, base, scale, n=n, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
+
+
+class _HcPreFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+        b, s, n, d = x.shape
+        t, k, m = b * s, n * d, fn.shape[0]
+        x_c, fn_c = x.contiguous(), fn.contiguous()
+        bt, bk, bd = _pre_blocks(t, k, d)
+        mp = _p2(m, 16)
+        proj = torch.empty(t, m, dtype=torch.float32, device=x.device)
+        sumsq = torch.empty(t, dtype=torch.float32, device=x.device)
+        if t > 0:
+            _hc_pre_reduce_kernel[(triton.cdiv(t, bt),)](x_c, fn_c, proj, sumsq, t, k, M=m, MP=mp, BT=bt, BK=bk)
+        with torch.no_grad():
+            pre, post, comb = _small_graph(proj, sumsq, base, scale, n, k, sinkhorn_iters, hc_eps, norm_eps)
+        pre = pre.contiguous()
+        collapsed = torch.empty(b, s, d, dtype=x.dtype, device=x.device)
+        if t > 0 and d > 0:
+            _hc_collapse_kernel[(t, triton.cdiv(d, bd))](x_c, pre, collapsed, d, N=n, BD=bd,
+                                                         DT=_TL_DTYPES[x.dtype])
+        ctx.save_for_backward(x_c, fn_c, base, scale, proj, sumsq)
+        ctx.cfg = (sinkhorn_iters, hc_eps, norm_eps)
+        return post.view(b, s, n), comb.view(b, s, n, n), collapsed
+
+    @staticmethod
+    def backward(ctx, dpost, dcomb, dcollapsed):
+        x, fn, base, scale, proj, sumsq = ctx.saved_tensors
+        sinkhorn_iters, hc_eps, norm_eps = ctx.cfg
+        b, s, n, d = x.shape
+        t, k, m = b * s, n * d, fn.shape[0]
+        bt, bk, bd = _pre_blocks(t, k, d)
+        mp = _p2(m, 16)
+        dc = dcollapsed.contiguous() if dcollapsed is not None else None
+
+        dpre = None
+        if dc is not None and t > 0:  # pass 1 over X
+            dpre = torch.empty(t, n, dtype=torch.float32, device=x.device)
+            _hc_dpre_kernel[(t,)](x, dc, dpre, d, N=n, NP=_p2(n), BD=bd)
+
+        # the small [T, M] graph, recomputed and differentiated by torch autograd (every Sinkhorn step)
+        need_base, need_scale = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        with torch.enable_grad():
+            proj_r = proj.detach().requires_grad_(True)
+            sumsq_r = sumsq.detach().requires_grad_(True)
+            base_r = base.detach().requires_grad_(need_base)
+            scale_r = scale.detach().requires_grad_(need_scale)
+            pre, post, comb = _small_graph(proj_r, sumsq_r, base_r, scale_r, n, k, sinkhorn_iters, hc_eps, norm_eps)
+            outs, grads = [], []
+            for o, g in ((pre, dpre), (post, dpost), (comb, dcomb)):
+                if g is not None:
+                    outs.append(o)
+                    grads.append(g.reshape(o.shape).to(o.dtype))
+            inputs = [proj_r, sumsq_r] + ([base_r] if need_base else []) + ([scale_r] if need_scale else [])
+            if outs:
+                got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+            else:
+                got = [None] * len(inputs)
+        got = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, got)]
+        dproj, dsumsq = got[0].contiguous(), got[1].contiguous()
+        rest = got[2:]
+        dbase = rest.pop(0) if need_base else None
+        dscale = rest.pop(0) if need_scale else None
+
+        dx = dfn = None
+        if ctx.needs_input_grad[0]:  # pass 2 over X: dX written once
+            dx = torch.empty_like(x)
+            if t > 0 and d > 0:
+                pre_c = pre.detach().contiguous()
+                _hc_pre_dx_kernel[(triton.cdiv(t, bt), n, triton.cdiv(d, bd))](
+                    x, fn, dproj, dsumsq, pre_c, dc if dc is not None else dproj, dx, t, d,
+                    N=n, M=m, MP=mp, BT=bt, BD=bd, HAS_DC=dc is not None, DT=_TL_DTYPES[x.dtype],
+                )
+        if ctx.needs_input_grad[1]:  # pass 3 over X: dfn reduced over tokens in fp32
+            dfn32 = torch.zeros(m, k, dtype=torch.float32, device=x.device)
+            if t > 0 and k > 0:
+                _hc_pre_dfn_kernel[(triton.cdiv(k, bk),)](x, dproj, dfn32, t, k, M=m, MP=mp, BT=bt, BK=bk)
+            dfn = dfn32.to(fn.dtype)
+        return dx, dfn, dbase, dscale, None, None, None
+
+
+def hc_pre_fused(
+    hidden_streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``hc_pre`` (hybrid: Triton reductions over the streams, torch for the tiny Sinkhorn part).
+
+    Same maths as :func:`glm53flash_hf.mhc.hc_pre`; what is fused and what is not is listed in the module docstring.
+
+    Args:
+        hidden_streams: ``X [B, S, N, D]`` in fp32/bf16/fp16.
+        fn: ``[(2+N)*N, N*D]`` (fp32/bf16/fp16; used in fp32). base: ``[(2+N)*N]`` fp32. scale: ``[3]`` fp32.
+        sinkhorn_iters: ``>= 1``. hc_eps: ``config.hc_eps``. norm_eps: ``config.rms_norm_eps``.
+
+    Returns:
+        ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)``, differentiable in
+        ``X``, ``fn``, ``base`` and ``scale``.
+
+    Raises:
+        RuntimeError: triton is not installed.
+        ValueError: wrong ranks/shapes, unsupported dtypes, ``sinkhorn_iters < 1``.
+    """
+    _require_triton()
+    if hidden_streams.dim() != 4:
+        raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
+    b, s, n, d = hidden_streams.shape
+    mix = (2 + n) * n
+    if tuple(fn.shape) != (mix, n * d):
+        raise ValueError(f"fn must be [(2+N)*N, N*D] = [{mix}, {n * d}]; got {tuple(fn.shape)}")
+    if tuple(base.shape) != (mix,) or tuple(scale.shape) != (3,):
+        raise ValueError(f"base must be [{mix}] and scale [3]; got {tuple(base.shape)} and {tuple(scale.shape)}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"hc_sinkhorn_iters must be >= 1; got {sinkhorn_iters}")
+    if hidden_streams.dtype not in SUPPORTED_DTYPES or fn.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"fused hc_pre supports fp32/bf16/fp16; got X {hidden_streams.dtype}, fn {fn.dtype}")
+    return _HcPreFunction.apply(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+__all__ = ["SUPPORTED_DTYPES", "TRITON_AVAILABLE", "fused_mhc_available", "hc_post_fused", "hc_pre_fused"]

@@ -1,0 +1,284 @@
+"""Tests of glm53flash_hf/triton_mhc.py: fused hc_post / hc_pre (Triton, custom autograd) vs the torch path.
+
+Oracle: ``glm53flash_hf.mhc.hc_post`` / ``hc_pre`` (themselves tested against transformers' glm5_next in
+tests/test_mhc.py), values and the gradients of every input; for bf16 gradients also a float64 evaluation.
+
+CPU tests run the kernels under Triton's interpreter. ``TRITON_INTERPRET=1`` must be set before triton is first imported
+(triton.language's own ``@jit`` helpers such as ``tl.zeros`` are decorated at import), and setting it in this process
+would leak into every later test (GPU tests would silently run interpreted). So the ``interpreter`` tests run in a
+child pytest process started with ``TRITON_INTERPRET=1`` (:func:`test_interpreter_tests_in_subprocess`); in this process
+they are skipped with that reason. Running ``TRITON_INTERPRET=1 pytest tests/test_triton_mhc.py -m interpreter`` runs
+them directly. Our kernels use no autotuner, so kernels.md §2's "one autotune config" patch is not needed.
+
+Tolerances:
+* fp32: 1e-5 relative to the largest reference magnitude (measured <= 6e-7): only the fp32 summation order differs.
+* bf16 values: at most one bf16 ulp (``2**-7`` of the value) per element, plus 1e-6 of the scale for fp32 order noise
+  near zero: both paths round the same fp32 quantity once to bf16 (the kernel with round-to-nearest-even, as torch);
+  a different fp32 summation order may move a value across a rounding boundary (measured: bit-equal).
+* bf16 ``dy``, ``dpost``, ``dcomb`` of hc_post: the reference rounds intermediates to bf16 that the kernel keeps in
+  fp32 (``dy``: each ``post_h * g_h`` product and the sum; ``dpost``: each ``g * y`` product and the sum; ``dcomb``:
+  the sum before its cast to fp32), so the bound is the reference's own rounding error: one ulp of the result plus
+  half an ulp (``2**-8``) of each rounded product. Against a float64 evaluation the kernel is held to one ulp
+  (``dy``) or 1e-5 (the fp32 ``dpost``/``dcomb``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glm53flash_hf import mhc
+from glm53flash_hf import dispatch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
+
+KW = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def tm():
+    """glm53flash_hf.triton_mhc with interpreted kernels; one intra-op thread (tiny shapes)."""
+    if not INTERPRETING:
+        pytest.skip("interpreter test: runs in the TRITON_INTERPRET=1 child of test_interpreter_tests_in_subprocess")
+    from glm53flash_hf import triton_mhc
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield triton_mhc
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.interpreter
+def test_interpreter_tests_in_subprocess():
+    """Run this file's interpreter tests in a child pytest with TRITON_INTERPRET=1 set before triton is imported."""
+    if INTERPRETING:
+        pytest.skip("already the interpreter child")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpreter", "-rs",
+           os.path.abspath(__file__)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=540)
+    tail = f"{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"interpreter child failed (rc {proc.returncode}):\n{tail}"
+    skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert " passed" in proc.stdout and all("already the interpreter child" in line for line in skips), proc.stdout
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def assert_rel(a, b, tol, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    err = rel(a, b)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def assert_ulps(ours, ref, what, ulps=1.0, extra=None):
+    """|ours - ref| <= ulps * 2**-7 * |ref| + 1e-6 * max|ref| (+ extra, elementwise): at most `ulps` bf16 ulps."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, what
+    o, r = ours.double(), ref.double()
+    bound = ulps * 2.0**-7 * r.abs() + 1e-6 * r.abs().max()
+    if extra is not None:
+        bound = bound + extra
+    worst = ((o - r).abs() - bound).max().item()
+    assert worst <= 0, f"{what}: exceeds the bound by {worst:.3g} (max |diff| {(o - r).abs().max().item():.3g})"
+
+
+def post_inputs(b, s, n, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(b, s, d, generator=g).to(dtype).requires_grad_()
+    res = torch.randn(b, s, n, d, generator=g).to(dtype).requires_grad_()
+    post = (2 * torch.rand(b, s, n, generator=g)).requires_grad_()
+    comb = torch.rand(b, s, n, n, generator=g).requires_grad_()
+    grad = torch.randn(b, s, n, d, generator=g).to(dtype)
+    return (y, res, post, comb), grad
+
+
+def pre_inputs(b, s, n, d, dtype, fn_dtype=torch.float32, fn_std=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = (2 + n) * n
+    x = torch.randn(b, s, n, d, generator=g).to(dtype).requires_grad_()
+    fn = (fn_std * torch.randn(m, n * d, generator=g)).to(fn_dtype).requires_grad_()
+    base = torch.randn(m, generator=g).requires_grad_()
+    scale = (0.5 + 1.5 * torch.rand(3, generator=g)).requires_grad_()
+    grads = (torch.randn(b, s, n, generator=g), torch.randn(b, s, n, n, generator=g),
+             torch.randn(b, s, d, generator=g).to(dtype))
+    return (x, fn, base, scale), grads
+
+
+def run(fn, inputs, grads, **kw):
+    outs = fn(*inputs, **kw)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    got = torch.autograd.grad(outs, inputs, grads)
+    return [o.detach() for o in outs], list(got)
+
+
+# ------------------------------------------------------------------------------------------------------------ hc_post
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(2, 5, 4, 48), (1, 3, 3, 20)])  # D not a power of 2; N=3 pads the stream block
+def test_hc_post_fp32(tm, shape):
+    inputs, grad = post_inputs(*shape, torch.float32)
+    (out,), grads = run(tm.hc_post_fused, inputs, grad)
+    (ref,), ref_grads = run(mhc.hc_post, inputs, grad)
+    assert_rel(out, ref, 1e-5, "out")
+    for name, a, b in zip(("dy", "dresidual", "dpost", "dcomb"), grads, ref_grads):
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.interpreter
+def test_hc_post_bf16(tm):
+    inputs, grad = post_inputs(2, 5, 4, 48, torch.bfloat16, seed=1)
+    y, res, post, comb = inputs
+    (out,), (dy, dres, dpost, dcomb) = run(tm.hc_post_fused, inputs, grad)
+    (ref,), (rdy, rdres, rdpost, rdcomb) = run(mhc.hc_post, inputs, grad)
+    # same fp32 quantities rounded once to bf16 in both paths
+    assert_ulps(out, ref, "out")
+    assert_ulps(dres, rdres, "dresidual")
+    assert dpost.dtype == dcomb.dtype == torch.float32
+    # float64 evaluations from the same bf16-rounded post/comb
+    y64, r64, g64 = y.detach().double(), res.detach().double(), grad.double()
+    p64 = post.detach().to(torch.bfloat16).double()
+    dy64 = (p64.unsqueeze(-1) * g64).sum(-2)
+    dpost64 = (g64 * y64.unsqueeze(-2)).sum(-1)
+    dcomb64 = torch.einsum("bsid,bshd->bsih", r64, g64)
+    assert_ulps(dy, dy64.to(torch.bfloat16), "dy vs float64")
+    assert_rel(dpost.double(), dpost64, 1e-5, "dpost vs float64")
+    assert_rel(dcomb.double(), dcomb64, 1e-5, "dcomb vs float64")
+    # vs the torch path: its own rounding (half an ulp per rounded product, one ulp of the result)
+    terms = (p64.unsqueeze(-1) * g64).abs().sum(-2)
+    assert_ulps(dy, rdy, "dy", extra=2.0**-8 * terms)
+    assert_ulps(dpost, rdpost, "dpost", extra=2.0**-8 * (g64 * y64.unsqueeze(-2)).abs().sum(-1))
+    assert_ulps(dcomb, rdcomb, "dcomb")
+
+
+@pytest.mark.interpreter
+def test_hc_post_errors(tm):
+    (y, res, post, comb), _ = post_inputs(1, 2, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        tm.hc_post_fused(y[..., :8], res, post, comb)
+    with pytest.raises(ValueError, match="one dtype"):
+        tm.hc_post_fused(y.double(), res.double(), post, comb)
+
+
+# ------------------------------------------------------------------------------------------------------------- hc_pre
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape,iters", [((2, 5, 4, 48), 20), ((3, 13, 4, 24), 20), ((1, 3, 3, 20), 2)])
+def test_hc_pre_fp32(tm, shape, iters):
+    """Values and gradients of X, fn, base, scale through every Sinkhorn step; several token blocks (39 tokens)."""
+    inputs, grads = pre_inputs(*shape, torch.float32)
+    kw = dict(KW, sinkhorn_iters=iters)
+    outs, got = run(tm.hc_pre_fused, inputs, grads, **kw)
+    refs, ref_got = run(mhc.hc_pre, inputs, grads, **kw)
+    for name, a, b in zip(("post", "comb", "collapsed"), outs, refs):
+        assert_rel(a, b, 1e-5, name)
+    for name, a, b in zip(("dX", "dfn", "dbase", "dscale"), got, ref_got):
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fn_dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_bf16(tm, fn_dtype):
+    inputs, grads = pre_inputs(2, 5, 4, 48, torch.bfloat16, fn_dtype=fn_dtype, seed=3)
+    (post, comb, col), (dx, dfn, dbase, dscale) = run(tm.hc_pre_fused, inputs, grads, **KW)
+    (rpost, rcomb, rcol), (rdx, rdfn, rdbase, rdscale) = run(mhc.hc_pre, inputs, grads, **KW)
+    # fp32 quantities computed from bf16 streams (exact in fp32): fp32 tolerance
+    assert_rel(post, rpost, 1e-5, "post")
+    assert_rel(comb, rcomb, 1e-5, "comb")
+    assert_rel(dbase, rdbase, 1e-5, "dbase")
+    assert_rel(dscale, rdscale, 1e-5, "dscale")
+    # fp32 results rounded once to bf16 in both paths
+    assert_ulps(col, rcol, "collapsed")
+    assert_ulps(dx, rdx, "dX")
+    if fn_dtype == torch.float32:
+        assert_rel(dfn, rdfn, 1e-5, "dfn")
+    else:
+        assert_ulps(dfn, rdfn, "dfn (bf16)")
+
+
+@pytest.mark.interpreter
+def test_hc_pre_partial_outputs(tm):
+    """Only some outputs used (the others get no gradient); base/scale frozen."""
+    (x, fn, base, scale), grads = pre_inputs(1, 4, 4, 16, torch.float32, seed=5)
+    base.requires_grad_(False)
+    scale.requires_grad_(False)
+    for pick in ((2,), (0, 1)):
+        got = torch.autograd.grad([tm.hc_pre_fused(x, fn, base, scale, **KW)[i] for i in pick], (x, fn),
+                                  [grads[i] for i in pick])
+        ref = torch.autograd.grad([mhc.hc_pre(x, fn, base, scale, **KW)[i] for i in pick], (x, fn),
+                                  [grads[i] for i in pick])
+        for name, a, b in zip(("dX", "dfn"), got, ref):
+            assert_rel(a, b, 1e-5, f"{name} for outputs {pick}")
+
+
+@pytest.mark.interpreter
+def test_entry_points_route_to_fused(tm, monkeypatch):
+    """mhc.hc_pre / hc_post run the fused functions when the dispatcher answers "fused" (forced here: on CPU it
+    never does)."""
+    monkeypatch.setattr(mhc, "choose_backend", lambda *a, **k: "fused")
+    calls = []
+    for fname in ("hc_pre_fused", "hc_post_fused"):
+        original = getattr(tm, fname)
+        monkeypatch.setattr(tm, fname, lambda *a, _f=original, _n=fname, **k: calls.append(_n) or _f(*a, **k))
+    (x, fn, base, scale), _ = pre_inputs(1, 2, 4, 16, torch.float32)
+    post, comb, col = mhc.hc_pre(x, fn, base, scale, backend="fused", **KW)
+    mhc.hc_post(col, x, post, comb, backend="fused")
+    assert calls == ["hc_pre_fused", "hc_post_fused"]
+
+
+# ------------------------------------------------------------------------------------------------------------ dispatch
+def test_dispatch_never_fused_on_cpu():
+    """CPU tensors get the torch path even with triton installed (and choose_backend does not import triton)."""
+    x = torch.zeros(1, 2, 4, 8)
+    assert dispatch.choose_backend("mhc", "auto", x) == "torch"
+    assert dispatch.FUSED_AVAILABILITY["mhc"](x) == (False, "the tensors are not on a CUDA device")
+
+
+# ----------------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(INTERPRETING, reason="TRITON_INTERPRET=1: kernels would run interpreted")
+def test_gpu_realistic_bf16():
+    """Hidden 4096, N=4, 8k tokens, bf16 streams, fp32 fn/base/scale, init-scale fn: values and all gradients.
+
+    Tolerances as in the CPU tests (module docstring): bf16 results within one ulp of the torch path (both round the
+    same fp32 quantity once); fp32 results (post, comb, dpost, dcomb, dfn, dbase, dscale) within 1e-4 relative:
+    fp32 sums over 16384 terms in another order (GPU reductions are tree-shaped) — about sqrt(16384) * 6e-8 = 8e-6 per
+    sum, with margin for the Sinkhorn chain amplifying post/comb differences by < 10 (measured on CPU: 2.4e-7 in,
+    2.7e-7 out). bf16 ``dy``/``dpost``/``dcomb`` of hc_post: the torch path's own bf16 rounding of intermediates.
+    """
+    from glm53flash_hf import triton_mhc as tm
+
+    dev = torch.device("cuda")
+    b, s, n, d = 1, 8192, 4, 4096
+    (x, fn, base, scale), grads = pre_inputs(b, s, n, d, torch.bfloat16, fn_std=0.02, seed=7)
+    x, fn, base, scale = (t.detach().to(dev).requires_grad_() for t in (x, fn, base, scale))
+    grads = tuple(g.to(dev) for g in grads)
+    assert dispatch.choose_backend("mhc", "auto", x, fn, base, scale) == "fused"
+    (post, comb, col), (dx, dfn, dbase, dscale) = run(tm.hc_pre_fused, (x, fn, base, scale), grads, **KW)
+    (rpost, rcomb, rcol), (rdx, rdfn, rdbase, rdscale) = run(mhc.hc_pre, (x, fn, base, scale), grads,
+                                                             backend="torch", **KW)
+    for name, a, r in (("post", post, rpost), ("comb", comb, rcomb), ("dfn", dfn, rdfn), ("dbase", dbase, rdbase),
+                       ("dscale", dscale, rdscale)):
+        assert_rel(a, r, 1e-4, name)
+    assert_ulps(col, rcol, "collapsed")
+    assert_ulps(dx, rdx, "dX")
+
+    inputs, grad = post_inputs(b, s, n, d, torch.bfloat16, seed=8)
+    inputs = tuple(t.detach().to(dev).requires_grad_() for t in inputs)
+    grad = grad.to(dev)
+    (out,), (dy, dres, dpost, dcomb) = run(tm.hc_post_fused, inputs, grad)
+    (ref,), (rdy, rdres, rdpost, rdcomb) = run(mhc.hc_post, inputs, grad, backend="torch")
+    assert_ulps(out, ref, "out")
+    assert_ulps(dres, rdres, "dresidual")
+    terms = (inputs[2].detach().to(torch.bfloat16).double().unsqueeze(-1) * grad.double()).abs().sum(-2)
+    assert_ulps(dy, rdy, "dy", extra=2.0**-8 * terms)
+    y64, g64 = inputs[0].detach().double(), grad.double()
+    assert_ulps(dpost, rdpost, "dpost", extra=2.0**-8 * (g64 * y64.unsqueeze(-2)).abs().sum(-1))
+    assert_ulps(dcomb, rdcomb, "dcomb", extra=1e-4 * rdcomb.double().abs().max())
