@@ -353,38 +353,137 @@ class Glm53FlashIndexer(nn.Module):
             hi = torch.where(valid, ends_upto, torch.zeros_like(ends_upto))
             lo = torch.where(valid, ends_upto - (local_pos + 1) // kp, torch.zeros_like(ends_upto))
 
-            chunk = max(1, int(self.max_score_elements) // max(1, batch * n_heads * num_pools))
-            slot_offsets = torch.arange(kp, device=device) - (kp - 1)
-            for start in range(0, seq_len, chunk):
-                end = min(seq_len, start + chunk)
-                size = end - start
-                # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
-                pools_here = min(num_pools, end // kp)
-                if pools_here == 0:
-                    continue
-                qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)
-                logits = torch.bmm(qc, pool_keys_t[:, :, :pools_here]).relu_()  # [B, C*Hi, Pc]
-                logits = logits.view(batch * size, n_heads, pools_here)
-                wc = head_weights[:, start:end].reshape(batch * size, 1, n_heads)
-                scores = torch.bmm(wc, logits).view(batch, size, pools_here)  # [B, C, Pc]
-                pool_ids = torch.arange(pools_here, device=device)
-                selectable = (pool_ids >= lo[:, start:end, None]) & (pool_ids < hi[:, start:end, None])
-                scores = scores.masked_fill_(~selectable, float("-inf"))
-                take = min(select_pools, pools_here)
-                top = stable_topk_indices(scores, take)  # [B, C, take]
-                top_ok = selectable.gather(-1, top)
-                top_end = pool_end.gather(1, top.reshape(batch, size * take)).view(batch, size, take)
-                token_ids = top_end[..., None] + slot_offsets  # [B, C, take, kp]
-                token_ids = token_ids.masked_fill(~top_ok[..., None], -1).flatten(-2)
-                out[:, start:end, : take * kp] = token_ids.to(torch.int32)
+            self._select_pools(out, q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools)
 
+        self._append_tail(out, positions, local_pos)
+        out.masked_fill_(~valid[..., None], -1)
+        return out
+
+    def _select_pools(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        head_weights: torch.Tensor,
+        pool_keys_t: torch.Tensor,
+        pool_end: torch.Tensor,
+        lo: torch.Tensor,
+        hi: torch.Tensor,
+        select_pools: int,
+        offset: int = 0,
+    ) -> None:
+        """Score the pools and write the expanded top pools into ``out[..., :select_pools * kp]`` (in place).
+
+        ``q`` ``[B, S, Hi, Dk]``, ``head_weights`` fp32 ``[B, S, Hi]`` (scales folded in), ``pool_keys_t`` fp32
+        ``[B, Dk, P]`` (pool ``p`` of a row = the row's ``p``-th complete pool, ending at row position
+        ``pool_end[b, p]``), ``lo`` / ``hi`` long ``[B, S]``: query ``t`` may select pools ``[lo, hi)``. ``offset``
+        is the row position of query 0 (the cached length; 0 without a cache), so a query at row position ``r``
+        sees at most ``(r + 1) // kp`` pools. Queries are scored in chunks under ``max_score_elements``.
+        """
+        batch, seq_len, n_heads, head_dim = q.shape
+        num_pools = pool_keys_t.shape[-1]
+        kp = self.index_kpool
+        device = q.device
+        chunk = max(1, int(self.max_score_elements) // max(1, batch * n_heads * num_pools))
+        slot_offsets = torch.arange(kp, device=device) - (kp - 1)
+        for start in range(0, seq_len, chunk):
+            end = min(seq_len, start + chunk)
+            size = end - start
+            # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
+            pools_here = min(num_pools, (offset + end) // kp)
+            if pools_here == 0:
+                continue
+            qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)
+            logits = torch.bmm(qc, pool_keys_t[:, :, :pools_here]).relu_()  # [B, C*Hi, Pc]
+            logits = logits.view(batch * size, n_heads, pools_here)
+            wc = head_weights[:, start:end].reshape(batch * size, 1, n_heads)
+            scores = torch.bmm(wc, logits).view(batch, size, pools_here)  # [B, C, Pc]
+            pool_ids = torch.arange(pools_here, device=device)
+            selectable = (pool_ids >= lo[:, start:end, None]) & (pool_ids < hi[:, start:end, None])
+            scores = scores.masked_fill_(~selectable, float("-inf"))
+            take = min(select_pools, pools_here)
+            top = stable_topk_indices(scores, take)  # [B, C, take]
+            top_ok = selectable.gather(-1, top)
+            top_end = pool_end.gather(1, top.reshape(batch, size * take)).view(batch, size, take)
+            token_ids = top_end[..., None] + slot_offsets  # [B, C, take, kp]
+            token_ids = token_ids.masked_fill(~top_ok[..., None], -1).flatten(-2)
+            out[:, start:end, : take * kp] = token_ids.to(torch.int32)
+
+    def _append_tail(self, out: torch.Tensor, positions: torch.Tensor, local_pos: torch.Tensor) -> None:
+        """With ``index_kpool_always_select_tail``: write the ``(local_pos + 1) % kp`` tokens of each query's
+        incomplete pool (row positions, ``-1`` for unused slots) into ``out[..., index_topk:]`` (in place)."""
+        kp = self.index_kpool
         if self.index_kpool_always_select_tail and kp > 1:
             tail_count = (local_pos + 1) % kp  # [B, S]
-            tail_offsets = torch.arange(kp - 1, device=device)
+            tail_offsets = torch.arange(kp - 1, device=out.device)
             tail_ids = (positions - tail_count + 1)[..., None] + tail_offsets  # [B, S, kp - 1]
             tail_ok = tail_offsets < tail_count[..., None]
             out[..., self.index_topk :] = tail_ids.masked_fill(~tail_ok, -1).to(torch.int32)
 
+    @torch.no_grad()
+    def forward_cached(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cache, ctx) -> torch.Tensor:
+        """Select token ids for ``S`` new queries, continuing from (and updating) the layer's indexer state.
+
+        State (fp32, in transformers' ``DynamicIndexedLayer`` / ``StaticIndexedLayer`` ``indexer_keys``, grown by
+        ``cache.update_indexer`` like every token-indexed cache): ``[B, L, 2 * Dk]``. Row slot ``s`` first holds
+        token ``s``'s ``[k | gate]`` (``k = k_norm(wk(x))``, ``gate = x @ index_kpool_compress_gate^T``). When the
+        ``j``-th pool of a row completes (its last token arrives), its key
+        ``sum_i softmax_i(gate_i + ape_i) * k_i`` is computed once, from its ``kp`` slots, and written into the
+        first ``Dk`` columns of slot ``j``. Slot ``j`` is never read as a token again: every token of pool ``j'``
+        sits at ``first + kp * j' + i >= j'``, and a pool is built before any pool key lands on its slots. So the
+        complete pool keys of a row are the contiguous view ``state[b, :P, :Dk]`` — no re-pooling, no gather per
+        step — and a decode step scores ``P`` cached pool keys, then adds the tail (the incomplete current pool).
+
+        Pools start at the row's first real token (``ctx.first``, left padding), as the uncached layout; the
+        output equals :meth:`forward` on the whole row (same pools, same scores, same tie rule), for the new
+        queries.
+
+        Args:
+            hidden_states: ``[B, S, hidden_size]``; q_resid: ``[B, S, q_lora_rank]``.
+            cache: transformers ``Cache``; ctx: the forward's :class:`~.generation_cache.CacheContext`.
+
+        Returns:
+            int32 ``[B, S, output_width]`` row positions (= cache slots), ``-1`` padding; padding queries all ``-1``.
+        """
+        batch, seq_len, _ = hidden_states.shape
+        device = hidden_states.device
+        kp, head_dim, n_heads = self.index_kpool, self.head_dim, self.n_heads
+        past, total = ctx.past, ctx.past + seq_len
+        first, valid, local_pos = ctx.first, ctx.valid, ctx.local_pos
+
+        keys = self.k_norm(self.wk(hidden_states)).float()
+        gates = F.linear(hidden_states, self.index_kpool_compress_gate).float()
+        state = cache.update_indexer(torch.cat([keys, gates], dim=-1), self.layer_idx)  # [B, L, 2Dk]
+        cap = state.shape[1]
+
+        # ---- pools completed by this call: ids [n_before, n_after) of each row; build and store their keys -------
+        n_before = (past - first).clamp_min(0) // kp  # [B]
+        n_after = (total - first).clamp_min(0) // kp
+        cand = -(-seq_len // kp)  # a call of S tokens completes at most ceil(S / kp) pools per row
+        pool_j = n_before[:, None] + torch.arange(cand, device=device)  # [B, cand] (distinct, < total <= cap)
+        new = pool_j < n_after[:, None]
+        slots = (first[:, None, None] + kp * pool_j[..., None] + torch.arange(kp, device=device)).clamp(0, cap - 1)
+        grouped = state.gather(1, slots.reshape(batch, cand * kp, 1).expand(-1, -1, 2 * head_dim))
+        slot_keys, slot_gates = grouped.view(batch, cand, kp, 2 * head_dim).split(head_dim, dim=-1)
+        probs = torch.softmax(slot_gates + self.index_kpool_compress_ape.float()[None, None], dim=2)
+        pool_keys = (probs * slot_keys).sum(dim=2)  # [B, cand, Dk] fp32, same maths as forward()
+        key_cols = state[..., :head_dim]
+        where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
+        key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
+
+        out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
+        num_pools = total // kp  # upper bound on complete pools of any row
+        select_pools = min(self.index_topk // kp, num_pools)
+        if select_pools > 0:
+            pool_keys_t = key_cols[:, :num_pools].transpose(1, 2)  # [B, Dk, P] view of the cached pool keys
+            pool_end = first[:, None] + kp * torch.arange(num_pools, device=device) + (kp - 1)  # [B, P]
+            q = self.wq_b(q_resid).view(batch, seq_len, n_heads, head_dim)
+            head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
+            head_weights = head_weights * (n_heads**-0.5 * self.softmax_scale)
+            hi = torch.where(valid, (local_pos + 1).clamp_min(0) // kp, torch.zeros_like(local_pos))
+            self._select_pools(
+                out, q, head_weights, pool_keys_t, pool_end, torch.zeros_like(hi), hi, select_pools, offset=past
+            )
+        self._append_tail(out, ctx.positions, local_pos)
         out.masked_fill_(~valid[..., None], -1)
         return out
 
@@ -472,6 +571,7 @@ class Glm53FlashAttention(nn.Module):
         layout: DocumentLayout,
         prev_topk_indices: torch.Tensor | None = None,
         cache=None,
+        cache_context=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
@@ -480,7 +580,13 @@ class Glm53FlashAttention(nn.Module):
             layout: document structure (``None``: every row one unpadded document).
             prev_topk_indices: int ``[B, S, W]`` ids of the previous "full" layer; required by "shared" layers,
                 ignored by "full" ones.
-            cache: must be ``None`` (generation caches are not supported yet).
+            cache: optional transformers ``Cache`` (generation). Its layer ``layer_idx`` (``DynamicIndexedLayer`` /
+                ``StaticIndexedLayer``) stores the latent ``c`` as ``keys`` ``[B, 1, L, kv_lora_rank]`` (``values``
+                the empty rope part ``[B, 1, L, 0]``, as transformers) and the indexer state
+                (:meth:`Glm53FlashIndexer.forward_cached`). The new queries attend over the selected cached latents
+                only, in the absorbed form (``q_abs = q W_kc``; ``out = softmax(q_abs c_sel^T) c_sel``; ``W_vc^T``):
+                the cache is never expanded through ``kv_b_proj``. Ids are row positions (= cache slots).
+            cache_context: the forward's :class:`~.generation_cache.CacheContext`; required with ``cache``.
             kwargs: ignored (``position_ids``, ``position_embeddings``, ... of the decoder layer; NoPE).
 
         Returns:
@@ -490,12 +596,15 @@ class Glm53FlashAttention(nn.Module):
 
         Raises:
             ValueError: bad shapes, or a "shared" layer called without ``prev_topk_indices``.
-            NotImplementedError: ``cache`` is not ``None``; attention dropout > 0 in training mode.
+            NotImplementedError: attention dropout > 0 in training mode; ``cache`` that is not a transformers
+                ``Cache`` (:class:`~.generation_cache.UnsupportedCacheError`, also a ``TypeError``).
         """
         if cache is not None:
-            raise NotImplementedError(
-                "Glm53FlashAttention does not support a generation cache yet (cache must be None)"
-            )
+            from .generation_cache import check_cache
+
+            check_cache(cache, "Glm53FlashAttention")
+            if cache_context is None:
+                raise ValueError("Glm53FlashAttention: a cache needs cache_context (built by the text model)")
         if self.training and self.attention_dropout > 0:
             raise NotImplementedError(
                 f"attention_dropout={self.attention_dropout} is not supported by sparse DSA attention; set it to 0"
@@ -505,7 +614,8 @@ class Glm53FlashAttention(nn.Module):
                 f"hidden_states must be [B, S, hidden_size={self.hidden_size}]; got {tuple(hidden_states.shape)}"
             )
         batch, seq_len, _ = hidden_states.shape
-        layout = _check_layout(layout, batch, seq_len, hidden_states.device)
+        if cache is None:
+            layout = _check_layout(layout, batch, seq_len, hidden_states.device)
 
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
         q_nope = self.q_b_proj(q_resid).view(batch, seq_len, self.num_heads, self.qk_nope_head_dim)
@@ -516,8 +626,14 @@ class Glm53FlashAttention(nn.Module):
         w_vc = kv_b[:, self.qk_nope_head_dim :]  # [H, Dv, Dl]
         q_abs = torch.einsum("bshd,hdl->bshl", q_nope, w_kc.to(q_nope.dtype))
 
+        if cache is not None:
+            keys, _ = cache.update(latent.unsqueeze(1), latent.new_zeros(batch, 1, seq_len, 0), self.layer_idx)
+            latent = keys[:, 0]  # [B, L, Dl]: cached + new latents (static cache: L = max_cache_len)
         if self.indexer is not None:
-            topk_indices = self.indexer(hidden_states, q_resid, layout)
+            if cache is not None:
+                topk_indices = self.indexer.forward_cached(hidden_states, q_resid, cache, cache_context)
+            else:
+                topk_indices = self.indexer(hidden_states, q_resid, layout)
         else:
             if prev_topk_indices is None:
                 raise ValueError(

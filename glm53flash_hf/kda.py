@@ -811,6 +811,7 @@ class Glm53FlashLinearAttention(nn.Module):
         hidden_states: torch.Tensor,
         layout: DocumentLayout,
         cache=None,
+        cache_context=None,
         **kwargs,
     ) -> torch.Tensor:
         """Mix tokens within documents.
@@ -822,24 +823,25 @@ class Glm53FlashLinearAttention(nn.Module):
                 ``layout.trivial`` the rows run batched; otherwise the batch is flattened to ``[1, B*S]`` and the
                 convolution and recurrence restart at every segment of ``layout.cu_seqlens`` (padding runs are
                 their own segments; their outputs are finite and unused).
-            cache: must be ``None`` (generation is not supported yet).
+            cache: optional transformers ``Cache`` (generation): see :meth:`forward_cached`; ``layout`` then only
+                gives the padding (``layout.valid``) of this call's tokens.
+            cache_context: unused here (accepted for a uniform layer signature).
 
         Returns:
             ``[B, S, D]`` in ``hidden_states``' dtype.
 
         Raises:
-            NotImplementedError: ``cache`` given, or backend ``"fused"``.
+            NotImplementedError: backend ``"fused"``; ``cache`` that is not a transformers ``Cache``
+                (:class:`~.generation_cache.UnsupportedCacheError`, also a ``TypeError``).
             ValueError: ``layout`` does not match ``[B, S]``.
         """
-        if cache is not None:
-            raise NotImplementedError(
-                "Glm53FlashLinearAttention: cached generation is not implemented yet (cache must be None)"
-            )
         B, S, _ = hidden_states.shape
         if layout.batch_size != B or layout.seq_len != S:
             raise ValueError(
                 f"layout is for [{layout.batch_size}, {layout.seq_len}] but hidden_states is [{B}, {S}, ...]"
             )
+        if cache is not None:
+            return self.forward_cached(hidden_states, cache, valid=None if layout.trivial else layout.valid)
         H, K = self.num_heads, self.head_dim
         if not layout.trivial:
             # masked_fill, not a multiply: garbage (even non-finite) padding embeddings cannot reach any gradient.
@@ -861,6 +863,87 @@ class Glm53FlashLinearAttention(nn.Module):
         q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
         o, _ = kda_chunk(q, k, v, g, beta, backend=self.backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
         o = o.reshape(B, S, H, K)
+        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, S, self.qkv_dim))
+
+    def forward_cached(self, hidden_states: torch.Tensor, cache, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """KDA over ``hidden_states`` ``[B, S, D]`` continuing from (and updating) this layer's cache states.
+
+        The cache layer (transformers' ``LinearAttentionLayer``, ``cache.layers[layer_idx]``) holds the conv state
+        ``[B, 3*H*K, W]`` (the row's last ``W`` conv inputs ``[q|k|v]``, oldest first, in the projections' dtype —
+        the layout transformers' glm5_next writes) and the recurrent state fp32 ``[B, H, K, V]``.
+
+        * Decode (``S == 1`` with a cached state): one step. The conv window is the cached ``W - 1`` inputs plus
+          the new one (``cache.update_conv_state`` shifts it in), ``y = silu(sum_w window * weight)`` in fp32, and
+          the delta rule advances the state by one token (:func:`recurrent_kda_torch`, ``T = 1``).
+        * Prefill and prefill continuation (``S > 1``, or no state yet): :func:`causal_conv1d_torch` and
+          :func:`chunk_kda_torch` with the cached states as ``initial_state`` (zeros when empty) and
+          ``output_final_state``; the new states replace the cached ones. Two chunks equal one prefill.
+
+        Rows run batched (no ``cu_seqlens``). Left padding (``valid`` False) is zeroed first; a zero input gives
+        ``q = k = v = 0`` after the conv, so the state and the conv history stay zero until the row's first real
+        token — the same numbers as the uncached forward, which restarts a segment there.
+
+        Args:
+            hidden_states: ``[B, S, D]``.
+            cache: transformers ``Cache`` whose layer ``layer_idx`` is a linear-attention layer.
+            valid: optional bool ``[B, S]`` (False = padding).
+
+        Returns:
+            ``[B, S, D]`` in ``hidden_states``' dtype.
+
+        Raises:
+            UnsupportedCacheError: ``cache`` is not a transformers ``Cache``.
+            ValueError: the cache layer is not a linear-attention layer (transformers' message).
+        """
+        from .generation_cache import check_cache
+
+        check_cache(cache, "Glm53FlashLinearAttention")
+        B, S, _ = hidden_states.shape
+        H, K, W = self.num_heads, self.head_dim, self.conv_kernel_size
+        if valid is not None:
+            hidden_states = hidden_states.masked_fill(~valid[:, :, None], 0.0)
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        g = self.forget_gate(hidden_states)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        weight = self.conv1d.weight[:, 0, :]  # [C, W] fp32
+        conv_state = cache.get_conv_state(self.layer_idx)
+        recurrent_state = cache.get_recurrent_state(self.layer_idx)
+        decode = S == 1 and conv_state is not None and recurrent_state is not None
+
+        if decode:
+            window = cache.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
+            y = (window[..., -W:].to(weight.dtype) * weight).sum(-1)  # [B, C]
+            mixed = F.silu(y).to(mixed.dtype).unsqueeze(1)
+        else:
+            mixed, final_conv = kda_conv(
+                mixed,
+                weight,
+                backend=self.backend,
+                activation=self.activation,
+                initial_state=conv_state,
+                output_final_state=True,
+            )
+            # ``final_conv`` holds exactly the last W inputs: stored as is, first call or continuation.
+            cache.update_conv_state(final_conv, self.layer_idx, conv_kernel_size=W)
+        q, k, v = (x.reshape(B, S, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
+        if decode:
+            o, state = recurrent_kda_torch(
+                q, k, v, g, beta, initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+        else:
+            o, state = kda_chunk(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                backend=self.backend,
+                initial_state=recurrent_state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+        cache.update_recurrent_state(state.float(), self.layer_idx)
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, S, self.qkv_dim))
 

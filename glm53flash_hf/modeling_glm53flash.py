@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -34,8 +35,10 @@ from transformers.utils import logging
 
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
+from .generation_cache import build_cache_context, check_cache
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
+from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
@@ -56,14 +59,6 @@ AUTO_MAP = {
 }
 
 
-def _no_cache(cache, use_cache) -> None:
-    if cache is not None or use_cache:
-        raise NotImplementedError(
-            "glm53flash-hf does not implement the generation cache yet (use_cache=True / past_key_values); "
-            "call the model with use_cache=False (generate(..., use_cache=False))."
-        )
-
-
 class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
     """One main-stack layer: two mHC sites around attention (KDA or DSA) and the MLP (dense or MoE).
 
@@ -71,8 +66,9 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         config: :class:`Glm53FlashTextConfig`.
         layer_idx: index in ``config.layer_types`` / ``mlp_layer_types``.
 
-    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None)`` returns ``(hidden_states [B,S,N,D],
-    topk_indices or None)``; the indices are returned when the next layer is a ``shared`` indexer layer.
+    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, cache_context=None)`` returns
+    ``(hidden_states [B,S,N,D], topk_indices or None)``; the indices are returned when the next layer is a
+    ``shared`` indexer layer. ``cache`` / ``cache_context`` (generation) go to the token mixer.
     Source: transformers ``Glm5NextTextDecoderLayer``; mHC as in model-spec §7.
     """
 
@@ -89,28 +85,33 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = Glm53FlashHyperConnection(config)
         self.ffn_hc = Glm53FlashHyperConnection(config)
+        self.hc_backend = requested_backend(config, "mhc")
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         layout: DocumentLayout,
         prev_topk_indices: torch.Tensor | None = None,
+        cache=None,
+        cache_context=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
         x = self.input_layernorm(x)
         topk_indices = None
         if self.layer_type == "linear_attention":
-            x = self.self_attn(x, layout=layout)
+            x = self.self_attn(x, layout=layout, cache=cache)
         else:
-            x, topk_indices = self.self_attn(x, layout=layout, prev_topk_indices=prev_topk_indices)
-        hidden_states = hc_post(x, residual, post, comb)
+            x, topk_indices = self.self_attn(
+                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
+            )
+        hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
 
         residual = hidden_states
         post, comb, x = self.ffn_hc(hidden_states)
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
-        hidden_states = hc_post(x, residual, post, comb)
+        hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
         return hidden_states, topk_indices
 
 
@@ -219,9 +220,16 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``), ``seq_idx`` (``[B,S]``), see
     :func:`.packing.layout_from_kwargs`.
 
+    Generation cache: ``cache`` (or ``past_key_values``) a transformers ``DynamicCache(config=...)`` /
+    ``StaticCache``, or ``use_cache=True`` (a ``DynamicCache`` is created). The new tokens continue the cached
+    rows: ``attention_mask`` is then ``[B, past + S]`` (transformers' convention) or ``None``; rows may be left
+    padded; the output's ``cache`` holds the updated cache. Layer caches: see :mod:`.generation_cache`.
+    ``use_cache`` ``None`` / ``False`` without a cache runs the uncached (training) path.
+
     Raises:
-        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; a non-2-D attention mask; bad packing.
-        NotImplementedError: a generation cache was requested.
+        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; a non-2-D attention mask; bad packing;
+            a cache together with packed documents or padding after a real token.
+        NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
     """
 
     config_class = Glm53FlashTextConfig
@@ -261,13 +269,24 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ) -> MoeModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        _no_cache(cache if cache is not None else past_key_values, use_cache)
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache(config=self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
-        layout = layout_from_kwargs(
-            batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
+        cache_context = None
+        if cache is not None:
+            check_cache(cache, type(self).__name__)
+            cache_context = build_cache_context(
+                cache, batch_size, seq_len, inputs_embeds.device, attention_mask, position_ids, **kwargs
+            )
+            layout = layout_from_kwargs(batch_size, seq_len, inputs_embeds.device, attention_mask=cache_context.valid)
+        else:
+            layout = layout_from_kwargs(
+                batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
+                **kwargs,
+            )
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -275,11 +294,13 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         all_hidden = (hidden_states,) if output_hidden_states else None
         topk_indices = None
         for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states, topk_indices = layer(hidden_states, layout, prev_topk_indices=topk_indices)
+            hidden_states, topk_indices = layer(
+                hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
+            )
             if output_hidden_states:
                 all_hidden += (hidden_states,)
         hidden_states = self.norm(hc_head(hidden_states))
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache)
 
 
 @dataclass
@@ -302,10 +323,28 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "G
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **loss_kwargs)
-    return Glm53FlashCausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+    return Glm53FlashCausalLMOutputWithPast(
+        loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None)
+    )
 
 
-class Glm53FlashForCausalLM(Glm53FlashPreTrainedModel, GenerationMixin):
+class _Glm53FlashGenerationHooks:
+    """``GenerationMixin`` hooks shared by the text-only and the VL heads.
+
+    * ``_is_stateful``: KDA states cannot be rolled back, so assisted generation raises (as transformers' glm5_next).
+    * ``create_masks_for_generate``: the layers read the plain 2-D padding mask ``[B, past + S]`` (the indexer and
+      KDA need padding, not a 4-D causal mask), so a static cache gets the 2-D mask unchanged.
+    """
+
+    _is_stateful = True
+
+    @staticmethod
+    def create_masks_for_generate(config, inputs_embeds, attention_mask, cache=None, **kwargs):
+        """Return ``attention_mask`` as is (2-D ``[B, past + S]`` or ``None``)."""
+        return attention_mask
+
+
+class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
     """Text-only GLM-5.3-Flash causal LM (``lm_head`` untied).
 
     Takes the top-level :class:`Glm53FlashConfig` (its ``text_config`` builds the model) or a
@@ -390,6 +429,14 @@ def placeholder_masks(
     embeddings of the special tokens (as transformers does).
     """
     if mm_token_type_ids is not None:
+        if input_ids is not None:
+            marked, placeholder = mm_token_type_ids != 0, input_ids == config.image_token_id
+            if not torch.equal(marked, placeholder):
+                raise ValueError(
+                    f"mm_token_type_ids marks {int(marked.sum())} tokens as image/video but input_ids holds "
+                    f"{int(placeholder.sum())} <|image|> placeholders (image_token_id={config.image_token_id}) at "
+                    f"{int((marked != placeholder).sum())} differing positions; they must agree token for token"
+                )
         return mm_token_type_ids == 1, mm_token_type_ids == 2
     if input_ids is None:
         if inputs_embeds is None or embed_tokens is None:
@@ -493,6 +540,16 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
                     raise ValueError("pixel_values_videos needs video_grid_thw")
                 video_features = self.get_video_features(pixel_values_videos, video_grid_thw)
                 inputs_embeds = self._splice(inputs_embeds, video_mask, video_features, "video")
+        if input_ids is not None and kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
+            # A full (uncached) forward must get features for every placeholder it holds.
+            image_mask, video_mask = placeholder_masks(input_ids, mm_token_type_ids, self.config)
+            for mask, given, what in ((image_mask, pixel_values, "pixel_values"), (video_mask, pixel_values_videos,
+                                                                                    "pixel_values_videos")):
+                if given is None and bool(mask.any()):
+                    raise ValueError(
+                        f"input_ids hold {int(mask.sum())} {'image' if what == 'pixel_values' else 'video'} "
+                        f"placeholder tokens but no {what} were given"
+                    )
         outputs = self.language_model(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -503,13 +560,14 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         )
         return Glm53FlashModelOutputWithPast(
             last_hidden_state=outputs.last_hidden_state,
+            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             image_outputs=image_features,
             video_outputs=video_features,
         )
 
 
-class Glm53FlashForConditionalGeneration(Glm53FlashPreTrainedModel, GenerationMixin):
+class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
     """GLM-5.3-Flash image/video-text-to-text model (``AutoModelForImageTextToText``); keys as transformers'
     ``Glm5NextForConditionalGeneration`` (``model.visual.*``, ``model.language_model.*``, ``lm_head``).
 

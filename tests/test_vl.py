@@ -188,3 +188,14 @@ def test_vl_save_writes_the_published_layout(tmp_path):
     assert set(a) == set(b)
     assert any(k.startswith("model.visual.") for k in b) and any(".mlp.experts.0.gate_proj." in k for k in b)
     assert all(torch.equal(a[k].float(), b[k].float()) for k in a)
+
+
+def test_placeholders_without_pixels_or_inconsistent_types_raise(pair):
+    _, ours = pair
+    input_ids, kwargs = _batch("image", seed=8)
+    with pytest.raises(ValueError, match="7 image placeholder tokens but no pixel_values"):
+        ours(input_ids=input_ids)
+    types = (input_ids == IMG).long()
+    types[0, 0] = 1  # a text token marked as an image
+    with pytest.raises(ValueError, match="must agree token for token"):
+        ours(input_ids=input_ids, mm_token_type_ids=types, **kwargs)

@@ -1,0 +1,162 @@
+"""Generation-cache plumbing for glm53flash-hf (the layer caches themselves are transformers').
+
+The hybrid model reuses transformers' cache classes as they are (``shared/reference/hf-integration.md`` §7):
+``DynamicCache(config=...)`` / ``StaticCache`` build one layer per ``config.layer_types`` entry:
+
+* ``"linear_attention"`` (KDA) -> ``LinearAttentionLayer``: conv state ``[B, 3*H*K, W]`` (the last ``W`` conv
+  inputs of the row, ``[q|k|v]`` channels first, model dtype — the layout of transformers' glm5_next) and the
+  recurrent state ``[B, H, K, V]`` fp32.
+* ``"indexed_attention"`` (DSA) -> ``DynamicIndexedLayer`` / ``StaticIndexedLayer``: ``keys`` hold the MLA latent
+  ``kv_a_layernorm(kv_a_proj_with_mqa(x))`` as ``[B, 1, S, kv_lora_rank]`` (``values`` are the empty rope part,
+  ``[B, 1, S, 0]``, as in transformers); ``indexer_keys`` hold the KPool indexer state, fp32 ``[B, S, 2 * Dk]``
+  (see :meth:`.dsa.Glm53FlashIndexer.forward_cached` for the layout: per-token ``[k | gate]`` while a token's pool
+  is incomplete, and the finished pool keys written once into the first ``Dk`` columns of slots ``0 .. P-1``).
+
+No layer type is missing, so this module defines no cache layer class. It holds what every cached layer of one
+forward shares: :class:`CacheContext` (the past length, which current tokens are real, where each row's real
+tokens start), built once per forward by :func:`build_cache_context`.
+
+Supported batches: each row is ``[left padding][one document]`` (what ``generate`` builds from a left-padded
+batch). Packed documents (several per row, ``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``) or
+padding after a real token cannot be cached and raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["CacheContext", "UnsupportedCacheError", "build_cache_context", "cache_seq_length", "check_cache"]
+
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+
+
+class UnsupportedCacheError(TypeError, NotImplementedError):
+    """A ``cache`` argument that is not a transformers :class:`~transformers.cache_utils.Cache`."""
+
+
+def check_cache(cache, who: str) -> None:
+    """Raise :class:`UnsupportedCacheError` unless ``cache`` is a transformers ``Cache``."""
+    if not isinstance(cache, Cache):
+        raise UnsupportedCacheError(
+            f"{who}: cache must be a transformers Cache (DynamicCache(config=...) or StaticCache); "
+            f"got {type(cache).__name__}"
+        )
+
+
+@dataclass
+class CacheContext:
+    """What the cached layers of one forward share (built by :func:`build_cache_context`).
+
+    Attributes:
+        past: tokens already in the cache (a Python int).
+        seq_len: tokens in this call, ``S``.
+        valid: bool ``[B, S]``, False on padding tokens of this call.
+        first: long ``[B]``, row position of the row's first real token over ``past + S`` tokens (``past + S``
+            when the row has none yet). KPool pools start there (left padding), as in the uncached layout.
+        positions: long ``[S]``, absolute row positions ``past + arange(S)`` of this call's tokens (= cache slots).
+        local_pos: long ``[B, S]``, ``positions - first`` (position inside the row's document; negative on
+            left padding).
+    """
+
+    past: int
+    seq_len: int
+    valid: torch.Tensor
+    first: torch.Tensor
+    positions: torch.Tensor
+    local_pos: torch.Tensor
+
+
+def cache_seq_length(cache: Cache) -> int:
+    """Tokens already stored in ``cache`` (a Python int; ``StaticCache`` keeps it as a tensor).
+
+    Read from the first attention (``CacheLayerMixin``) layer; a cache without one (an all-KDA model) reports 0
+    and the caller takes the past length from the attention mask.
+    """
+    if not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+        return 0
+    return int(cache.get_seq_length())
+
+
+def build_cache_context(
+    cache: Cache,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> CacheContext:
+    """The :class:`CacheContext` of a cached forward over ``[B, S]`` new tokens.
+
+    Args:
+        cache: the transformers ``Cache`` of the call (read, not written).
+        attention_mask: optional 2-D ``[B, past + S]`` (transformers' convention: past and new tokens; what
+            ``generate`` passes) or ``[B, S]`` when the cache is empty; ``None`` = no padding anywhere.
+        position_ids: optional ``[B, S]`` (or ``[B, past + S]``); only checked, on multi-token calls, for a
+            restart inside the call (packed documents).
+        kwargs: the forward's other keyword arguments; packing keys (``cu_seq_lens_q``, ``cu_seqlens``,
+            ``seq_idx``) are rejected.
+
+    Raises:
+        ValueError: packed documents with a cache; a mask that is not 2-D or does not cover ``past + S``
+            tokens; padding after a real token (checked on multi-token calls only, so a decode step costs no
+            host sync).
+    """
+    for key in _PACKING_KWARGS:
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"a generation cache cannot be used with packed documents ({key} given): call the model with "
+                "use_cache=False for packed batches, or generate one document per row (left padding)"
+            )
+    past = cache_seq_length(cache)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask must be a 2-D [batch, past + seq] padding mask with a cache; got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        if past == 0 and not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+            past = attention_mask.shape[1] - seq_len  # all-KDA model: the mask tells the past length
+        if attention_mask.shape != (batch_size, past + seq_len):
+            raise ValueError(
+                f"attention_mask must cover the cached and the new tokens, [B={batch_size}, past + S = "
+                f"{past} + {seq_len}]; got shape {tuple(attention_mask.shape)}"
+            )
+        valid_full = attention_mask.to(device).bool()
+    else:
+        valid_full = torch.ones(batch_size, past + seq_len, dtype=torch.bool, device=device)
+    total = past + seq_len
+    if seq_len > 1:
+        if bool((valid_full[:, :-1] & ~valid_full[:, 1:]).any()):
+            raise ValueError(
+                "a generation cache supports left padding only (each row: padding, then one document); the "
+                "attention_mask has padding after a real token. Use use_cache=False for such batches."
+            )
+        if position_ids is not None:
+            pos = position_ids.to(device)
+            pos = pos.unsqueeze(0) if pos.dim() == 1 else pos
+            pos = pos[..., -seq_len:].expand(batch_size, seq_len)
+            cur = valid_full[:, past:]
+            restart = (pos[:, 1:] != pos[:, :-1] + 1) & cur[:, 1:] & cur[:, :-1]
+            if bool(restart.any()):
+                raise ValueError(
+                    "position_ids restart inside the call (packed documents); a generation cache supports one "
+                    "document per row. Use use_cache=False for packed batches."
+                )
+    first = torch.where(
+        valid_full.any(dim=1),
+        valid_full.to(torch.int8).argmax(dim=1),
+        torch.full((batch_size,), total, dtype=torch.long, device=device),
+    ).long()
+    positions = torch.arange(past, total, device=device)
+    return CacheContext(
+        past=past,
+        seq_len=seq_len,
+        valid=valid_full[:, past:],
+        first=first,
+        positions=positions,
+        local_pos=positions.unsqueeze(0) - first.unsqueeze(1),
+    )
