@@ -224,6 +224,52 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch.ops.transformers.grouped_mm_fallback(x, w.contiguous(), offs=offs)
 
 
+# Decode-sized batches on CPU: a few (token, expert) pairs. The sort / searchsorted / grouped-GEMM machinery costs
+# more than the GEMMs; instead each used expert's rows go through plain ``F.linear`` on that expert's weight slice
+# (no weight copy), in the same expert-sorted row order, with the same SwiGLU, weighting and fp32 index_add.
+_SMALL_PAIRS = 8
+
+
+def _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
+                           drop_out_of_range):
+    num_tokens, hidden = hidden_states.shape
+    num_experts = gate_up_proj.shape[0]
+    k = top_k_index.shape[1]
+    ids = top_k_index.reshape(-1).tolist()  # CPU tensor: no device sync
+    if any(e < 0 or e >= num_experts for e in ids):
+        if not drop_out_of_range or any(e < 0 for e in ids):
+            return None  # let the general path handle (or reject) it
+    pairs = sorted((e, i) for i, e in enumerate(ids) if e < num_experts)  # (expert, flat pair index), as torch.sort
+    if not pairs:
+        return torch.zeros(num_tokens, hidden, device=hidden_states.device, dtype=hidden_states.dtype)
+    groups: list[tuple[int, list[int]]] = []
+    for e, i in pairs:
+        if groups and groups[-1][0] == e:
+            groups[-1][1].append(i)
+        else:
+            groups.append((e, [i]))
+    x = hidden_states.to(gate_up_proj.dtype)
+    order = [i for _, rows in groups for i in rows]
+    tokens = [i // k for i in order]
+    gate_up = []
+    for e, rows in groups:
+        xe = x[rows[0] // k].unsqueeze(0) if len(rows) == 1 else x[[i // k for i in rows]]
+        gate_up.append(F.linear(xe, gate_up_proj[e]))
+    gate_up = gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = clamped_swiglu(gate, up, swiglu_limit)
+    out_rows, start = [], 0
+    for e, rows in groups:
+        out_rows.append(F.linear(act[start:start + len(rows)], down_proj[e]))
+        start += len(rows)
+    out_rows = out_rows[0] if len(out_rows) == 1 else torch.cat(out_rows)
+    order_t = torch.tensor(order, device=hidden_states.device)
+    out_rows = out_rows * top_k_weights.reshape(-1).index_select(0, order_t).unsqueeze(-1)
+    out = torch.zeros(num_tokens, hidden, device=hidden_states.device, dtype=out_rows.dtype)
+    out.index_add_(0, torch.tensor(tokens, device=hidden_states.device), out_rows)
+    return out.to(hidden_states.dtype)
+
+
 def grouped_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -282,6 +328,11 @@ def grouped_experts_forward(
         )
     k = top_k_index.shape[1]
     device = hidden_states.device
+    if device.type == "cpu" and num_tokens * k <= _SMALL_PAIRS and not torch.compiler.is_compiling():
+        small = _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                       swiglu_limit, drop_out_of_range)
+        if small is not None:
+            return small
 
     # Routing metadata, built once: pairs sorted by expert, their token, group offsets.
     sorted_ids, order = torch.sort(top_k_index.reshape(-1))

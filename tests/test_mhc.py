@@ -309,3 +309,29 @@ def test_init_mhc_weights_and_dtypes():
     assert torch.equal(site.base, torch.zeros_like(site.base))
     assert torch.equal(site.scale, torch.ones(3))
     assert set(site.state_dict()) == set(Glm5NextTextHyperConnection(config).state_dict()) == {"fn", "base", "scale"}
+
+
+def test_sinkhorn_small_numpy_path_bit_equal():
+    """The numpy Sinkhorn used for decode-sized inputs (no grad, CPU, N <= 4) is bit-equal to the torch loop."""
+    import glm53flash_hf.mhc as mhc_mod
+
+    def torch_loop(comb, iters, eps):
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return comb
+
+    for trial in range(300):
+        g = torch.Generator().manual_seed(trial)
+        T, n = [1, 2, 5, 16][trial % 4], [4, 3, 2][trial % 3]
+        dtype = torch.float64 if trial % 7 == 0 else torch.float32
+        scale = float(torch.rand(1, generator=g)) * 10
+        x = (torch.randn(1, T, n, n, generator=g) * scale).to(dtype).softmax(-1) + 1e-6
+        out = mhc_mod.sinkhorn_normalize(x, 20, 1e-6)
+        assert out.dtype == dtype
+        assert torch.equal(out, torch_loop(x, 20, 1e-6)), (trial, T, n, dtype)
+    # with autograd the torch loop runs (and gradients flow)
+    x = (torch.randn(1, 1, 4, 4).softmax(-1) + 1e-6).requires_grad_()
+    mhc_mod.sinkhorn_normalize(x, 20, 1e-6).sum().backward()
+    assert x.grad is not None

@@ -452,3 +452,23 @@ def test_init_moe_weights():
         assert abs(tensor.std().item() - 0.05) < 0.005
     assert torch.equal(module.gate.e_score_correction_bias, torch.zeros(16))
     assert module.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("tokens,k,drop", [(1, 2, False), (4, 2, False), (3, 2, True), (2, 3, False)])
+def test_small_decode_path_matches_grouped_path(monkeypatch, tokens, k, drop):
+    """The few-pairs CPU path (decode) equals the sort + grouped-GEMM path within 1e-6 (incl. sentinel ids)."""
+    import glm53flash_hf.moe as moe_mod
+
+    g = torch.Generator().manual_seed(tokens * 10 + k)
+    E, H, I = 8, 64, 32
+    x = torch.randn(tokens, H, generator=g)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.2
+    down = torch.randn(E, H, I, generator=g) * 0.2
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    if drop:
+        idx[0, 0] = E  # expert-parallel sentinel: contributes nothing
+    w = torch.rand(tokens, k, generator=g)
+    small = moe_mod.grouped_experts_forward(x, idx, w, gate_up, down, 7.0, drop_out_of_range=drop)
+    monkeypatch.setattr(moe_mod, "_SMALL_PAIRS", 0)
+    ref = moe_mod.grouped_experts_forward(x, idx, w, gate_up, down, 7.0, drop_out_of_range=drop)
+    torch.testing.assert_close(small, ref, rtol=0, atol=1e-6)
