@@ -73,6 +73,25 @@ def _sinkhorn_numpy(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return torch.from_numpy(c)
 
 
+def check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters: int) -> None:
+    """Validate the arguments of :func:`hc_pre` (shared with the fused path in ``triton_mhc``).
+
+    Raises:
+        ValueError: ``hidden_streams`` not ``[B, S, N, D]``, ``fn`` not ``[(2+N)*N, N*D]``, ``base`` not
+            ``[(2+N)*N]``, ``scale`` not ``[3]``, or ``sinkhorn_iters < 1``.
+    """
+    if hidden_streams.dim() != 4:
+        raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
+    _, _, n, dim = hidden_streams.shape
+    mix = (2 + n) * n
+    if tuple(fn.shape) != (mix, n * dim):
+        raise ValueError(f"fn must be [(2+N)*N, N*D] = [{mix}, {n * dim}] for N={n}, D={dim}; got {tuple(fn.shape)}")
+    if tuple(base.shape) != (mix,) or tuple(scale.shape) != (3,):
+        raise ValueError(f"base must be [{mix}] and scale [3]; got {tuple(base.shape)} and {tuple(scale.shape)}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"hc_sinkhorn_iters must be >= 1; got {sinkhorn_iters}")
+
+
 def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Make positive ``[..., N, N]`` matrices (approximately) doubly stochastic, as the reference does.
 
@@ -151,16 +170,8 @@ def hc_pre(
     Raises:
         ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1``, unknown backend.
     """
-    if hidden_streams.dim() != 4:
-        raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
+    check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     batch, seq, n, dim = hidden_streams.shape
-    mix = (2 + n) * n
-    if tuple(fn.shape) != (mix, n * dim):
-        raise ValueError(f"fn must be [(2+N)*N, N*D] = [{mix}, {n * dim}] for N={n}, D={dim}; got {tuple(fn.shape)}")
-    if tuple(base.shape) != (mix,) or tuple(scale.shape) != (3,):
-        raise ValueError(f"base must be [{mix}] and scale [3]; got {tuple(base.shape)} and {tuple(scale.shape)}")
-    if sinkhorn_iters < 1:
-        raise ValueError(f"hc_sinkhorn_iters must be >= 1; got {sinkhorn_iters}")
     if choose_backend("mhc", backend, hidden_streams, fn, base, scale) == "fused":
         from .triton_mhc import hc_pre_fused
 

@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - exercised on installs without triton
     tl = None
     TRITON_AVAILABLE = False
 
-from .mhc import _mix_weights
+from .mhc import _mix_weights, check_hc_pre_args
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -482,16 +482,7 @@ def hc_pre_fused(
         ValueError: wrong ranks/shapes, unsupported dtypes, ``sinkhorn_iters < 1``.
     """
     _require_triton()
-    if hidden_streams.dim() != 4:
-        raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
-    b, s, n, d = hidden_streams.shape
-    mix = (2 + n) * n
-    if tuple(fn.shape) != (mix, n * d):
-        raise ValueError(f"fn must be [(2+N)*N, N*D] = [{mix}, {n * d}]; got {tuple(fn.shape)}")
-    if tuple(base.shape) != (mix,) or tuple(scale.shape) != (3,):
-        raise ValueError(f"base must be [{mix}] and scale [3]; got {tuple(base.shape)} and {tuple(scale.shape)}")
-    if sinkhorn_iters < 1:
-        raise ValueError(f"hc_sinkhorn_iters must be >= 1; got {sinkhorn_iters}")
+    check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     if hidden_streams.dtype not in SUPPORTED_DTYPES or fn.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"fused hc_pre supports fp32/bf16/fp16; got X {hidden_streams.dtype}, fn {fn.dtype}")
     return _HcPreFunction.apply(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)

@@ -13,29 +13,17 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from glm53flash_hf.fp8 import FP8_DTYPE, dequantize_fp8_blockwise, fp8_keys_of, fp8_quantization_config
 from glm53flash_hf.make_tiny import DEFAULT_CONFIG, SPECIAL_TOKENS, TEXT_TAG_TOKENS, main, make_tiny
 from glm53flash_hf.modeling_glm53flash import AUTO_MAP
+from tiny import read_checkpoint_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = "model.language_model.layers."
 
 
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors checkpoint folder (via its index or model.safetensors)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    files = ["model.safetensors"]
-    if os.path.isfile(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
-    out = {}
-    for name in files:
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
-            for key in f.keys():
-                assert key not in out, f"{key} stored twice"
-                out[key] = f.get_tensor(key)
-    return out
+_tensors = read_checkpoint_tensors
 
 
 def _digest(folder) -> dict[str, str]:

@@ -18,27 +18,17 @@ import textwrap
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from glm53flash_hf.export import export, main as export_main, remote_code_files
 from glm53flash_hf.make_tiny import DEFAULT_CONFIG, make_tiny
 from glm53flash_hf.modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
-from tiny import randomize_, rel_err
+from tiny import randomize_, read_checkpoint_tensors, rel_err
 
 TOL = 1e-4
 TEXT = "The if statement is used for conditional execution: if x > 0: print(x) else: pass"
 
 
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    index = os.path.join(folder, "model.safetensors.index.json")
-    files = ["model.safetensors"]
-    if os.path.isfile(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
-    out = {}
-    for name in files:
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+_tensors = read_checkpoint_tensors
 
 
 def _assert_bit_identical(a: dict, b: dict) -> None:

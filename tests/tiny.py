@@ -114,3 +114,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     denom = b.abs().max().item()
     return (a - b).abs().max().item() / denom if denom > 0 else (a - b).abs().max().item()
+
+
+def read_checkpoint_tensors(folder) -> dict:
+    """Every tensor of a safetensors checkpoint folder (through its index, or ``model.safetensors``); a key stored
+    twice fails the test."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    files = ["model.safetensors"]
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    out = {}
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            for key in f.keys():
+                assert key not in out, f"{key} stored twice"
+                out[key] = f.get_tensor(key)
+    return out
