@@ -67,6 +67,10 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         Number of MTP layers stored after the main stack (the release has 1, at ``layers.45``).
     kernels (`str | dict`, defaults to ``"auto"``):
         Implementation per operator family, see the module docstring.
+    mtp_depth (`int`, defaults to 1):
+        Number D of logical MTP depths applied with the one (shared) MTP layer during training (model-spec §9).
+    mtp_loss_weight (`float`, defaults to 0.1):
+        Weight of the MTP loss (mean over depths) added to ``loss``; 0 turns the MTP objective off.
 
     ``layer_types`` accepts ``"linear_attention"``, ``"indexed_attention"`` and the older spellings
     ``"deepseek_sparse_attention"`` / ``"full_attention"`` (normalised to ``"indexed_attention"``).
@@ -74,6 +78,8 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
 
     num_nextn_predict_layers: int = 0
     kernels: dict | str | None = None
+    mtp_depth: int = 1
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self, **kwargs):
         if self.layer_types is not None:
@@ -140,6 +146,10 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
             )
         if self.num_nextn_predict_layers < 0:
             raise ValueError(f"num_nextn_predict_layers must be >= 0; got {self.num_nextn_predict_layers}")
+        if not self.mtp_depth >= 1:
+            raise ValueError(f"mtp_depth must be >= 1; got mtp_depth={self.mtp_depth}")
+        if not self.mtp_loss_weight >= 0:
+            raise ValueError(f"mtp_loss_weight must be >= 0; got mtp_loss_weight={self.mtp_loss_weight}")
         if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
             raise ValueError(f"linear_lower_bound must be negative or None; got {self.linear_lower_bound}")
         if self.hidden_act != "silu":

@@ -44,6 +44,7 @@ from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, init_moe_weights
 from .norm import Glm53FlashRMSNorm
+from .mtp import doc_roll, mtp_loss
 from .packing import DocumentLayout, layout_from_kwargs
 
 logger = logging.get_logger(__name__)
@@ -129,8 +130,9 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
     ``x = eh_proj([enorm(embed(t + k)), hnorm(h)])`` (embedding first), then a plain pre-norm residual block
     with its own DSA attention (full indexer) and MoE (no mHC), then ``shared_head.norm``.
 
-    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout)`` → ``[B,S,D]`` (normalised; feed to
-    ``lm_head``). The caller rolls ``inputs_embeds`` per document (training issue).
+    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout)`` → ``(out [B,S,D], h [B,S,D])``: ``out`` is
+    normalised by ``shared_head.norm`` (feed to ``lm_head``), ``h`` is the block output before it (the next
+    depth's ``hidden_states``). The caller rolls ``inputs_embeds`` per document (:meth:`Glm53FlashTextModel.mtp_forward`).
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -145,13 +147,26 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
         self.mlp = Glm53FlashMoE(config)
         self.shared_head = Glm53FlashSharedHead(config)
 
-    def forward(self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(inputs_embeds), self.hnorm(hidden_states)], dim=-1))
         residual = x
         attn, _ = self.self_attn(self.input_layernorm(x), layout=layout)
         x = residual + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return self.shared_head.norm(x)
+        return self.shared_head.norm(x), x
+
+
+@dataclass
+class Glm53FlashTextModelOutput(MoeModelOutputWithPast):
+    """``MoeModelOutputWithPast`` plus, when MTP ran (``mtp_depth > 0``): ``pre_norm_hidden_state`` (``h_pre``
+    ``[B,S,D]``, the mean over streams before the final norm), ``mtp_hidden_states`` (one ``[B,S,D]`` per depth)
+    and ``document_layout`` (the forward's :class:`DocumentLayout`, for the per-document label roll)."""
+
+    pre_norm_hidden_state: torch.FloatTensor | None = None
+    mtp_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    document_layout: DocumentLayout | None = None
 
 
 class Glm53FlashPreTrainedModel(PreTrainedModel):
@@ -226,9 +241,14 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     padded; the output's ``cache`` holds the updated cache. Layer caches: see :mod:`.generation_cache`.
     ``use_cache`` ``None`` / ``False`` without a cache runs the uncached (training) path.
 
+    MTP: ``mtp_depth=D > 0`` (uncached forwards of a model with ``num_nextn_predict_layers > 0``; the heads pass
+    it when the MTP loss is on) also runs :meth:`mtp_forward` and fills the output's ``pre_norm_hidden_state``
+    (``h_pre`` ``[B,S,D]``), ``mtp_hidden_states`` (D tensors ``[B,S,D]``) and ``document_layout``.
+
     Raises:
         ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; a non-2-D attention mask; bad packing;
-            a cache together with packed documents or padding after a real token.
+            a cache together with packed documents or padding after a real token; ``mtp_depth > 0`` with a cache
+            or without an MTP layer.
         NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
     """
 
@@ -265,13 +285,20 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         output_hidden_states: bool | None = None,
         past_key_values=None,
         cache=None,
+        mtp_depth: int = 0,
         **kwargs,
-    ) -> MoeModelOutputWithPast:
+    ) -> "Glm53FlashTextModelOutput":
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
+        if mtp_depth and (cache is not None or self.config.num_nextn_predict_layers == 0):
+            raise ValueError(
+                f"mtp_depth={mtp_depth} needs an uncached forward of a model with an MTP layer; got "
+                f"num_nextn_predict_layers={self.config.num_nextn_predict_layers}, cache={type(cache).__name__}"
+            )
+        embeds_given = inputs_embeds is not None
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
@@ -299,20 +326,96 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             )
             if output_hidden_states:
                 all_hidden += (hidden_states,)
-        hidden_states = self.norm(hc_head(hidden_states))
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache)
+        h_pre = hc_head(hidden_states)
+        hidden_states = self.norm(h_pre)
+        if not mtp_depth:
+            return Glm53FlashTextModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache)
+        mtp_hidden = self.mtp_forward(
+            h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
+        )
+        return Glm53FlashTextModelOutput(
+            last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, pre_norm_hidden_state=h_pre,
+            mtp_hidden_states=mtp_hidden, document_layout=layout,
+        )
+
+    def mtp_forward(
+        self,
+        h_pre: torch.Tensor,
+        layout: DocumentLayout,
+        depth: int,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The MTP block at ``depth`` logical depths sharing the first MTP layer (model-spec §9).
+
+        Depth ``k``: ``E_k`` = ``embed_tokens(ids rolled by -k)`` (tails: token 0) or, when ``inputs_embeds`` are
+        given (VL: never re-embedded), the embeddings rolled by ``-k`` (tails: zeros), rolls per document
+        (:func:`.mtp.doc_roll`); ``h_in`` = ``h_pre`` (mean-collapsed, before the final norm) for ``k = 1``, else
+        depth ``k-1``'s block output before ``shared_head.norm`` (the sources do not say which; DeepSeek-V3 feeds
+        the un-normalised state, as for ``k = 1``).
+
+        Args:
+            h_pre: ``[B,S,D]``; layout: the forward's :class:`DocumentLayout`; depth: D >= 1; exactly one of
+                ``input_ids`` ``[B,S]`` / ``inputs_embeds`` ``[B,S,D]``.
+
+        Returns:
+            D tensors ``[B,S,D]``, normalised by ``shared_head.norm`` (feed to ``lm_head``).
+
+        Raises:
+            ValueError: no MTP layer, ``depth < 1``, or not exactly one of ``input_ids`` / ``inputs_embeds``.
+        """
+        n = self.config.num_hidden_layers
+        if self.config.num_nextn_predict_layers == 0 or depth < 1:
+            raise ValueError(
+                f"mtp_forward needs an MTP layer and depth >= 1; got num_nextn_predict_layers="
+                f"{self.config.num_nextn_predict_layers}, depth={depth}"
+            )
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("mtp_forward needs exactly one of input_ids or inputs_embeds")
+        layer = self.layers[n]
+        h, outs = h_pre, []
+        for k in range(1, depth + 1):
+            if inputs_embeds is not None:
+                e = doc_roll(inputs_embeds, layout, k, fill=0.0)
+            else:
+                e = self.embed_tokens(doc_roll(input_ids, layout, k, fill=0))
+            out, h = layer(e, h, layout)
+            outs.append(out)
+        return tuple(outs)
 
 
 @dataclass
 class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    """``MoeCausalLMOutputWithPast`` plus ``mtp_loss`` (filled by the MTP objective when enabled)."""
+    """``MoeCausalLMOutputWithPast`` plus ``mtp_loss`` (unweighted mean over depths; ``loss`` holds
+    ``main + mtp_loss_weight * mtp_loss``) and ``mtp_logits`` (one ``[B,S,V]`` per depth) when MTP ran."""
 
     mtp_loss: torch.FloatTensor | None = None
+    mtp_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+def _mtp_depth_for(head_model, labels, kwargs) -> int:
+    """Number of MTP depths the head asks the model for (0: none). Pops the ``mtp`` forward kwarg.
+
+    MTP runs when labels are given, the model has an MTP layer (``num_nextn_predict_layers > 0``), no cache is
+    used, and ``mtp`` (forward kwarg: ``True`` / ``False`` / ``None``) is ``True`` or, when ``None``, the config's
+    ``mtp_loss_weight > 0``. Depths: ``config.mtp_depth``.
+    """
+    requested = kwargs.pop("mtp", None)
+    config = head_model.config.get_text_config(decoder=True)
+    cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache")
+    on = requested if requested is not None else config.mtp_loss_weight > 0
+    if not on or labels is None or config.num_nextn_predict_layers == 0 or cached:
+        return 0
+    return config.mtp_depth
 
 
 def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "Glm53FlashCausalLMOutputWithPast":
     """Logits of the kept positions and transformers' ``ForCausalLMLoss`` (shifted; summed and divided by
-    ``num_items_in_batch`` when the Trainer passes it) — shared by the text-only and the VL heads."""
+    ``num_items_in_batch`` when the Trainer passes it) — shared by the text-only and the VL heads.
+
+    When the model output carries ``mtp_hidden_states`` (see :func:`_mtp_depth_for`), adds
+    ``mtp_loss_weight * mtp_loss`` (:func:`.mtp.mtp_loss`, same ``num_items_in_batch`` / ``ignore_index``;
+    ``shift_labels`` when given replace ``labels`` as the source of the MTP targets)."""
     hidden_states = outputs.last_hidden_state
     if isinstance(logits_to_keep, int):
         hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
@@ -323,8 +426,23 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "G
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **loss_kwargs)
+    mtp_value = mtp_logits = None
+    mtp_hidden = getattr(outputs, "mtp_hidden_states", None)
+    if labels is not None and mtp_hidden:
+        shifted = loss_kwargs.get("shift_labels")
+        mtp_value, mtp_logits = mtp_loss(
+            head_model.lm_head,
+            mtp_hidden,
+            shifted if shifted is not None else labels,
+            outputs.document_layout,
+            num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
+            ignore_index=loss_kwargs.get("ignore_index", -100),
+            shifted=shifted is not None,
+        )
+        loss = loss + head_model.config.get_text_config(decoder=True).mtp_loss_weight * mtp_value
     return Glm53FlashCausalLMOutputWithPast(
-        loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None)
+        loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None),
+        mtp_loss=mtp_value, mtp_logits=mtp_logits,
     )
 
 
@@ -393,21 +511,23 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> Glm53FlashCausalLMOutputWithPast:
+        kwargs["use_cache"] = use_cache
+        mtp_depth = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            mtp_depth=mtp_depth,
             **kwargs,
         )
         return _lm_head_and_loss(self, outputs, labels, logits_to_keep, kwargs)
 
 
 @dataclass
-class Glm53FlashModelOutputWithPast(MoeModelOutputWithPast):
-    """Base VL model output: ``last_hidden_state`` ``[B,S,D]`` plus the vision tower outputs that were computed."""
+class Glm53FlashModelOutputWithPast(Glm53FlashTextModelOutput):
+    """Base VL model output: the text model's fields plus the vision tower outputs that were computed."""
 
     image_outputs: object | None = None
     video_outputs: object | None = None
@@ -562,6 +682,9 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             last_hidden_state=outputs.last_hidden_state,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
+            pre_norm_hidden_state=outputs.pre_norm_hidden_state,
+            mtp_hidden_states=outputs.mtp_hidden_states,
+            document_layout=outputs.document_layout,
             image_outputs=image_features,
             video_outputs=video_features,
         )
@@ -617,6 +740,8 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> Glm53FlashCausalLMOutputWithPast:
+        kwargs["use_cache"] = use_cache
+        kwargs["mtp_depth"] = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -627,7 +752,6 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
             mm_token_type_ids=mm_token_type_ids,
-            use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             **kwargs,
         )

@@ -1,0 +1,93 @@
+"""Multi-token prediction (MTP) objective: per-document rolls and the MTP loss (model-spec §9).
+
+Index convention (the one used by :func:`mtp_targets` and tested in ``tests/test_mtp.py``): depth ``k``
+(1-based) at position ``t`` reads the main stack's state at ``t`` (``h_pre``, or depth ``k-1``'s output) and the
+embedding of token ``t + k`` (ids / embeddings rolled by ``-k`` inside the document), and predicts token
+``t + 1 + k``. In words: labels are rolled by ``-k`` inside the document and then shifted by one like the main
+causal-LM loss, i.e. ``target_k[t] = labels[t + 1 + k]`` when ``t + 1 + k`` lies in ``t``'s document, else
+``-100``. Both steps are done per document: a plain row-wise shift after a per-document roll would let the
+last position of a document read ``labels[next_start + k]`` of the next packed document.
+
+Source: DeepSeek-V3 MTP (``h'_i = M [RMSNorm(h_i^{k-1}); RMSNorm(Emb(t_{i+k}))]``, predicting ``t_{i+k+1}``) and
+xtuner's per-document roll with tails filled with token 0 / zero embedding / -100.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .packing import DocumentLayout
+
+
+def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> torch.Tensor:
+    """Roll ``x`` left by ``shift`` inside each segment of ``layout``: ``out[b, t] = x[b, t + shift]`` when
+    ``t + shift`` is in the same segment as ``t``, else ``fill``.
+
+    Args:
+        x: ``[B, S]`` or ``[B, S, ...]`` (ids, labels or embeddings).
+        layout: the forward's :class:`~.packing.DocumentLayout` (segments never cross rows or packed documents).
+        shift: non-negative number of positions.
+        fill: value of the last ``shift`` positions of each segment.
+
+    Returns:
+        Tensor shaped and typed like ``x``.
+
+    Raises:
+        ValueError: when ``shift`` is negative or ``x`` is not ``[B, S, ...]`` of the layout.
+    """
+    if shift < 0:
+        raise ValueError(f"doc_roll shift must be >= 0; got {shift}")
+    if tuple(x.shape[:2]) != (layout.batch_size, layout.seq_len):
+        raise ValueError(f"doc_roll expects x of shape [{layout.batch_size}, {layout.seq_len}, ...]; got {tuple(x.shape)}")
+    if shift == 0:
+        return x
+    seg_len = layout.segment_lengths()[layout.seq_idx]  # [B, S]
+    keep = layout.local_pos + shift < seg_len  # [B, S]
+    src = (torch.arange(layout.seq_len, device=x.device) + shift).clamp_max(layout.seq_len - 1)
+    rolled = x[:, src]
+    keep = keep.view(keep.shape + (1,) * (x.dim() - 2))
+    return torch.where(keep, rolled, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+
+
+def mtp_targets(labels: torch.Tensor, layout: DocumentLayout, depth: int, ignore_index: int = -100,
+                shifted: bool = False) -> torch.Tensor:
+    """Targets ``[B, S]`` of MTP depth ``depth`` (1-based): ``labels[t + 1 + depth]`` inside the document, else
+    ``ignore_index`` (see the module docstring). With ``shifted=True`` ``labels`` are already the main loss's
+    ``shift_labels`` (``shift_labels[t] = labels[t + 1]``) and are rolled by ``depth`` only."""
+    return doc_roll(labels, layout, depth if shifted else depth + 1, fill=ignore_index)
+
+
+def mtp_loss(
+    lm_head: nn.Module,
+    mtp_hidden_states: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+    layout: DocumentLayout,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    shifted: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Unweighted MTP loss: mean over depths of the cross-entropy of ``lm_head(mtp_hidden_states[k-1])``
+    (fp32) against :func:`mtp_targets` of depth ``k``.
+
+    Reduction per depth as transformers' ``ForCausalLMLoss``: the sum over tokens divided by
+    ``num_items_in_batch`` when given (so Trainer's gradient accumulation is exact), else the mean over the
+    depth's supervised tokens (0, not NaN, when a depth has none: short documents have no depth-k target).
+
+    Returns:
+        ``(loss, logits_per_depth)``; loss is a scalar, logits ``[B, S, V]`` per depth.
+    """
+    losses, all_logits = [], []
+    for k, hidden in enumerate(mtp_hidden_states, start=1):
+        logits = lm_head(hidden)
+        target = mtp_targets(labels, layout, k, ignore_index, shifted).to(logits.device)
+        ce = nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), target.flatten(), ignore_index=ignore_index, reduction="sum"
+        )
+        if num_items_in_batch is not None:
+            denom = num_items_in_batch.to(ce.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        else:
+            denom = (target != ignore_index).sum().clamp_min(1)
+        losses.append(ce / denom)
+        all_logits.append(logits)
+    return torch.stack(losses).mean(), tuple(all_logits)
