@@ -31,20 +31,19 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 from transformers.utils import logging
 
-from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
-
-from .generation_cache import build_cache_context, check_cache
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
+from .generation_cache import build_cache_context, check_cache
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, init_moe_weights
-from .norm import Glm53FlashRMSNorm
 from .mtp import doc_roll, mtp_loss
+from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, layout_from_kwargs
 
 logger = logging.get_logger(__name__)
