@@ -1,0 +1,262 @@
+"""Packing collator for supervised fine-tuning: several samples per row, documents kept apart.
+
+:class:`Glm53FlashPackingCollator` takes the examples :meth:`Glm53FlashProcessor.build_sft_example` returns
+(text-only or with images/videos) and packs them into rows of at most ``max_length`` tokens, following the
+conventions of transformers' :class:`~transformers.DataCollatorWithFlattening` (``data/data_collator.py``;
+``shared/reference/hf-integration.md`` §4.1), which it subclasses and calls once per row:
+
+* ``labels`` are ``[-100] + labels[1:]`` per sample, so no prediction crosses a sample boundary (the model's
+  causal-LM loss shifts by one: the first token of a sample is never a target of the previous sample's last);
+* ``position_ids`` restart at 0 for every sample;
+* ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32) index the row-major flattened ``R * L`` tokens, as
+  :func:`glm53flash_hf.packing.layout_from_kwargs` expects (segments never cross rows; it requires the last
+  entry to be ``R * L``), and ``max_length_q`` / ``max_length_k`` are Python ints.
+
+Additions for this model:
+
+* several rows: samples are placed greedily, first fit in sample order (each sample goes to the first row that
+  still has room, else opens a new row); rows are right-padded to the longest row (rounded up to
+  ``pad_to_multiple_of``; or to ``max_length`` with ``pad_to_max_length``). A run of padding is a segment of its
+  own in ``cu_seq_lens`` with ``position_ids`` restarting at 0, ``labels`` -100, ``mm_token_type_ids`` 0 and
+  ``input_ids`` = ``pad_token_id``: its outputs are never read and it cannot leak into a sample. With
+  ``max_length=None`` everything goes into one row without padding (``R = 1``, exactly the parent's layout).
+* ``mm_token_type_ids`` (model-spec §12: the only reliable modality signal) are packed and padded exactly like
+  ``input_ids``;
+* the visual tensors are concatenated in the order their placeholders appear in the flattened ``R * L`` tokens
+  (row-major, which is the order the model consumes them): ``pixel_values`` / ``image_grid_thw`` and
+  ``pixel_values_videos`` / ``video_grid_thw``. With one row, or when first fit keeps sample order, this is the
+  sample order. :meth:`Glm53FlashPackingCollator.plan` says where each sample goes.
+
+No ``attention_mask`` is returned (as the parent): boundaries are carried by ``position_ids`` and ``cu_seq_lens``.
+Truncation is the processor's job (``build_sft_example(max_length=...)``): a sample longer than ``max_length``
+raises.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DataCollatorWithFlattening
+
+IGNORE_INDEX = -100
+_VISUAL = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+
+
+def _as_list(value, name: str, index: int) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        if value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        if value.dim() != 1:
+            raise ValueError(f"sample {index}: {name} must be 1-D (one sample, unpadded); got shape {tuple(value.shape)}")
+        return value.tolist()
+    if hasattr(value, "tolist"):  # numpy
+        value = value.tolist()
+    value = list(value)
+    if value and isinstance(value[0], (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"sample {index}: {name} must be 1-D (one sample, unpadded); got {len(value)} rows")
+        value = list(value[0])
+    return [int(v) for v in value]
+
+
+@dataclass
+class _Sample:
+    index: int
+    input_ids: list[int]
+    labels: list[int]
+    mm_token_type_ids: list[int]
+    visual: dict[str, torch.Tensor]
+
+
+class Glm53FlashPackingCollator(DataCollatorWithFlattening):
+    """Pack SFT samples into rows of at most ``max_length`` tokens (see the module docstring).
+
+    Args:
+        max_length: the most tokens per row; None puts the whole batch into one row (``R = 1``, no padding).
+        pad_token_id: id written at padding positions (the tokenizer's ``pad_token_id``; ``<|endoftext|>`` for
+            GLM). Its value never matters for the samples' outputs.
+        pad_to_multiple_of: round the row length up to a multiple of this (only with ``max_length``; the result
+            is capped at ``max_length``).
+        pad_to_max_length: make every row exactly ``max_length`` tokens long (static shapes).
+        return_seq_idx: also return ``seq_idx`` (int32 ``[R, L]``): the global segment index of every token
+            (samples and padding runs numbered in row-major order), which marks the same boundaries.
+        separator_id: label written at the first token of every sample (default -100, as the parent).
+
+    Call: ``collator(features)`` with ``features`` a list of mappings holding 1-D ``input_ids`` (tensor, numpy
+    or list), optional ``labels`` (same length; -100 outside trained spans; default: ``input_ids``), optional
+    ``mm_token_type_ids`` (same length; default zeros), optional ``attention_mask`` (must be all ones: samples
+    come unpadded), and optionally ``pixel_values`` + ``image_grid_thw`` and/or ``pixel_values_videos`` +
+    ``video_grid_thw``. Empty samples are dropped (as the parent does).
+
+    Returns:
+        dict with ``input_ids`` long ``[R, L]``, ``labels`` long ``[R, L]``, ``position_ids`` long ``[R, L]``,
+        ``mm_token_type_ids`` long ``[R, L]``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32 ``[N + 1]`` (N =
+        number of samples plus padding runs; ``[0, ..., R * L]``), ``max_length_q`` / ``max_length_k`` (int,
+        longest segment), optionally ``seq_idx``; and, when present in any sample, ``pixel_values``
+        ``[sum t*h*w, C*T*P*P]`` with ``image_grid_thw`` long ``[num_images, 3]`` and ``pixel_values_videos`` with
+        ``video_grid_thw`` long ``[num_videos, 3]``, concatenated in placement order.
+
+    Raises:
+        ValueError: a sample longer than ``max_length`` (names the sample's index and both lengths); ``labels``
+            or ``mm_token_type_ids`` of another length than ``input_ids``; an ``attention_mask`` with zeros;
+            ``pixel_values`` without its grid (or the reverse), or pixel rows that do not match the grid
+            (``sum(t*h*w)``); every sample empty; ``return_tensors`` other than ``"pt"``.
+    """
+
+    def __init__(
+        self,
+        max_length: int | None = None,
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int | None = None,
+        pad_to_max_length: bool = False,
+        return_seq_idx: bool = False,
+        separator_id: int = IGNORE_INDEX,
+        **kwargs,
+    ):
+        super().__init__(
+            return_position_ids=True,
+            separator_id=separator_id,
+            return_flash_attn_kwargs=True,
+            return_seq_idx=False,
+            position_ids_start=0,
+            return_tensors="pt",
+            **kwargs,
+        )
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be a positive int or None; got {max_length}")
+        if pad_to_max_length and max_length is None:
+            raise ValueError("pad_to_max_length=True needs max_length")
+        self.max_length = max_length
+        self.pad_token_id = int(pad_token_id)
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_max_length = pad_to_max_length
+        self.return_seq_idx_packed = return_seq_idx
+
+    # ----------------------------------------------------------------------------------------------- planning
+    def plan(self, lengths: list[int]) -> list[list[int]]:
+        """Rows as lists of sample indices (in placement order), greedy first fit in sample order.
+
+        Zero lengths are skipped. Raises ``ValueError`` for a length over ``max_length`` (index and lengths named).
+        """
+        if self.max_length is None:
+            return [[i for i, n in enumerate(lengths) if n > 0]]
+        rows: list[list[int]] = []
+        room: list[int] = []
+        for i, n in enumerate(lengths):
+            if n == 0:
+                continue
+            if n > self.max_length:
+                raise ValueError(
+                    f"sample {i} has {n} tokens, more than the collator's max_length={self.max_length}; "
+                    "truncate it in the processor (build_sft_example(max_length=...)) or raise max_length"
+                )
+            for r, free in enumerate(room):
+                if n <= free:
+                    rows[r].append(i)
+                    room[r] -= n
+                    break
+            else:
+                rows.append([i])
+                room.append(self.max_length - n)
+        return rows
+
+    # ----------------------------------------------------------------------------------------------- parsing
+    @staticmethod
+    def _parse(feature: Any, index: int) -> _Sample:
+        ids = _as_list(feature["input_ids"], "input_ids", index)
+        labels = _as_list(feature["labels"], "labels", index) if feature.get("labels") is not None else list(ids)
+        types = feature.get("mm_token_type_ids")
+        types = _as_list(types, "mm_token_type_ids", index) if types is not None else [0] * len(ids)
+        for name, seq in (("labels", labels), ("mm_token_type_ids", types)):
+            if len(seq) != len(ids):
+                raise ValueError(f"sample {index}: {name} has {len(seq)} entries but input_ids has {len(ids)}")
+        mask = feature.get("attention_mask")
+        if mask is not None and not all(_as_list(mask, "attention_mask", index)):
+            raise ValueError(
+                f"sample {index}: attention_mask has zeros; the packing collator takes unpadded samples"
+            )
+        visual = {}
+        for pixels_key, grid_key in _VISUAL:
+            pixels, grid = feature.get(pixels_key), feature.get(grid_key)
+            if (pixels is None) != (grid is None):
+                raise ValueError(f"sample {index}: {pixels_key} and {grid_key} must be given together")
+            if pixels is None:
+                continue
+            pixels = torch.as_tensor(pixels)
+            grid = torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3)
+            rows = int(grid.prod(-1).sum())
+            if pixels.dim() != 2 or pixels.shape[0] != rows:
+                raise ValueError(
+                    f"sample {index}: {pixels_key} has shape {tuple(pixels.shape)} but {grid_key} "
+                    f"{grid.tolist()} needs {rows} rows"
+                )
+            visual[pixels_key], visual[grid_key] = pixels, grid
+        return _Sample(index, ids, labels, types, visual)
+
+    # ----------------------------------------------------------------------------------------------- collate
+    def __call__(self, features, return_tensors=None, separator_id=None):
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"Glm53FlashPackingCollator returns torch tensors only; got return_tensors={return_tensors!r}")
+        samples = [self._parse(f, i) for i, f in enumerate(features)]
+        rows = self.plan([len(s.input_ids) for s in samples])
+        if not rows or not rows[0]:
+            raise ValueError("Glm53FlashPackingCollator received a batch where every example is empty.")
+
+        # One call of DataCollatorWithFlattening per row: separator labels, restarting positions, cu_seq_lens.
+        flat_rows = []
+        for row in rows:
+            row_features = [{"input_ids": samples[i].input_ids, "labels": samples[i].labels} for i in row]
+            flat = super().__call__(row_features, return_tensors="pt", separator_id=separator_id)
+            flat["mm_token_type_ids"] = torch.tensor(
+                [[t for i in row for t in samples[i].mm_token_type_ids]], dtype=torch.long
+            )
+            flat_rows.append(flat)
+
+        longest = max(int(f["input_ids"].shape[1]) for f in flat_rows)
+        if self.pad_to_max_length:
+            width = self.max_length
+        else:
+            width = longest
+            if self.pad_to_multiple_of:
+                width = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
+                if self.max_length is not None:
+                    width = min(width, self.max_length)  # longest <= max_length always
+
+        out = {k: [] for k in ("input_ids", "labels", "position_ids", "mm_token_type_ids")}
+        cu, max_seg, seg_idx_rows, seg = [0], 0, [], 0
+        for flat in flat_rows:
+            n = int(flat["input_ids"].shape[1])
+            pad = width - n
+            fills = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
+            for key, fill in fills.items():
+                out[key].append(torch.cat([flat[key][0], torch.full((pad,), fill, dtype=torch.long)]))
+            out["position_ids"].append(torch.cat([flat["position_ids"][0], torch.arange(pad, dtype=torch.long)]))
+            row_cu = flat["cu_seq_lens_q"].tolist()
+            lengths = [b - a for a, b in zip(row_cu[:-1], row_cu[1:])] + ([pad] if pad else [])
+            ids = []
+            for length in lengths:
+                cu.append(cu[-1] + length)
+                max_seg = max(max_seg, length)
+                ids += [seg] * length
+                seg += 1
+            seg_idx_rows.append(ids)
+        batch = {k: torch.stack(v) for k, v in out.items()}
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor(cu, dtype=torch.int32)
+        batch["max_length_q"] = batch["max_length_k"] = max_seg
+        if self.return_seq_idx_packed:
+            batch["seq_idx"] = torch.tensor(seg_idx_rows, dtype=torch.int32)
+
+        order = [samples[i] for row in rows for i in row]
+        for pixels_key, grid_key in _VISUAL:
+            present = [s.visual for s in order if pixels_key in s.visual]
+            if present:
+                batch[pixels_key] = torch.cat([v[pixels_key] for v in present])
+                batch[grid_key] = torch.cat([v[grid_key] for v in present])
+        return batch
+
+
+__all__ = ["Glm53FlashPackingCollator"]
