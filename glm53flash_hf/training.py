@@ -1,0 +1,208 @@
+"""Training helpers: a LoRA configuration for GLM-5.3-Flash and the aux-loss-free expert-balancing callback.
+
+* :func:`default_lora_config` builds a ``peft.LoraConfig`` that adapts the attention projections (MLA and KDA),
+  the dense / shared-expert MLP projections (``target_modules``, ``nn.Linear``) and the routed experts' 3-D weights
+  ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (``target_parameters``; PEFT 0.21 wraps the experts module
+  in ``lora.ParamWrapper``, which assumes transformers' ``[E, out, in]`` layout — ours). ``task_type="CAUSAL_LM"``
+  is set so that ``AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True)`` resolves the base
+  class through ``AutoModelForCausalLM`` (without it PEFT rejects the ``transformers_modules.*`` parent library;
+  hf-integration §6). The vision tower (``model.visual.*``) is excluded.
+* :class:`AuxLossFreeBalancingCallback` is DeepSeek-V3's auxiliary-loss-free load balancing as a
+  ``transformers.TrainerCallback``: forward hooks on every :class:`~.moe.Glm53FlashTopkRouter` count how many
+  tokens each routed expert received during one optimizer step (all gradient-accumulation micro-batches), and at
+  the end of the step each router's buffer is updated
+  ``e_score_correction_bias += speed * sign(mean(load) - load)`` — overloaded experts become less likely to be
+  chosen, underloaded ones more. The bias only enters the top-k choice, never the gate weights, so no gradient
+  flows through it. Off by default (``speed=0.0`` registers no hooks); DeepSeek-V3 used ``speed=1e-3``.
+
+Sources: DeepSeek-V3 technical report §2.1.2 ("Auxiliary-Loss-Free Load Balancing", bias update speed gamma);
+transformers ``TrainerCallback`` events (``on_train_begin`` / ``on_step_end`` / ``on_train_end``); PEFT 0.21
+``LoraConfig(target_parameters=...)``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from transformers import TrainerCallback
+
+ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
+
+#: ``nn.Linear`` leaf names adapted by default: MLA (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
+#: ``o_proj``), KDA (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) and the dense / shared-expert SwiGLU MLP
+#: (``gate_proj``, ``up_proj``, ``down_proj``). The routed experts are parameters, not modules, and are reached only
+#: through :data:`EXPERT_TARGET_PARAMETERS`. ``kv_b_proj`` is deliberately absent: the absorbed MLA in ``dsa.py``
+#: reads ``kv_b_proj.weight`` directly instead of calling the module, so a LoRA on it (module or parameter target)
+#: would receive no gradient and change nothing.
+DEFAULT_TARGET_MODULES = (
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+#: The routed experts' 3-D parameters (``Glm53FlashExperts``), as PEFT ``target_parameters`` suffixes.
+EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _module_regex(names) -> str:
+    """Regex full-matching qualified module names that end in one of ``names`` and are not in the vision tower."""
+    alternatives = "|".join(re.escape(n) for n in names)
+    return rf"(?!(?:.*\.)?visual\.)(?:.*\.)?(?:{alternatives})"
+
+
+def default_lora_config(
+    r: int = 8,
+    lora_alpha: int | None = None,
+    target_modules=DEFAULT_TARGET_MODULES,
+    experts: bool = True,
+    **kwargs,
+):
+    """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (text or VL classes).
+
+    Args:
+        r: LoRA rank. For the experts PEFT uses one rank-``r`` pair per expert (``lora_A: nn.Linear(in, r*E)``,
+            ``lora_B: nn.Linear(r*E, out)``).
+        lora_alpha: scaling numerator (``scaling = lora_alpha / r``); default ``2 * r``.
+        target_modules: ``nn.Linear`` leaf names (see :data:`DEFAULT_TARGET_MODULES`); ``None`` or empty adapts only
+            the experts. They are turned into one regex (PEFT full-matches it against qualified module names) that
+            skips the vision tower ``model.visual.*``.
+        experts: add :data:`EXPERT_TARGET_PARAMETERS` as ``target_parameters``.
+        **kwargs: passed on to ``LoraConfig`` (e.g. ``modules_to_save``); they override the defaults.
+
+    Returns:
+        ``LoraConfig`` with ``task_type="CAUSAL_LM"``, ``lora_dropout=0.0`` (PEFT refuses dropout on
+        ``ParamWrapper``), ``bias="none"``.
+
+    Raises:
+        ValueError: ``r < 1``, or nothing to adapt (no ``target_modules`` and ``experts=False``).
+    """
+    from peft import LoraConfig
+
+    if r < 1:
+        raise ValueError(f"r must be >= 1; got r={r}")
+    modules = list(target_modules or ())
+    if not modules and not experts:
+        raise ValueError("nothing to adapt: give target_modules or set experts=True")
+    options = dict(
+        r=r,
+        lora_alpha=2 * r if lora_alpha is None else lora_alpha,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=_module_regex(modules) if modules else None,
+        target_parameters=list(EXPERT_TARGET_PARAMETERS) if experts else None,
+    )
+    options.update(kwargs)
+    return LoraConfig(**options)
+
+
+def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{qualified name: router}`` for every MoE router in ``model`` (PEFT / DDP / FSDP wrappers included).
+
+    Routers are recognised by class name, so a model loaded as remote code (a second copy of the class under
+    ``transformers_modules``) is found too; each must have an ``e_score_correction_bias`` buffer ``[E]``.
+    """
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module).__name__ == ROUTER_CLASS_NAME and hasattr(module, "e_score_correction_bias")
+    }
+
+
+class AuxLossFreeBalancingCallback(TrainerCallback):
+    """Aux-loss-free MoE load balancing (DeepSeek-V3 §2.1.2) for ``transformers.Trainer``.
+
+    Per optimizer step and per router: ``load[e]`` = number of (token, slot) routing assignments to expert ``e``
+    counted by a forward hook from the router's ``topk_indices`` over every training forward of the step
+    (gradient-accumulation micro-batches, MTP depths; summed over ranks with ``all_reduce`` when
+    ``torch.distributed`` is initialised); then ``bias += speed * sign(load.mean() - load)`` in fp32 (experts at
+    exactly the mean are left alone). Forwards in eval mode (``module.training`` False) are not counted. Under
+    gradient checkpointing the recomputed forward counts again; that scales one router's loads uniformly and does
+    not change the sign. Padding tokens are routed and counted like any other token.
+
+    Args:
+        speed: update step ``gamma`` (>= 0). ``0.0`` (default) disables the callback: no hooks, no updates.
+
+    Attributes:
+        last_loads: ``{router name: float32 [E]}`` loads of the last completed step (for logging and tests).
+
+    Raises:
+        ValueError: negative ``speed``; at train begin, ``speed > 0`` but the model has no MoE router.
+    """
+
+    def __init__(self, speed: float = 0.0):
+        if speed < 0:
+            raise ValueError(f"speed must be >= 0; got speed={speed}")
+        self.speed = float(speed)
+        self.last_loads: dict[str, torch.Tensor] = {}
+        self._routers: dict[str, torch.nn.Module] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+        self._handles = []
+
+    # -- hooks -------------------------------------------------------------------------------------------------
+    def _make_hook(self, name: str):
+        def hook(module, args, output):
+            if not module.training:
+                return
+            indices = output[2]  # int64 [T, k]
+            self._counts[name] += torch.bincount(indices.reshape(-1), minlength=self._counts[name].numel())
+
+        return hook
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Register the counting hooks on ``model``'s routers (idempotent; a no-op when ``speed == 0``)."""
+        if self.speed == 0.0 or self._handles:
+            return
+        self._routers = find_routers(model)
+        if not self._routers:
+            raise ValueError(f"AuxLossFreeBalancingCallback: no {ROUTER_CLASS_NAME} in {type(model).__name__}")
+        for name, router in self._routers.items():
+            bias = router.e_score_correction_bias
+            self._counts[name] = torch.zeros(bias.numel(), dtype=torch.int64, device=bias.device)
+            self._handles.append(router.register_forward_hook(self._make_hook(name)))
+
+    def detach(self) -> None:
+        """Remove the hooks and drop the pending counts."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._counts = {}
+        self._routers = {}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Apply one bias update from the counts gathered since the last update, then reset the counts."""
+        if not self._handles:
+            return
+        loads = {name: count.to(torch.float32) for name, count in self._counts.items()}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and loads:
+            names = list(loads)
+            flat = torch.cat([loads[n] for n in names])
+            torch.distributed.all_reduce(flat)
+            loads = dict(zip(names, flat.split([loads[n].numel() for n in names])))
+        for name, load in loads.items():
+            if load.sum() == 0:  # no training forward reached this router during the step
+                continue
+            bias = self._routers[name].e_score_correction_bias
+            bias.add_((load.mean() - load).sign().to(bias.dtype), alpha=self.speed)
+            self._counts[name].zero_()
+        self.last_loads = {name: load.clone() for name, load in loads.items()}
+
+    # -- TrainerCallback events ------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            self.attach(model)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.update()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()

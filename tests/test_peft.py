@@ -1,0 +1,179 @@
+"""PEFT LoRA on GLM-5.3-Flash: projections (``target_modules``) and the routed experts' 3-D weights
+(``target_parameters``) via :func:`glm53flash_hf.training.default_lora_config` (issue 7 item 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig  # noqa: E402
+from glm53flash_hf.make_tiny import DEFAULT_CONFIG, make_tiny  # noqa: E402
+from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM  # noqa: E402
+from glm53flash_hf.training import EXPERT_TARGET_PARAMETERS, default_lora_config  # noqa: E402
+
+
+def _base(seed: int = 0) -> Glm53FlashForCausalLM:
+    torch.manual_seed(seed)
+    return Glm53FlashForCausalLM(Glm53FlashConfig.from_json_file(DEFAULT_CONFIG)).eval()
+
+
+def _ids(seed: int = 1, shape=(2, 12)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1900, shape, generator=g)
+
+
+def _perturb_lora_b(model, only_experts: bool = False, seed: int = 2) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name and (not only_experts or ".experts." in name):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _experts_modules(model):
+    return {n: m for n, m in model.named_modules() if n.endswith("mlp.experts")}
+
+
+@pytest.fixture(scope="module")
+def lora():
+    base = _base()
+    ids = _ids()
+    with torch.no_grad():
+        ref = base(ids).logits
+    model = peft.get_peft_model(base, default_lora_config(r=4))
+    return model, ids, ref
+
+
+def test_config_fields():
+    cfg = default_lora_config(r=4)
+    assert cfg.task_type == "CAUSAL_LM"
+    assert sorted(cfg.target_parameters) == sorted(EXPERT_TARGET_PARAMETERS)
+    import re
+
+    pattern = re.compile(cfg.target_modules)
+    for name in ("model.layers.2.self_attn.q_a_proj", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
+                 "model.language_model.layers.3.mlp.shared_experts.gate_proj", "model.layers.2.self_attn.o_proj"):
+        assert pattern.fullmatch(name), name
+    for name in ("model.visual.blocks.0.mlp.down_proj", "model.layers.2.self_attn.kv_b_proj",
+                 "model.layers.2.self_attn.indexer.wq_b", "model.layers.0.self_attn.f_a_proj", "lm_head"):
+        assert not pattern.fullmatch(name), name
+    assert cfg.lora_dropout == 0.0 and cfg.lora_alpha == 8
+    with pytest.raises(ValueError):
+        default_lora_config(r=0)
+    with pytest.raises(ValueError):
+        default_lora_config(target_modules=None, experts=False)
+
+
+def test_identity_at_init_and_wrapping(lora):
+    model, ids, ref = lora
+    with torch.no_grad():
+        out = model(ids).logits
+    assert torch.equal(out, ref)
+    names = [n for n, _ in model.named_parameters() if "lora_" in n]
+    # every sparse layer's experts (5 main + 1 MTP) got one A/B pair per 3-D parameter
+    n_sparse = sum(1 for n in _experts_modules(model))
+    assert n_sparse == 6
+    assert sum(1 for n in names if ".experts." in n) == n_sparse * 2 * 2
+    for leaf in ("q_a_proj", "kv_a_proj_with_mqa", "q_proj", "v_proj", "o_proj", "gate_proj", "shared_experts.down_proj"):
+        assert any(f"{leaf}.lora_A" in n for n in names), leaf
+    assert not any("visual" in n for n in names)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(names)
+
+
+def test_expert_lora_changes_expert_outputs():
+    base = _base()
+    model = peft.get_peft_model(base, default_lora_config(r=4))
+    experts = _experts_modules(model)
+    g = torch.Generator().manual_seed(3)
+    cfg = base.config.get_text_config()
+    h = torch.randn(10, cfg.hidden_size, generator=g)
+    idx = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:2] for _ in range(10)])
+    w = torch.rand(10, 2, generator=g)
+    with torch.no_grad():
+        before = {n: m(h, idx, w) for n, m in experts.items()}
+        _perturb_lora_b(model, only_experts=True)
+        after = {n: m(h, idx, w) for n, m in experts.items()}
+    for n in experts:
+        assert (after[n] - before[n]).abs().max() > 1e-3, n
+    # the perturbation is seen only through the experts' LoRA: merged weights explain the change
+    name, mod = next(iter(experts.items()))
+    with torch.no_grad():
+        delta = mod.get_delta_weight("default")
+    assert delta.shape == mod.get_base_layer().gate_up_proj.shape or delta.shape == mod.get_base_layer().down_proj.shape
+
+
+def test_gradients_reach_lora_only(lora):
+    model, ids, _ = lora
+    _perturb_lora_b(model)  # non-zero B so that A gets gradients too
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    model.eval()
+    lora_params = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert lora_params
+    for n, p in lora_params.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    for n, p in model.named_parameters():
+        if "lora_" not in n:
+            assert p.grad is None, n
+    model.zero_grad(set_to_none=True)
+
+
+def test_save_load_merge(lora, tmp_path):
+    model, ids, ref = lora
+    _perturb_lora_b(model, seed=5)
+    with torch.no_grad():
+        adapted = model(ids).logits
+    assert (adapted - ref).abs().max() > 1e-3
+    model.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(saved["target_parameters"]) == sorted(EXPERT_TARGET_PARAMETERS)
+    assert saved["task_type"] == "CAUSAL_LM"
+
+    fresh = peft.PeftModel.from_pretrained(_base(), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        reloaded = fresh(ids).logits
+    torch.testing.assert_close(reloaded, adapted, rtol=0, atol=1e-6)
+
+    merged = fresh.merge_and_unload()
+    assert type(merged) is Glm53FlashForCausalLM
+    assert not any("lora_" in n or "base_layer" in n for n, _ in merged.named_parameters())
+    base_sd = _base().state_dict()
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    assert not torch.equal(merged.state_dict()[key], base_sd[key])  # the expert delta was merged in
+    with torch.no_grad():
+        out = merged(ids).logits
+    torch.testing.assert_close(out, adapted, rtol=0, atol=1e-5)
+
+
+def test_auto_peft_remote_code(tmp_path, monkeypatch):
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny = str(tmp_path / "tiny")
+    make_tiny(tiny, dtype="float32", show_progress=False)
+    base = AutoModelForCausalLM.from_pretrained(tiny, trust_remote_code=True, dtype=torch.float32)
+    assert type(base).__module__.startswith("transformers_modules")
+    model = peft.get_peft_model(base, default_lora_config(r=2))
+    _perturb_lora_b(model, seed=7)
+    model.eval()
+    ids = _ids(seed=8, shape=(1, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+    adapter = str(tmp_path / "adapter")
+    model.save_pretrained(adapter)
+    assert json.loads(open(os.path.join(adapter, "adapter_config.json")).read())["base_model_name_or_path"] == tiny
+
+    loaded = AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True, dtype=torch.float32).eval()
+    assert isinstance(loaded, peft.PeftModelForCausalLM)
+    with torch.no_grad():
+        got = loaded(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

@@ -1,0 +1,142 @@
+"""HF Trainer integration (issue 7 item 1): exact gradient accumulation through ``num_items_in_batch`` and the
+aux-loss-free balancing callback (:class:`glm53flash_hf.training.AuxLossFreeBalancingCallback`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
+from glm53flash_hf.make_tiny import DEFAULT_CONFIG
+from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+from glm53flash_hf.training import AuxLossFreeBalancingCallback, find_routers
+
+SEQ = 12
+
+
+def _model() -> Glm53FlashForCausalLM:
+    torch.manual_seed(0)
+    return Glm53FlashForCausalLM(Glm53FlashConfig.from_json_file(DEFAULT_CONFIG))
+
+
+def _rows():
+    """Two rows of equal length with 11 and 4 supervised (shifted) targets."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 1900, (2, SEQ), generator=g)
+    labels = ids.clone()
+    labels[1, : SEQ - 4] = -100
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(2)]
+
+
+class _GradCapture(TrainerCallback):
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train(tmp_path, batch_size, accum, callbacks=(), rows=None, lr=0.0):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accum,
+        learning_rate=lr,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = Trainer(model=_model(), args=args, train_dataset=rows or _rows(), callbacks=list(callbacks))
+    trainer.train()
+    loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
+    return trainer, loss
+
+
+SPEED = 0.01
+
+
+@pytest.fixture(scope="module")
+def ga_run(tmp_path_factory):
+    """One Trainer step with GA 2 (batch 1), capturing grads and running the balancing callback."""
+    ga, cb = _GradCapture(), AuxLossFreeBalancingCallback(speed=SPEED)
+    trainer, loss = _train(tmp_path_factory.mktemp("ga"), 1, 2, [ga, cb])
+    return trainer, loss, ga, cb
+
+
+def test_gradient_accumulation_equals_big_batch(tmp_path, ga_run):
+    assert Glm53FlashForCausalLM.accepts_loss_kwargs
+    _, loss_ga, ga, _ = ga_run
+    big = _GradCapture()
+    _, loss_big = _train(tmp_path / "big", 2, 1, [big])
+    assert ga.grads.keys() == big.grads.keys() and len(big.grads) > 50
+    for n in big.grads:
+        torch.testing.assert_close(ga.grads[n], big.grads[n], rtol=0, atol=1e-5, msg=n)
+    assert abs(loss_ga - loss_big) < 1e-5
+
+    # negative control: averaging per-micro-batch mean losses (no num_items_in_batch) gives different gradients,
+    # so the comparison above can detect a broken normalisation
+    model = _model()
+    rows = _rows()
+    naive = 0.0
+    for r in rows:
+        naive = naive + model(input_ids=r["input_ids"][None], labels=r["labels"][None]).loss / 2
+    naive.backward()
+    diff = max((p.grad - big.grads[n]).abs().max().item() for n, p in model.named_parameters() if n in big.grads)
+    assert diff > 1e-4
+
+
+def test_balancing_callback_updates_bias(ga_run):
+    speed = SPEED
+    rows = _rows()
+    # expected loads: same model, same data, bias 0, lr 0 -> identical routing in training mode
+    model = _model().train()
+    routers = find_routers(model)
+    loads = {n: torch.zeros(r.e_score_correction_bias.numel()) for n, r in routers.items()}
+
+    def counter(name):
+        def hook(module, args, out):
+            loads[name] += torch.bincount(out[2].reshape(-1), minlength=loads[name].numel())
+
+        return hook
+
+    handles = [r.register_forward_hook(counter(n)) for n, r in routers.items()]
+    with torch.no_grad():
+        for r in rows:  # GA 2: one micro-batch per row
+            model(input_ids=r["input_ids"][None], labels=r["labels"][None])
+    for h in handles:
+        h.remove()
+
+    trainer, _, _, cb = ga_run  # lr 0: the weights did not move, only the bias
+    trained = find_routers(trainer.model)
+    assert len(trained) == len(routers) == 6  # 5 sparse layers + the MTP layer
+    signs_seen = set()
+    for n, router in trained.items():
+        torch.testing.assert_close(cb.last_loads[n], loads[n], rtol=0, atol=0)
+        expected = speed * torch.sign(loads[n].mean() - loads[n])
+        torch.testing.assert_close(router.e_score_correction_bias, expected, rtol=0, atol=0)
+        signs_seen.update(torch.sign(expected).tolist())
+    assert {-1.0, 1.0} <= signs_seen  # overloaded experts went down, underloaded went up
+    assert not cb._handles  # hooks removed at train end
+
+
+def test_balancing_callback_off_by_default():
+    model = _model().train()
+    cb = AuxLossFreeBalancingCallback()
+    cb.on_train_begin(None, None, None, model=model)
+    assert not cb._handles  # speed 0: no hooks
+    r = _rows()[0]
+    model(input_ids=r["input_ids"][None], labels=r["labels"][None])
+    cb.on_step_end(None, None, None)
+    for router in find_routers(model).values():
+        assert torch.count_nonzero(router.e_score_correction_bias) == 0
+    with pytest.raises(ValueError):
+        AuxLossFreeBalancingCallback(speed=-1.0)
+    with pytest.raises(ValueError):
+        AuxLossFreeBalancingCallback(speed=0.1).attach(torch.nn.Linear(2, 2))
