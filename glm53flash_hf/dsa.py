@@ -565,6 +565,19 @@ class Glm53FlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=bias)
         self.indexer = None if self.skip_topk else Glm53FlashIndexer(config, layer_idx)
 
+    def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """Effective ``kv_b_proj`` weight ``[H * (qk_nope + v_head_dim), kv_lora_rank]`` for the absorbed form.
+
+        A plain ``nn.Linear`` gives its ``weight``. A wrapped module (e.g. a PEFT LoRA layer) is applied to the
+        identity, ``W_eff = kv_b_proj(I)^T``, so its adapters take part in forward and backward exactly as if the
+        module were called on the latents (``like`` gives the identity's device and dtype).
+        """
+        proj = self.kv_b_proj
+        if type(proj) is nn.Linear:
+            return proj.weight
+        eye = torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)
+        return proj(eye).transpose(0, 1)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -621,7 +634,7 @@ class Glm53FlashAttention(nn.Module):
         q_nope = self.q_b_proj(q_resid).view(batch, seq_len, self.num_heads, self.qk_nope_head_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(hidden_states))  # [B, S, Dl] (no rope part)
 
-        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        kv_b = self.kv_b_weight(latent).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_kc = kv_b[:, : self.qk_nope_head_dim]  # [H, Dn, Dl]
         w_vc = kv_b[:, self.qk_nope_head_dim :]  # [H, Dv, Dl]
         q_abs = torch.einsum("bshd,hdl->bshl", q_nope, w_kc.to(q_nope.dtype))

@@ -32,13 +32,13 @@ ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
 #: ``nn.Linear`` leaf names adapted by default: MLA (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
 #: ``o_proj``), KDA (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) and the dense / shared-expert SwiGLU MLP
 #: (``gate_proj``, ``up_proj``, ``down_proj``). The routed experts are parameters, not modules, and are reached only
-#: through :data:`EXPERT_TARGET_PARAMETERS`. ``kv_b_proj`` is deliberately absent: the absorbed MLA in ``dsa.py``
-#: reads ``kv_b_proj.weight`` directly instead of calling the module, so a LoRA on it (module or parameter target)
-#: would receive no gradient and change nothing.
+#: through :data:`EXPERT_TARGET_PARAMETERS`. ``kv_b_proj`` (MLA's latent up-projection) is adapted too: the
+#: absorbed attention takes its effective weight from the wrapped module (``Glm53FlashAttention.kv_b_weight``).
 DEFAULT_TARGET_MODULES = (
     "q_a_proj",
     "q_b_proj",
     "kv_a_proj_with_mqa",
+    "kv_b_proj",
     "q_proj",
     "k_proj",
     "v_proj",

@@ -57,9 +57,10 @@ def test_config_fields():
 
     pattern = re.compile(cfg.target_modules)
     for name in ("model.layers.2.self_attn.q_a_proj", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
-                 "model.language_model.layers.3.mlp.shared_experts.gate_proj", "model.layers.2.self_attn.o_proj"):
+                 "model.language_model.layers.3.mlp.shared_experts.gate_proj", "model.layers.2.self_attn.o_proj",
+                 "model.layers.2.self_attn.kv_b_proj"):
         assert pattern.fullmatch(name), name
-    for name in ("model.visual.blocks.0.mlp.down_proj", "model.layers.2.self_attn.kv_b_proj",
+    for name in ("model.visual.blocks.0.mlp.down_proj",
                  "model.layers.2.self_attn.indexer.wq_b", "model.layers.0.self_attn.f_a_proj", "lm_head"):
         assert not pattern.fullmatch(name), name
     assert cfg.lora_dropout == 0.0 and cfg.lora_alpha == 8
@@ -79,7 +80,7 @@ def test_identity_at_init_and_wrapping(lora):
     n_sparse = sum(1 for n in _experts_modules(model))
     assert n_sparse == 6
     assert sum(1 for n in names if ".experts." in n) == n_sparse * 2 * 2
-    for leaf in ("q_a_proj", "kv_a_proj_with_mqa", "q_proj", "v_proj", "o_proj", "gate_proj", "shared_experts.down_proj"):
+    for leaf in ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_proj", "v_proj", "o_proj", "gate_proj", "shared_experts.down_proj"):
         assert any(f"{leaf}.lora_A" in n for n in names), leaf
     assert not any("visual" in n for n in names)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -177,3 +178,22 @@ def test_auto_peft_remote_code(tmp_path, monkeypatch):
     with torch.no_grad():
         got = loaded(ids).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_kv_b_proj_lora_reaches_the_absorbed_attention():
+    """MLA uses kv_b_proj's weight in the absorbed form; a LoRA on it must change outputs and get gradients."""
+    base = _base()
+    model = peft.get_peft_model(base, default_lora_config(r=4, target_modules=("kv_b_proj",), experts=False))
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids).logits
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "kv_b_proj.lora_B" in name:
+                p.normal_(0, 0.5)
+    model.train()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert (out.logits.detach() - before).abs().max() > 1e-4
+    grads = {n: p.grad for n, p in model.named_parameters() if "kv_b_proj.lora_" in n}
+    assert grads and all(g is not None and g.abs().max() > 0 for g in grads.values())
