@@ -11,8 +11,14 @@ The choice is made per call from the tensors' device, never from ``module.traini
 recompute in eval mode must pick the same path as the forward it replays) and never at import time: CPU tensors
 never reach a GPU-only kernel even when fla/triton are installed.
 
-Fused kernels register themselves in :data:`FUSED_AVAILABILITY` (family → callable returning ``(ok, reason)``
-for the given tensors); none is registered in this version.
+Fused kernels are probed through :data:`FUSED_AVAILABILITY` (family → callable returning ``(ok, reason)`` for the
+given tensors). The probes import their kernel module lazily, only for CUDA tensors: ``kda`` →
+:mod:`glm53flash_hf.fla_kda` (fla-core), ``mhc`` → :mod:`glm53flash_hf.triton_mhc`, ``dsa`` →
+:mod:`glm53flash_hf.triton_dsa`, ``moe`` → :mod:`glm53flash_hf.triton_moe` (each exposes
+``fused_<family>_available(*tensors) -> (ok, reason)``).
+
+:func:`local_tensor` unwraps parameters that arrive as DTensors (FSDP2 / tensor parallel) before a fused kernel
+reads their storage: replicated ones become their local tensor, sharded ones raise naming the parameter.
 """
 
 from __future__ import annotations
@@ -77,11 +83,56 @@ def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
     return "torch"
 
 
-def _mhc_fused_available(*tensors: torch.Tensor) -> tuple[bool, str]:
-    """Probe of the Triton mHC kernels (imported only here, on a CUDA call: CPU runs never import triton)."""
-    from .triton_mhc import fused_mhc_available
+def _lazy_probe(module: str, probe: str) -> Callable[..., tuple[bool, str]]:
+    """A probe that imports ``glm53flash_hf.<module>`` on first use (only ever for CUDA tensors, so CPU runs never
+    import triton or fla) and calls its ``probe`` function; an import failure is reported as the reason."""
 
-    return fused_mhc_available(*tensors)
+    def run(*tensors: torch.Tensor) -> tuple[bool, str]:
+        import importlib
+
+        try:
+            mod = importlib.import_module(f"{__package__}.{module}")
+        except ImportError as exc:  # kernel module or its dependency (triton, fla-core) missing
+            return False, f"cannot import the {module} kernels ({exc})"
+        return getattr(mod, probe)(*tensors)
+
+    run.__name__ = f"probe_{module}"
+    return run
 
 
-FUSED_AVAILABILITY["mhc"] = _mhc_fused_available
+FUSED_AVAILABILITY["kda"] = _lazy_probe("fla_kda", "fused_kda_available")
+FUSED_AVAILABILITY["mhc"] = _lazy_probe("triton_mhc", "fused_mhc_available")
+FUSED_AVAILABILITY["dsa"] = _lazy_probe("triton_dsa", "fused_dsa_available")
+FUSED_AVAILABILITY["moe"] = _lazy_probe("triton_moe", "fused_moe_available")
+
+
+def local_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """The plain tensor a fused kernel may read, for a parameter that may arrive as a DTensor.
+
+    FSDP2 all-gathers parameters to plain tensors for the forward, but under tensor/expert parallelism (or a
+    module used outside its FSDP forward hooks) a parameter can still be a ``DTensor``; Triton/fla kernels read raw
+    storage and would silently use one shard. Replicated DTensors are unwrapped to their (full) local tensor.
+
+    Args:
+        tensor: a tensor or ``torch.distributed.tensor.DTensor``.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        ``tensor`` itself when it is not a DTensor, else its local tensor (all placements ``Replicate``).
+
+    Raises:
+        ValueError: a DTensor with any non-replicated placement (``Shard``, ``Partial``), naming ``name`` and the
+            placements.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Replicate
+    except ImportError:  # torch built without distributed
+        return tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if all(isinstance(p, Replicate) for p in tensor.placements):
+        return tensor.to_local()
+    raise ValueError(
+        f"{name} arrives as a DTensor with placements {tuple(tensor.placements)}; the fused kernels need the full "
+        "tensor (replicate it, or run this family with kernels='torch')"
+    )
