@@ -69,9 +69,12 @@ def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
     if requested == "torch":
         return "torch"
     probe = FUSED_AVAILABILITY.get(family)
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if probe is None:
         ok, reason = False, f"this version of glm53flash-hf has no fused {family} kernel"
-    elif not all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):
+    elif not tensors:
+        ok, reason = False, "no input tensors were given to decide the device"
+    elif not all(t.is_cuda for t in tensors):
         ok, reason = False, "the tensors are not on a CUDA device"
     else:
         ok, reason = probe(*tensors)
@@ -87,14 +90,19 @@ def _lazy_probe(module: str, probe: str) -> Callable[..., tuple[bool, str]]:
     """A probe that imports ``glm53flash_hf.<module>`` on first use (only ever for CUDA tensors, so CPU runs never
     import triton or fla) and calls its ``probe`` function; an import failure is reported as the reason."""
 
-    def run(*tensors: torch.Tensor) -> tuple[bool, str]:
-        import importlib
+    loaded: list = []  # [module] or [ImportError message], filled on the first call
 
-        try:
-            mod = importlib.import_module(f"{__package__}.{module}")
-        except ImportError as exc:  # kernel module or its dependency (triton, fla-core) missing
-            return False, f"cannot import the {module} kernels ({exc})"
-        return getattr(mod, probe)(*tensors)
+    def run(*tensors: torch.Tensor) -> tuple[bool, str]:
+        if not loaded:
+            import importlib
+
+            try:
+                loaded.append(importlib.import_module(f"{__package__}.{module}"))
+            except ImportError as exc:  # kernel module or its dependency (triton, fla-core) missing
+                loaded.append(f"cannot import the {module} kernels ({exc})")
+        if isinstance(loaded[0], str):
+            return False, loaded[0]
+        return getattr(loaded[0], probe)(*tensors)
 
     run.__name__ = f"probe_{module}"
     return run

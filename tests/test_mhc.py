@@ -335,3 +335,47 @@ def test_sinkhorn_small_numpy_path_bit_equal():
     x = (torch.randn(1, 1, 4, 4).softmax(-1) + 1e-6).requires_grad_()
     mhc_mod.sinkhorn_normalize(x, 20, 1e-6).sum().backward()
     assert x.grad is not None
+
+
+def test_hc_pre_small_numpy_path(monkeypatch):
+    """Decode-sized hc_pre (<= 8 fp32 tokens, no grad, CPU) runs in numpy; it equals the torch path to fp32 rounding
+    and is as close to a float64 evaluation.
+
+    Only the fp32 summation order of the two dot products (``sum x^2`` and ``fn @ x``) differs from the torch path,
+    so post/comb/collapsed agree to a few fp32 ulps of their scale (bound 2e-6 relative to the largest magnitude,
+    measured <= 3e-7); both are held to 2e-6 of a float64 evaluation of the same formula.
+    """
+    import glm53flash_hf.mhc as mhc_mod
+
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
+    calls = []
+    real = mhc_mod._hc_pre_numpy
+    monkeypatch.setattr(mhc_mod, "_hc_pre_numpy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for trial, (b, s) in enumerate([(1, 1), (2, 1), (1, 8), (3, 2)]):
+        g = torch.Generator().manual_seed(trial)
+        n, d = 4, 48
+        x = torch.randn(b, s, n, d, generator=g)
+        fn = torch.randn((2 + n) * n, n * d, generator=g) * 0.5
+        base = torch.randn((2 + n) * n, generator=g)
+        scale = torch.rand(3, generator=g) + 0.5
+        with torch.no_grad():
+            fast = mhc_mod.hc_pre(x, fn, base, scale, **kw)
+        assert len(calls) == trial + 1, "the numpy path was not taken"
+        monkeypatch.setattr(mhc_mod, "_SMALL_HC_PRE_TOKENS", 0)
+        with torch.no_grad():
+            ref = mhc_mod.hc_pre(x, fn, base, scale, **kw)
+            exact = mhc_mod.hc_pre(x.double(), fn.double(), base.double(), scale.double(), **kw)
+        monkeypatch.setattr(mhc_mod, "_SMALL_HC_PRE_TOKENS", 8)
+        assert len(calls) == trial + 1
+        for a, r, e in zip(fast, ref, exact):
+            assert a.shape == r.shape and a.dtype == r.dtype == torch.float32
+            tol = 2e-6 * float(e.abs().max())
+            assert float((a - r).abs().max()) <= tol
+            assert float((a.double() - e).abs().max()) <= tol
+            assert float((r.double() - e).abs().max()) <= tol
+    # more tokens, or autograd, take the torch path
+    x = torch.randn(1, 9, 4, 48)
+    with torch.no_grad():
+        mhc_mod.hc_pre(x, fn, base, scale, **kw)
+    mhc_mod.hc_pre(x[:, :1], fn.requires_grad_(), base, scale, **kw)
+    assert len(calls) == 4
