@@ -16,8 +16,10 @@ What differs from the transformers module (the maths is the same):
 * **Bounded memory.** The indexer scores queries in chunks under an element budget, the attention core runs in
   query chunks each wrapped in activation checkpointing, so neither keeps ``[S, S]``-sized buffers.
 
-The attention core is :func:`sparse_mla`, which dispatches on ``backend`` (``config.kernels["dsa"]``); today only the
-torch path :func:`sparse_mla_torch` exists. It is also the oracle a future fused (Triton) kernel is checked against.
+The attention core is :func:`sparse_mla`, which dispatches per call on ``backend`` (``config.kernels["dsa"]``) and the
+tensors' device: :func:`sparse_mla_torch` (CPU and the oracle) or, on CUDA, our Triton kernel
+:func:`glm53flash_hf.triton_dsa.sparse_mla_triton` (forward and backward, checked against the torch path under the
+Triton interpreter in ``tests/test_triton_dsa.py``).
 """
 
 from __future__ import annotations
@@ -173,14 +175,20 @@ def sparse_mla(
     Same contract as :func:`sparse_mla_torch` (shapes, dtypes, ``-1`` padding, natural-log LSE).
 
     Args:
-        backend: ``"torch"`` (:func:`sparse_mla_torch`), ``"auto"`` (the fused kernel when one is available for the
-            tensors' device, else torch: today always torch) or ``"fused"`` (the Triton kernel; not yet shipped).
+        backend: ``"torch"`` (:func:`sparse_mla_torch`), ``"auto"`` (the fused Triton kernel
+            :func:`glm53flash_hf.triton_dsa.sparse_mla_triton` when it can run on these tensors — CUDA, triton
+            installed, fp32/bf16/fp16 — else torch) or ``"fused"`` (the Triton kernel; when it cannot run, a warning
+            says why once and torch runs).
+        query_chunk: queries per chunk of the torch path; the fused kernel needs no chunking (its memory is
+            ``O(S * W)`` without it) and ignores it.
 
     Raises:
-        ValueError: for an unknown ``backend``. ``"fused"`` without a usable kernel warns once and runs torch
-            (:func:`.dispatch.choose_backend`).
+        ValueError: for an unknown ``backend`` (:func:`.dispatch.choose_backend`), and the errors of the chosen path.
     """
-    choose_backend("dsa", backend, q_abs)  # no fused sparse-MLA kernel yet: "fused" warns once, torch runs
+    if choose_backend("dsa", backend, q_abs, latent, indices) == "fused":
+        from .triton_dsa import sparse_mla_triton
+
+        return sparse_mla_triton(q_abs, latent, indices, scale)
     return sparse_mla_torch(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
 

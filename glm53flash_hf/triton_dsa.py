@@ -1,0 +1,390 @@
+"""Fused Triton kernels for the sparse MLA attention core of GLM-5.3-Flash's DSA layers, forward and backward.
+
+Our own kernels (FlashMLA's ``flash_mla_sparse_fwd``, TileLang's DeepSeek-V3.2 ``sparse_mla_fwd/bwd`` examples and
+xtuner's SparseMLA backends were read for their contracts only, kernels.md §4.2-§4.3). The maths is exactly that of
+:func:`glm53flash_hf.dsa.sparse_mla_torch`, the oracle of ``tests/test_triton_dsa.py``: absorbed MLA form, one shared
+latent KV head (``K = V = c``), per-query token ids with ``-1`` padding (any id outside ``[0, S_kv)`` is padding),
+softmax scale ``qk_head_dim ** -0.5`` passed by the caller, natural-log LSE.
+
+Kernels
+-------
+Forward (one program per ``(query row, block of BH heads)``): loads ``q_abs`` for its heads once, loops over the
+query's index list in blocks of ``BW`` ids, gathers the valid latent rows ``c_w`` ``[BW, Dl]``, computes
+``s = scale * q c^T`` ``[BH, BW]`` with ``tl.dot``, and keeps an online softmax in fp32 (running max ``m``, running
+sum ``l``, output accumulator ``acc`` ``[BH, Dl]``); writes ``out = acc / l`` (in the dtype of ``q_abs``) and
+``lse = m + ln(l)`` (fp32, natural log). A query with no valid id gets ``out = 0`` and ``lse = -inf``.
+
+Backward (same grid, one pass over the index list): ``Delta = rowsum(dO * O) - dlse`` is computed in the program
+from the stored output; per id block it recomputes ``p = exp(s - lse)``, ``dp = dO c^T``, ``ds = p * (dp - Delta)``,
+accumulates ``dq += ds c`` (``dq = scale * sum_w ds_w c_w``) and adds
+``dc_w = scale * ds_w^T q + p_w^T dO`` into an fp32 ``[B, S_kv, Dl]`` buffer with ``tl.atomic_add`` (cast to the
+latent dtype at the end). Invalid ids, padded heads and empty rows contribute exactly zero (no NaN: every ``exp`` of
+a masked slot is discarded by a ``where``).
+
+Precision
+---------
+* fp32 inputs: every product and sum in fp32, ``tl.dot(..., input_precision="ieee")`` (no TF32), so the interpreter
+  and GPUs agree with the fp32 torch path to fp32 summation-order noise.
+* bf16 / fp16 inputs (``q_abs`` and ``latent`` of the same 16-bit dtype): the score products ``q c^T`` and
+  ``dO c^T`` take the 16-bit operands directly (their products are exact in fp32, accumulation is fp32, as the torch
+  path's fp32 matmul of the upcast values); the probability-weighted products (``p c``, ``ds c``, ``ds^T q``,
+  ``p^T dO``) round ``p`` / ``ds`` once to the 16-bit dtype so they run on tensor cores, as FlashAttention and
+  FlashMLA do — a relative error of at most the unit roundoff ``u`` (``2**-8`` bf16, ``2**-11`` fp16) per term
+  that the fp32 torch path does not have. ``Delta`` uses the stored (rounded) output. Results are rounded once to
+  their dtype with round-to-nearest-even (bf16 by integer rounding of the bits, because Triton's interpreter
+  truncates in ``.to(tl.bfloat16)`` while GPUs round; this gives one rounding on both). Under the interpreter the
+  16-bit ``tl.dot`` operands are widened to fp32 first (same values; see ``_dot``). The test tolerances follow.
+* Mixed input dtypes (e.g. fp32 queries and a bf16 latent) run the fp32 path.
+
+Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for tests), fp32/bf16/fp16 inputs, any ``H``,
+``Dl <= MAX_LATENT_DIM`` (power-of-two block with masking), any ``W`` (masked tail block), int32/int64 ids. Block
+sizes are not tuned on hardware yet (no autotuner). Memory is ``O(S * W)`` for the ids plus the inputs, outputs and
+the fp32 ``dlatent`` buffer: nothing scales with ``S * S_kv``. ``dlatent`` is accumulated with fp32 atomics, so its
+fp32 summation order (and its last bits) may vary between GPU runs.
+
+``triton`` is imported lazily-safe: this module imports without it (``TRITON_AVAILABLE`` is then False,
+:func:`fused_dsa_available` says so and :func:`sparse_mla_triton` raises ``RuntimeError``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:  # optional dependency: the package must import without triton (remote-code check_imports exempts try-imports)
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised on installs without triton
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_LATENT_DIM = 1024  # Dl above this would need a split of the [BH, Dl] accumulator (the release uses 512)
+
+__all__ = ["MAX_LATENT_DIM", "SUPPORTED_DTYPES", "TRITON_AVAILABLE", "fused_dsa_available", "sparse_mla_triton"]
+
+
+def fused_dsa_available(*tensors: torch.Tensor) -> tuple[bool, str]:
+    """Availability probe registered as ``dispatch.FUSED_AVAILABILITY["dsa"]``.
+
+    Args:
+        tensors: the call's tensors ``(q_abs [B, S, H, Dl], latent [B, S_kv, Dl], indices [B, S, W])``.
+
+    Returns:
+        ``(True, "")`` when :func:`sparse_mla_triton` can run on them, else ``(False, reason)``: triton not
+        importable, a tensor not on CUDA, a float dtype other than fp32/bf16/fp16 (fp64 runs the torch path), shapes
+        that are not ``[B, S, H, Dl]`` / ``[B, S_kv, Dl]`` / integer ``[B, S, W]``, or ``Dl > MAX_LATENT_DIM``.
+    """
+    if not TRITON_AVAILABLE:
+        return False, "triton is not installed"
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return False, "no tensors given"
+    if not all(t.is_cuda for t in tensors):
+        return False, "the tensors are not on a CUDA device"
+    if len(tensors) != 3:
+        return False, f"expected (q_abs, latent, indices); got {len(tensors)} tensors"
+    try:
+        _check_args(*tensors)
+    except ValueError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def _require_triton() -> None:
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("glm53flash_hf.triton_dsa needs triton (pip install triton); use the torch path instead")
+
+
+def _p2(x: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, int(x) - 1).bit_length())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
+    """Shape/dtype/device checks shared by the probe and :func:`sparse_mla_triton` (raise ``ValueError``)."""
+    if q_abs.dim() != 4:
+        raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
+    batch, seq_len, _, dim = q_abs.shape
+    if latent.dim() != 3 or latent.shape[0] != batch or latent.shape[2] != dim:
+        raise ValueError(f"latent must be [B={batch}, S_kv, Dl={dim}]; got shape {tuple(latent.shape)}")
+    if indices.dim() != 3 or indices.shape[0] != batch or indices.shape[1] != seq_len:
+        raise ValueError(f"indices must be [B={batch}, S={seq_len}, W]; got shape {tuple(indices.shape)}")
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
+        raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
+    bad = [f"{name} {t.dtype}" for name, t in (("q_abs", q_abs), ("latent", latent)) if t.dtype not in SUPPORTED_DTYPES]
+    if bad:
+        raise ValueError(f"unsupported dtype(s) {bad} (fused sparse MLA supports float32, bfloat16, float16)")
+    if dim > MAX_LATENT_DIM:
+        raise ValueError(f"kv_lora_rank Dl={dim} exceeds MAX_LATENT_DIM={MAX_LATENT_DIM} of the fused sparse MLA")
+    devices = {q_abs.device, latent.device, indices.device}
+    if len(devices) != 1:
+        raise ValueError(f"q_abs, latent and indices must be on one device; got {sorted(map(str, devices))}")
+
+
+def _blocks(heads: int, dim: int, block_h: int | None, block_w: int | None, budget: int) -> tuple[int, int, int, int]:
+    """``(BH heads, BW ids, BD features, num_warps)`` per program. ``tl.dot`` needs every block dim >= 16; the
+    ``[BH, BD]`` and ``[BW, BD]`` tiles are capped at ``budget`` elements each (forward 16k, backward 8k: the
+    backward holds q, dO, the dq accumulator and the dc tile at once). Untuned guesses: no GPU measured yet."""
+    bd = _p2(dim, 16)
+    bh = block_h if block_h is not None else max(16, min(_p2(heads), 64, budget // bd))
+    bw = block_w if block_w is not None else max(16, min(64, budget // bd))
+    for name, value in (("block_h", bh), ("block_w", bw)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tile); got {name}={value}")
+    return bh, bw, bd, (8 if bd >= 256 else 4)
+
+
+_FWD_TILE, _BWD_TILE = 16384, 8192
+
+
+_TL_DTYPES = {}
+if TRITON_AVAILABLE:
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# ============================================================================================================ kernels
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _cast(x, DT: tl.constexpr):
+        """fp32 -> DT with one round-to-nearest-even on GPUs and in the interpreter alike (the interpreter truncates
+        in ``.to(tl.bfloat16)``; here bf16 is rounded on the integer bits first, so the final cast is exact)."""
+        if DT == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        else:
+            return x.to(DT)
+
+    @triton.jit
+    def _dot(a, b, acc, LOWP: tl.constexpr, UPCAST: tl.constexpr):
+        """``acc + a @ b`` with fp32 accumulation. 16-bit operands go to the tensor cores as they are (their
+        products are exact in fp32); under the interpreter (``UPCAST``) they are widened to fp32 first, because
+        triton 3.9's interpreter multiplies bf16 bit patterns as integers in ``tl.dot`` (``create_dot``) — the
+        widened values are identical, so the result is the same. fp32 operands: ``input_precision="ieee"``."""
+        if LOWP and not UPCAST:
+            return tl.dot(a, b, acc)
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+    @triton.jit
+    def _sparse_mla_fwd_kernel(
+        q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr,
+        S, S_KV, H, W, DL, scale,
+        BH: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr,
+        DT_OUT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)  # b * S + t
+        b = row // S
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        hm = h < H
+        d = tl.arange(0, BD)
+        dm = d < DL
+        qm = hm[:, None] & dm[None, :]
+        q = tl.load(q_ptr + (row * H + h[:, None]) * DL + d[None, :], mask=qm, other=0.0)
+        if not LOWP:
+            q = q.to(tl.float32)
+        m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BH,), dtype=tl.float32)
+        acc = tl.zeros((BH, BD), dtype=tl.float32)
+        for w0 in range(0, W, BW):
+            w = w0 + tl.arange(0, BW)
+            ids = tl.load(idx_ptr + row * W + w, mask=w < W, other=-1).to(tl.int64)
+            valid = (w < W) & (ids >= 0) & (ids < S_KV)
+            safe = tl.where(valid, ids, 0)
+            c = tl.load(lat_ptr + (b * S_KV + safe[:, None]) * DL + d[None, :], mask=valid[:, None] & dm[None, :],
+                        other=0.0)
+            if not LOWP:
+                c = c.to(tl.float32)
+            s = _dot(q, tl.trans(c), tl.zeros((BH, BW), dtype=tl.float32), LOWP, UPCAST)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid id seen yet: keep everything at 0
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if LOWP:  # q, latent and out share DT_OUT
+                acc = _dot(_cast(p, DT_OUT), c, acc * alpha[:, None], LOWP, UPCAST)
+            else:
+                acc = _dot(p, c, acc * alpha[:, None], LOWP, UPCAST)
+            m_i = m_new
+        nonempty = l_i > 0.0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(out_ptr + (row * H + h[:, None]) * DL + d[None, :], _cast(out, DT_OUT), mask=qm)
+        tl.store(lse_ptr + row * H + h, lse, mask=hm)
+
+    @triton.jit
+    def _sparse_mla_bwd_kernel(
+        q_ptr, lat_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, dq_ptr, dlat_ptr,
+        S, S_KV, H, W, DL, scale,
+        BH: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr,
+        DT_Q: tl.constexpr,
+        HAS_DLSE: tl.constexpr, NEED_DQ: tl.constexpr, NEED_DLAT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        b = row // S
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        hm = h < H
+        d = tl.arange(0, BD)
+        dm = d < DL
+        qm = hm[:, None] & dm[None, :]
+        offs = (row * H + h[:, None]) * DL + d[None, :]
+        q = tl.load(q_ptr + offs, mask=qm, other=0.0)
+        do = tl.load(dout_ptr + offs, mask=qm, other=0.0)
+        o = tl.load(out_ptr + offs, mask=qm, other=0.0).to(tl.float32)
+        delta = tl.sum(do.to(tl.float32) * o, axis=1)  # sum_w p_w (dO . c_w), from the stored output
+        if HAS_DLSE:
+            delta -= tl.load(dlse_ptr + row * H + h, mask=hm, other=0.0)
+        if not LOWP:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(lse_ptr + row * H + h, mask=hm, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse)  # empty row: every slot is invalid, p = 0 below
+        dq = tl.zeros((BH, BD), dtype=tl.float32)
+        for w0 in range(0, W, BW):
+            w = w0 + tl.arange(0, BW)
+            ids = tl.load(idx_ptr + row * W + w, mask=w < W, other=-1).to(tl.int64)
+            valid = (w < W) & (ids >= 0) & (ids < S_KV)
+            safe = tl.where(valid, ids, 0)
+            cm = valid[:, None] & dm[None, :]
+            c = tl.load(lat_ptr + (b * S_KV + safe[:, None]) * DL + d[None, :], mask=cm, other=0.0)
+            if not LOWP:
+                c = c.to(tl.float32)
+            s = _dot(q, tl.trans(c), tl.zeros((BH, BW), dtype=tl.float32), LOWP, UPCAST)
+            dp = _dot(do, tl.trans(c), tl.zeros((BH, BW), dtype=tl.float32), LOWP, UPCAST)
+            keep = hm[:, None] & valid[None, :]
+            p = tl.where(keep, tl.exp(tl.where(keep, s * scale - lse[:, None], 0.0)), 0.0)
+            ds = p * (dp - delta[:, None])  # d loss / d (scaled score)
+            if LOWP:  # q, latent and dO share DT_Q: the weights go to 16 bits for the tensor-core products
+                ds_w = _cast(ds, DT_Q)
+                p_w = _cast(p, DT_Q)
+            else:
+                ds_w = ds
+                p_w = p
+            if NEED_DQ:
+                dq = _dot(ds_w, c, dq, LOWP, UPCAST)
+            if NEED_DLAT:
+                dc = _dot(tl.trans(ds_w), q, tl.zeros((BW, BD), dtype=tl.float32), LOWP, UPCAST) * scale
+                dc = _dot(tl.trans(p_w), do, dc, LOWP, UPCAST)
+                tl.atomic_add(dlat_ptr + (b * S_KV + safe[:, None]) * DL + d[None, :], dc, mask=cm, sem="relaxed")
+        if NEED_DQ:
+            tl.store(dq_ptr + offs, _cast(dq * scale, DT_Q), mask=qm)
+
+
+# ========================================================================================================== autograd
+def _as_index_tensor(indices: torch.Tensor) -> torch.Tensor:
+    if indices.dtype not in (torch.int32, torch.int64):
+        indices = indices.to(torch.int64)
+    return indices.contiguous()
+
+
+class _SparseMlaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_abs, latent, indices, scale, block_h, block_w):
+        batch, seq_len, heads, dim = q_abs.shape
+        kv_len, width = latent.shape[1], indices.shape[2]
+        q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), _as_index_tensor(indices)
+        bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _FWD_TILE)
+        lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
+        out = torch.empty_like(q_c)
+        lse = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q_c.device)
+        if lse.numel() > 0:
+            _sparse_mla_fwd_kernel[(batch * seq_len, triton.cdiv(heads, bh))](
+                q_ptr=q_c, lat_ptr=lat_c, idx_ptr=idx_c, out_ptr=out, lse_ptr=lse,
+                S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
+                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=_interpreting(), DT_OUT=_TL_DTYPES[q_c.dtype], num_warps=warps,
+            )
+        ctx.save_for_backward(q_c, lat_c, idx_c, out, lse)
+        ctx.cfg = (scale, block_h, block_w, lowp)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, latent, indices, out, lse = ctx.saved_tensors
+        scale, block_h, block_w, lowp = ctx.cfg
+        need_dq, need_dlat = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        batch, seq_len, heads, dim = q.shape
+        bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _BWD_TILE)
+        kv_len, width = latent.shape[1], indices.shape[2]
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_out = grad_out.to(out.dtype).contiguous()
+        has_dlse = grad_lse is not None
+        dlse = grad_lse.to(torch.float32).contiguous() if has_dlse else lse
+        dq = torch.empty_like(q) if need_dq else None
+        dlat32 = torch.zeros(latent.shape, dtype=torch.float32, device=latent.device) if need_dlat else None
+        if (need_dq or need_dlat) and q.numel() > 0:
+            _sparse_mla_bwd_kernel[(batch * seq_len, triton.cdiv(heads, bh))](
+                q_ptr=q, lat_ptr=latent, idx_ptr=indices, out_ptr=out, dout_ptr=grad_out, lse_ptr=lse,
+                dlse_ptr=dlse, dq_ptr=dq if need_dq else q, dlat_ptr=dlat32 if need_dlat else lse,
+                S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
+                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=_interpreting(), DT_Q=_TL_DTYPES[q.dtype],
+                HAS_DLSE=has_dlse, NEED_DQ=need_dq, NEED_DLAT=need_dlat, num_warps=warps,
+            )
+        elif need_dq:
+            dq.zero_()
+        dlat = dlat32.to(latent.dtype) if need_dlat else None
+        return dq, dlat, None, None, None, None
+
+
+def sparse_mla_triton(
+    q_abs: torch.Tensor,
+    latent: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    *,
+    block_h: int | None = None,
+    block_w: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused sparse multi-query attention in the absorbed MLA form (Triton forward and backward).
+
+    Same contract as :func:`glm53flash_hf.dsa.sparse_mla_torch`: for batch row ``b``, query ``t`` and head ``h``,
+    ``s[w] = scale * <q_abs[b,t,h], latent[b, indices[b,t,w]]>`` over the valid slots ``w`` (``0 <= id < S_kv``;
+    ``-1`` and any other out-of-range id are padding), ``lse = ln(sum_w exp(s[w]))`` and
+    ``out = sum_w softmax(s)[w] * latent[b, indices[b,t,w]]``. Ids are expected unique per query (a repeated id is
+    counted twice, as in the torch path). A query without a valid id gets ``out = 0``, ``lse = -inf`` and zero
+    gradients. Differentiable in ``q_abs`` and ``latent`` through ``out`` and ``lse`` (the kernels of the module
+    docstring; source: FlashAttention-2's backward specialised to one shared KV head and gathered keys, as in
+    FlashMLA / TileLang's DeepSeek-V3.2 sparse MLA).
+
+    Args:
+        q_abs: ``[B, S, H, Dl]`` absorbed queries (``q_nope @ W_kc``), fp32/bf16/fp16, ``Dl <= MAX_LATENT_DIM``.
+        latent: ``[B, S_kv, Dl]`` latent keys = values, fp32/bf16/fp16.
+        indices: integer ``[B, S, W]`` row-local token ids (int32 or int64; other integer dtypes are widened).
+        scale: finite softmax scale (``qk_head_dim ** -0.5``).
+        block_h: heads per program (power of two >= 16; ``None``: automatic). Results do not depend on it beyond
+            fp32 summation order.
+        block_w: ids per inner-loop block (power of two >= 16; ``None``: automatic).
+
+    Returns:
+        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] fp32 natural log)`` — the torch path's dtypes for these
+        inputs. Gradients come back in the dtypes of ``q_abs`` / ``latent``; see the module docstring for where the
+        16-bit path rounds.
+
+    Raises:
+        RuntimeError: triton is not installed.
+        ValueError: mismatched shapes, non-integer ``indices``, an unsupported dtype (fp64: use the torch path),
+            ``Dl > MAX_LATENT_DIM``, tensors on different devices, CPU tensors outside ``TRITON_INTERPRET=1``,
+            a non-finite ``scale`` or a bad ``block_h`` / ``block_w``.
+    """
+    _require_triton()
+    _check_args(q_abs, latent, indices)
+    if not q_abs.is_cuda and not _interpreting():
+        raise ValueError(f"sparse_mla_triton needs CUDA tensors (CPU only under TRITON_INTERPRET=1); got device "
+                         f"{q_abs.device}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite; got scale={scale}")
+    _blocks(q_abs.shape[2], q_abs.shape[3], block_h, block_w, _FWD_TILE)  # validate the block sizes before autograd
+    return _SparseMlaFunction.apply(q_abs, latent, indices, scale, block_h, block_w)
