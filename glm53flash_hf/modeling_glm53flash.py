@@ -41,7 +41,7 @@ from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
-from .moe import Glm53FlashMLP, Glm53FlashMoE, init_moe_weights
+from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
 from .mtp import doc_roll, mtp_loss
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, layout_from_kwargs
@@ -297,6 +297,9 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 f"mtp_depth={mtp_depth} needs an uncached forward of a model with an MTP layer; got "
                 f"num_nextn_predict_layers={self.config.num_nextn_predict_layers}, cache={type(cache).__name__}"
             )
+        output_router_logits = kwargs.pop("output_router_logits", None)
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
         embeds_given = inputs_embeds is not None
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -319,22 +322,39 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         hidden_states = hc_expand(inputs_embeds, self.config.hc_mult)
         all_hidden = (hidden_states,) if output_hidden_states else None
         topk_indices = None
-        for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states, topk_indices = layer(
-                hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
-            )
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
+        router_logits, hooks = [], []
+        if output_router_logits:
+            # Record each main-layer router's logits as it runs (transformers' glm5_next records the same tensors
+            # with its OutputRecorder); hooks are removed before returning, so an activation-checkpoint recompute
+            # in the backward pass records nothing.
+            for layer in self.layers[: self.config.num_hidden_layers]:
+                gate = getattr(getattr(layer, "mlp", None), "gate", None)
+                if isinstance(gate, Glm53FlashTopkRouter):
+                    hooks.append(gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0])))
+        try:
+            for layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states, topk_indices = layer(
+                    hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
+                )
+                if output_hidden_states:
+                    all_hidden += (hidden_states,)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        router_logits = tuple(router_logits) if output_router_logits else None
         h_pre = hc_head(hidden_states)
         hidden_states = self.norm(h_pre)
         if not mtp_depth:
-            return Glm53FlashTextModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache)
+            return Glm53FlashTextModelOutput(
+                last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
+                document_layout=layout if output_router_logits else None,
+            )
         mtp_hidden = self.mtp_forward(
             h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
         )
         return Glm53FlashTextModelOutput(
             last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, pre_norm_hidden_state=h_pre,
-            mtp_hidden_states=mtp_hidden, document_layout=layout,
+            mtp_hidden_states=mtp_hidden, document_layout=layout, router_logits=router_logits,
         )
 
     def mtp_forward(
@@ -439,9 +459,42 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "G
             shifted=shifted is not None,
         )
         loss = loss + head_model.config.get_text_config(decoder=True).mtp_loss_weight * mtp_value
+    router_logits = getattr(outputs, "router_logits", None)
+    aux_loss = None
+    if router_logits:
+        aux_loss = router_load_balancing_loss(head_model.config.get_text_config(decoder=True), router_logits,
+                                              outputs.document_layout)
+        if loss is not None:
+            loss = loss + head_model.config.get_text_config(decoder=True).router_aux_loss_coef * aux_loss
     return Glm53FlashCausalLMOutputWithPast(
         loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None),
-        mtp_loss=mtp_value, mtp_logits=mtp_logits,
+        mtp_loss=mtp_value, mtp_logits=mtp_logits, aux_loss=aux_loss, router_logits=router_logits,
+    )
+
+
+def router_load_balancing_loss(config, router_logits: tuple[torch.Tensor, ...], layout: DocumentLayout):
+    """Optional router load-balancing loss (Switch Transformer eqs. 4-6), as transformers' ``glm5_next`` computes it.
+
+    Turned on by ``output_router_logits=True`` (forward kwarg or config); ``loss`` then gains
+    ``config.router_aux_loss_coef * aux_loss`` when labels are given, and the output carries ``aux_loss`` and
+    ``router_logits`` (one fp32 ``[B*S, E]`` tensor per MoE layer of the main stack; the MTP layer's router is not
+    included, as in transformers, which has no MTP layer). Computed by transformers' own
+    ``load_balancing_loss_func`` (softmax over the router logits, top-``num_experts_per_tok`` counts), with padding
+    tokens (``layout.valid`` False) excluded — transformers excludes them through the 2-D ``attention_mask``; for
+    packed rows ours also excludes padding marked by ``cu_seq_lens_q`` / ``position_ids``.
+
+    Args:
+        config: the text config (``n_routed_experts``, ``num_experts_per_tok``).
+        router_logits: per-layer ``[B*S, E]`` tensors. layout: the forward's :class:`DocumentLayout`.
+
+    Returns:
+        0-dim fp32 tensor (differentiable with respect to the router weights).
+    """
+    from transformers.models.glm5_next.modeling_glm5_next import load_balancing_loss_func
+
+    mask = None if layout is None or layout.trivial else layout.valid.to(torch.long)
+    return load_balancing_loss_func(
+        tuple(router_logits), config.n_routed_experts, config.num_experts_per_tok, mask
     )
 
 
@@ -672,6 +725,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             pre_norm_hidden_state=outputs.pre_norm_hidden_state,
             mtp_hidden_states=outputs.mtp_hidden_states,
             document_layout=outputs.document_layout,
+            router_logits=outputs.router_logits,
             image_outputs=image_features,
             video_outputs=video_features,
         )
