@@ -1,0 +1,418 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for GLM-5.3-Flash: sharding plan, fp32-kept parameters and
+sharded (DCP) checkpoints.
+
+:func:`apply_fsdp2` shards a model the way accelerate's ``fsdp2_prepare_model`` does with
+``TRANSFORMER_BASED_WRAP`` (one FSDP unit per instance of a ``_no_split_modules`` class — decoder layers, the MTP
+layer, vision blocks —, then the root), and adds what a single ``MixedPrecisionPolicy`` cannot express: the
+parameters the model keeps in fp32 (``_keep_in_fp32_modules_strict``: KDA ``A_log`` / ``dt_bias`` / ``conv1d``,
+mHC ``base`` / ``scale``, router ``gate.weight``) stay fp32 in the forward under a bf16 policy
+(model-spec §13 item 8, hf-integration §5.5: "a dtype declaration does not survive ``MixedPrecisionPolicy``").
+
+How the fp32 parameters are kept: FSDP2 applies one policy per unit and casts every parameter of the unit, so each
+fp32-kept parameter is moved into its own *fp32 unit* (``param_dtype=None``: the fp32 master is all-gathered as
+is), rooted at the smallest module whose ``forward`` encloses every use of the parameter (the "anchor"; see
+:data:`FP32_ANCHOR_CLASSES`):
+
+* ``Glm53FlashHyperConnection`` (``attn_hc`` / ``ffn_hc``): ``base`` and ``scale`` — and ``fn``, which lives in
+  the same module and cannot be separated at module granularity. :func:`.mhc.hc_pre` computes with ``fn`` in fp32
+  anyway; the only difference to transformers' bf16 model is that the fp32 master of ``fn`` is not rounded to bf16
+  first (reported in :attr:`Fsdp2Plan.extra_fp32_parameters`).
+* ``Glm53FlashTopkRouter`` (``mlp.gate``): ``weight`` (the router computes in fp32). Its
+  ``e_score_correction_bias`` is a buffer: FSDP neither shards nor casts buffers, so it stays fp32 everywhere.
+* ``Glm53FlashLinearAttention`` (KDA ``self_attn``): ``conv1d.weight`` (read as ``self.conv1d.weight`` inside the
+  KDA forward — ``conv1d`` itself is never called, so it cannot anchor a unit) and ``forget_gate.A_log`` /
+  ``dt_bias``. The other children of the KDA module (``q/k/v_proj``, ``b_proj``, ``g_a/g_b_proj``, ``o_norm``,
+  ``o_proj``, ``forget_gate.f_a/f_b_proj``) each get their own bf16 unit *inside* the fp32 one, so they keep the
+  bf16 compute of transformers' bf16 model. One unit per module (not one grouped ``fully_shard([...])``): a group
+  registers its post-backward (reduce-scatter) on the inputs of the first module that runs, and ``q_proj`` shares
+  its input with ``k_proj`` / ``v_proj`` / ..., so a group could reshard before their backward ran. The price is
+  ten small all-gathers per KDA layer.
+
+The fp32 and low-precision units never cast forward inputs (``cast_forward_inputs=False``): the model already
+feeds each module the dtypes transformers' bf16 model feeds it (bf16 streams, fp32 gates), so the FSDP2 bf16
+forward computes exactly what the single-process model computes with bf16 parameters and the fp32-kept ones fp32
+(tested). Only the root casts floating inputs (``inputs_embeds``, pixel values) to ``param_dtype``.
+
+With ``param_dtype`` ``None`` / fp32 no fp32 units are needed: blocks and root only (the layout accelerate makes).
+
+Checkpoints: :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint` write and read model (+ optimizer)
+state with ``torch.distributed.checkpoint`` (each rank writes its shards; ``get_state_dict`` / ``set_state_dict``),
+the mechanism of accelerate's ``SHARDED_STATE_DICT`` (which writes model and optimizer to separate folders; these
+helpers write one folder with a ``"model"`` and an ``"optimizer"`` key).
+
+accelerate: ``configuration/accelerate_fsdp2.yaml`` gives the same blocks and root (plus an embedding unit and a
+``[norm, lm_head]`` unit); accelerate's own bf16 policy
+casts every parameter, so call :func:`shard_fp32_kept_units` on the model *before* ``accelerator.prepare(model)``
+(accelerate wraps around units that already exist). On CPU accelerate 1.15 silently drops FSDP (hf-integration
+§5.4), so the CPU tests use :func:`apply_fsdp2` on gloo.
+
+Sources: torch ``fully_shard`` / ``MixedPrecisionPolicy`` (``torch/distributed/fsdp/_fully_shard``, torch 2.13:
+uniform original dtype per unit, grouped-unit post-backward on the first module's inputs); accelerate 1.15
+``utils/fsdp_utils.py::fsdp2_prepare_model`` / ``fsdp2_prepare_auto_wrap_policy``; transformers 5.24
+``_keep_in_fp32_modules_strict`` matching (``core_model_loading.py``: glob alternation, ``re.search`` on the
+parameter name); xtuner's fp32 handling described in hf-integration §5.5.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+#: Module classes (by name) that anchor the fp32 units (see the module docstring). Every fp32-kept parameter must
+#: lie under one of them, else :func:`apply_fsdp2` raises.
+FP32_ANCHOR_CLASSES = ("Glm53FlashHyperConnection", "Glm53FlashTopkRouter", "Glm53FlashLinearAttention")
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Fsdp2Plan:
+    """What :func:`apply_fsdp2` / :func:`shard_fp32_kept_units` sharded.
+
+    Attributes:
+        blocks: qualified names of the ``_no_split_modules`` instances, one FSDP unit each (``param_dtype``).
+        fp32_units: qualified names of the fp32 anchor units (fp32-kept parameters; empty without a low-precision
+            ``param_dtype``).
+        low_precision_units: qualified names of the ``param_dtype`` units nested inside the fp32 units.
+        fp32_parameters: parameters that compute in fp32 in the forward (the fp32-kept ones plus
+            ``extra_fp32_parameters``); every other parameter computes in ``param_dtype``.
+        extra_fp32_parameters: parameters that are not fp32-kept but share a module with one (mHC ``fn``).
+        param_dtype: the policy's compute dtype (``None``: the masters' dtype).
+    """
+
+    blocks: list[str] = field(default_factory=list)
+    fp32_units: list[str] = field(default_factory=list)
+    low_precision_units: list[str] = field(default_factory=list)
+    fp32_parameters: list[str] = field(default_factory=list)
+    extra_fp32_parameters: list[str] = field(default_factory=list)
+    param_dtype: torch.dtype | None = None
+
+
+def fp32_kept_parameter_names(model: nn.Module, param_dtype: torch.dtype | None = torch.bfloat16) -> list[str]:
+    """Names of the parameters the model keeps in fp32 when it runs in ``param_dtype``.
+
+    transformers' rule (``PreTrainedModel._get_dtype_plan`` + ``core_model_loading``): the patterns of
+    ``_keep_in_fp32_modules_strict`` (for bf16 and fp16) and of ``_keep_in_fp32_modules`` (fp16 only), ``*`` a
+    wildcard, matched with ``re.search`` anywhere in the parameter name. For GLM-5.3-Flash: ``A_log``, ``dt_bias``,
+    ``conv1d.weight``, ``{attn,ffn}_hc.{base,scale}`` and the router ``mlp.gate.weight`` (``e_score_correction_bias``
+    is a buffer, not a parameter).
+
+    Args:
+        model: any ``nn.Module`` (a model without the attributes keeps nothing).
+        param_dtype: the compute dtype; ``None`` / fp32 / fp64 keep nothing.
+
+    Returns:
+        Parameter names in ``model.named_parameters()`` order.
+    """
+    if param_dtype not in _LOW_PRECISION:
+        return []
+    patterns = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if param_dtype == torch.float16:
+        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if not patterns:
+        return []
+    regex = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in sorted(set(patterns))))
+    return [name for name, _ in model.named_parameters() if regex.search(name)]
+
+
+def no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The instances of ``model._no_split_modules`` classes (matched by class name, as accelerate's
+    ``TRANSFORMER_BASED_WRAP`` does), outermost first; a block nested in another block is not listed.
+
+    Unlike accelerate, a listed class that does not occur (e.g. ``Glm53FlashMTPLayer`` in a model without an MTP
+    layer) is simply absent.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    out: list[tuple[str, nn.Module]] = []
+    for qual, module in model.named_modules():
+        if type(module).__name__ in names and not any(qual.startswith(b + ".") for b, _ in out):
+            out.append((qual, module))
+    return out
+
+
+def _anchor_name(param_name: str, modules: dict[str, nn.Module]) -> str | None:
+    """Qualified name of the innermost :data:`FP32_ANCHOR_CLASSES` module containing ``param_name``."""
+    parts = param_name.split(".")[:-1]
+    for i in range(len(parts), -1, -1):
+        qual = ".".join(parts[:i])
+        if type(modules[qual]).__name__ in FP32_ANCHOR_CLASSES:
+            return qual
+    return None
+
+
+def _low_precision_children(module: nn.Module, prefix: str, kept: set[int]) -> list[tuple[str, nn.Module]]:
+    """Maximal submodules of ``module`` that hold parameters and no fp32-kept one (recursing into the others)."""
+    out = []
+    for name, child in module.named_children():
+        qual = f"{prefix}.{name}" if prefix else name
+        params = list(child.parameters())
+        if not params:
+            continue
+        if any(id(p) in kept for p in params):
+            out += _low_precision_children(child, qual, kept)
+        else:
+            out.append((qual, child))
+    return out
+
+
+def _default_mesh():
+    """A 1-D mesh over the default process group on the current accelerator (CPU when there is none)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "FSDP2 needs an initialised process group: call torch.distributed.init_process_group (torchrun / "
+            "accelerate launch do) or pass mesh=..."
+        )
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    device_type = acc.type if acc is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _check_masters(model: nn.Module, param_dtype: torch.dtype | None) -> None:
+    """FSDP2 needs one original dtype per unit; with a low-precision ``param_dtype`` the trainable parameters must be
+    fp32 masters (the fp32-kept ones would otherwise not be fp32)."""
+    if param_dtype is not None and param_dtype not in _LOW_PRECISION + (torch.float32,):
+        raise ValueError(f"param_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {param_dtype}")
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    dtypes = sorted({str(p.dtype) for _, p in trainable})
+    if param_dtype in _LOW_PRECISION:
+        bad = [f"{n} ({p.dtype})" for n, p in trainable if p.dtype != torch.float32]
+        if bad:
+            raise ValueError(
+                f"param_dtype={param_dtype} keeps fp32 master weights: every trainable parameter must be float32 "
+                f"(cast with model.float()); got {len(bad)} others, e.g. {bad[:3]}"
+            )
+    elif len(dtypes) > 1:
+        raise ValueError(
+            f"FSDP2 needs one dtype for the trainable parameters when param_dtype={param_dtype}; got {dtypes} "
+            "(cast with model.float(), or pass param_dtype=torch.bfloat16 to keep fp32 masters)"
+        )
+
+
+def shard_fp32_kept_units(
+    model: nn.Module,
+    *,
+    mesh=None,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Fsdp2Plan:
+    """Shard the fp32 anchor units (and the ``param_dtype`` units nested in them) — the part of :func:`apply_fsdp2`
+    that accelerate cannot express. Call it before ``accelerator.prepare(model)`` (or let :func:`apply_fsdp2` call
+    it); blocks and root are left for the caller.
+
+    Args:
+        model: a model with fp32 trainable parameters, not yet sharded.
+        mesh: 1-D ``DeviceMesh`` (default: all ranks of the default process group on the current accelerator).
+        param_dtype: ``torch.bfloat16`` or ``torch.float16``.
+        reduce_dtype: gradient reduce-scatter dtype (fp32 keeps the sum exact for bf16 gradients).
+        reshard_after_forward: as ``fully_shard``'s.
+
+    Returns:
+        :class:`Fsdp2Plan` with ``fp32_units``, ``low_precision_units``, ``fp32_parameters`` and
+        ``extra_fp32_parameters`` filled.
+
+    Raises:
+        ValueError: ``param_dtype`` not bf16/fp16; a trainable parameter that is not fp32 (naming it); an fp32-kept
+            parameter outside every :data:`FP32_ANCHOR_CLASSES` module (naming it); nested anchors; an anchor that
+            is already an FSDP unit.
+        RuntimeError: no process group and no ``mesh``.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if param_dtype not in _LOW_PRECISION:
+        raise ValueError(f"shard_fp32_kept_units needs param_dtype bf16 or fp16; got {param_dtype}")
+    _check_masters(model, param_dtype)
+    plan = Fsdp2Plan(param_dtype=param_dtype)
+    kept_names = fp32_kept_parameter_names(model, param_dtype)
+    if not kept_names:
+        return plan
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    anchors: dict[str, list[str]] = {}
+    for name in kept_names:
+        anchor = _anchor_name(name, modules)
+        if anchor is None:
+            raise ValueError(
+                f"fp32-kept parameter {name} is not inside any of {FP32_ANCHOR_CLASSES}; add the class of the "
+                "smallest module whose forward uses it to FP32_ANCHOR_CLASSES"
+            )
+        anchors.setdefault(anchor, []).append(name)
+    mesh = mesh if mesh is not None else _default_mesh()
+    low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    keep = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    kept_ids = {id(params[n]) for n in kept_names}
+    nested = [(a, b) for a in anchors for b in anchors if a != b and a.startswith(b + ".")]
+    if nested:
+        raise ValueError(f"fp32 anchor modules must not nest; got {nested[0][0]} inside {nested[0][1]}")
+    for anchor in anchors:
+        module = modules[anchor]
+        if isinstance(module, FSDPModule):
+            raise ValueError(
+                f"{anchor} is already an FSDP unit; call shard_fp32_kept_units once, before any other sharding"
+            )
+        children = _low_precision_children(module, anchor, kept_ids)
+        for qual, child in children:
+            if not isinstance(child, FSDPModule):
+                fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=low)
+                plan.low_precision_units.append(qual)
+        covered = tuple(q + "." for q, _ in children)
+        for pname, _ in module.named_parameters(prefix=anchor):
+            if not pname.startswith(covered):
+                plan.fp32_parameters.append(pname)
+                if pname not in kept_names:
+                    plan.extra_fp32_parameters.append(pname)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=keep)
+        plan.fp32_units.append(anchor)
+    return plan
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    *,
+    mesh=None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Fsdp2Plan:
+    """Shard ``model`` in place with FSDP2: fp32 units (low-precision ``param_dtype`` only, see
+    :func:`shard_fp32_kept_units`), one unit per ``_no_split_modules`` block, then the root.
+
+    After it, every parameter is a ``DTensor`` with placement ``Shard(0)`` on ``mesh`` (each rank holds
+    ``ceil(dim0 / world)`` rows); FSDP all-gathers them around each unit's forward and backward and reduce-scatters
+    the gradients (averaged over ranks). Pass each rank its part of the global batch and, for a loss summed and
+    divided by a global ``num_items_in_batch``, multiply it by the world size before ``backward`` (as transformers'
+    Trainer does) so the gradients equal the single-process ones.
+
+    Args:
+        model: the model (trainable parameters in one dtype; fp32 when ``param_dtype`` is bf16/fp16), on CPU or on
+            the mesh's device (``fully_shard`` moves parameters and buffers to the mesh's device).
+        mesh: 1-D ``DeviceMesh`` (default: all ranks of the default process group on the current accelerator, CPU
+            when there is none).
+        param_dtype: compute dtype of the non-fp32-kept parameters (``None``: the masters' dtype).
+        reduce_dtype: gradient reduction dtype.
+        reshard_after_forward: free the unsharded parameters of blocks after their forward (``fully_shard``'s; the
+            root uses torch's default, no reshard).
+
+    Returns:
+        :class:`Fsdp2Plan`.
+
+    Raises:
+        ValueError: bad ``param_dtype``; mixed trainable dtypes; see :func:`shard_fp32_kept_units`.
+        RuntimeError: no process group and no ``mesh``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _check_masters(model, param_dtype)
+    if param_dtype == torch.float32:
+        param_dtype = None
+    mesh = mesh if mesh is not None else _default_mesh()
+    if param_dtype in _LOW_PRECISION:
+        plan = shard_fp32_kept_units(
+            model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+        )
+    else:
+        plan = Fsdp2Plan(param_dtype=param_dtype)
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    for qual, block in reversed(no_split_blocks(model)):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=block_policy)
+        plan.blocks.append(qual)
+    plan.blocks.reverse()
+    root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=True)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    return plan
+
+
+def _check_checkpoint_dir(checkpoint_dir) -> str:
+    path = os.fspath(checkpoint_dir)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(
+            f"checkpoint_dir={path!r} is not a torch.distributed.checkpoint folder (no .metadata file)"
+        )
+    return path
+
+
+def save_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Save model (and optimizer) state as a sharded ``torch.distributed.checkpoint`` folder; collective (call
+    on every rank). Keys: ``"model"`` (``get_state_dict``'s FQNs, DTensor shards per rank) and, with an optimizer,
+    ``"optimizer"``.
+
+    Args:
+        checkpoint_dir: folder (created; shared by the ranks).
+        model: the sharded model (a plain model works too).
+        optimizer: its optimizer, or ``None`` for weights only.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optimizer": osd}
+    dcp.save(state, checkpoint_id=os.fspath(checkpoint_dir))
+
+
+def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a folder written by :func:`save_sharded_checkpoint` into ``model`` (and ``optimizer``) in place;
+    collective. The model must be sharded like the saved one or differently (DCP reshards on load); a fresh
+    optimizer gets its state created first (``get_state_dict``); parameters without any saved optimizer state (never
+    had a gradient) end without state, as in the saved optimizer.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` has no DCP ``.metadata`` (naming it).
+        RuntimeError: keys missing in the checkpoint (from ``torch.distributed.checkpoint``, naming them), e.g. an
+            optimizer requested from a weights-only checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    path = _check_checkpoint_dir(checkpoint_dir)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        return
+    msd, osd = get_state_dict(model, optimizer)
+    # get_state_dict creates a state for every parameter of a fresh optimizer; parameters that never had a gradient
+    # (the DSA indexer: top-k selection only) have none in the saved optimizer. Drop exactly those (the loaded
+    # optimizer then has no state for them either, as the saved one); any other missing key still raises.
+    saved = {
+        key[len("optimizer.state."):].rsplit(".", 1)[0]
+        for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if key.startswith("optimizer.state.")
+    }
+    stateless = [fqn for fqn in osd["state"] if fqn not in saved]
+    osd["state"] = {fqn: value for fqn, value in osd["state"].items() if fqn in saved}
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=path)  # raises on any requested key the checkpoint lacks
+    # strict=False only lets set_state_dict accept the stateless parameters (every model key was loaded above)
+    options = StateDictOptions(strict=not stateless)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )
+
+
+__all__ = [
+    "FP32_ANCHOR_CLASSES",
+    "Fsdp2Plan",
+    "apply_fsdp2",
+    "fp32_kept_parameter_names",
+    "load_sharded_checkpoint",
+    "no_split_blocks",
+    "save_sharded_checkpoint",
+    "shard_fp32_kept_units",
+]
