@@ -36,8 +36,9 @@ grouped-GEMM forward:
   the token rows, two ``grouped_mm`` calls (no Python loop over experts), the routing weight applied after the
   down projection as in the reference, and an fp32 ``index_add_`` back to tokens, rounded once to the activation
   dtype. Because the pairs are sorted by expert id, each token accumulates its experts in increasing expert order
-  from zero, the same order as the reference eager loop, so fp32 results agree with it to GEMM rounding. This
-  forward is also the hook for a fused backend (``backend="fused"``, not implemented yet).
+  from zero, the same order as the reference eager loop, so fp32 results agree with it to GEMM rounding. On CUDA
+  tensors ``backend="auto"``/``"fused"`` runs :func:`glm53flash_hf.triton_moe.fused_experts_forward` (same routing
+  metadata and grouped GEMMs, Triton kernels for the clamped SwiGLU and the weighted combine).
 
 Either path is exact w.r.t. the reference maths; the tests compare both with transformers' eager loop and with a
 float64 loop-over-experts reference (outputs and gradients of tokens, routing weights and both 3-D weights; fp32
@@ -295,7 +296,9 @@ def grouped_experts_forward(
         gate_up_proj: ``[E, 2I, H]``, gate rows first. down_proj: ``[E, H, I]``.
         swiglu_limit: clamp of :func:`clamped_swiglu`.
         drop_out_of_range: treat ids ``>= E`` as "not on this rank" (contribute zero, no GEMM work).
-        backend: ``"torch"`` (only choice today).
+        backend: ``"torch"``, ``"auto"`` or ``"fused"`` (:func:`glm53flash_hf.dispatch.choose_backend`; the fused
+            path is :func:`glm53flash_hf.triton_moe.fused_experts_forward`: Triton clamped SwiGLU and weighted
+            combine around the same grouped GEMMs, CUDA only).
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``; the per-token sum over its k experts is accumulated in fp32 (or the
@@ -304,7 +307,7 @@ def grouped_experts_forward(
     Raises:
         ValueError: unknown backend; shapes that do not fit together.
     """
-    choose_backend("moe", backend)  # validates; only the torch path exists for MoE today
+    path = choose_backend("moe", backend, hidden_states, gate_up_proj, down_proj, top_k_weights)  # validates
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [T, H]; got shape {tuple(hidden_states.shape)}")
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
@@ -325,6 +328,18 @@ def grouped_experts_forward(
         raise ValueError(
             f"gate_up_proj rows ({gate_up_proj.shape[1]}) must be twice down_proj's intermediate size "
             f"({down_proj.shape[2]})"
+        )
+    if path == "fused":
+        from .triton_moe import fused_experts_forward
+
+        return fused_experts_forward(
+            hidden_states=hidden_states,
+            top_k_index=top_k_index,
+            top_k_weights=top_k_weights,
+            gate_up_proj=gate_up_proj,
+            down_proj=down_proj,
+            swiglu_limit=swiglu_limit,
+            drop_out_of_range=drop_out_of_range,
         )
     k = top_k_index.shape[1]
     device = hidden_states.device

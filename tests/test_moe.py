@@ -309,7 +309,7 @@ def test_experts_input_errors():
 
 @pytest.mark.parametrize("kernels,ok", [("torch", True), ({"moe": "auto"}, True), ({"moe": "fused"}, False)])
 def test_backend_from_package_config(kernels, ok):
-    """Our config class (with ``kernels``) drives the same modules; "fused" has no MoE kernel yet: it warns and falls back."""
+    """Our config class (with ``kernels``) drives the same modules; on CPU tensors "fused" cannot run (the fused MoE is CUDA-only): it warns and falls back."""
     fields = dict(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
                   swiglu_limit=1.0, num_hidden_layers=2, kernels=kernels)
     ours = Glm53FlashMoE(Glm53FlashTextConfig(**fields))
@@ -321,7 +321,7 @@ def test_backend_from_package_config(kernels, ok):
     dispatch._warned.clear()
     if ok:
         assert torch.equal(ours(x), baseline(x))
-    else:  # no fused MoE kernel: warns once, runs the torch path
+    else:  # CPU tensors: the fused kernel cannot run; warns once, runs the torch path
         with pytest.warns(UserWarning, match="cannot run"):
             assert torch.equal(ours(x), baseline(x))
 
