@@ -22,8 +22,10 @@ This file holds, from the bottom up:
 
 Both token mixers (convolution and recurrence) restart at every document boundary given by ``cu_seqlens``
 (fla's varlen convention: ``B == 1``, boundaries over the flattened tokens). The layer picks its
-implementation per call through :func:`kda_conv` / :func:`kda_chunk` with a ``backend`` argument (today only
-``"torch"``; ``"auto"`` resolves to it); a fused fla path will register beside it.
+implementation per call (``config.kernels["kda"]`` and the tensors' device, :func:`glm53flash_hf.dispatch.choose_backend`):
+the torch path here, or on CUDA fla-core's kernels through :mod:`glm53flash_hf.fla_kda` (``chunk_kda`` with the gate,
+beta and l2-norm in the kernel, varlen ``causal_conv1d``, ``rms_norm_gated``; ``fused_recurrent_kda`` for no-grad
+decode steps).
 """
 
 from __future__ import annotations
@@ -648,12 +650,33 @@ def recurrent_kda_torch(
     return o.to(out_dtype), (state if output_final_state else None)
 
 
+def _kda_decode_step(q, k, v, g, beta, state):
+    """One decode token of :func:`recurrent_kda_torch` (``T = 1``, l2-normalised q/k, default scale) with fewer ops.
+
+    ``q, k [B, 1, H, K]``, ``v [B, 1, H, V]``, ``g [B, 1, H, K]`` (log decay, fp32), ``beta [B, 1, H]`` (fp32),
+    ``state`` fp32 ``[B, H, K, V]`` (not modified) -> ``(o [B, 1, H, V] in q.dtype, new state fp32)``. Same maths and
+    op order as the loop body of :func:`recurrent_kda_torch` (tests/test_kda.py compares them).
+    """
+    out_dtype = q.dtype
+    qf, kf, vf = q[:, 0].float(), k[:, 0].float(), v[:, 0].float()
+    qf = _l2norm(qf) * (qf.shape[-1] ** -0.5)
+    kf = _l2norm(kf)
+    state = state.float() * torch.exp(g[:, 0].float()).unsqueeze(-1)
+    kt = kf.unsqueeze(-2)  # [B, H, 1, K]
+    u = beta[:, 0, :, None].float() * (vf - (kt @ state).squeeze(-2))  # [B, H, V]
+    state = state + kt.transpose(-1, -2) @ u.unsqueeze(-2)
+    o = qf.unsqueeze(-2) @ state  # [B, H, 1, V]
+    return o.transpose(1, 2).to(out_dtype), state
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Backend dispatch
 # ----------------------------------------------------------------------------------------------------------------------
 
-_CHUNK_BACKENDS = {"torch": chunk_kda_torch}
-_CONV_BACKENDS = {"torch": causal_conv1d_torch}
+# backend -> implementation. "fused" (fla-core, ``glm53flash_hf.fla_kda``) is None here and imported on first use by
+# kda_chunk / kda_conv, so that importing this module, or a CPU run, never imports fla or triton.
+_CHUNK_BACKENDS = {"torch": chunk_kda_torch, "fused": None}
+_CONV_BACKENDS = {"torch": causal_conv1d_torch, "fused": None}
 
 
 def _resolve(backend: str, table: dict, *tensors):
@@ -661,23 +684,35 @@ def _resolve(backend: str, table: dict, *tensors):
 
 
 def kda_chunk(q, k, v, g, beta, *, backend: str = "torch", **kwargs):
-    """Chunked KDA through the chosen backend (``"auto"``, ``"torch"``; ``"fused"`` later). See :func:`chunk_kda_torch`.
+    """Chunked KDA through the chosen backend (``"auto"``, ``"torch"``, ``"fused"``), with an activated gate and beta.
+
+    ``"fused"`` runs fla's ``chunk_kda`` (:func:`glm53flash_hf.fla_kda.chunk_kda_fused`: CUDA, head dims in
+    ``[16, 256]``, ``chunk_size`` 32 or 64); otherwise :func:`chunk_kda_torch`. Same arguments and results either way.
 
     Raises:
-        ValueError: unknown backend. ``"fused"`` without a usable kernel warns once and runs torch
-        (:func:`.dispatch.choose_backend`).
+        ValueError: unknown backend, or the chosen implementation's argument errors. ``"fused"`` without a usable
+        kernel warns once and runs torch (:func:`.dispatch.choose_backend`).
     """
-    return _resolve(backend, _CHUNK_BACKENDS, q)(q, k, v, g, beta, **kwargs)
+    fn = _resolve(backend, _CHUNK_BACKENDS, q, k, v, g, beta)
+    if fn is None:  # fused: imported only now (CUDA tensors, or the interpreter tests)
+        from .fla_kda import chunk_kda_fused as fn
+    return fn(q, k, v, g, beta, **kwargs)
 
 
 def kda_conv(x, weight, *, backend: str = "torch", **kwargs):
-    """Short causal convolution through the chosen backend. See :func:`causal_conv1d_torch`.
+    """Short causal convolution through the chosen backend (``"auto"``, ``"torch"``, ``"fused"``).
+
+    ``"fused"`` runs fla's Triton ``causal_conv1d`` (:func:`glm53flash_hf.fla_kda.causal_conv1d_fused`); otherwise
+    :func:`causal_conv1d_torch`. Same arguments and results either way.
 
     Raises:
-        ValueError: unknown backend. ``"fused"`` without a usable kernel warns once and runs torch
-        (:func:`.dispatch.choose_backend`).
+        ValueError: unknown backend, or the chosen implementation's argument errors. ``"fused"`` without a usable
+        kernel warns once and runs torch (:func:`.dispatch.choose_backend`).
     """
-    return _resolve(backend, _CONV_BACKENDS, x)(x, weight, **kwargs)
+    fn = _resolve(backend, _CONV_BACKENDS, x, weight)
+    if fn is None:  # fused: imported only now (CUDA tensors, or the interpreter tests)
+        from .fla_kda import causal_conv1d_fused as fn
+    return fn(x, weight, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -769,8 +804,8 @@ class Glm53FlashLinearAttention(nn.Module):
     ``beta = sigmoid(b_proj x)`` (computed in fp32), ``o = KDA(q, k, v, g, beta)`` (l2-normalised q, k; scale
     ``K^-0.5``), ``out = o_proj(o_norm(o, g_b_proj(g_a_proj x)))``. Spec: ``model-spec.md`` §4.
 
-    The implementation is chosen by ``config.kernels["kda"]`` (``"auto"`` / ``"torch"``; ``"fused"`` is not
-    implemented yet and raises ``NotImplementedError`` at forward).
+    The implementation is chosen per call by ``config.kernels["kda"]`` (``"auto"`` / ``"torch"`` / ``"fused"``) and
+    the tensors' device: see :meth:`forward` and :mod:`glm53flash_hf.fla_kda`.
     """
 
     def __init__(self, config, layer_idx: int) -> None:
@@ -830,10 +865,16 @@ class Glm53FlashLinearAttention(nn.Module):
         Returns:
             ``[B, S, D]`` in ``hidden_states``' dtype.
 
+        Implementation: ``choose_backend("kda", self.backend, ...)`` once per call, from the tensors only (device,
+        dtype, and the head dim carried by ``o_norm.weight`` viewed ``[1, 1, 1, K]``), never from ``self.training`` or
+        grad mode, so an activation-checkpoint recompute takes the path of the forward it replays. ``"fused"``:
+        :func:`glm53flash_hf.fla_kda.kda_layer_forward_fused` (fla-core's conv, ``chunk_kda`` with the gate, beta
+        sigmoid and l2-norm in the kernel, ``rms_norm_gated``; same maths); else the torch path below.
+
         Raises:
-            NotImplementedError: backend ``"fused"``; ``cache`` that is not a transformers ``Cache``
+            NotImplementedError: ``cache`` that is not a transformers ``Cache``
                 (:class:`~.generation_cache.UnsupportedCacheError`, also a ``TypeError``).
-            ValueError: ``layout`` does not match ``[B, S]``.
+            ValueError: ``layout`` does not match ``[B, S]``; on the fused path, a sharded DTensor parameter (named).
         """
         B, S, _ = hidden_states.shape
         if layout.batch_size != B or layout.seq_len != S:
@@ -842,6 +883,10 @@ class Glm53FlashLinearAttention(nn.Module):
             )
         if cache is not None:
             return self.forward_cached(hidden_states, cache, valid=None if layout.trivial else layout.valid)
+        if choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused":
+            from .fla_kda import kda_layer_forward_fused
+
+            return kda_layer_forward_fused(self, hidden_states, layout)
         H, K = self.num_heads, self.head_dim
         if not layout.trivial:
             # masked_fill, not a multiply: garbage (even non-finite) padding embeddings cannot reach any gradient.
@@ -856,12 +901,14 @@ class Glm53FlashLinearAttention(nn.Module):
             g = g.reshape(1, B * S, H, K)
             beta = beta.reshape(1, B * S, H)
             cu = layout.cu_seqlens
+        # The layer chose the torch path above: its conv and core follow that one choice (a conv probe alone could
+        # accept what the layer's probe refused, e.g. a head dim fla does not support).
         mixed, _ = kda_conv(
-            mixed, self.conv1d.weight[:, 0, :], backend=self.backend, cu_seqlens=cu, activation=self.activation
+            mixed, self.conv1d.weight[:, 0, :], backend="torch", cu_seqlens=cu, activation=self.activation
         )
         b, t = mixed.shape[:2]
         q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
-        o, _ = kda_chunk(q, k, v, g, beta, backend=self.backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        o, _ = kda_chunk(q, k, v, g, beta, backend="torch", cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
         o = o.reshape(B, S, H, K)
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, S, self.qkv_dim))
@@ -875,7 +922,10 @@ class Glm53FlashLinearAttention(nn.Module):
 
         * Decode (``S == 1`` with a cached state): one step. The conv window is the cached ``W - 1`` inputs plus
           the new one (``cache.update_conv_state`` shifts it in), ``y = silu(sum_w window * weight)`` in fp32, and
-          the delta rule advances the state by one token (:func:`recurrent_kda_torch`, ``T = 1``).
+          the delta rule advances the state by one token: :func:`_kda_decode_step` (the ``T = 1`` case of
+          :func:`recurrent_kda_torch` with fewer ops), or, when the backend choice is ``"fused"`` (CUDA) and no
+          input needs a gradient, fla's ``fused_recurrent_kda`` with the gate and beta in the kernel
+          (:func:`glm53flash_hf.fla_kda.fused_recurrent_step`).
         * Prefill and prefill continuation (``S > 1``, or no state yet): :func:`causal_conv1d_torch` and
           :func:`chunk_kda_torch` with the cached states as ``initial_state`` (zeros when empty) and
           ``output_final_state``; the new states replace the cached ones. Two chunks equal one prefill.
@@ -904,12 +954,22 @@ class Glm53FlashLinearAttention(nn.Module):
         if valid is not None:
             hidden_states = hidden_states.masked_fill(~valid[:, :, None], 0.0)
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-        g = self.forget_gate(hidden_states)
-        beta = torch.sigmoid(self.b_proj(hidden_states).float())
         weight = self.conv1d.weight[:, 0, :]  # [C, W] fp32
         conv_state = cache.get_conv_state(self.layer_idx)
         recurrent_state = cache.get_recurrent_state(self.layer_idx)
         decode = S == 1 and conv_state is not None and recurrent_state is not None
+        fused_step = (
+            decode
+            and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+            and choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
+        )
+        if fused_step:  # the kernel applies the gate and the beta sigmoid itself
+            gate_f = self.forget_gate
+            g = gate_f.f_b_proj(gate_f.f_a_proj(hidden_states)).view(B, S, H, K)
+            beta = self.b_proj(hidden_states)
+        else:
+            g = self.forget_gate(hidden_states)
+            beta = torch.sigmoid(self.b_proj(hidden_states).float())
 
         if decode:
             window = cache.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
@@ -927,10 +987,14 @@ class Glm53FlashLinearAttention(nn.Module):
             # ``final_conv`` holds exactly the last W inputs: stored as is, first call or continuation.
             cache.update_conv_state(final_conv, self.layer_idx, conv_kernel_size=W)
         q, k, v = (x.reshape(B, S, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
-        if decode:
-            o, state = recurrent_kda_torch(
-                q, k, v, g, beta, initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        if fused_step:
+            from .fla_kda import fused_recurrent_step
+
+            o, state = fused_recurrent_step(
+                q, k, v, g, beta, gate_f.A_log, gate_f.dt_bias, gate_f.lower_bound, recurrent_state
             )
+        elif decode:
+            o, state = _kda_decode_step(q, k, v, g, beta, recurrent_state)
         else:
             o, state = kda_chunk(
                 q,

@@ -166,6 +166,23 @@ def test_recurrent_matches_naive_and_chunk():
     assert none is None
 
 
+def test_decode_step_matches_recurrent_and_naive():
+    """The lean one-token decode step equals recurrent_kda_torch at T = 1 bitwise (same ops, same order) and the
+    float64 recurrence to CORE_TOL; the input state is not modified."""
+    from glm53flash_hf.kda import _kda_decode_step
+
+    for seed in range(3):
+        inputs = make_inputs(2, 1, 2, 16, 8, n_states=2, seed=40 + seed)
+        q, k, v, g, beta, h0 = (t.detach() for t in inputs)
+        h0_copy = h0.clone()
+        o, ht = _kda_decode_step(q, k, v, g, beta, h0)
+        ref_o, ref_ht = recurrent_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert o.shape == ref_o.shape and torch.equal(o, ref_o) and torch.equal(ht, ref_ht)
+        assert torch.equal(h0, h0_copy)
+        n_o, n_ht = naive_kda(*(t.double() for t in (q, k, v, g, beta)), initial_state=h0.double())
+        assert rel_err(o, n_o) < CORE_TOL and rel_err(ht, n_ht) < CORE_TOL
+
+
 def test_chunk_matches_hf_eager():
     """Same maths as transformers' torch chunk_kimi_delta_attention (values and grads, no initial state).
 

@@ -1,0 +1,624 @@
+"""The fused KDA path: fla-core's Triton kernels (``chunk_kda``, ``causal_conv1d``, ``rms_norm_gated``,
+``fused_recurrent_kda``), called directly with checked keyword arguments.
+
+Same maths as the torch path in :mod:`glm53flash_hf.kda` (the oracle of ``tests/test_fla_kda.py``), which equals
+transformers' ``Glm5NextTextLinearAttention`` (model-spec §4; kernels.md §1; Kimi Linear arXiv:2510.26692 §3).
+fla-core 0.6.x (``fla/ops/kda/chunk.py``, ``fused_recurrent.py``, ``gate.py``; ``fla/modules/causal_conv1d/ops.py``;
+``fla/modules/norm/fused_norm_gate.py``) was read for its contracts; no code is copied.
+
+What runs where (one KDA layer, :func:`kda_layer_forward_fused`):
+
+* the projections ``q_proj``/``k_proj``/``v_proj``, ``f_a_proj``/``f_b_proj``, ``b_proj``, ``g_a_proj``/``g_b_proj`` and
+  ``o_proj``: torch ``nn.Linear`` (cuBLAS), as in the torch path;
+* the short convolution + SiLU over ``[q|k|v]``: fla ``causal_conv1d`` (Triton, varlen through ``cu_seqlens``);
+* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: one fla ``chunk_kda`` call with
+  ``use_gate_in_kernel=True`` (``g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, or
+  ``-exp(A_log) * softplus(g_raw + dt_bias)`` without a lower bound), ``use_beta_sigmoid_in_kernel=True``,
+  ``use_qk_l2norm_in_kernel=True``, ``safe_gate=True`` when the lower bound is in fla's safe range ``[-5, 0)``
+  (GLM's -5 is), fp32 state, ``cu_seqlens`` for packed documents. Gradients flow to ``A_log`` and ``dt_bias``
+  from the kernel;
+* the gated RMSNorm of the output: fla ``rms_norm_gated(activation="sigmoid")`` with the module's own weight.
+
+Decode without gradients: :func:`fused_recurrent_step` (fla ``fused_recurrent_kda``, which has no autograd: it refuses
+inputs that require grad while grad mode is on, instead of silently returning a result without ``grad_fn``).
+
+Entry points used by :func:`glm53flash_hf.kda.kda_chunk` / :func:`~glm53flash_hf.kda.kda_conv` when the dispatcher
+answers ``"fused"``: :func:`chunk_kda_fused` (activated gate and beta, the contract of ``chunk_kda_torch``) and
+:func:`causal_conv1d_fused` (the contract of ``causal_conv1d_torch``).
+
+**Argument guard.** Every fla function is called through :func:`call_checked`: all arguments by keyword, each checked
+against the installed function's signature (computed once per function). fla's entry points take ``**kwargs`` and
+ignore what they do not read: fla 0.4.2's ``chunk_kda`` took ``A_log``/``dt_bias`` that way and trained a wrong
+gate without any error (kernels.md §1.8). A keyword that is not a named parameter raises ``TypeError`` naming the
+function and the argument; the only exceptions are names listed in :data:`KWARGS_READ` (``chunk_kda`` reads
+``A_log``, ``dt_bias``, ``chunk_size`` from ``**kwargs`` in 0.6.0), and those are accepted only if the installed
+function's source visibly reads them from its ``**kwargs`` (so an fla that drops them is caught too).
+
+**Selection.** :func:`fused_kda_available` is the probe behind ``dispatch.choose_backend("kda", ...)``: CUDA tensors
+(CPU tensors only under ``TRITON_INTERPRET=1``, for the interpreter tests), float32/bfloat16/float16, head dim in
+``[16, 256]`` (fla asserts ``K <= 256``; below 16 fla 0.4.2 silently dropped gradients), fla importable. The choice
+depends on the tensors only — never on ``module.training`` or grad mode — so an activation-checkpoint recompute runs
+the same kernels as the forward it replays (the forward always uses ``chunk_kda``, never the no-grad recurrent
+kernel).
+
+**Precision** (fp32, measured under Triton's interpreter, whose ``tl.dot`` is an exact fp32 matmul; on GPUs fla's fp32
+dots default to TF32): outputs and per-token gradients within 3e-6 of a float64 oracle; the gradients of ``A_log`` and
+``dt_bias`` (sums of the per-token gate gradient over all tokens) up to 3e-5, against 6e-7 for the torch path
+(``tests/test_fla_kda.py`` explains why).
+
+**Imports.** fla is imported lazily inside ``try`` blocks (transformers' remote-code ``check_imports`` ignores those),
+only when a fused function runs: importing this module never imports fla or triton, and CPU runs never reach this
+module outside the interpreter tests. (transformers' own ``glm5_next`` modeling module, which the configuration
+imports, binds fla at import when fla-core is installed; that is outside this package.)
+
+**Parameters** handed to kernels pass through :func:`glm53flash_hf.dispatch.local_tensor` (replicated DTensors are
+unwrapped, sharded ones raise naming the parameter).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+from types import SimpleNamespace
+
+import torch
+
+from .dispatch import local_tensor
+from .kda import _check_core_inputs, _check_cu_seqlens, _check_state
+
+__all__ = [
+    "fused_kda_available",
+    "call_checked",
+    "accepted_keywords",
+    "KWARGS_READ",
+    "chunk_kda_fused",
+    "chunk_kda_gate_in_kernel",
+    "causal_conv1d_fused",
+    "rms_norm_gated_fused",
+    "fused_recurrent_step",
+    "kda_layer_forward_fused",
+]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_HEAD_DIM = 16  # tl.dot's smallest K; fla 0.4.2 silently dropped backward grads below it (kernels.md §1.8)
+MAX_HEAD_DIM = 256  # asserted by fla's chunk_kda
+FLA_CHUNK_SIZES = (32, 64)
+SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
+
+# fla function name -> keywords it reads from its **kwargs (fla-core 0.6.0, fla/ops/kda/chunk.py: kwargs.get("A_log"),
+# kwargs.get("dt_bias"), kwargs.pop("chunk_size", 64)). Accepted only where the installed source reads them.
+KWARGS_READ: dict[str, tuple[str, ...]] = {"chunk_kda": ("A_log", "dt_bias", "chunk_size")}
+
+_ACCEPTED: dict = {}  # function object -> frozenset of accepted keywords
+
+
+# ========================================================================================================= fla access
+@functools.lru_cache(maxsize=1)
+def _load_fla() -> SimpleNamespace:
+    """Import fla-core's entry points once. Raises ``ImportError`` (with the cause) when fla cannot be imported."""
+    try:
+        import fla
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
+        raise ImportError(
+            f"fla-core cannot be imported ({type(exc).__name__}: {exc}); pip install fla-core==0.6.0"
+        ) from exc
+    return SimpleNamespace(
+        version=getattr(fla, "__version__", "unknown"),
+        chunk_kda=chunk_kda,
+        fused_recurrent_kda=fused_recurrent_kda,
+        causal_conv1d=causal_conv1d,
+        rms_norm_gated=rms_norm_gated,
+    )
+
+
+def _fla() -> SimpleNamespace:
+    """fla's functions (a namespace with ``version``, ``chunk_kda``, ``fused_recurrent_kda``, ``causal_conv1d``,
+    ``rms_norm_gated``). Tests replace this function to inject fakes."""
+    return _load_fla()
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_import_error() -> str | None:
+    try:
+        _load_fla()
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ============================================================================================================== probe
+def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
+    """Availability probe registered as ``dispatch.FUSED_AVAILABILITY["kda"]``.
+
+    Args:
+        tensors: the call's tensors. Floating tensors must be float32/bfloat16/float16 (integer ones, such as
+            ``cu_seqlens``, are allowed); every 4-D tensor is read as ``[B, T, H, K]`` (q, k, v, g; the layer passes
+            its ``o_norm.weight`` viewed ``[1, 1, 1, K]``) and its last dim must be in ``[16, 256]``.
+
+    Returns:
+        ``(True, "")`` when fla's kernels can run on them, else ``(False, reason)``: no tensors, an unsupported dtype,
+        an unsupported head dim, a tensor not on CUDA (CPU tensors are accepted only under ``TRITON_INTERPRET=1``),
+        fla-core not importable.
+    """
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return False, "no tensors given"
+    bad = sorted({str(t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES})
+    if bad:
+        return False, f"unsupported dtype(s) {bad} (fused KDA supports float32, bfloat16, float16)"
+    dims = sorted({t.shape[-1] for t in tensors if t.dim() == 4})
+    wrong = [d for d in dims if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM]
+    if wrong:
+        return False, f"head dim {wrong[0]} is outside fla's supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if not all(t.is_cuda for t in tensors):
+        if not (_interpreting() and all(t.device.type == "cpu" for t in tensors)):
+            return False, "the tensors are not on a CUDA device"
+    error = _fla_import_error()
+    if error is not None:
+        return False, error
+    return True, ""
+
+
+# ============================================================================================================== guard
+def accepted_keywords(fn, name: str, kwargs_names: tuple[str, ...] = ()) -> frozenset:
+    """The keywords a call of ``fn`` may pass without being silently ignored.
+
+    Args:
+        fn: the installed function (decorators are unwrapped through ``__wrapped__``).
+        name: its name, for messages.
+        kwargs_names: names the function is documented to read from its ``**kwargs``.
+
+    Returns:
+        The named parameters of ``fn`` (positional-or-keyword and keyword-only), plus each of ``kwargs_names`` that
+        the function's source reads from its ``**kwargs`` (``kwargs.get("x")``, ``kwargs.pop("x", ...)``,
+        ``kwargs["x"]``). A function without ``**kwargs``, or whose source cannot be read, gets no extras.
+
+    Raises:
+        TypeError: ``fn`` has no inspectable signature (naming ``name``).
+    """
+    base = inspect.unwrap(fn)
+    try:
+        params = inspect.signature(base).parameters.values()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"cannot read the signature of fla's {name} ({exc}); refusing to call it unchecked") from exc
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var_kw = [p.name for p in params if p.kind is p.VAR_KEYWORD]
+    extra = set()
+    if var_kw and kwargs_names:
+        try:
+            source = inspect.getsource(base)
+        except (OSError, TypeError):
+            source = ""
+        kw = re.escape(var_kw[0])
+        for n in kwargs_names:
+            q = re.escape(n)
+            if re.search(rf"\b{kw}\s*(?:\.\s*(?:get|pop)\s*\(\s*|\[\s*)['\"]{q}['\"]", source):
+                extra.add(n)
+    return frozenset(named | extra)
+
+
+def call_checked(fn, name: str, **kwargs):
+    """Call the fla function ``fn`` with keyword arguments only, after checking that it accepts every one.
+
+    The accepted set (:func:`accepted_keywords` with ``KWARGS_READ[name]``) is computed once per function object.
+
+    Args:
+        fn: the fla function.
+        name: its fla name (``"chunk_kda"``, ...), used for :data:`KWARGS_READ` and messages.
+        kwargs: the arguments.
+
+    Returns:
+        Whatever ``fn`` returns.
+
+    Raises:
+        TypeError: a keyword is not accepted (naming the function and the argument(s)): fla would ignore it silently.
+    """
+    accepted = _ACCEPTED.get(fn)
+    if accepted is None:
+        accepted = _ACCEPTED[fn] = accepted_keywords(fn, name, KWARGS_READ.get(name, ()))
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise TypeError(
+            f"fla's {name} does not accept the argument(s) {unknown} (not a named parameter, and not read from its "
+            f"**kwargs); calling it would silently ignore them. The installed fla-core is not the version this "
+            f"package was written for (0.6.0); use kernels={{'kda': 'torch'}} or install fla-core==0.6.0"
+        )
+    return fn(**kwargs)
+
+
+# ============================================================================================================ helpers
+def _check_head_dim(k: int, v: int) -> None:
+    for name, d in (("K", k), ("V", v)):
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"fused KDA needs head dim {name} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got {name}={d}")
+
+
+def _varlen(cu_seqlens: torch.Tensor | None, total: int, batch: int, name: str):
+    """Validate ``cu_seqlens`` (one host sync) and return ``(cu_seqlens long on device, host copy)`` for fla, whose
+    chunk-index preparation then needs no second sync."""
+    if cu_seqlens is None:
+        return None, None
+    cu_host = _check_cu_seqlens(cu_seqlens, total, batch, name)
+    return cu_seqlens.to(torch.long), torch.tensor(cu_host, dtype=torch.long)
+
+
+def _safe_gate(lower_bound: float | None) -> bool:
+    return lower_bound is not None and SAFE_GATE_RANGE[0] <= lower_bound < SAFE_GATE_RANGE[1]
+
+
+def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: int, lower_bound) -> None:
+    if tuple(A_log.shape) != (H,):
+        raise ValueError(f"A_log must be [H={H}]; got shape {tuple(A_log.shape)}")
+    if tuple(dt_bias.shape) != (H * K,):
+        raise ValueError(f"dt_bias must be [H*K={H * K}]; got shape {tuple(dt_bias.shape)}")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
+
+
+# ============================================================================================== kernels, one by one
+def chunk_kda_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA with an *activated* gate and beta: the contract of :func:`glm53flash_hf.kda.chunk_kda_torch`, run
+    by fla's ``chunk_kda`` (``use_gate_in_kernel=False``, ``safe_gate=False``: the gate's bound is unknown here).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log decay (``<= 0``); beta: ``[B, T, H]``
+            (after the sigmoid). Any of float32/bfloat16/float16; fla computes the gate and state in fp32.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else ``B``), K-first; cast to
+            fp32 (fla requires fp32).
+        output_final_state: also return the fp32 state after every document.
+        cu_seqlens: optional integer ``[N + 1]`` document boundaries (requires ``B == 1``).
+        chunk_size: 32 or 64 (fla's choices; the maths does not depend on it).
+        use_qk_l2norm_in_kernel: l2-normalise q and k in the kernel.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``.
+
+    Raises:
+        ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
+            ``cu_seqlens``.
+        TypeError: the installed fla does not accept an argument (:func:`call_checked`).
+        ImportError: fla-core missing.
+    """
+    _check_core_inputs(q, k, v, g, beta)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_head_dim(K, V)
+    if chunk_size not in FLA_CHUNK_SIZES:
+        raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
+    cu, cu_cpu = _varlen(cu_seqlens, T, B, "q.shape[0]")
+    _check_state(initial_state, B if cu is None else cu_cpu.numel() - 1, H, K, V)
+    fla = _fla()
+    return call_checked(
+        fla.chunk_kda,
+        "chunk_kda",
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state.float() if initial_state is not None else None,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False,
+        safe_gate=False,
+        state_v_first=False,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+        chunk_size=chunk_size,
+    )
+
+
+def chunk_kda_gate_in_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_raw: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GLM's KDA core in one fla ``chunk_kda`` call: forget gate, beta sigmoid, q/k l2-norm and the chunked delta rule.
+
+    Equals ``chunk_kda_torch(q, k, v, forget_gate(...), sigmoid(beta_logits))`` with the gate of
+    :class:`glm53flash_hf.kda.Glm53FlashForgetGate`: ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``
+    (or ``-exp(A_log[h]) * softplus(g_raw + dt_bias)`` when ``lower_bound`` is None), in fp32 inside the kernel.
+    ``safe_gate=True`` (fla's bounded-gate fast path) when ``lower_bound`` is in ``[-5, 0)``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` after the short convolution (not normalised); v: ``[B, T, H, V]``.
+        g_raw: ``[B, T, H, K]`` the gate's pre-activation ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``).
+        beta_logits: ``[B, T, H]`` ``b_proj(x)`` before the sigmoid.
+        A_log: fp32 ``[H]``; dt_bias: fp32 ``[H * K]`` (the gate's parameters; pass local tensors).
+        lower_bound: ``config.linear_lower_bound`` (negative) or None.
+        scale, initial_state, output_final_state, cu_seqlens, chunk_size: as :func:`chunk_kda_fused`.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``. Differentiable in q, k, v, g_raw,
+        beta_logits, A_log, dt_bias and initial_state.
+
+    Raises:
+        ValueError / TypeError / ImportError: as :func:`chunk_kda_fused`; wrong ``A_log``/``dt_bias`` shapes or a
+            non-negative ``lower_bound``.
+    """
+    _check_core_inputs(q, k, v, g_raw, beta_logits)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_head_dim(K, V)
+    _check_gate_params(A_log, dt_bias, H, K, lower_bound)
+    if chunk_size not in FLA_CHUNK_SIZES:
+        raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
+    cu, cu_cpu = _varlen(cu_seqlens, T, B, "q.shape[0]")
+    _check_state(initial_state, B if cu is None else cu_cpu.numel() - 1, H, K, V)
+    fla = _fla()
+    return call_checked(
+        fla.chunk_kda,
+        "chunk_kda",
+        q=q,
+        k=k,
+        v=v,
+        g=g_raw,
+        beta=beta_logits,
+        scale=scale,
+        initial_state=initial_state.float() if initial_state is not None else None,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        safe_gate=_safe_gate(lower_bound),
+        state_v_first=False,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+        chunk_size=chunk_size,
+    )
+
+
+def causal_conv1d_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution (+SiLU) by fla's Triton ``causal_conv1d``: the contract of
+    :func:`glm53flash_hf.kda.causal_conv1d_torch`.
+
+    Args:
+        x: ``[B, T, D]`` time-major (strided views accepted).
+        weight: ``[D, W]`` (``conv1d.weight[:, 0, :]``); a replicated DTensor is unwrapped.
+        cu_seqlens: optional integer ``[N + 1]`` (requires ``B == 1``); the convolution restarts at every boundary.
+        activation: ``"silu"``/``"swish"`` or None.
+        initial_state: optional ``[N, D, W]``, the last ``W`` inputs before each document (oldest first).
+        output_final_state: also return the last ``W`` inputs of every document, ``[N, D, W]`` in x's dtype.
+
+    Returns:
+        ``(y [B, T, D] in x's dtype, final_state or None)``. fla accumulates in fp32 whatever the weight dtype (the
+        torch path computes in the weight's dtype; identical for GLM's fp32 conv weight).
+
+    Raises:
+        ValueError: shapes, activation, bad ``cu_seqlens``; a sharded DTensor weight.
+        TypeError / ImportError: as :func:`chunk_kda_fused`.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, D]; got shape {tuple(x.shape)}")
+    weight = local_tensor(weight, "conv1d.weight")
+    if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [D={x.shape[-1]}, W]; got shape {tuple(weight.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish'; got activation={activation!r}")
+    B, T, D = x.shape
+    cu, cu_cpu = _varlen(cu_seqlens, T, B, "x.shape[0]")
+    n = B if cu is None else cu_cpu.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (n, D, weight.shape[1]):
+        raise ValueError(
+            f"initial_state must be [N={n}, D={D}, W={weight.shape[1]}]; got shape {tuple(initial_state.shape)}"
+        )
+    fla = _fla()
+    return call_checked(
+        fla.causal_conv1d,
+        "causal_conv1d",
+        x=x,
+        weight=weight,
+        bias=None,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        activation=activation,
+        backend="triton",
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+    )
+
+
+def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` by fla's ``rms_norm_gated(activation="sigmoid")``:
+    the maths of :class:`glm53flash_hf.kda.Glm53FlashRMSNormGated` (and fla's ``FusedRMSNormGated``).
+
+    Args:
+        x: ``[..., K]``; gate: same shape; weight: ``[K]`` (a replicated DTensor is unwrapped); eps: variance epsilon.
+
+    Returns:
+        ``[..., K]`` in x's dtype; differentiable in x, gate and weight.
+
+    Raises:
+        ValueError: shape mismatch, or a sharded DTensor weight. TypeError / ImportError: as :func:`chunk_kda_fused`.
+    """
+    weight = local_tensor(weight, "o_norm.weight")
+    if gate.shape != x.shape:
+        raise ValueError(f"gate must have the shape of x {tuple(x.shape)}; got {tuple(gate.shape)}")
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight must be [{x.shape[-1]}]; got shape {tuple(weight.shape)}")
+    fla = _fla()
+    return call_checked(
+        fla.rms_norm_gated, "rms_norm_gated", x=x, g=gate, weight=weight, bias=None, activation="sigmoid", eps=eps
+    )
+
+
+def fused_recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_raw: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    state: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
+
+    For ``forward_cached``'s decode branch (``S == 1``): after the conv step, call
+    ``o, new_state = fused_recurrent_step(q, k, v, forget_gate.f_b_proj(forget_gate.f_a_proj(x)).view(B, S, H, K),
+    b_proj(x), forget_gate.A_log, forget_gate.dt_bias, forget_gate.lower_bound, recurrent_state)`` and store
+    ``new_state``. Equals :func:`glm53flash_hf.kda.recurrent_kda_torch` on ``(q, k, v, forget_gate(x),
+    sigmoid(b_proj(x)))`` with ``use_qk_l2norm_in_kernel=True``. Each of the ``T`` tokens of a row advances that row's
+    state (no ``cu_seqlens``; rows are independent).
+
+    Args:
+        q, k: ``[B, T, H, K]`` (after the conv, not normalised); v: ``[B, T, H, V]``.
+        g_raw: ``[B, T, H, K]`` gate pre-activation (without ``dt_bias``).
+        beta_logits: ``[B, T, H]`` before the sigmoid.
+        A_log: ``[H]``; dt_bias: ``[H * K]`` (replicated DTensors are unwrapped).
+        lower_bound: negative float or None (softplus gate).
+        state: fp32 ``[B, H, K, V]`` (K-first, the transformers cache layout) or None (zeros). Not modified.
+        scale: default ``K ** -0.5``.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V])`` (a new tensor; no autograd graph).
+
+    Raises:
+        RuntimeError: grad mode is on and an input requires grad (fla's kernel has no backward and would return a
+            result silently detached from the graph): run under ``torch.no_grad()`` / ``torch.inference_mode()``.
+        ValueError: shape mismatches, head dims outside ``[16, 256]``, a state that is not fp32, a sharded DTensor.
+        TypeError / ImportError: as :func:`chunk_kda_fused`.
+    """
+    A_log = local_tensor(A_log, "forget_gate.A_log")
+    dt_bias = local_tensor(dt_bias, "forget_gate.dt_bias")
+    inputs = (q, k, v, g_raw, beta_logits, A_log, dt_bias, state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        raise RuntimeError(
+            "fused_recurrent_step has no backward (fla's fused_recurrent_kda is inference-only) but an input requires "
+            "grad: call it under torch.no_grad(), or use the chunked path for training"
+        )
+    _check_core_inputs(q, k, v, g_raw, beta_logits)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_head_dim(K, V)
+    _check_gate_params(A_log, dt_bias, H, K, lower_bound)
+    _check_state(state, B, H, K, V)
+    if state is not None and state.dtype != torch.float32:
+        raise ValueError(f"state must be float32 (the recurrent cache is fp32); got dtype {state.dtype}")
+    fla = _fla()
+    o, final = call_checked(
+        fla.fused_recurrent_kda,
+        "fused_recurrent_kda",
+        q=q,
+        k=k,
+        v=v,
+        g=g_raw,
+        beta=beta_logits,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=scale,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=lower_bound,
+        state_v_first=False,
+    )
+    return o, final
+
+
+# ============================================================================================================ the layer
+def kda_layer_forward_fused(module, hidden_states: torch.Tensor, layout) -> torch.Tensor:
+    """The fused body of :meth:`glm53flash_hf.kda.Glm53FlashLinearAttention.forward` (no cache).
+
+    Same computation as the layer's torch branch: padding zeroed with ``masked_fill``; ``[q|k|v]`` projections, fla
+    ``causal_conv1d`` + SiLU (varlen over ``layout.cu_seqlens`` for non-trivial layouts, the batch flattened to
+    ``[1, B*S]``); :func:`chunk_kda_gate_in_kernel` with the gate pre-activation ``f_b_proj(f_a_proj(x))``, the beta
+    logits ``b_proj(x)``, ``A_log``, ``dt_bias`` and ``forget_gate.lower_bound``; fla ``rms_norm_gated`` with
+    ``g_b_proj(g_a_proj(x))``; ``o_proj``.
+
+    Args:
+        module: a :class:`glm53flash_hf.kda.Glm53FlashLinearAttention`.
+        hidden_states: ``[B, S, D]``.
+        layout: the batch's :class:`glm53flash_hf.packing.DocumentLayout` (already checked against ``[B, S]``).
+
+    Returns:
+        ``[B, S, D]`` in hidden_states' dtype.
+
+    Raises:
+        ValueError: a sharded DTensor among ``A_log``, ``dt_bias``, ``conv1d.weight``, ``o_norm.weight`` (named), or
+            an unsupported head dim. TypeError / ImportError: as :func:`chunk_kda_fused`.
+    """
+    B, S, _ = hidden_states.shape
+    H, K = module.num_heads, module.head_dim
+    where = f"KDA layer {module.layer_idx}"
+    gate_mod = module.forget_gate
+    A_log = local_tensor(gate_mod.A_log, f"{where} forget_gate.A_log")
+    dt_bias = local_tensor(gate_mod.dt_bias, f"{where} forget_gate.dt_bias")
+    conv_weight = local_tensor(module.conv1d.weight, f"{where} conv1d.weight")[:, 0, :]
+    norm_weight = local_tensor(module.o_norm.weight, f"{where} o_norm.weight")
+    if not layout.trivial:
+        hidden_states = hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
+
+    mixed = torch.cat(
+        [module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)], dim=-1
+    )
+    g_raw = gate_mod.f_b_proj(gate_mod.f_a_proj(hidden_states))  # [B, S, H*K], dt_bias added in the kernel
+    beta_logits = module.b_proj(hidden_states)  # [B, S, H], sigmoid in the kernel (fp32 output)
+    cu = None
+    if not layout.trivial:
+        mixed = mixed.reshape(1, B * S, module.conv_dim)
+        g_raw = g_raw.reshape(1, B * S, H * K)
+        beta_logits = beta_logits.reshape(1, B * S, H)
+        cu = layout.cu_seqlens
+    b, t = mixed.shape[:2]
+    mixed, _ = causal_conv1d_fused(mixed, conv_weight, cu_seqlens=cu, activation=module.activation)
+    q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(module.qkv_dim, dim=-1))
+    o, _ = chunk_kda_gate_in_kernel(
+        q, k, v, g_raw.reshape(b, t, H, K), beta_logits, A_log, dt_bias, gate_mod.lower_bound, cu_seqlens=cu
+    )
+    o = o.reshape(B, S, H, K)
+    gate = module.g_b_proj(module.g_a_proj(hidden_states)).view(B, S, H, K)
+    o = rms_norm_gated_fused(o, gate, norm_weight, module.o_norm.variance_epsilon)
+    return module.o_proj(o.reshape(B, S, module.qkv_dim))
