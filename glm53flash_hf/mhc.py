@@ -95,6 +95,20 @@ def _hc_pre_numpy_ok(hidden_streams, fn, base, scale) -> bool:
     )
 
 
+def _hc_post_numpy_ok(y, residual, post, comb) -> bool:
+    """Decode-sized fp32 ``hc_post`` without autograd on CPU runs in numpy (3 calls instead of ~8 torch ops)."""
+    return (
+        _np is not None
+        and residual.device.type == "cpu"
+        and residual.shape[0] * residual.shape[1] <= _SMALL_HC_PRE_TOKENS
+        and y.dtype == residual.dtype == post.dtype == comb.dtype == torch.float32
+        and residual.is_contiguous()
+        and y.is_contiguous()
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (y, residual, post, comb)))
+        and not torch.compiler.is_compiling()
+    )
+
+
 def _hc_pre_numpy(hidden_streams, fn, base, scale, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """:func:`hc_pre` for a few fp32 tokens without autograd, in numpy (see ``_SMALL_HC_PRE_TOKENS``)."""
     batch, seq, n, dim = hidden_streams.shape
@@ -277,6 +291,11 @@ def hc_post(
         from .triton_mhc import hc_post_fused
 
         return hc_post_fused(y, residual, post, comb)
+    if _hc_post_numpy_ok(y, residual, post, comb):
+        r = residual.detach().numpy()
+        out = _np.matmul(comb.detach().numpy().swapaxes(-1, -2), r)
+        out += post.detach().numpy()[..., None] * y.detach().numpy()[..., None, :]
+        return torch.from_numpy(out)
     dtype = residual.dtype
     out = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
     expanded = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2)

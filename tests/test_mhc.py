@@ -379,3 +379,27 @@ def test_hc_pre_small_numpy_path(monkeypatch):
         mhc_mod.hc_pre(x, fn, base, scale, **kw)
     mhc_mod.hc_pre(x[:, :1], fn.requires_grad_(), base, scale, **kw)
     assert len(calls) == 4
+
+
+def test_hc_post_small_numpy_path(monkeypatch):
+    """Decode-sized fp32 hc_post (no grad, CPU) runs in numpy; equal to the torch path to fp32 rounding of the
+    4-term sums (bound 2e-6 of the output scale; measured <= 5e-7) and to a float64 evaluation."""
+    import glm53flash_hf.mhc as mhc_mod
+
+    g = torch.Generator().manual_seed(0)
+    for b, s in [(1, 1), (2, 3)]:
+        y = torch.randn(b, s, 48, generator=g)
+        residual = torch.randn(b, s, 4, 48, generator=g)
+        post = torch.rand(b, s, 4, generator=g) * 2
+        comb = torch.rand(b, s, 4, 4, generator=g)
+        assert mhc_mod._hc_post_numpy_ok(y, residual, post, comb)
+        with torch.no_grad():
+            fast = mhc_mod.hc_post(y, residual, post, comb)
+            monkeypatch.setattr(mhc_mod, "_SMALL_HC_PRE_TOKENS", 0)
+            ref = mhc_mod.hc_post(y, residual, post, comb)
+            exact = mhc_mod.hc_post(y.double(), residual.double(), post.double(), comb.double())
+            monkeypatch.setattr(mhc_mod, "_SMALL_HC_PRE_TOKENS", 8)
+        assert fast.dtype == torch.float32 and fast.shape == residual.shape
+        tol = 2e-6 * float(exact.abs().max())
+        assert float((fast - ref).abs().max()) <= tol and float((fast.double() - exact).abs().max()) <= tol
+    assert not mhc_mod._hc_post_numpy_ok(y, residual, post.requires_grad_(), comb)
