@@ -25,6 +25,11 @@ import sys
 import tempfile
 import time
 
+# transformers' glm5_next binds fla-core's Triton kernels at import when fla is installed (the [gpu] or [test] extra),
+# and those fail on CPU tensors ("0 active drivers"; kernels.md §1.7): hide fla so the reference runs its torch path.
+if "fla" not in sys.modules:
+    sys.modules["fla"] = None
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
