@@ -1,0 +1,249 @@
+"""The main job ``glm53flash-finetune`` (issue 7 item 7): the SFT-set builder, and the job itself run as a user
+would (a subprocess on the embedded tiny checkpoint) with LoRA and with ``--full``.
+
+The job runs with small settings here (6 or 2 steps, 12 text samples + the 6 media samples); the default run (400
+steps) is too slow for the suite. Independent checks beside the job's own: the saved folder is read back in this
+process with PEFT (adapter on the base) and with this package's class, and the trained token spans are decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("skimage")
+
+from glm53flash_hf import finetune  # noqa: E402
+from glm53flash_hf.make_tiny import make_tiny  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The embedded tiny checkpoint (bf16, as ``glm53flash-make-tiny`` writes it by default)."""
+    path = str(tmp_path_factory.mktemp("ft") / "tiny")
+    make_tiny(path, show_progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def processor(tiny):
+    from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
+
+    return Glm53FlashProcessor.from_pretrained(tiny)
+
+
+def _run_job(args, cwd, script=False):
+    """Run the job in a fresh process; return (stdout, stderr). Fails the test on a non-zero exit."""
+    entry = [os.path.join(REPO, "scripts", "finetune.py")] if script else ["-m", "glm53flash_hf.finetune"]
+    env = dict(os.environ, PYTHONPATH=REPO, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, *entry, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=480)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout, proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------ the SFT set
+
+
+def test_topic_prompts_and_answers_are_real_text():
+    from pydoc_data.topics import topics
+
+    assert finetune.explain_prompt("pass") == 'Explain the "pass" statement.'
+    assert finetune.explain_prompt("lambda") == "Explain Lambdas."
+    for name in ("pass", "types", "assert", "debugger"):  # short, very long, and a title without "The"
+        answer = finetune.topic_answer(name, max_chars=300)
+        assert 40 <= len(answer) <= 300, (name, len(answer))
+        body = topics[name].split("\n", 2)[2]
+        assert answer.split("\n\n")[0] in body and not answer.startswith(topics[name].split("\n")[0])
+    # whole paragraphs when they fit: "pass" has a grammar line then its explanation
+    assert finetune.topic_answer("pass", 400).startswith('pass_stmt ::= "pass"\n\n"pass" is a null operation')
+    with pytest.raises(KeyError, match="not a pydoc_data.topics topic"):
+        finetune.explain_prompt("no-such-topic")
+    with pytest.raises(ValueError, match="max_chars"):
+        finetune.topic_answer("pass", 10)
+
+
+def test_text_topics_exclude_held_out_and_duplicates():
+    from pydoc_data.topics import topics
+
+    every = finetune.text_topics(77, held_out="pass", seed=0)  # 79 topics, "else" repeats "if", "pass" held out
+    assert len(every) == len(set(every)) == 77 and "pass" not in every
+    assert len({topics[n] for n in every}) == 77
+    assert finetune.text_topics(5, "pass", seed=1) != finetune.text_topics(5, "pass", seed=2)
+    assert "if" not in finetune.text_topics(77, held_out="if", seed=0)
+    with pytest.raises(ValueError, match="--samples must be between 0 and 77"):
+        finetune.text_topics(78, held_out="pass", seed=0)
+    with pytest.raises(KeyError):
+        finetune.text_topics(3, held_out="nope", seed=0)
+
+
+def test_sft_dataset(processor):
+    """Real topics as "Explain <topic>" prompts, the held-out topic absent, 5 photos + 1 video, and labels exactly
+    on the answers: the trained tokens decode to the answer followed by <|endoftext|> (thinking off: the
+    ``<think></think>`` of the prompt is not trained), and no visual placeholder is trained."""
+    tokenizer = processor.tokenizer
+    convs = finetune.sft_conversations(12, held_out="lambda", seed=0)
+    examples = finetune.build_sft_dataset(processor, 12, held_out="lambda", seed=0, max_length=512)
+    assert len(examples) == len(convs) == 12 + len(finetune.PHOTOS) + 1
+    names = [e["name"] for e in examples]
+    assert names[:12] == [f"topic:{n}" for n in finetune.text_topics(12, "lambda", 0)]
+    assert "topic:lambda" not in names
+    assert names[12:] == [f"photo:{n}" for n, _ in finetune.PHOTOS] + [f"video:{finetune.GIF_NAME}"]
+    for conv, example in zip(convs, examples):
+        question = conv["messages"][0]["content"][-1]["text"]
+        answer = conv["messages"][1]["content"]
+        labels, ids = example["labels"], example["input_ids"]
+        trained = ids[labels != IGNORE]
+        assert tokenizer.decode(trained) == answer + "<|endoftext|>", conv["name"]
+        text = tokenizer.decode(ids)
+        assert question in text and text.endswith("<|assistant|><think></think>" + answer + "<|endoftext|>")
+        types = example["mm_token_type_ids"]
+        assert (labels[types != 0] == IGNORE).all()
+        if conv["name"].startswith("topic:"):
+            assert question.startswith("Explain ") and (types == 0).all() and "pixel_values" not in example
+        elif conv["name"].startswith("photo:"):
+            assert question == finetune.IMAGE_PROMPT and int((types == 1).sum()) == 16  # 112 px: 8x8 patches / 4
+            assert example["pixel_values"].shape == (64, 1176) and example["image_grid_thw"].tolist() == [[1, 8, 8]]
+        else:
+            assert question == finetune.VIDEO_PROMPT and int((types == 2).sum()) > 0
+            assert int(example["video_grid_thw"][0, 0]) >= 2  # several tubelets of the 24-frame GIF
+    video, meta = finetune.load_gif()
+    assert video.shape == (24, 25, 14, 3) and video.dtype.name == "uint8" and abs(meta.fps - 1000 / 70) < 1e-9
+    # truncation that leaves no answer token is refused
+    with pytest.raises(ValueError, match="no trained token"):
+        finetune.build_sft_dataset(processor, 1, max_length=12, media=False)
+
+
+def test_loss_summary_and_folder_check(tmp_path):
+    assert finetune.loss_summary([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0]) == (4.0, 0.0, 3)
+    assert finetune.loss_summary([3.0, 1.0]) == (3.0, 1.0, 1)
+    assert finetune.loss_summary([2.0]) == (2.0, 2.0, 1)
+    with pytest.raises(ValueError):
+        finetune.loss_summary([])
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": {"AutoConfig": "configuration_x.C"}}))
+    with pytest.raises(RuntimeError) as error:
+        finetune.check_saved_folder(str(tmp_path), adapter=True)
+    for piece in ("configuration_x.py", "AutoModelForCausalLM", "processor_config.json", "adapter/adapter_config.json"):
+        assert piece in str(error.value)
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    for argv, message in ((["--samples", "78"], "--samples must be between 0 and 77"),
+                          (["--held-out", "nope"], "'nope' is not a pydoc_data.topics topic"),
+                          (["--max-steps", "0"], "--max-steps must be >= 1"),
+                          (["--lr", "-1"], "--lr must be > 0"),
+                          (["--no-media", "--samples", "0"], "--samples must be >= 1")):
+        with pytest.raises(SystemExit) as exit_info:
+            finetune.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+# ------------------------------------------------------------------------------------------------ the job
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("lora_job")
+    out = str(cwd / "out")
+    stdout, stderr = _run_job(["--model", tiny, "--output-dir", out, "--max-steps", "6", "--samples", "12",
+                               "--train-lm-head", "--max-new-tokens", "12"], cwd)
+    return out, stdout, stderr
+
+
+def test_lora_job_trains_saves_and_reloads(lora_run):
+    """Exit 0; the loss falls (seeded: means of steps 1-3 vs 4-6 measured 8.38 -> 7.88; the 0.1 asked is 5x below
+    that fall, and reruns on this machine gave identical losses); the loss log has one line per step with the MTP
+    loss; the folder is complete; the fresh process loaded the folder's own classes and generated both answers,
+    equal to the in-memory model's; the merged model matches the adapter (measured 6e-7 at logits of 1.3)."""
+    out, stdout, _ = lora_run
+    first, last = map(float, re.search(r"loss: first ([0-9.]+) .* last ([0-9.]+) ", stdout).groups())
+    assert last < first - 0.1, stdout
+    assert 8.0 < first < 8.8  # ln(2048) * (1 + 0.1 MTP weight) = 8.39 at the random init
+    log = [json.loads(line) for line in open(os.path.join(out, finetune.LOSS_LOG))]
+    assert [r["step"] for r in log] == list(range(1, 7))
+    assert all(r["loss"] > 0 and 7.0 < r["mtp_loss"] < 8.5 for r in log)
+    tokens, rate = re.search(r"trained (\d+) tokens \(no padding\) in [0-9.]+ s: (\d+) tokens/s", stdout).groups()
+    assert int(tokens) > 6 * 8 * 30 and int(rate) > 0
+    assert f"saved: {out} " in stdout
+
+    files = finetune.check_saved_folder(out, adapter=True)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["model_type"] == "glm5_next"
+    assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_glm53flash.Glm53FlashForConditionalGeneration"
+    for name in ("modeling_glm53flash.py", "configuration_glm53flash.py", "processing_glm53flash.py", "kda.py",
+                 "dsa.py", "moe.py", "mhc.py", "tokenizer.json", "chat_template.jinja", "processor_config.json",
+                 "generation_config.json"):
+        assert name in files, name
+    assert json.load(open(os.path.join(out, "adapter", "adapter_config.json")))["modules_to_save"] == ["lm_head"]
+
+    merge = re.search(r"merged model vs the trained adapter: max \|dlogit\| = ([0-9.e+-]+) .* ok", stdout)
+    assert merge and float(merge.group(1)) < 1e-4
+    assert re.search(r"AutoModelForCausalLM -> transformers_modules\.\S+\.modeling_glm53flash\.Glm53FlashForCausalLM",
+                     stdout)
+    assert re.search(r"AutoModelForImageTextToText -> transformers_modules\.\S+\.Glm53FlashForConditionalGeneration",
+                     stdout)
+    answers = re.findall(r"^  A: '(.*)'$", stdout, flags=re.M)
+    assert len(answers) == 2 and all(a.strip() for a in answers), stdout
+    assert 'Q (held out): Explain the "pass" statement.' in stdout
+    assert "reloaded answers equal the in-memory model's: yes" in stdout
+    assert "ERROR" not in stdout
+
+
+def test_lora_adapter_reproduces_merged_folder(lora_run, tiny):
+    """Independent of the job's own check: the saved adapter applied with PEFT on the base (this process, this
+    package's class) gives the merged folder's logits (float32 rounding only; measured ~1e-6 at logits of ~1);
+    the base alone does not (negative control: the 6 trained steps moved the logits by far more)."""
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForConditionalGeneration
+
+    out, _, _ = lora_run
+    ids = torch.tensor([[2002, 2004, 2007, 300, 41, 977, 5, 2008, 18, 19]])  # [gMASK]<sop><|user|>...<|assistant|>
+    merged = Glm53FlashForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    base = Glm53FlashForConditionalGeneration.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter")).eval()
+        adapted_logits = adapted(input_ids=ids).logits
+        merged_logits = merged(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, adapted_logits, rtol=0, atol=1e-4)
+    assert (merged_logits - base_logits).abs().max() > 0.05
+
+
+def test_full_finetune_saves_full_weights(tiny, tmp_path):
+    """``--full`` (through scripts/finetune.py, no MTP, 2 steps without warm-up): full weights in the folder, no
+    adapter, no MTP loss logged, and every weight kind moved (attention, experts, vision tower)."""
+    from safetensors import safe_open
+
+    out = str(tmp_path / "out")
+    stdout, _ = _run_job(["--model", tiny, "--output-dir", out, "--full", "--max-steps", "2", "--samples", "4",
+                          "--warmup-steps", "0", "--no-mtp", "--no-reload"], tmp_path, script=True)
+    assert "training: full fine-tuning" in stdout and "MTP loss off" in stdout
+    files = finetune.check_saved_folder(out, adapter=False)
+    assert not os.path.exists(os.path.join(out, "adapter")) and "model.safetensors" in files
+    log = [json.loads(line) for line in open(os.path.join(out, finetune.LOSS_LOG))]
+    assert len(log) == 2 and not any("mtp_loss" in r for r in log)
+
+    def tensors(folder):
+        index = os.path.join(folder, "model.safetensors.index.json")
+        shards = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
+            else ["model.safetensors"]
+        result = {}
+        for shard in shards:
+            with safe_open(os.path.join(folder, shard), framework="pt") as f:
+                result.update({k: f.get_tensor(k).float() for k in f.keys()})
+        return result
+
+    before, after = tensors(tiny), tensors(out)
+    assert before.keys() == after.keys()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    for pattern in ("self_attn.q_a_proj", "mlp.experts.0.", "model.visual.", "lm_head", "self_attn.q_proj"):
+        assert any(pattern in k for k in moved), pattern
