@@ -54,6 +54,7 @@ except ImportError:  # pragma: no cover - exercised on installs without triton
     tl = None
     TRITON_AVAILABLE = False
 
+from .dispatch import local_tensor
 from .mhc import _mix_weights, check_hc_pre_args
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -479,9 +480,11 @@ def hc_pre_fused(
 
     Raises:
         RuntimeError: triton is not installed.
-        ValueError: wrong ranks/shapes, unsupported dtypes, ``sinkhorn_iters < 1``.
+        ValueError: wrong ranks/shapes, unsupported dtypes, ``sinkhorn_iters < 1``; a sharded DTensor parameter.
     """
     _require_triton()
+    # Parameters may arrive as DTensors (FSDP2/TP): replicated ones are unwrapped (differentiably), sharded ones raise.
+    fn, base, scale = (local_tensor(t, f"hc {name}") for t, name in ((fn, "fn"), (base, "base"), (scale, "scale")))
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     if hidden_streams.dtype not in SUPPORTED_DTYPES or fn.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"fused hc_pre supports fp32/bf16/fp16; got X {hidden_streams.dtype}, fn {fn.dtype}")
