@@ -641,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "With LoRA the updated biases reach only the merged model, not the adapter")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="weights dtype for training and saving (auto: bfloat16 with CUDA, else float32)")
+                        help="weights dtype for training and saving (auto: float32 on CPU and under FSDP, bfloat16 on one "
+                        "GPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the LoRA init")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer after training")
     parser.add_argument("--no-reload", action="store_true", help="skip the fresh-process reload and generation")

@@ -1,6 +1,7 @@
 """``glm53flash-make-tiny OUT``: write the embedded default checkpoint, a tiny random-init GLM-5.3-Flash.
 
-The folder has the published layout (``shared/reference/model-spec.md`` §11) and loads like a release download:
+The folder has the layout of the published checkpoint (the key layout transformers' glm5_next writes) and loads like a
+release download:
 
 * text weights written by :meth:`Glm53FlashForCausalLM.save_pretrained` (``model.language_model.*``,
   per-expert MoE weights, split KDA convolutions, ``hc_*``, the MTP layer at ``layers.{num_hidden_layers}``,
@@ -421,7 +422,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        help="model config JSON with text_config and vision_config (default: the package's configuration/tiny.json); "
+        help="model config JSON with text_config and vision_config (default: the package's tiny_config.json, the same file as configuration/tiny.json); "
         "its special-token ids must follow the layout described below",
     )
     parser.add_argument(
