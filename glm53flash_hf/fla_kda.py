@@ -302,10 +302,27 @@ def chunk_kda_fused(
         TypeError: the installed fla does not accept an argument (:func:`call_checked`).
         ImportError: fla-core missing.
     """
+    return _chunk_kda(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False,
+        safe_gate=False,
+    )
+
+
+def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None, **flags):
+    """The checks and the fla ``chunk_kda`` call shared by :func:`chunk_kda_fused` and
+    :func:`chunk_kda_gate_in_kernel`. ``gate``: ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel;
+    ``flags``: the kernel's ``use_*`` / ``safe_gate`` switches."""
     _check_core_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_head_dim(K, V)
+    if gate is not None:
+        A_log, dt_bias, lower_bound = gate
+        _check_gate_params(A_log, dt_bias, H, K, lower_bound)
+        flags.update(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=_safe_gate(lower_bound))
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
     cu, cu_cpu = _varlen(cu_seqlens, T, B, "q.shape[0]")
@@ -322,10 +339,7 @@ def chunk_kda_fused(
         scale=scale,
         initial_state=initial_state.float() if initial_state is not None else None,
         output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
-        safe_gate=False,
+        **flags,
         state_v_first=False,
         cu_seqlens=cu,
         cu_seqlens_cpu=cu_cpu,
@@ -372,38 +386,12 @@ def chunk_kda_gate_in_kernel(
         ValueError / TypeError / ImportError: as :func:`chunk_kda_fused`; wrong ``A_log``/``dt_bias`` shapes or a
             non-negative ``lower_bound``.
     """
-    _check_core_inputs(q, k, v, g_raw, beta_logits)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    _check_head_dim(K, V)
-    _check_gate_params(A_log, dt_bias, H, K, lower_bound)
-    if chunk_size not in FLA_CHUNK_SIZES:
-        raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
-    cu, cu_cpu = _varlen(cu_seqlens, T, B, "q.shape[0]")
-    _check_state(initial_state, B if cu is None else cu_cpu.numel() - 1, H, K, V)
-    fla = _fla()
-    return call_checked(
-        fla.chunk_kda,
-        "chunk_kda",
-        q=q,
-        k=k,
-        v=v,
-        g=g_raw,
-        beta=beta_logits,
-        scale=scale,
-        initial_state=initial_state.float() if initial_state is not None else None,
-        output_final_state=output_final_state,
+    return _chunk_kda(
+        q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+        gate=(A_log, dt_bias, lower_bound),
         use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        safe_gate=_safe_gate(lower_bound),
-        state_v_first=False,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu_cpu,
-        chunk_size=chunk_size,
     )
 
 

@@ -48,10 +48,7 @@ from __future__ import annotations
 
 import importlib.abc
 import math
-import os
-import subprocess
 import sys
-import time
 import warnings
 from types import SimpleNamespace
 
@@ -69,7 +66,8 @@ from glm53flash_hf.kda import (
 )
 from glm53flash_hf.packing import build_document_layout
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from interp import INTERPRETING, run_interpreter_child, skip_unless_interpreting
+
 KERNEL_TOL = 1e-5
 GATE_PARAM_TOL = 1e-4
 GATE_PARAMS = ("A_log", "dt_bias", "f_a_proj", "f_b_proj")
@@ -165,8 +163,7 @@ def unpacked_batch(batch):
 @pytest.fixture(scope="module")
 def fla_interp():
     """glm53flash_hf.fla_kda with fla's kernels interpreted: kernels.md §2's test-only patches, one torch thread."""
-    if not INTERPRETING:
-        pytest.skip("interpreter test: runs in the TRITON_INTERPRET=1 child of test_interpreter_tests_in_subprocess")
+    skip_unless_interpreting()
     import builtins
 
     import numpy as np
@@ -251,20 +248,7 @@ def test_interpreter_tests_in_subprocess():
 
     Measured wall time of the child on the shared 2-core machine (load average 3-6 from other jobs): 25-38 s, about
     8 s of it imports; the longest tests take 2-5 s each (up to 3x more under heavier contention)."""
-    if INTERPRETING:
-        pytest.skip("already the interpreter child")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpreter", "-rs",
-           os.path.abspath(__file__)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=540)
-    elapsed = time.perf_counter() - start
-    tail = f"{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, f"interpreter child failed (rc {proc.returncode}, {elapsed:.0f} s):\n{tail}"
-    skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert " passed" in proc.stdout and all("already the interpreter child" in line for line in skips), proc.stdout
-    print(f"interpreter child: {elapsed:.1f} s")
+    print(f"interpreter child: {run_interpreter_child(__file__, OMP_NUM_THREADS='1'):.1f} s")
 
 
 @pytest.mark.interpreter

@@ -24,9 +24,6 @@ Tolerances:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,39 +31,23 @@ import torch
 from glm53flash_hf import mhc
 from glm53flash_hf import dispatch
 
+from interp import INTERPRETING, interpreted_module, run_interpreter_child
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
 
 KW = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture
 def tm():
     """glm53flash_hf.triton_mhc with interpreted kernels; one intra-op thread (tiny shapes)."""
-    if not INTERPRETING:
-        pytest.skip("interpreter test: runs in the TRITON_INTERPRET=1 child of test_interpreter_tests_in_subprocess")
-    from glm53flash_hf import triton_mhc
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield triton_mhc
-    torch.set_num_threads(threads)
+    yield from interpreted_module("triton_mhc")
 
 
 @pytest.mark.interpreter
 def test_interpreter_tests_in_subprocess():
     """Run this file's interpreter tests in a child pytest with TRITON_INTERPRET=1 set before triton is imported."""
-    if INTERPRETING:
-        pytest.skip("already the interpreter child")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpreter", "-rs",
-           os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=540)
-    tail = f"{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, f"interpreter child failed (rc {proc.returncode}):\n{tail}"
-    skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert " passed" in proc.stdout and all("already the interpreter child" in line for line in skips), proc.stdout
+    run_interpreter_child(__file__)
 
 
 def rel(a, b):

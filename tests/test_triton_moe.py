@@ -24,9 +24,6 @@ Tolerances (measured values in the comments of each test):
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -35,38 +32,22 @@ import torch.nn.functional as F
 from glm53flash_hf import dispatch
 from glm53flash_hf import moe
 
+from interp import interpreted_module, run_interpreter_child
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture
 def tm():
     """glm53flash_hf.triton_moe with interpreted kernels; one intra-op thread (tiny shapes)."""
-    if not INTERPRETING:
-        pytest.skip("interpreter test: runs in the TRITON_INTERPRET=1 child of test_interpreter_tests_in_subprocess")
-    from glm53flash_hf import triton_moe
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield triton_moe
-    torch.set_num_threads(threads)
+    yield from interpreted_module("triton_moe")
 
 
 @pytest.mark.interpreter
 def test_interpreter_tests_in_subprocess():
     """Run this file's interpreter tests in a child pytest with TRITON_INTERPRET=1 set before triton is imported."""
-    if INTERPRETING:
-        pytest.skip("already the interpreter child")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpreter", "-rs",
-           os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=540)
-    tail = f"{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, f"interpreter child failed (rc {proc.returncode}):\n{tail}"
-    skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert " passed" in proc.stdout and all("already the interpreter child" in line for line in skips), proc.stdout
+    run_interpreter_child(__file__)
 
 
 # ------------------------------------------------------------------------------------------------------------ helpers
