@@ -960,7 +960,10 @@ class Glm53FlashLinearAttention(nn.Module):
         decode = S == 1 and conv_state is not None and recurrent_state is not None
         fused_step = (
             decode
-            and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+            and not (
+                torch.is_grad_enabled()
+                and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
+            )
             and choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
         )
         if fused_step:  # the kernel applies the gate and the beta sigmoid itself
