@@ -157,11 +157,14 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _cast(x, DT: tl.constexpr):
         """fp32 -> DT with one round-to-nearest-even on GPUs and in the interpreter alike (the interpreter truncates
-        in ``.to(tl.bfloat16)``; here bf16 is rounded on the integer bits first, so the final cast is exact)."""
+        in ``.to(tl.bfloat16)``; here bf16 is rounded on the integer bits first, so the final cast is exact). A NaN
+        becomes a quiet NaN (the GPU's NaN pattern 0x7FFFFFFF would otherwise round to 0x80000000, -0.0, and a NaN with
+        only low payload bits would truncate to inf)."""
         if DT == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            rounded = tl.where(x != x, bits | 0x7FC00000, rounded)
+            return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
         else:
             return x.to(DT)
 
@@ -294,8 +297,12 @@ class _SparseMlaFunction(torch.autograd.Function):
         batch, seq_len, heads, dim = q_abs.shape
         kv_len, width = latent.shape[1], indices.shape[2]
         q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), _as_index_tensor(indices)
-        bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _FWD_TILE)
         lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
+        if not lowp and lat_c.dtype != torch.float32:  # mixed dtypes: run the pure fp32 variant (one upcast)
+            lat_c = lat_c.float()
+        # fp32 tiles at half the budget: the fp32 (FMA) dot over K = Dl spills registers at 32x32x512 (compiled for
+        # sm_90 with triton 3.6: 2 KB per thread; 0 at 16x16)
+        bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _FWD_TILE if lowp else _FWD_TILE // 2)
         out = torch.empty_like(q_c)
         lse = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q_c.device)
         if lse.numel() > 0:
@@ -305,6 +312,7 @@ class _SparseMlaFunction(torch.autograd.Function):
                 BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=_interpreting(), DT_OUT=_TL_DTYPES[q_c.dtype], num_warps=warps,
             )
         ctx.save_for_backward(q_c, lat_c, idx_c, out, lse)
+        ctx.latent_dtype = latent.dtype  # lat_c may be an fp32 upcast (mixed dtypes): the gradient keeps the input's
         ctx.cfg = (scale, block_h, block_w, lowp)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -334,7 +342,7 @@ class _SparseMlaFunction(torch.autograd.Function):
             )
         elif need_dq:
             dq.zero_()
-        dlat = dlat32.to(latent.dtype) if need_dlat else None
+        dlat = dlat32.to(ctx.latent_dtype) if need_dlat else None
         return dq, dlat, None, None, None, None
 
 

@@ -111,11 +111,14 @@ if TRITON_AVAILABLE:
     def _rd(x, DT: tl.constexpr):
         """fp32 -> nearest DT value (ties to even), returned as fp32. bf16 by integer rounding on the bits, because
         Triton's interpreter truncates in ``.to(tl.bfloat16)`` while GPUs round to nearest even; this gives one
-        rounding on both. (No NaN payload care: a NaN stays a NaN.)"""
+        rounding on both. ``x`` may be loaded in any float dtype (cast to fp32 first). A NaN becomes a quiet NaN (the
+        GPU's NaN pattern 0x7FFFFFFF would otherwise round to 0x80000000, -0.0; a NaN with only low payload bits would
+        become inf in a later bf16 cast)."""
+        x = x.to(tl.float32)
         if DT == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
+            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return tl.where(x != x, bits | 0x7FC00000, rounded).to(tl.float32, bitcast=True)
         else:
             return x.to(DT).to(tl.float32)
 

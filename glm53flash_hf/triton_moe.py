@@ -138,12 +138,13 @@ if TRITON_AVAILABLE:
         """fp32 ``x`` rounded to the nearest ``DT`` value (ties to even), returned as fp32.
 
         bf16 is rounded on the bit pattern because Triton's interpreter truncates in ``.to(tl.bfloat16)`` while the
-        GPU rounds to nearest even; doing it by hand gives one rounding rule on both. NaN stays NaN."""
+        GPU rounds to nearest even; doing it by hand gives one rounding rule on both. A NaN becomes a quiet NaN (one
+        with only low payload bits would otherwise become inf in a later bf16 cast)."""
         if DT == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             lsb = (bits >> 16) & 1
-            rounded = ((bits + 0x7FFF + lsb) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            return tl.where(x != x, x, rounded)
+            rounded = (bits + 0x7FFF + lsb) & 0xFFFF0000
+            return tl.where(x != x, bits | 0x7FC00000, rounded).to(tl.float32, bitcast=True)
         elif DT == tl.float16:
             return x.to(tl.float16).to(tl.float32)
         else:

@@ -139,6 +139,55 @@ def test_hc_post_bf16(tm):
     assert_ulps(dcomb, rdcomb, "dcomb")
 
 
+def _rounding_probe_kernel():
+    """A kernel storing each module's bf16 rounding of its input (defined lazily: only interpreter children use it;
+    a jit function looks its callees up in this module's globals)."""
+    import triton.language as tl
+
+    global triton_dsa, triton_mhc, triton_moe
+    from glm53flash_hf import triton_dsa, triton_mhc, triton_moe
+
+    @triton.jit
+    def kernel(x_ptr, o_dsa, o_mhc, o_moe, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x = tl.load(x_ptr + i)
+        tl.store(o_dsa + i, triton_dsa._cast(x, tl.bfloat16).to(tl.float32))
+        tl.store(o_mhc + i, triton_mhc._rd(x, tl.bfloat16))
+        tl.store(o_moe + i, triton_moe._round(x, tl.bfloat16))
+
+    return kernel
+
+
+@pytest.mark.interpreter
+def test_rounding_helpers_keep_nan(tm):
+    """The bf16 round-on-the-bits helpers of the three kernel modules keep every NaN a NaN. The GPU's arithmetic NaN
+    is 0x7FFFFFFF, which the bit rounding alone would turn into 0x80000000 (-0.0): the interpreter's own NaNs
+    (0x7FC00000) never show this, so the patterns are fed in directly. Ordinary values round to nearest even."""
+    kernel = _rounding_probe_kernel()
+
+    bits = torch.tensor([0x7FFFFFFF, 0x7FC00000, 0xFFC00000 - 2**32, 0x7F800001, 0x3F800000, 0x3F808000, 0x3F818000,
+                         0x3F80C000], dtype=torch.int32)
+    x = bits.view(torch.float32)
+    outs = [torch.empty(8) for _ in range(3)]
+    kernel[(1,)](x, *outs, N=8)
+    expect = x.to(torch.bfloat16).float()  # torch rounds to nearest even
+    for name, out in zip(("triton_dsa._cast", "triton_mhc._rd", "triton_moe._round"), outs):
+        assert torch.isnan(out[:4]).all(), (name, out[:4])
+        assert torch.equal(out[4:], expect[4:]), (name, out[4:], expect[4:])
+
+
+@pytest.mark.interpreter
+def test_hc_post_bf16_mixing_weights(tm):
+    """bf16 residual with bf16 post/comb (accepted by the probe): the kernel reads the 16-bit weights through the same
+    rounding helper (cast to fp32 first) and equals the torch path to one bf16 ulp."""
+    inputs, grad = post_inputs(2, 3, 4, 32, torch.bfloat16, seed=4)
+    y, res, post, comb = inputs
+    inputs16 = (y, res, post.detach().bfloat16().requires_grad_(), comb.detach().bfloat16().requires_grad_())
+    (out,), _ = run(tm.hc_post_fused, inputs16, grad)
+    (ref,), _ = run(mhc.hc_post, inputs16, grad)
+    assert_ulps(out, ref, "out")
+
+
 @pytest.mark.interpreter
 def test_hc_post_errors(tm):
     (y, res, post, comb), _ = post_inputs(1, 2, 4, 16, torch.float32)
