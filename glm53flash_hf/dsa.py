@@ -24,12 +24,14 @@ Triton interpreter in ``tests/test_triton_dsa.py``).
 
 from __future__ import annotations
 
+import numpy as _np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
+from .decode_ops import call_linear, numpy_ok
 from .dispatch import choose_backend, requested_backend
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_document_layout
@@ -80,6 +82,39 @@ def _sparse_mla_chunk(
     out = torch.matmul(probs, gathered)  # [B, C, H, Dl]
     lse = torch.where(nonempty, row_max + torch.log(safe_denom), torch.full_like(denom, float("-inf"))).squeeze(-1)
     return out, lse
+
+
+# At most this many (row, query) pairs of fp32 CPU inputs without autograd (a decode step) run in numpy, one query at
+# a time over its valid ids only: ~12 numpy calls instead of ~25 torch ops on the padded [B, C, W] layout.
+_SMALL_QUERIES = 8
+
+
+def _sparse_mla_numpy(q_abs, latent, indices, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla_torch` for a few fp32 CPU queries without autograd. Same maths: invalid ids (``< 0`` or
+    ``>= S_kv``) are skipped (the torch path gives them weight ``exp(-inf) = 0``); a query without valid ids gets
+    ``out = 0``, ``lse = -inf``. Values agree to fp32 rounding (BLAS summation order)."""
+    batch, seq_len, heads, dim = q_abs.shape
+    kv_len = latent.shape[1]
+    q = q_abs.detach().numpy()
+    lat = latent.detach().numpy()
+    idx = indices.detach().numpy()
+    out = _np.zeros((batch, seq_len, heads, dim), dtype=_np.float32)
+    lse = _np.full((batch, seq_len, heads), -_np.inf, dtype=_np.float32)
+    f32 = _np.float32
+    for b in range(batch):
+        for t in range(seq_len):
+            ids = idx[b, t]
+            ids = ids[(ids >= 0) & (ids < kv_len)]
+            if ids.size == 0:
+                continue
+            kv = lat[b, ids]  # [w, Dl]
+            s = (q[b, t] @ kv.T) * f32(scale)  # [H, w]
+            top = s.max(axis=-1, keepdims=True)
+            e = _np.exp(s - top)
+            denom = e.sum(axis=-1, keepdims=True)
+            out[b, t] = (e / denom) @ kv
+            lse[b, t] = (top + _np.log(denom))[:, 0]
+    return torch.from_numpy(out), torch.from_numpy(lse)
 
 
 def sparse_mla_torch(
@@ -145,6 +180,8 @@ def sparse_mla_torch(
         lse = torch.full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype, device=q_abs.device)
         return out, lse
 
+    if batch * seq_len <= _SMALL_QUERIES and numpy_ok(q_abs, latent):
+        return _sparse_mla_numpy(q_abs, latent, indices, scale)
     use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
     outs, lses = [], []
     for start in range(0, seq_len, query_chunk):
@@ -197,6 +234,19 @@ def sparse_mla(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _stable_topk_numpy(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`stable_topk_indices` for a few fp32 CPU rows without NaN (a decode step): a stable descending argsort
+    keeps the ``k`` largest with ties toward the lower index (the same set), then the picks are ordered as the
+    torch path orders them (finite ones by index, then ``-inf`` ones by index). ~12 numpy calls instead of ~15 torch
+    ops and two ``topk``s."""
+    num = scores.shape[-1]
+    flat = scores.detach().reshape(-1, num).numpy()
+    chosen = _np.argsort(-flat, axis=-1, kind="stable")[:, :k]  # -(-inf) = inf sorts last, ties keep index order
+    finite = _np.isfinite(_np.take_along_axis(flat, chosen, axis=-1))
+    key = _np.sort(chosen + num * (~finite), axis=-1)  # finite picks first, each group by index
+    return torch.from_numpy(key % num).view(*scores.shape[:-1], k)
+
+
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries along the last axis, ties broken toward the lower index.
 
@@ -212,6 +262,8 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         long ``[..., k]`` indices: the finite picks in increasing index order, then the ``-inf`` ones (when fewer
         than ``k`` entries are finite), also in increasing index order (not score order).
     """
+    if numpy_ok(scores) and not torch.isnan(scores).any():
+        return _stable_topk_numpy(scores, k)
     kth = scores.topk(k, dim=-1).values[..., -1:]
     greater = scores > kth
     tied = scores == kth
@@ -353,8 +405,8 @@ class Glm53FlashIndexer(nn.Module):
             pool_keys = (probs * slot_keys).sum(dim=2)  # [B, P, Dk] fp32
             pool_keys_t = pool_keys.transpose(1, 2).contiguous()  # [B, Dk, P]
 
-            q = self.wq_b(q_resid).view(batch, seq_len, n_heads, head_dim)
-            head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
+            q = call_linear(self.wq_b, q_resid).view(batch, seq_len, n_heads, head_dim)
+            head_weights = call_linear(self.weights_proj, hidden_states.to(self.weights_proj.weight.dtype)).float()
             head_weights = head_weights * (n_heads**-0.5 * self.softmax_scale)  # [B, S, Hi]; relu is 1-homogeneous
 
             # Selectable pools of query t: ids [hi - (local_pos + 1) // kp, hi) with hi = ends_upto[t].
@@ -458,7 +510,7 @@ class Glm53FlashIndexer(nn.Module):
         past, total = ctx.past, ctx.past + seq_len
         first, valid, local_pos = ctx.first, ctx.valid, ctx.local_pos
 
-        keys = self.k_norm(self.wk(hidden_states)).float()
+        keys = self.k_norm(call_linear(self.wk, hidden_states)).float()
         gates = F.linear(hidden_states, self.index_kpool_compress_gate).float()
         state = cache.update_indexer(torch.cat([keys, gates], dim=-1), self.layer_idx)  # [B, L, 2Dk]
         cap = state.shape[1]
@@ -466,17 +518,21 @@ class Glm53FlashIndexer(nn.Module):
         # ---- pools completed by this call: ids [n_before, n_after) of each row; build and store their keys -------
         n_before = (past - first).clamp_min(0) // kp  # [B]
         n_after = (total - first).clamp_min(0) // kp
+        # Most decode steps complete no pool; on CPU, reading that costs nothing and skips the pool build below.
+        # (On CUDA the build always runs: reading the flag would synchronise the device.)
+        completes = device.type != "cpu" or bool((n_after > n_before).any())
         cand = -(-seq_len // kp)  # a call of S tokens completes at most ceil(S / kp) pools per row
-        pool_j = n_before[:, None] + torch.arange(cand, device=device)  # [B, cand] (distinct, < total <= cap)
-        new = pool_j < n_after[:, None]
-        slots = (first[:, None, None] + kp * pool_j[..., None] + torch.arange(kp, device=device)).clamp(0, cap - 1)
-        grouped = state.gather(1, slots.reshape(batch, cand * kp, 1).expand(-1, -1, 2 * head_dim))
-        slot_keys, slot_gates = grouped.view(batch, cand, kp, 2 * head_dim).split(head_dim, dim=-1)
-        probs = torch.softmax(slot_gates + self.index_kpool_compress_ape.float()[None, None], dim=2)
-        pool_keys = (probs * slot_keys).sum(dim=2)  # [B, cand, Dk] fp32, same maths as forward()
         key_cols = state[..., :head_dim]
-        where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
-        key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
+        if completes:
+            pool_j = n_before[:, None] + torch.arange(cand, device=device)  # [B, cand] (distinct, < total <= cap)
+            new = pool_j < n_after[:, None]
+            slots = (first[:, None, None] + kp * pool_j[..., None] + torch.arange(kp, device=device)).clamp(0, cap - 1)
+            grouped = state.gather(1, slots.reshape(batch, cand * kp, 1).expand(-1, -1, 2 * head_dim))
+            slot_keys, slot_gates = grouped.view(batch, cand, kp, 2 * head_dim).split(head_dim, dim=-1)
+            probs = torch.softmax(slot_gates + self.index_kpool_compress_ape.float()[None, None], dim=2)
+            pool_keys = (probs * slot_keys).sum(dim=2)  # [B, cand, Dk] fp32, same maths as forward()
+            where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
+            key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
 
         out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
         num_pools = total // kp  # upper bound on complete pools of any row
@@ -484,8 +540,8 @@ class Glm53FlashIndexer(nn.Module):
         if select_pools > 0:
             pool_keys_t = key_cols[:, :num_pools].transpose(1, 2)  # [B, Dk, P] view of the cached pool keys
             pool_end = first[:, None] + kp * torch.arange(num_pools, device=device) + (kp - 1)  # [B, P]
-            q = self.wq_b(q_resid).view(batch, seq_len, n_heads, head_dim)
-            head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
+            q = call_linear(self.wq_b, q_resid).view(batch, seq_len, n_heads, head_dim)
+            head_weights = call_linear(self.weights_proj, hidden_states.to(self.weights_proj.weight.dtype)).float()
             head_weights = head_weights * (n_heads**-0.5 * self.softmax_scale)
             hi = torch.where(valid, (local_pos + 1).clamp_min(0) // kp, torch.zeros_like(local_pos))
             self._select_pools(
@@ -638,9 +694,10 @@ class Glm53FlashAttention(nn.Module):
         if cache is None:
             layout = _check_layout(layout, batch, seq_len, hidden_states.device)
 
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-        q_nope = self.q_b_proj(q_resid).view(batch, seq_len, self.num_heads, self.qk_nope_head_dim)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(hidden_states))  # [B, S, Dl] (no rope part)
+        lin = call_linear  # F.linear without nn.Module.__call__ for plain nn.Linear layers (.decode_ops)
+        q_resid = self.q_a_layernorm(lin(self.q_a_proj, hidden_states))
+        q_nope = lin(self.q_b_proj, q_resid).view(batch, seq_len, self.num_heads, self.qk_nope_head_dim)
+        latent = self.kv_a_layernorm(lin(self.kv_a_proj_with_mqa, hidden_states))  # [B, S, Dl] (no rope part)
 
         kv_b = self.kv_b_weight(latent).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_kc = kv_b[:, : self.qk_nope_head_dim]  # [H, Dn, Dl]
@@ -672,7 +729,7 @@ class Glm53FlashAttention(nn.Module):
         )
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        attn = self.o_proj(attn)
+        attn = lin(self.o_proj, attn)
         return attn, (topk_indices if self.next_skip_topk else None)
 
 

@@ -33,6 +33,8 @@ forward+backward 1.6x / 7x. The Sinkhorn iterations use exactly the reference's 
 
 from __future__ import annotations
 
+import math as _math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,11 +78,13 @@ def _sinkhorn_numpy_array(c, iters: int, eps: float):
     return c
 
 
-# Decode-sized hc_pre (at most this many tokens, fp32 streams and fp32 parameters, CPU, no autograd): the whole site
-# -- projection GEMV, RMS factor, sigmoids, softmax, Sinkhorn, collapse -- runs in numpy on the tokens' few floats
-# (~40 numpy calls instead of ~60 torch ops plus the Sinkhorn), ~2-3x less per-call overhead. Same formula and op
-# order as the torch path; only the fp32 summation order of the dot products differs (numpy/BLAS vs torch), so values
-# agree to fp32 rounding (tests/test_mhc.py::test_hc_pre_small_numpy_path).
+# Decode-sized hc_pre (at most this many tokens, fp32 streams and fp32 parameters, CPU, no autograd): the two dot
+# products (``sum x^2`` and ``fn @ x``) and the collapse run in numpy on the tokens' floats; the 24 mixing values per
+# token -- sigmoids, softmax, Sinkhorn -- are a few hundred scalar operations, cheaper as Python floats (float64, then
+# rounded to fp32) than as ~80 array calls (numpy or torch cost ~1-3 us per call whatever the size). For N = 4 (the
+# release) the Sinkhorn rounds are unrolled over the 16 entries (~17 us for 20 rounds instead of ~100 us). Same
+# formula and op order as the torch path; the mixing weights are evaluated in float64, so they are closer to a
+# float64 evaluation than the fp32 torch path is (tests/test_mhc.py::test_hc_pre_small_numpy_path).
 _SMALL_HC_PRE_TOKENS = 8
 
 
@@ -109,25 +113,83 @@ def _hc_post_numpy_ok(y, residual, post, comb) -> bool:
     )
 
 
+def _sigmoid(z: float) -> float:
+    """Logistic function of a Python float without overflow (``math.exp`` raises beyond ~709)."""
+    if z >= 0.0:
+        return 1.0 / (1.0 + _math.exp(-z))
+    e = _math.exp(z)
+    return e / (1.0 + e)
+
+
+def _sinkhorn_rows(c: list, iters: int, eps: float) -> list:
+    """:func:`sinkhorn_normalize` of one ``N x N`` matrix given as a list of row lists of Python floats.
+
+    Same op sequence (one column normalisation, then ``iters - 1`` (row, column) rounds, ``+eps`` in every
+    denominator, sums in index order). N = 4 runs an unrolled body on 16 locals.
+    """
+    n = len(c)
+    if n == 4:
+        (a0, a1, a2, a3), (b0, b1, b2, b3), (c0, c1, c2, c3), (d0, d1, d2, d3) = c
+        s0, s1, s2, s3 = a0 + b0 + c0 + d0 + eps, a1 + b1 + c1 + d1 + eps, a2 + b2 + c2 + d2 + eps, a3 + b3 + c3 + d3 + eps
+        a0, b0, c0, d0, a1, b1, c1, d1 = a0 / s0, b0 / s0, c0 / s0, d0 / s0, a1 / s1, b1 / s1, c1 / s1, d1 / s1
+        a2, b2, c2, d2, a3, b3, c3, d3 = a2 / s2, b2 / s2, c2 / s2, d2 / s2, a3 / s3, b3 / s3, c3 / s3, d3 / s3
+        for _ in range(iters - 1):
+            s = a0 + a1 + a2 + a3 + eps
+            a0, a1, a2, a3 = a0 / s, a1 / s, a2 / s, a3 / s
+            s = b0 + b1 + b2 + b3 + eps
+            b0, b1, b2, b3 = b0 / s, b1 / s, b2 / s, b3 / s
+            s = c0 + c1 + c2 + c3 + eps
+            c0, c1, c2, c3 = c0 / s, c1 / s, c2 / s, c3 / s
+            s = d0 + d1 + d2 + d3 + eps
+            d0, d1, d2, d3 = d0 / s, d1 / s, d2 / s, d3 / s
+            s0, s1 = a0 + b0 + c0 + d0 + eps, a1 + b1 + c1 + d1 + eps
+            s2, s3 = a2 + b2 + c2 + d2 + eps, a3 + b3 + c3 + d3 + eps
+            a0, b0, c0, d0, a1, b1, c1, d1 = a0 / s0, b0 / s0, c0 / s0, d0 / s0, a1 / s1, b1 / s1, c1 / s1, d1 / s1
+            a2, b2, c2, d2, a3, b3, c3, d3 = a2 / s2, b2 / s2, c2 / s2, d2 / s2, a3 / s3, b3 / s3, c3 / s3, d3 / s3
+        return [[a0, a1, a2, a3], [b0, b1, b2, b3], [c0, c1, c2, c3], [d0, d1, d2, d3]]
+
+    def columns(rows):
+        sums = [sum(col) + eps for col in zip(*rows)]  # sum() adds left to right (from 0.0, exact)
+        return [[v / t for v, t in zip(row, sums)] for row in rows]
+
+    c = columns(c)
+    for _ in range(iters - 1):
+        c = columns([[v / (sum(row) + eps) for v in row] for row in c])
+    return c
+
+
 def _hc_pre_numpy(hidden_streams, fn, base, scale, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """:func:`hc_pre` for a few fp32 tokens without autograd, in numpy (see ``_SMALL_HC_PRE_TOKENS``)."""
+    """:func:`hc_pre` for a few fp32 tokens without autograd (see ``_SMALL_HC_PRE_TOKENS``).
+
+    numpy: ``mean(x^2)``, ``fn @ x`` and the collapse ``pre @ X`` in fp32; Python floats (float64): the mixing
+    weights ``pre``, ``post``, ``comb`` (sigmoids, softmax, Sinkhorn), rounded to fp32 once.
+    """
     batch, seq, n, dim = hidden_streams.shape
     f32 = _np.float32
-    x = hidden_streams.detach().reshape(batch * seq, n * dim).contiguous().numpy()  # [T, N*D], no copy if contiguous
-    b = base.detach().numpy()
-    s = scale.detach().numpy()
+    x = hidden_streams.detach().reshape(batch * seq, n * dim).numpy()  # [T, N*D], no copy if contiguous
     mean_sq = _np.einsum("td,td->t", x, x) / f32(n * dim)
     mixes = (x @ fn.detach().numpy().T) * (f32(1.0) / _np.sqrt(mean_sq + f32(norm_eps)))[:, None]  # [T, (2+N)N]
-    one, eps = f32(1.0), f32(hc_eps)
-    pre = one / (one + _np.exp(-(mixes[:, :n] * s[0] + b[:n]))) + eps
-    post = f32(2.0) * (one / (one + _np.exp(-(mixes[:, n : 2 * n] * s[1] + b[n : 2 * n]))))
-    logits = mixes[:, 2 * n :].reshape(-1, n, n) * s[2] + b[2 * n :].reshape(n, n)
-    e = _np.exp(logits - logits.max(axis=-1, keepdims=True))
-    comb = _sinkhorn_numpy_array(e / _np.add.reduce(e, axis=-1, keepdims=True) + eps, sinkhorn_iters, hc_eps)
-    collapsed = _np.matmul(pre[:, None, :], x.reshape(-1, n, dim))[:, 0]  # [T, D]
+    b = base.tolist()
+    s_pre, s_post, s_comb = scale.tolist()
+    pre_all, post_all, comb_all = [], [], []
+    exp, sig = _math.exp, _sigmoid
+    for m in mixes.tolist():
+        pre_all.append([sig(m[i] * s_pre + b[i]) + hc_eps for i in range(n)])
+        post_all.append([2.0 * sig(m[i] * s_post + b[i]) for i in range(n, 2 * n)])
+        rows = []
+        for r in range(n):
+            o = 2 * n + r * n
+            logits = [m[o + j] * s_comb + b[o + j] for j in range(n)]
+            top = max(logits)
+            e = [exp(v - top) for v in logits]
+            total = sum(e)
+            rows.append([v / total + hc_eps for v in e])
+        comb_all.append(_sinkhorn_rows(rows, sinkhorn_iters, hc_eps))
+    pre = _np.array(pre_all, dtype=f32)  # [T, N]
+    collapsed = _np.matmul(pre[:, None, :], x.reshape(-1, n, dim))  # [T, 1, D]
     return (
-        torch.from_numpy(post).view(batch, seq, n),
-        torch.from_numpy(comb).view(batch, seq, n, n),
+        torch.tensor(post_all, dtype=torch.float32).view(batch, seq, n),
+        torch.tensor(comb_all, dtype=torch.float32).view(batch, seq, n, n),
         torch.from_numpy(collapsed).view(batch, seq, dim),
     )
 
@@ -231,13 +293,18 @@ def hc_pre(
     """
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     batch, seq, n, dim = hidden_streams.shape
+    # CPU decode first ("auto"/"torch" never pick a kernel for CPU tensors; "fused" goes through choose_backend so
+    # that its warning is given)
+    if backend in ("auto", "torch") and _hc_pre_numpy_ok(hidden_streams, fn, base, scale):
+        return _hc_pre_numpy(
+            hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
+        )
     if choose_backend("mhc", backend, hidden_streams, fn, base, scale) == "fused":
         from .triton_mhc import hc_pre_fused
 
         return hc_pre_fused(
             hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
         )
-
     if _hc_pre_numpy_ok(hidden_streams, fn, base, scale):
         return _hc_pre_numpy(
             hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
@@ -287,11 +354,12 @@ def hc_post(
             f"hc_post shapes do not fit residual [B,S,N,D]={tuple(residual.shape)}: y {tuple(y.shape)} (want "
             f"[B,S,D]), post {tuple(post.shape)} (want [B,S,N]), comb {tuple(comb.shape)} (want [B,S,N,N])"
         )
-    if choose_backend("mhc", backend, y, residual, post, comb) == "fused":
+    small = backend in ("auto", "torch") and _hc_post_numpy_ok(y, residual, post, comb)  # CPU decode: no choice
+    if not small and choose_backend("mhc", backend, y, residual, post, comb) == "fused":
         from .triton_mhc import hc_post_fused
 
         return hc_post_fused(y, residual, post, comb)
-    if _hc_post_numpy_ok(y, residual, post, comb):
+    if small or _hc_post_numpy_ok(y, residual, post, comb):
         r = residual.detach().numpy()
         out = _np.matmul(comb.detach().numpy().swapaxes(-1, -2), r)
         out += post.detach().numpy()[..., None] * y.detach().numpy()[..., None, :]

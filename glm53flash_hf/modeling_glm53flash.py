@@ -22,6 +22,7 @@ after the main stack at ``layers.{num_hidden_layers + i}``, as in the published 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from transformers.utils import logging
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
+from .decode_ops import call_linear
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
@@ -332,7 +334,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 if isinstance(gate, Glm53FlashTopkRouter):
                     hooks.append(gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0])))
         try:
-            for layer in self.layers[: self.config.num_hidden_layers]:
+            for layer in itertools.islice(self.layers, self.config.num_hidden_layers):  # no ModuleList copy
                 hidden_states, topk_indices = layer(
                     hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
                 )
@@ -420,6 +422,8 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
     ``mtp_loss_weight > 0``. Depths: ``config.mtp_depth``.
     """
     requested = kwargs.pop("mtp", None)
+    if labels is None:
+        return 0
     config = head_model.config.get_text_config(decoder=True)
     cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache")
     on = requested if requested is not None else config.mtp_loss_weight > 0
@@ -440,7 +444,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "G
         hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
     else:
         hidden_states = hidden_states[:, logits_to_keep, :]
-    logits = head_model.lm_head(hidden_states)
+    logits = call_linear(head_model.lm_head, hidden_states)  # no Module.__call__ overhead (.decode_ops)
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}

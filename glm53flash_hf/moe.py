@@ -57,6 +57,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
+from .decode_ops import call_linear
 from .dispatch import choose_backend, requested_backend
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -108,7 +109,8 @@ class Glm53FlashMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        lin = call_linear  # F.linear without nn.Module.__call__ for plain nn.Linear layers (.decode_ops)
+        return lin(self.down_proj, clamped_swiglu(lin(self.gate_proj, x), lin(self.up_proj, x), self.swiglu_limit))
 
 
 class Glm53FlashTopkRouter(nn.Module):
@@ -231,6 +233,21 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 _SMALL_PAIRS = 8
 
 
+def _one_token_experts(x, ids, weights, gate_up_proj, down_proj, swiglu_limit):
+    """One token (``x [1, H]``), its distinct in-range expert ids (Python list) and weights ``[k]``: the experts in
+    ascending id order (the general path's order), each ``F.linear`` on its weight slice, the weighted outputs
+    summed in that order in the weights' promoted dtype. ~8 ops per expert instead of the general bookkeeping."""
+    inter = down_proj.shape[2]
+    acc = None
+    for j in sorted(range(len(ids)), key=ids.__getitem__):
+        e = ids[j]
+        gate_up = F.linear(x, gate_up_proj[e])  # [1, 2I]
+        act = clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+        row = F.linear(act, down_proj[e]) * weights[j]
+        acc = row if acc is None else acc + row
+    return acc
+
+
 def _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
                            drop_out_of_range):
     num_tokens, hidden = hidden_states.shape
@@ -240,6 +257,10 @@ def _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_pr
     if any(e < 0 or e >= num_experts for e in ids):
         if not drop_out_of_range or any(e < 0 for e in ids):
             return None  # let the general path handle (or reject) it
+    elif num_tokens == 1:  # a decode step of one sequence
+        out = _one_token_experts(hidden_states.to(gate_up_proj.dtype), ids, top_k_weights[0], gate_up_proj,
+                                 down_proj, swiglu_limit)
+        return out.to(hidden_states.dtype)
     pairs = sorted((e, i) for i, e in enumerate(ids) if e < num_experts)  # (expert, flat pair index), as torch.sort
     if not pairs:
         return torch.zeros(num_tokens, hidden, device=hidden_states.device, dtype=hidden_states.dtype)
@@ -307,7 +328,13 @@ def grouped_experts_forward(
     Raises:
         ValueError: unknown backend; shapes that do not fit together.
     """
-    path = choose_backend("moe", backend, hidden_states, gate_up_proj, down_proj, top_k_weights)  # validates
+    small = (
+        backend in ("auto", "torch")  # a CPU tensor never picks a kernel: skip the choice (and its probe)
+        and hidden_states.device.type == "cpu"
+        and top_k_index.numel() <= _SMALL_PAIRS
+        and not torch.compiler.is_compiling()
+    )
+    path = "torch" if small else choose_backend("moe", backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [T, H]; got shape {tuple(hidden_states.shape)}")
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
@@ -343,7 +370,7 @@ def grouped_experts_forward(
         )
     k = top_k_index.shape[1]
     device = hidden_states.device
-    if device.type == "cpu" and num_tokens * k <= _SMALL_PAIRS and not torch.compiler.is_compiling():
+    if small:
         small = _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                        swiglu_limit, drop_out_of_range)
         if small is not None:
