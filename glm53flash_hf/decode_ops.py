@@ -27,10 +27,13 @@ try:
 except ImportError:  # pragma: no cover
     _np = None
 
-__all__ = ["SMALL_NUMEL", "call_linear", "numpy_ok", "plain_module", "small_rms_norm"]
+__all__ = ["SMALL_NUMEL", "SMALL_TOKENS", "call_linear", "numpy_ok", "plain_module", "small_rms_norm"]
 
-# Inputs of at most this many elements take the numpy route (a decode step of a few tokens; the release's widest
-# activation, 8 tokens x 6144, fits).
+# The decode-sized paths of this package (numpy or lean torch, CPU, grad mode off) take at most this many tokens (rows
+# of queries): a decode step of a few sequences. Anything larger -- a prefill, a training step, the no-grad forward of
+# a reentrant activation checkpoint -- runs the general torch path, so a recompute always matches its forward.
+SMALL_TOKENS = 8
+# ... and inputs of at most this many elements (the release's widest activation, 8 tokens x 6144, fits).
 SMALL_NUMEL = 1 << 16
 
 

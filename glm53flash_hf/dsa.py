@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
-from .decode_ops import call_linear, numpy_ok
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_ok
 from .dispatch import choose_backend, requested_backend
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_document_layout
@@ -86,7 +86,7 @@ def _sparse_mla_chunk(
 
 # At most this many (row, query) pairs of fp32 CPU inputs without autograd (a decode step) run in numpy, one query at
 # a time over its valid ids only: ~12 numpy calls instead of ~25 torch ops on the padded [B, C, W] layout.
-_SMALL_QUERIES = 8
+_SMALL_QUERIES = SMALL_TOKENS
 
 
 def _sparse_mla_numpy(q_abs, latent, indices, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,7 +262,7 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         long ``[..., k]`` indices: the finite picks in increasing index order, then the ``-inf`` ones (when fewer
         than ``k`` entries are finite), also in increasing index order (not score order).
     """
-    if numpy_ok(scores) and not torch.isnan(scores).any():
+    if scores.numel() <= SMALL_TOKENS * scores.shape[-1] and numpy_ok(scores) and not torch.isnan(scores).any():
         return _stable_topk_numpy(scores, k)
     kth = scores.topk(k, dim=-1).values[..., -1:]
     greater = scores > kth

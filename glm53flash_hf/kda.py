@@ -34,6 +34,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as _np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from transformers import initialization as init
 
-from .decode_ops import call_linear, numpy_ok, small_rms_norm
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_ok, plain_module, small_rms_norm
 from .dispatch import choose_backend, requested_backend
 from .packing import DocumentLayout
 
@@ -783,7 +784,11 @@ class Glm53FlashRMSNormGated(nn.Module):
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if gate.shape != hidden_states.shape:
             raise ValueError(f"gate must have the shape of x {tuple(hidden_states.shape)}; got {tuple(gate.shape)}")
-        if numpy_ok(hidden_states, gate, self.weight):  # decode-sized fp32 inference: 1 call instead of ~10 ops
+        if (  # decode-sized fp32 inference ([B, S, H, K], B * S <= SMALL_TOKENS): 1 call instead of ~10 ops
+            hidden_states.dim() == 4
+            and hidden_states.shape[0] * hidden_states.shape[1] <= SMALL_TOKENS
+            and numpy_ok(hidden_states, gate, self.weight)
+        ):
             return small_rms_norm(hidden_states, self.weight, self.variance_epsilon) * torch.sigmoid(gate)
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -968,6 +973,8 @@ class Glm53FlashLinearAttention(nn.Module):
             and choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
         )
         if no_grad and not fused_step:
+            if self._numpy_step_ok(hidden_states, cache, conv_state, recurrent_state):
+                return self._decode_step_numpy(hidden_states, conv_state, recurrent_state)
             return self._decode_step(hidden_states, cache, recurrent_state)
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
         weight = self.conv1d.weight[:, 0, :]  # [C, W] fp32
@@ -1019,6 +1026,65 @@ class Glm53FlashLinearAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, S, self.qkv_dim))
 
+
+    def _numpy_step_ok(self, hidden_states, cache, conv_state, recurrent_state) -> bool:
+        """Whether :meth:`_decode_step_numpy` applies: fp32 CPU input and states, grad mode off, a cache layer that
+        keeps only the last ``W`` conv inputs (not ``record_past``), and plain (hook-free) gate and norm modules."""
+        return (
+            numpy_ok(hidden_states, conv_state, recurrent_state, self.conv1d.weight, self.o_norm.weight)
+            and self.forget_gate.dt_bias.dtype == torch.float32
+            and conv_state.is_contiguous()
+            and recurrent_state.is_contiguous()
+            and conv_state.shape[-1] == self.conv_kernel_size
+            and not getattr(cache.layers[self.layer_idx], "record_past", False)
+            and plain_module(self.forget_gate, Glm53FlashForgetGate)
+            and plain_module(self.o_norm, Glm53FlashRMSNormGated)
+        )
+
+    def _decode_step_numpy(self, hidden_states, conv_state, recurrent_state) -> torch.Tensor:
+        """:meth:`_decode_step` for fp32 CPU tensors without autograd: the projections are ``F.linear`` (as every
+        path), the rest -- conv window shift and conv, SiLU, l2 norms, forget gate, beta, the delta-rule update of
+        the cached state, gated RMSNorm -- runs in numpy on the tensors' memory (~35 numpy calls, each cheaper than
+        a torch op on a few hundred floats). The cache's conv state ``[B, C, W]`` and recurrent state
+        ``[B, H, K, V]`` are updated in place, as ``update_conv_state`` / ``update_recurrent_state`` would store
+        them. Same formulas; values agree with the torch paths to fp32 rounding (tests/test_generation.py).
+        """
+        B = hidden_states.shape[0]
+        H, K = self.num_heads, self.head_dim
+        lin, f32 = call_linear, _np.float32
+        x = hidden_states
+        mixed = _np.concatenate(
+            [lin(self.q_proj, x).numpy(), lin(self.k_proj, x).numpy(), lin(self.v_proj, x).numpy()], axis=-1
+        ).reshape(B, -1)  # [B, C]
+        window = conv_state.numpy()  # [B, C, W], the cache's memory
+        window[..., :-1] = window[..., 1:]
+        window[..., -1] = mixed
+        y = (window * self.conv1d.weight.detach().numpy()[:, 0, :]).sum(-1)  # [B, C]
+        y = y / (f32(1.0) + _np.exp(-y))  # SiLU
+        q, k, v = y.reshape(B, 3, H, K).transpose(1, 0, 2, 3)
+        eps = f32(_L2NORM_EPS)
+        q = q / _np.sqrt(_np.einsum("bhk,bhk->bh", q, q) + eps)[..., None] * f32(K**-0.5)
+        k = k / _np.sqrt(_np.einsum("bhk,bhk->bh", k, k) + eps)[..., None]
+        gate_f = self.forget_gate
+        f = lin(gate_f.f_b_proj, lin(gate_f.f_a_proj, x)).numpy().reshape(B, H, K) + gate_f.dt_bias.detach().numpy(
+        ).reshape(H, K)
+        rate = _np.exp(gate_f.A_log.detach().numpy())[:, None]  # [H, 1]
+        if gate_f.lower_bound is not None:
+            g = f32(gate_f.lower_bound) / (f32(1.0) + _np.exp(-(rate * f)))
+        else:
+            g = -rate * _np.where(f > 20.0, f, _np.log1p(_np.exp(_np.minimum(f, 20.0))))  # softplus, threshold 20
+        beta = lin(self.b_proj, x).numpy().reshape(B, H, 1)
+        beta = f32(1.0) / (f32(1.0) + _np.exp(-beta))
+        state = recurrent_state.numpy()  # [B, H, K, V], the cache's memory
+        state *= _np.exp(g)[..., None]
+        u = beta * (v - _np.matmul(k[:, :, None, :], state)[:, :, 0])  # [B, H, V]
+        state += k[..., None] * u[:, :, None, :]
+        o = _np.matmul(q[:, :, None, :], state)[:, :, 0]  # [B, H, V]
+        gate = lin(self.g_b_proj, lin(self.g_a_proj, x)).numpy().reshape(B, H, K)
+        norm = self.o_norm
+        o = o / _np.sqrt(_np.einsum("bhk,bhk->bh", o, o) / f32(K) + f32(norm.variance_epsilon))[..., None]
+        o = o * norm.weight.detach().numpy() / (f32(1.0) + _np.exp(-gate))
+        return lin(self.o_proj, torch.from_numpy(o.reshape(B, 1, H * K)))
 
     def _decode_step(self, hidden_states: torch.Tensor, cache, recurrent_state: torch.Tensor) -> torch.Tensor:
         """One cached decode token on the torch path: ``hidden_states [B, 1, D]`` -> ``[B, 1, D]``.

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
+from .decode_ops import SMALL_TOKENS
 from .dispatch import choose_backend, requested_backend
 
 try:  # optional: only the small-input Sinkhorn fast path uses it
@@ -85,7 +86,7 @@ def _sinkhorn_numpy_array(c, iters: int, eps: float):
 # release) the Sinkhorn rounds are unrolled over the 16 entries (~17 us for 20 rounds instead of ~100 us). Same
 # formula and op order as the torch path; the mixing weights are evaluated in float64, so they are closer to a
 # float64 evaluation than the fp32 torch path is (tests/test_mhc.py::test_hc_pre_small_numpy_path).
-_SMALL_HC_PRE_TOKENS = 8
+_SMALL_HC_PRE_TOKENS = SMALL_TOKENS
 
 
 def _hc_pre_numpy_ok(hidden_streams, fn, base, scale) -> bool:
@@ -158,19 +159,17 @@ def _sinkhorn_rows(c: list, iters: int, eps: float) -> list:
     return c
 
 
-def _hc_pre_numpy(hidden_streams, fn, base, scale, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """:func:`hc_pre` for a few fp32 tokens without autograd (see ``_SMALL_HC_PRE_TOKENS``).
-
-    numpy: ``mean(x^2)``, ``fn @ x`` and the collapse ``pre @ X`` in fp32; Python floats (float64): the mixing
-    weights ``pre``, ``post``, ``comb`` (sigmoids, softmax, Sinkhorn), rounded to fp32 once.
-    """
-    batch, seq, n, dim = hidden_streams.shape
+def hc_pre_arrays(x, fn, base: list, scale: list, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """The numpy core of the small ``hc_pre`` path, on arrays: ``x`` fp32 ``[T, N, D]`` streams, ``fn`` fp32 numpy
+    ``[(2+N)N, N*D]``, ``base`` / ``scale`` as Python lists -> ``(post [T, N], comb [T, N, N], collapsed [T, D])``
+    fp32 numpy arrays. Same formula as :func:`hc_pre` (see ``_SMALL_HC_PRE_TOKENS`` for the arithmetic)."""
+    tokens, n, dim = x.shape
     f32 = _np.float32
-    x = hidden_streams.detach().reshape(batch * seq, n * dim).numpy()  # [T, N*D], no copy if contiguous
-    mean_sq = _np.einsum("td,td->t", x, x) / f32(n * dim)
-    mixes = (x @ fn.detach().numpy().T) * (f32(1.0) / _np.sqrt(mean_sq + f32(norm_eps)))[:, None]  # [T, (2+N)N]
-    b = base.tolist()
-    s_pre, s_post, s_comb = scale.tolist()
+    flat = x.reshape(tokens, n * dim)
+    mean_sq = _np.einsum("td,td->t", flat, flat) / f32(n * dim)
+    mixes = (flat @ fn.T) * (f32(1.0) / _np.sqrt(mean_sq + f32(norm_eps)))[:, None]  # [T, (2+N)N]
+    s_pre, s_post, s_comb = scale
+    b = base
     pre_all, post_all, comb_all = [], [], []
     exp, sig = _math.exp, _sigmoid
     for m in mixes.tolist():
@@ -186,10 +185,34 @@ def _hc_pre_numpy(hidden_streams, fn, base, scale, *, sinkhorn_iters: int, hc_ep
             rows.append([v / total + hc_eps for v in e])
         comb_all.append(_sinkhorn_rows(rows, sinkhorn_iters, hc_eps))
     pre = _np.array(pre_all, dtype=f32)  # [T, N]
-    collapsed = _np.matmul(pre[:, None, :], x.reshape(-1, n, dim))  # [T, 1, D]
+    collapsed = _np.matmul(pre[:, None, :], x)[:, 0]  # [T, D]
+    return _np.array(post_all, dtype=f32), _np.array(comb_all, dtype=f32), collapsed
+
+
+def hc_post_arrays(y, residual, post, comb):
+    """The numpy core of the small ``hc_post`` path: ``y [T, D]``, ``residual [T, N, D]``, ``post [T, N]``,
+    ``comb [T, N, N]`` fp32 arrays -> ``[T, N, D]`` (``comb^T @ residual`` first, then ``+ post * y``, the
+    reference's order)."""
+    out = _np.matmul(comb.swapaxes(-1, -2), residual)
+    out += post[..., None] * y[..., None, :]
+    return out
+
+
+def _hc_pre_numpy(hidden_streams, fn, base, scale, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """:func:`hc_pre` for a few fp32 tokens without autograd (see ``_SMALL_HC_PRE_TOKENS``).
+
+    numpy: ``mean(x^2)``, ``fn @ x`` and the collapse ``pre @ X`` in fp32; Python floats (float64): the mixing
+    weights ``pre``, ``post``, ``comb`` (sigmoids, softmax, Sinkhorn), rounded to fp32 once.
+    """
+    batch, seq, n, dim = hidden_streams.shape
+    x = hidden_streams.detach().reshape(batch * seq, n, dim).numpy()  # no copy if contiguous
+    post, comb, collapsed = hc_pre_arrays(
+        x, fn.detach().numpy(), base.tolist(), scale.tolist(), sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+        norm_eps=norm_eps,
+    )
     return (
-        torch.tensor(post_all, dtype=torch.float32).view(batch, seq, n),
-        torch.tensor(comb_all, dtype=torch.float32).view(batch, seq, n, n),
+        torch.from_numpy(post).view(batch, seq, n),
+        torch.from_numpy(comb).view(batch, seq, n, n),
         torch.from_numpy(collapsed).view(batch, seq, dim),
     )
 
@@ -360,10 +383,9 @@ def hc_post(
 
         return hc_post_fused(y, residual, post, comb)
     if small or _hc_post_numpy_ok(y, residual, post, comb):
-        r = residual.detach().numpy()
-        out = _np.matmul(comb.detach().numpy().swapaxes(-1, -2), r)
-        out += post.detach().numpy()[..., None] * y.detach().numpy()[..., None, :]
-        return torch.from_numpy(out)
+        return torch.from_numpy(
+            hc_post_arrays(y.detach().numpy(), residual.detach().numpy(), post.detach().numpy(), comb.detach().numpy())
+        )
     dtype = residual.dtype
     out = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
     expanded = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2)

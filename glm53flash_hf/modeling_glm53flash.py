@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
@@ -37,12 +38,20 @@ from transformers.utils import logging
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
-from .decode_ops import call_linear
+from .decode_ops import SMALL_TOKENS, call_linear, plain_module
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
 from .kda import Glm53FlashLinearAttention, init_kda_weights
-from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
+from .mhc import (
+    Glm53FlashHyperConnection,
+    hc_expand,
+    hc_head,
+    hc_post,
+    hc_post_arrays,
+    hc_pre_arrays,
+    init_mhc_weights,
+)
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
 from .mtp import doc_roll, mtp_loss
 from .norm import Glm53FlashRMSNorm
@@ -97,6 +106,8 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         cache=None,
         cache_context=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._small_block_ok(hidden_states):
+            return self._forward_small(hidden_states, layout, prev_topk_indices, cache, cache_context)
         residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
         x = self.input_layernorm(x)
@@ -115,6 +126,69 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x = self.mlp(x)
         hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
         return hidden_states, topk_indices
+
+    def _small_block_ok(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :meth:`_forward_small` applies: a few fp32 CPU tokens (a decode step), grad mode off, not
+        compiling, the mHC sites and norms are this package's plain modules (no hooks) with fp32 parameters, and the
+        mHC backend is not ``"fused"`` (a CPU call of which warns, on the general path)."""
+        if not (
+            hidden_states.device.type == "cpu"
+            and hidden_states.dtype == torch.float32
+            and hidden_states.dim() == 4
+            and hidden_states.shape[0] * hidden_states.shape[1] <= _SMALL_BLOCK_TOKENS
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and self.hc_backend in ("auto", "torch")
+        ):
+            return False
+        for module, cls in (
+            (self.attn_hc, Glm53FlashHyperConnection),
+            (self.ffn_hc, Glm53FlashHyperConnection),
+            (self.input_layernorm, Glm53FlashRMSNorm),
+            (self.post_attention_layernorm, Glm53FlashRMSNorm),
+        ):
+            if not plain_module(module, cls) or any(p.dtype != torch.float32 for p in module._parameters.values()):
+                return False
+        return True
+
+    def _forward_small(self, hidden_states, layout, prev_topk_indices, cache, cache_context):
+        """:meth:`forward` for a few fp32 CPU tokens without autograd (a decode step): the two mHC sites and the two
+        RMSNorms run in numpy on the streams' memory, chained without torch round trips (``hc_pre`` → norm →
+        sub-block → ``hc_post``, twice); the token mixer and the MLP are called as modules. Same formulas as the
+        general path (:func:`.mhc.hc_pre_arrays`, :func:`.mhc.hc_post_arrays`, RMSNorm ``w * x / sqrt(mean(x^2) +
+        eps)``); values agree to fp32 rounding (tests/test_generation.py compares decode with the uncached forward).
+        """
+        batch, seq, n, dim = hidden_states.shape
+        f32 = np.float32
+        streams = hidden_states.reshape(batch * seq, n, dim).numpy()  # [T, N, D] (a copy only if not contiguous)
+
+        def site(hc, norm, streams):
+            post, comb, x = hc_pre_arrays(
+                streams, hc.fn.detach().numpy(), hc.base.tolist(), hc.scale.tolist(),
+                sinkhorn_iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, norm_eps=hc.norm_eps,
+            )
+            mean_sq = np.einsum("td,td->t", x, x) / f32(dim)
+            x = x * (f32(1.0) / np.sqrt(mean_sq + f32(norm.variance_epsilon)))[:, None]
+            x *= norm.weight.detach().numpy()
+            return post, comb, torch.from_numpy(x).view(batch, seq, dim)
+
+        post, comb, x = site(self.attn_hc, self.input_layernorm, streams)
+        topk_indices = None
+        if self.layer_type == "linear_attention":
+            x = self.self_attn(x, layout=layout, cache=cache)
+        else:
+            x, topk_indices = self.self_attn(
+                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
+            )
+        streams = hc_post_arrays(x.reshape(batch * seq, dim).numpy(), streams, post, comb)
+        post, comb, x = site(self.ffn_hc, self.post_attention_layernorm, streams)
+        x = self.mlp(x)
+        streams = hc_post_arrays(x.reshape(batch * seq, dim).numpy(), streams, post, comb)
+        return torch.from_numpy(streams).view(batch, seq, n, dim), topk_indices
+
+
+# A decoder layer's numpy block path (:meth:`Glm53FlashDecoderLayer._forward_small`) takes at most this many tokens.
+_SMALL_BLOCK_TOKENS = SMALL_TOKENS
 
 
 class Glm53FlashSharedHead(nn.Module):

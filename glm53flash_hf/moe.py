@@ -51,13 +51,14 @@ Note for a fused path: the torch ``grouped_mm`` backward rejects a stride-0 (exp
 
 from __future__ import annotations
 
+import numpy as _np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
-from .decode_ops import call_linear
+from .decode_ops import call_linear, numpy_ok, plain_module
 from .dispatch import choose_backend, requested_backend
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -469,6 +470,8 @@ class Glm53FlashMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, return_router_logits: bool = False):
+        if not return_router_logits and self._one_token_ok(hidden_states):
+            return self._forward_one_token(hidden_states)
         shape = hidden_states.shape
         router_logits, topk_weights, topk_indices = self.gate(hidden_states)
         routed = self.experts(hidden_states.reshape(-1, shape[-1]), topk_indices, topk_weights).view(shape)
@@ -476,6 +479,62 @@ class Glm53FlashMoE(nn.Module):
         if return_router_logits:
             return out, router_logits
         return out
+
+
+    def _one_token_ok(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :meth:`_forward_one_token` applies: one fp32 CPU token (a decode step of one sequence), grad
+        mode off, not compiling; the router and the shared expert are plain modules (no hooks: e.g. the
+        ``output_router_logits`` recorder is a hook), the router is not group-limited, and the experts run their
+        eager torch forward (no other ``_experts_implementation``, no expert parallelism, ``kernels['moe']`` not
+        ``"fused"``) on fp32 weights."""
+        experts, gate = self.experts, self.gate
+        return (
+            hidden_states.numel() == hidden_states.shape[-1]
+            and numpy_ok(hidden_states, gate.weight, experts.gate_up_proj, experts.down_proj)
+            and gate.num_group == 1
+            and plain_module(gate, Glm53FlashTopkRouter)
+            and plain_module(self.shared_experts, Glm53FlashMLP)
+            and plain_module(experts, Glm53FlashExperts)
+            and getattr(self.config, "_experts_implementation", None) in (None, "eager")
+            and not getattr(experts, "_is_expert_parallel", False)
+            and requested_backend(self.config, "moe") != "fused"
+        )
+
+    def _forward_one_token(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for one fp32 CPU token without autograd: the router's torch ops inline (same ops, so the
+        same expert choice), each chosen expert's two GEMVs as ``F.linear`` on its weight slices (ascending expert id,
+        the general path's order) and the shared expert's three, with the clamped SwiGLU, the routing weights and
+        the sums in numpy. Values agree with the general path to fp32 rounding (tests/test_moe.py)."""
+        gate, experts = self.gate, self.experts
+        x = hidden_states.reshape(1, hidden_states.shape[-1])
+        scores = F.linear(x, gate.weight).sigmoid()  # [1, E]; as the router: fp32 logits, sigmoid, biased choice
+        indices = torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, indices)
+        if gate.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = (weights * gate.routed_scaling_factor)[0].tolist()
+        ids = indices[0].tolist()
+        limit = experts.swiglu_limit
+        inter = experts.down_proj.shape[2]
+        f32 = _np.float32
+
+        def swiglu(gate_x, up_x):
+            if limit is not None:
+                gate_x, up_x = _np.minimum(gate_x, f32(limit)), _np.clip(up_x, f32(-limit), f32(limit))
+            return torch.from_numpy(gate_x / (f32(1.0) + _np.exp(-gate_x)) * up_x)
+
+        out = None
+        for j in sorted(range(len(ids)), key=ids.__getitem__):
+            e = ids[j]
+            gate_up = F.linear(x, experts.gate_up_proj[e]).numpy()  # [1, 2I]
+            row = F.linear(swiglu(gate_up[:, :inter], gate_up[:, inter:]), experts.down_proj[e]).numpy()
+            row *= f32(weights[j])
+            out = row if out is None else out + row
+        mlp = self.shared_experts
+        shared = call_linear(
+            mlp.down_proj, swiglu(call_linear(mlp.gate_proj, x).numpy(), call_linear(mlp.up_proj, x).numpy())
+        ).numpy()
+        return torch.from_numpy(out + shared).view(hidden_states.shape)
 
 
 def init_moe_weights(module: nn.Module, config) -> None:
