@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_ok
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module
 from .dispatch import choose_backend, requested_backend
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_document_layout
@@ -479,6 +479,55 @@ class Glm53FlashIndexer(nn.Module):
             tail_ok = tail_offsets < tail_count[..., None]
             out[..., self.index_topk :] = tail_ids.masked_fill(~tail_ok, -1).to(torch.int32)
 
+    def _select_small(self, hidden_states, q_resid, state, ctx, num_pools: int, select_pools: int):
+        """The selection of :meth:`forward_cached` (after the state update) for a few fp32 CPU queries without
+        autograd, in numpy, one query at a time over its own complete pools only.
+
+        Same result as the torch selection (:meth:`_select_pools` with ``lo = 0``, ``hi = (local_pos + 1) // kp``,
+        then :meth:`_append_tail` and the padding mask): query ``t`` scores the ``hi`` complete pools of its row
+        (``relu(q_h . K_p)`` weighted over heads), keeps ``take = min(select_pools, pools in its chunk)`` of them
+        -- all when ``hi <= take``, else the top ``take`` by a stable descending sort (ties to the lower pool) --
+        in ascending pool order, expands each to its ``kp`` token ids, and leaves ``-1`` elsewhere. Returns ``None``
+        (the caller runs the torch selection) when a score is NaN, whose ordering the torch rule defines.
+        """
+        batch, seq_len, _ = hidden_states.shape
+        kp, head_dim, n_heads = self.index_kpool, self.head_dim, self.n_heads
+        out = _np.full((batch, seq_len, self.output_width), -1, dtype=_np.int32)
+        first = ctx.first.tolist()
+        valid = ctx.valid.tolist()
+        local_pos = ctx.local_pos.tolist()
+        positions = ctx.positions.tolist()
+        if select_pools > 0:
+            keys = state.numpy()[:, :num_pools, :head_dim]  # [B, P, Dk] cached pool keys
+            q = numpy_linear(self.wq_b, q_resid.reshape(batch * seq_len, -1).numpy())
+            q = q.reshape(batch, seq_len, n_heads, head_dim)
+            weights = numpy_linear(self.weights_proj, hidden_states.reshape(batch * seq_len, -1).numpy())
+            weights = weights.reshape(batch, seq_len, n_heads) * _np.float32(n_heads**-0.5 * self.softmax_scale)
+            chunk = max(1, int(self.max_score_elements) // max(1, batch * n_heads * num_pools))  # as _select_pools
+            offsets = _np.arange(kp)
+            for b in range(batch):
+                for t in range(seq_len):
+                    hi = max(local_pos[b][t] + 1, 0) // kp
+                    if not valid[b][t] or hi == 0:
+                        continue
+                    end = min(seq_len, (t // chunk + 1) * chunk)
+                    take = min(select_pools, min(num_pools, (ctx.past + end) // kp))
+                    scores = weights[b, t] @ _np.maximum(q[b, t] @ keys[b, :hi].T, 0)  # [hi]
+                    if _np.isnan(scores).any():
+                        return None
+                    chosen = _np.arange(hi) if hi <= take else _np.sort(_np.argsort(-scores, kind="stable")[:take])
+                    ids = (first[b] + kp * chosen)[:, None] + offsets
+                    out[b, t, : ids.size] = ids.reshape(-1)
+        if self.index_kpool_always_select_tail and kp > 1:
+            for b in range(batch):
+                for t in range(seq_len):
+                    count = (local_pos[b][t] + 1) % kp
+                    if valid[b][t] and count > 0:
+                        out[b, t, self.index_topk : self.index_topk + count] = _np.arange(
+                            positions[t] - count + 1, positions[t] + 1
+                        )
+        return torch.from_numpy(out)
+
     @torch.no_grad()
     def forward_cached(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cache, ctx) -> torch.Tensor:
         """Select token ids for ``S`` new queries, continuing from (and updating) the layer's indexer state.
@@ -534,9 +583,13 @@ class Glm53FlashIndexer(nn.Module):
             where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
             key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
 
-        out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
         num_pools = total // kp  # upper bound on complete pools of any row
         select_pools = min(self.index_topk // kp, num_pools)
+        if batch * seq_len <= SMALL_TOKENS and numpy_ok(hidden_states, q_resid, state):
+            out = self._select_small(hidden_states, q_resid, state, ctx, num_pools, select_pools)
+            if out is not None:
+                return out
+        out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
         if select_pools > 0:
             pool_keys_t = key_cols[:, :num_pools].transpose(1, 2)  # [B, Dk, P] view of the cached pool keys
             pool_end = first[:, None] + kp * torch.arange(num_pools, device=device) + (kp - 1)  # [B, P]
@@ -693,6 +746,8 @@ class Glm53FlashAttention(nn.Module):
         batch, seq_len, _ = hidden_states.shape
         if cache is None:
             layout = _check_layout(layout, batch, seq_len, hidden_states.device)
+        elif self._small_ok(hidden_states, prev_topk_indices):
+            return self._forward_small(hidden_states, prev_topk_indices, cache, cache_context)
 
         lin = call_linear  # F.linear without nn.Module.__call__ for plain nn.Linear layers (.decode_ops)
         q_resid = self.q_a_layernorm(lin(self.q_a_proj, hidden_states))
@@ -731,6 +786,58 @@ class Glm53FlashAttention(nn.Module):
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         attn = lin(self.o_proj, attn)
         return attn, (topk_indices if self.next_skip_topk else None)
+
+
+    def _small_ok(self, hidden_states: torch.Tensor, prev_topk_indices) -> bool:
+        """Whether :meth:`_forward_small` applies (cached calls only): at most ``SMALL_TOKENS`` fp32 CPU tokens, grad
+        mode off, plain fp32 RMSNorms, a plain ``kv_b_proj`` and ``kernels['dsa']`` not ``"fused"``."""
+        return (
+            hidden_states.shape[0] * hidden_states.shape[1] <= SMALL_TOKENS
+            and self.backend != "fused"
+            and numpy_ok(hidden_states, self.q_a_layernorm.weight, self.kv_a_layernorm.weight)
+            and plain_module(self.q_a_layernorm, Glm53FlashRMSNorm)
+            and plain_module(self.kv_a_layernorm, Glm53FlashRMSNorm)
+            and plain_module(self.kv_b_proj, nn.Linear)
+            and self.kv_b_proj.weight.dtype == torch.float32
+            and (self.indexer is not None or prev_topk_indices is not None)
+        )
+
+    def _forward_small(self, hidden_states, prev_topk_indices, cache, ctx):
+        """The cached :meth:`forward` for a few fp32 CPU tokens without autograd (a decode step): projections as
+        ``F.linear``, the two RMSNorms, the absorbed query ``q W_kc``, the sparse attention over the selected cached
+        latents (:func:`_sparse_mla_numpy`) and ``W_vc`` in numpy; the cache and the indexer as in the general path.
+        Same formulas; values agree to fp32 rounding (tests/test_generation.py)."""
+        batch, seq_len, _ = hidden_states.shape
+        tokens, heads, nope, rank = batch * seq_len, self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        lin, f32 = numpy_linear, _np.float32
+
+        def rms(x, norm):
+            mean_sq = _np.einsum("...d,...d->...", x, x)[..., None] / f32(x.shape[-1])
+            return x * (f32(1.0) / _np.sqrt(mean_sq + f32(norm.variance_epsilon))) * norm.weight.detach().numpy()
+
+        x = hidden_states.reshape(tokens, -1).numpy()
+        q_resid = rms(lin(self.q_a_proj, x), self.q_a_layernorm)  # [T, q_lora_rank]
+        q_nope = lin(self.q_b_proj, q_resid).reshape(tokens, heads, 1, nope)
+        q_resid = torch.from_numpy(q_resid).view(batch, seq_len, -1)
+        latent = rms(lin(self.kv_a_proj_with_mqa, x), self.kv_a_layernorm).reshape(batch, seq_len, rank)
+        kv_b = self.kv_b_proj.weight.detach().numpy().reshape(heads, nope + self.v_head_dim, rank)
+        q_abs = _np.matmul(q_nope, kv_b[:, :nope])  # [T, H, 1, Dl]
+        latent = torch.from_numpy(latent)
+        keys, _ = cache.update(latent.unsqueeze(1), latent.new_zeros(batch, 1, seq_len, 0), self.layer_idx)
+        if self.indexer is not None:
+            topk_indices = self.indexer.forward_cached(hidden_states, q_resid, cache, ctx)
+        else:
+            if prev_topk_indices.dim() != 3 or prev_topk_indices.shape[:2] != (batch, seq_len):
+                raise ValueError(
+                    f"prev_topk_indices must be [B={batch}, S={seq_len}, W]; got {tuple(prev_topk_indices.shape)}"
+                )
+            topk_indices = prev_topk_indices
+        out_lat, _ = _sparse_mla_numpy(
+            torch.from_numpy(q_abs).view(batch, seq_len, heads, rank), keys[:, 0], topk_indices, self.scaling
+        )
+        attn = _np.matmul(out_lat.numpy().reshape(tokens, heads, 1, rank), kv_b[:, nope:].transpose(0, 2, 1))
+        attn = lin(self.o_proj, attn.reshape(tokens, heads * self.v_head_dim))
+        return torch.from_numpy(attn).view(batch, seq_len, -1), (topk_indices if self.next_skip_topk else None)
 
 
 def init_dsa_weights(module: nn.Module, config) -> None:

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from transformers import initialization as init
 
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_ok, plain_module, small_rms_norm
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module, small_rms_norm
 from .dispatch import choose_backend, requested_backend
 from .packing import DocumentLayout
 
@@ -970,6 +970,7 @@ class Glm53FlashLinearAttention(nn.Module):
         )
         fused_step = (
             no_grad
+            and not (hidden_states.is_cpu and self.backend != "fused")  # "auto" never picks a kernel for CPU tensors
             and choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
         )
         if no_grad and not fused_step:
@@ -1042,49 +1043,46 @@ class Glm53FlashLinearAttention(nn.Module):
         )
 
     def _decode_step_numpy(self, hidden_states, conv_state, recurrent_state) -> torch.Tensor:
-        """:meth:`_decode_step` for fp32 CPU tensors without autograd: the projections are ``F.linear`` (as every
-        path), the rest -- conv window shift and conv, SiLU, l2 norms, forget gate, beta, the delta-rule update of
-        the cached state, gated RMSNorm -- runs in numpy on the tensors' memory (~35 numpy calls, each cheaper than
-        a torch op on a few hundred floats). The cache's conv state ``[B, C, W]`` and recurrent state
-        ``[B, H, K, V]`` are updated in place, as ``update_conv_state`` / ``update_recurrent_state`` would store
-        them. Same formulas; values agree with the torch paths to fp32 rounding (tests/test_generation.py).
+        """:meth:`_decode_step` for fp32 CPU tensors without autograd, in numpy on the tensors' memory: the
+        projections (:func:`.decode_ops.numpy_linear`), the conv window shift and conv, SiLU, l2 norms, forget gate,
+        beta, the delta-rule update of the cached state and the gated RMSNorm (~40 numpy calls, each cheaper than a
+        torch op on a few hundred floats). The cache's conv state ``[B, C, W]`` and recurrent state ``[B, H, K, V]``
+        are updated in place, as ``update_conv_state`` / ``update_recurrent_state`` would store them. Same
+        formulas; values agree with the torch paths to fp32 rounding (tests/test_generation.py).
         """
         B = hidden_states.shape[0]
         H, K = self.num_heads, self.head_dim
-        lin, f32 = call_linear, _np.float32
-        x = hidden_states
-        mixed = _np.concatenate(
-            [lin(self.q_proj, x).numpy(), lin(self.k_proj, x).numpy(), lin(self.v_proj, x).numpy()], axis=-1
-        ).reshape(B, -1)  # [B, C]
+        lin, f32 = numpy_linear, _np.float32
+        x = hidden_states.reshape(B, -1).numpy()  # [B, D]
         window = conv_state.numpy()  # [B, C, W], the cache's memory
         window[..., :-1] = window[..., 1:]
-        window[..., -1] = mixed
-        y = (window * self.conv1d.weight.detach().numpy()[:, 0, :]).sum(-1)  # [B, C]
+        window[..., -1] = _np.concatenate([lin(self.q_proj, x), lin(self.k_proj, x), lin(self.v_proj, x)], axis=-1)
+        y = _np.einsum("bcw,cw->bc", window, self.conv1d.weight.detach().numpy()[:, 0, :])  # [B, C]
         y = y / (f32(1.0) + _np.exp(-y))  # SiLU
         q, k, v = y.reshape(B, 3, H, K).transpose(1, 0, 2, 3)
         eps = f32(_L2NORM_EPS)
-        q = q / _np.sqrt(_np.einsum("bhk,bhk->bh", q, q) + eps)[..., None] * f32(K**-0.5)
-        k = k / _np.sqrt(_np.einsum("bhk,bhk->bh", k, k) + eps)[..., None]
+        q = q / _np.sqrt((q * q).sum(-1, keepdims=True) + eps) * f32(K**-0.5)
+        k = k / _np.sqrt((k * k).sum(-1, keepdims=True) + eps)
         gate_f = self.forget_gate
-        f = lin(gate_f.f_b_proj, lin(gate_f.f_a_proj, x)).numpy().reshape(B, H, K) + gate_f.dt_bias.detach().numpy(
-        ).reshape(H, K)
+        f = lin(gate_f.f_b_proj, lin(gate_f.f_a_proj, x)).reshape(B, H, K) + gate_f.dt_bias.detach().numpy().reshape(
+            H, K
+        )
         rate = _np.exp(gate_f.A_log.detach().numpy())[:, None]  # [H, 1]
         if gate_f.lower_bound is not None:
             g = f32(gate_f.lower_bound) / (f32(1.0) + _np.exp(-(rate * f)))
         else:
             g = -rate * _np.where(f > 20.0, f, _np.log1p(_np.exp(_np.minimum(f, 20.0))))  # softplus, threshold 20
-        beta = lin(self.b_proj, x).numpy().reshape(B, H, 1)
-        beta = f32(1.0) / (f32(1.0) + _np.exp(-beta))
+        beta = f32(1.0) / (f32(1.0) + _np.exp(-lin(self.b_proj, x).reshape(B, H, 1)))
         state = recurrent_state.numpy()  # [B, H, K, V], the cache's memory
         state *= _np.exp(g)[..., None]
         u = beta * (v - _np.matmul(k[:, :, None, :], state)[:, :, 0])  # [B, H, V]
         state += k[..., None] * u[:, :, None, :]
         o = _np.matmul(q[:, :, None, :], state)[:, :, 0]  # [B, H, V]
-        gate = lin(self.g_b_proj, lin(self.g_a_proj, x)).numpy().reshape(B, H, K)
+        gate = lin(self.g_b_proj, lin(self.g_a_proj, x)).reshape(B, H, K)
         norm = self.o_norm
-        o = o / _np.sqrt(_np.einsum("bhk,bhk->bh", o, o) / f32(K) + f32(norm.variance_epsilon))[..., None]
+        o = o / _np.sqrt((o * o).sum(-1, keepdims=True) / f32(K) + f32(norm.variance_epsilon))
         o = o * norm.weight.detach().numpy() / (f32(1.0) + _np.exp(-gate))
-        return lin(self.o_proj, torch.from_numpy(o.reshape(B, 1, H * K)))
+        return torch.from_numpy(lin(self.o_proj, o.reshape(B, H * K))).view(B, 1, -1)
 
     def _decode_step(self, hidden_states: torch.Tensor, cache, recurrent_state: torch.Tensor) -> torch.Tensor:
         """One cached decode token on the torch path: ``hidden_states [B, 1, D]`` -> ``[B, 1, D]``.

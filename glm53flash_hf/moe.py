@@ -58,7 +58,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
-from .decode_ops import call_linear, numpy_ok, plain_module
+from .decode_ops import call_linear, numpy_linear, numpy_ok, plain_module
 from .dispatch import choose_backend, requested_backend
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -501,13 +501,14 @@ class Glm53FlashMoE(nn.Module):
         )
 
     def _forward_one_token(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for one fp32 CPU token without autograd: the router's torch ops inline (same ops, so the
-        same expert choice), each chosen expert's two GEMVs as ``F.linear`` on its weight slices (ascending expert id,
-        the general path's order) and the shared expert's three, with the clamped SwiGLU, the routing weights and
-        the sums in numpy. Values agree with the general path to fp32 rounding (tests/test_moe.py)."""
+        """:meth:`forward` for one fp32 CPU token without autograd, in numpy: the router's GEMV, then its torch ops
+        on the scores (sigmoid, biased choice, ``topk(sorted=False)``, gather, normalisation: the general router's
+        ops), each chosen expert's two GEMVs on its weight slices in ascending expert id (the general path's order),
+        the shared expert (:func:`.decode_ops.numpy_linear`), the clamped SwiGLU, the routing weights and the sums.
+        Values agree with the general path to fp32 rounding (tests/test_moe.py)."""
         gate, experts = self.gate, self.experts
-        x = hidden_states.reshape(1, hidden_states.shape[-1])
-        scores = F.linear(x, gate.weight).sigmoid()  # [1, E]; as the router: fp32 logits, sigmoid, biased choice
+        x = hidden_states.reshape(1, hidden_states.shape[-1]).numpy()
+        scores = torch.from_numpy(x @ gate.weight.detach().numpy().T).sigmoid()  # [1, E]
         indices = torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, indices)
         if gate.norm_topk_prob:
@@ -516,24 +517,23 @@ class Glm53FlashMoE(nn.Module):
         ids = indices[0].tolist()
         limit = experts.swiglu_limit
         inter = experts.down_proj.shape[2]
+        gate_up_w, down_w = experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy()
         f32 = _np.float32
 
         def swiglu(gate_x, up_x):
             if limit is not None:
                 gate_x, up_x = _np.minimum(gate_x, f32(limit)), _np.clip(up_x, f32(-limit), f32(limit))
-            return torch.from_numpy(gate_x / (f32(1.0) + _np.exp(-gate_x)) * up_x)
+            return gate_x / (f32(1.0) + _np.exp(-gate_x)) * up_x
 
         out = None
         for j in sorted(range(len(ids)), key=ids.__getitem__):
             e = ids[j]
-            gate_up = F.linear(x, experts.gate_up_proj[e]).numpy()  # [1, 2I]
-            row = F.linear(swiglu(gate_up[:, :inter], gate_up[:, inter:]), experts.down_proj[e]).numpy()
+            gate_up = x @ gate_up_w[e].T  # [1, 2I]
+            row = swiglu(gate_up[:, :inter], gate_up[:, inter:]) @ down_w[e].T
             row *= f32(weights[j])
             out = row if out is None else out + row
         mlp = self.shared_experts
-        shared = call_linear(
-            mlp.down_proj, swiglu(call_linear(mlp.gate_proj, x).numpy(), call_linear(mlp.up_proj, x).numpy())
-        ).numpy()
+        shared = numpy_linear(mlp.down_proj, swiglu(numpy_linear(mlp.gate_proj, x), numpy_linear(mlp.up_proj, x)))
         return torch.from_numpy(out + shared).view(hidden_states.shape)
 
 
