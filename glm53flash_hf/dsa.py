@@ -565,14 +565,17 @@ class Glm53FlashIndexer(nn.Module):
         cap = state.shape[1]
 
         # ---- pools completed by this call: ids [n_before, n_after) of each row; build and store their keys -------
-        n_before = (past - first).clamp_min(0) // kp  # [B]
-        n_after = (total - first).clamp_min(0) // kp
         # Most decode steps complete no pool; on CPU, reading that costs nothing and skips the pool build below.
         # (On CUDA the build always runs: reading the flag would synchronise the device.)
-        completes = device.type != "cpu" or bool((n_after > n_before).any())
+        if first.is_cpu:
+            completes = any(max(total - f, 0) // kp > max(past - f, 0) // kp for f in first.tolist())
+        else:
+            completes = True
         cand = -(-seq_len // kp)  # a call of S tokens completes at most ceil(S / kp) pools per row
         key_cols = state[..., :head_dim]
         if completes:
+            n_before = (past - first).clamp_min(0) // kp  # [B]
+            n_after = (total - first).clamp_min(0) // kp
             pool_j = n_before[:, None] + torch.arange(cand, device=device)  # [B, cand] (distinct, < total <= cap)
             new = pool_j < n_after[:, None]
             slots = (first[:, None, None] + kp * pool_j[..., None] + torch.arange(kp, device=device)).clamp(0, cap - 1)

@@ -38,7 +38,7 @@ from transformers.utils import logging
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
-from .decode_ops import SMALL_TOKENS, call_linear, plain_module
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
@@ -418,8 +418,18 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             for hook in hooks:
                 hook.remove()
         router_logits = tuple(router_logits) if output_router_logits else None
-        h_pre = hc_head(hidden_states)
-        hidden_states = self.norm(h_pre)
+        b, s, n, d = hidden_states.shape
+        if not mtp_depth and b * s <= SMALL_TOKENS and plain_module(self.norm, Glm53FlashRMSNorm) and numpy_ok(
+            hidden_states, self.norm.weight
+        ):
+            # decode step: mean head and final RMSNorm in numpy (same formulas, fp32 rounding)
+            h_pre = hidden_states.reshape(b * s, n, d).numpy().mean(axis=1)
+            mean_sq = np.einsum("td,td->t", h_pre, h_pre)[:, None] / np.float32(d)
+            h_pre = h_pre * (np.float32(1.0) / np.sqrt(mean_sq + np.float32(self.norm.variance_epsilon)))
+            hidden_states = torch.from_numpy(h_pre * self.norm.weight.detach().numpy()).view(b, s, d)
+        else:
+            h_pre = hc_head(hidden_states)
+            hidden_states = self.norm(h_pre)
         if not mtp_depth:
             return Glm53FlashTextModelOutput(
                 last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
@@ -518,7 +528,12 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "G
         hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
     else:
         hidden_states = hidden_states[:, logits_to_keep, :]
-    logits = call_linear(head_model.lm_head, hidden_states)  # no Module.__call__ overhead (.decode_ops)
+    b, s, d = hidden_states.shape
+    if labels is None and b * s <= SMALL_TOKENS and numpy_ok(hidden_states):  # a decode step: numpy GEMV
+        logits = torch.from_numpy(numpy_linear(head_model.lm_head, hidden_states.reshape(b * s, d).numpy()))
+        logits = logits.view(b, s, -1)
+    else:
+        logits = call_linear(head_model.lm_head, hidden_states)  # no Module.__call__ overhead (.decode_ops)
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}

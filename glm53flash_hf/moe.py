@@ -58,7 +58,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
-from .decode_ops import call_linear, numpy_linear, numpy_ok, plain_module
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module
 from .dispatch import choose_backend, requested_backend
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -77,6 +77,15 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
+
+
+def swiglu_numpy(gate, up, limit: float | None):
+    """:func:`clamped_swiglu` on fp32 numpy arrays (the decode-sized paths): ``silu(min(gate, limit)) *
+    clip(up, -limit, limit)`` with ``silu(g) = g / (1 + exp(-g))``."""
+    f32 = _np.float32
+    if limit is not None:
+        gate, up = _np.minimum(gate, f32(limit)), _np.clip(up, f32(-limit), f32(limit))
+    return gate / (f32(1.0) + _np.exp(-gate)) * up
 
 
 class Glm53FlashMLP(nn.Module):
@@ -110,8 +119,18 @@ class Glm53FlashMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= SMALL_TOKENS * x.shape[-1] and numpy_ok(x):  # a decode step: numpy GEMVs and SwiGLU
+            return torch.from_numpy(self._forward_numpy(x.reshape(-1, x.shape[-1]).numpy())).view(*x.shape[:-1], -1)
         lin = call_linear  # F.linear without nn.Module.__call__ for plain nn.Linear layers (.decode_ops)
         return lin(self.down_proj, clamped_swiglu(lin(self.gate_proj, x), lin(self.up_proj, x), self.swiglu_limit))
+
+    def _forward_numpy(self, x):
+        """The MLP on a few fp32 rows ``x [T, H]`` (numpy, grad mode off): :func:`.decode_ops.numpy_linear` GEMVs
+        and the clamped SwiGLU in numpy. Same formula; fp32 rounding may differ from the torch path."""
+        return numpy_linear(
+            self.down_proj,
+            swiglu_numpy(numpy_linear(self.gate_proj, x), numpy_linear(self.up_proj, x), self.swiglu_limit),
+        )
 
 
 class Glm53FlashTopkRouter(nn.Module):
@@ -518,23 +537,14 @@ class Glm53FlashMoE(nn.Module):
         limit = experts.swiglu_limit
         inter = experts.down_proj.shape[2]
         gate_up_w, down_w = experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy()
-        f32 = _np.float32
-
-        def swiglu(gate_x, up_x):
-            if limit is not None:
-                gate_x, up_x = _np.minimum(gate_x, f32(limit)), _np.clip(up_x, f32(-limit), f32(limit))
-            return gate_x / (f32(1.0) + _np.exp(-gate_x)) * up_x
-
         out = None
         for j in sorted(range(len(ids)), key=ids.__getitem__):
             e = ids[j]
             gate_up = x @ gate_up_w[e].T  # [1, 2I]
-            row = swiglu(gate_up[:, :inter], gate_up[:, inter:]) @ down_w[e].T
-            row *= f32(weights[j])
+            row = swiglu_numpy(gate_up[:, :inter], gate_up[:, inter:], limit) @ down_w[e].T
+            row *= _np.float32(weights[j])
             out = row if out is None else out + row
-        mlp = self.shared_experts
-        shared = numpy_linear(mlp.down_proj, swiglu(numpy_linear(mlp.gate_proj, x), numpy_linear(mlp.up_proj, x)))
-        return torch.from_numpy(out + shared).view(hidden_states.shape)
+        return torch.from_numpy(out + self.shared_experts._forward_numpy(x)).view(hidden_states.shape)
 
 
 def init_moe_weights(module: nn.Module, config) -> None:
