@@ -32,6 +32,7 @@ __all__ = [
     "SMALL_NUMEL",
     "SMALL_TOKENS",
     "call_linear",
+    "matvec_rows",
     "numpy_linear",
     "numpy_ok",
     "plain_module",
@@ -94,6 +95,14 @@ def call_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def matvec_rows(weight, x):
+    """``x @ weight.T`` for numpy ``x [T, in]`` and ``weight [out, in]``; one row runs as a matrix-vector product
+    (BLAS ``gemv``: ~10% faster than a one-row ``gemm`` when the weight streams from memory)."""
+    if x.shape[0] == 1:
+        return (weight @ x[0])[None]
+    return x @ weight.T
+
+
 def numpy_linear(module: nn.Module, x):
     """A linear layer on a numpy fp32 array ``x [..., in]`` inside a decode-sized path (see :data:`SMALL_TOKENS`):
     a plain fp32 ``nn.Linear`` is one numpy ``x @ W.T (+ b)`` on the weight's memory (BLAS; about half of
@@ -106,7 +115,7 @@ def numpy_linear(module: nn.Module, x):
     if plain_module(module, nn.Linear):
         weight, bias = module.weight, module.bias
         if weight.dtype == torch.float32 and weight.is_cpu and (bias is None or bias.dtype == torch.float32):
-            out = x @ weight.detach().numpy().T
+            out = matvec_rows(weight.detach().numpy(), x)
             if bias is not None:
                 out += bias.detach().numpy()
             return out

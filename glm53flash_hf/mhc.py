@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .decode_ops import SMALL_TOKENS
+from .decode_ops import SMALL_TOKENS, matvec_rows
 from .dispatch import choose_backend, requested_backend
 
 try:  # optional: only the small-input Sinkhorn fast path uses it
@@ -167,7 +167,7 @@ def hc_pre_arrays(x, fn, base: list, scale: list, *, sinkhorn_iters: int, hc_eps
     f32 = _np.float32
     flat = x.reshape(tokens, n * dim)
     mean_sq = _np.einsum("td,td->t", flat, flat) / f32(n * dim)
-    mixes = (flat @ fn.T) * (f32(1.0) / _np.sqrt(mean_sq + f32(norm_eps)))[:, None]  # [T, (2+N)N]
+    mixes = matvec_rows(fn, flat) * (f32(1.0) / _np.sqrt(mean_sq + f32(norm_eps)))[:, None]  # [T, (2+N)N]
     s_pre, s_post, s_comb = scale
     b = base
     pre_all, post_all, comb_all = [], [], []

@@ -141,14 +141,14 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
             and self.hc_backend in ("auto", "torch")
         ):
             return False
-        for module, cls in (
-            (self.attn_hc, Glm53FlashHyperConnection),
-            (self.ffn_hc, Glm53FlashHyperConnection),
-            (self.input_layernorm, Glm53FlashRMSNorm),
-            (self.post_attention_layernorm, Glm53FlashRMSNorm),
-        ):
-            if not plain_module(module, cls) or any(p.dtype != torch.float32 for p in module._parameters.values()):
+        modules = self._modules  # direct dict reads: this runs once per layer and token
+        for name, cls in _SMALL_BLOCK_MODULES:
+            module = modules[name]
+            if not plain_module(module, cls):
                 return False
+            for param in module._parameters.values():
+                if param.dtype != torch.float32:
+                    return False
         return True
 
     def _forward_small(self, hidden_states, layout, prev_topk_indices, cache, cache_context):
@@ -187,8 +187,15 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         return torch.from_numpy(streams).view(batch, seq, n, dim), topk_indices
 
 
-# A decoder layer's numpy block path (:meth:`Glm53FlashDecoderLayer._forward_small`) takes at most this many tokens.
+# A decoder layer's numpy block path (:meth:`Glm53FlashDecoderLayer._forward_small`) takes at most this many tokens,
+# and needs these submodules to be exactly these classes, without hooks.
 _SMALL_BLOCK_TOKENS = SMALL_TOKENS
+_SMALL_BLOCK_MODULES = (
+    ("attn_hc", Glm53FlashHyperConnection),
+    ("ffn_hc", Glm53FlashHyperConnection),
+    ("input_layernorm", Glm53FlashRMSNorm),
+    ("post_attention_layernorm", Glm53FlashRMSNorm),
+)
 
 
 class Glm53FlashSharedHead(nn.Module):

@@ -58,7 +58,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module
+from .decode_ops import SMALL_TOKENS, call_linear, matvec_rows, numpy_linear, numpy_ok, plain_module
 from .dispatch import choose_backend, requested_backend
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -527,7 +527,7 @@ class Glm53FlashMoE(nn.Module):
         Values agree with the general path to fp32 rounding (tests/test_moe.py)."""
         gate, experts = self.gate, self.experts
         x = hidden_states.reshape(1, hidden_states.shape[-1]).numpy()
-        scores = torch.from_numpy(x @ gate.weight.detach().numpy().T).sigmoid()  # [1, E]
+        scores = torch.from_numpy(matvec_rows(gate.weight.detach().numpy(), x)).sigmoid()  # [1, E]
         indices = torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, indices)
         if gate.norm_topk_prob:
@@ -540,8 +540,8 @@ class Glm53FlashMoE(nn.Module):
         out = None
         for j in sorted(range(len(ids)), key=ids.__getitem__):
             e = ids[j]
-            gate_up = x @ gate_up_w[e].T  # [1, 2I]
-            row = swiglu_numpy(gate_up[:, :inter], gate_up[:, inter:], limit) @ down_w[e].T
+            gate_up = matvec_rows(gate_up_w[e], x)  # [1, 2I]
+            row = matvec_rows(down_w[e], swiglu_numpy(gate_up[:, :inter], gate_up[:, inter:], limit))
             row *= _np.float32(weights[j])
             out = row if out is None else out + row
         return torch.from_numpy(out + self.shared_experts._forward_numpy(x)).view(hidden_states.shape)

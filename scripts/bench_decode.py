@@ -13,6 +13,10 @@ Reported: prefill seconds, decode tokens/s, cache bytes per generated token (gro
 holds, divided by the new tokens), peak resident memory growth during decode (``ru_maxrss``, so only a lower
 bound when the prefill peak is higher), and whether the two implementations pick the same tokens.
 
+Each implementation runs ``--repeats`` times (default 3), interleaved (transformers, ours, transformers, ours, ...),
+each time in a fresh process; the table shows the median run of each (by decode tokens/s) and the line under it
+every run, because a shared 2-core machine's speed drifts by tens of percent within a minute.
+
 Usage::
 
     python scripts/bench_decode.py                   # prompt 2048, 64 new tokens
@@ -109,6 +113,7 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="generated tokens")
     parser.add_argument("--impls", nargs="+", default=["hf", "ours"], choices=["hf", "ours"])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per implementation (median reported)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -117,27 +122,34 @@ def main() -> int:
         print(json.dumps(worker(impl, folder, args.prompt, args.new)))
         return 0
 
-    results = {}
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1; got {args.repeats}")
+    runs: dict[str, list[dict]] = {impl: [] for impl in args.impls}
     with tempfile.TemporaryDirectory() as folder:
         make_weights(folder)
-        for impl in args.impls:
-            cmd = [sys.executable, __file__, "--prompt", str(args.prompt), "--new", str(args.new), "--worker", impl, folder]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(f"{impl} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                continue
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
-            results[impl] = res
-            print(
-                f"  {impl:4s}: prefill {res['prefill_s']:.2f} s, decode {res['tok_per_s']:.1f} tok/s, "
-                f"cache +{res['cache_bytes_per_token']:.0f} B/token, decode peak +{res['decode_peak_growth_mib']:.0f} MiB",
-                flush=True,
-            )
+        for _ in range(args.repeats):
+            for impl in args.impls:
+                cmd = [sys.executable, __file__, "--prompt", str(args.prompt), "--new", str(args.new), "--worker",
+                       impl, folder]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(f"{impl} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                    continue
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                runs[impl].append(res)
+                print(
+                    f"  {impl:4s}: prefill {res['prefill_s']:.2f} s, decode {res['tok_per_s']:.1f} tok/s, cache "
+                    f"+{res['cache_bytes_per_token']:.0f} B/token, decode peak +{res['decode_peak_growth_mib']:.0f} MiB",
+                    flush=True,
+                )
 
+    # the median run of each implementation (by decode speed)
+    results = {impl: sorted(rs, key=lambda r: r["tok_per_s"])[(len(rs) - 1) // 2] for impl, rs in runs.items() if rs}
     hf, ours = results.get("hf"), results.get("ours")
     if hf and ours:
         same = sum(a == b for a, b in zip(hf["tokens"], ours["tokens"]))
-        print(f"\nprompt {args.prompt}, {args.new} new tokens, fp32, {os.environ.get('BENCH_THREADS', '2')} threads")
+        print(f"\nprompt {args.prompt}, {args.new} new tokens, fp32, {os.environ.get('BENCH_THREADS', '2')} threads, "
+              f"median of {len(runs['hf'])} / {len(runs['ours'])} runs")
         print("| | transformers | ours | ratio |")
         print("|---|---|---|---|")
         print(f"| prefill (s) | {hf['prefill_s']:.2f} | {ours['prefill_s']:.2f} | {hf['prefill_s'] / ours['prefill_s']:.1f}x |")
@@ -148,10 +160,12 @@ def main() -> int:
         print(f"| cache after the prompt (MiB) | {hf['cache_bytes_prompt'] / 2**20:.2f} | "
               f"{ours['cache_bytes_prompt'] / 2**20:.2f} | {ours['cache_bytes_prompt'] / hf['cache_bytes_prompt']:.2f} |")
         print(f"| decode peak RSS growth (MiB) | {hf['decode_peak_growth_mib']:.0f} | {ours['decode_peak_growth_mib']:.0f} | |")
-        print(f"\nsame greedy tokens: {same}/{args.new}")
+        print("\nall runs, decode tokens/s: transformers " + ", ".join(f"{r['tok_per_s']:.1f}" for r in runs["hf"])
+              + "; ours " + ", ".join(f"{r['tok_per_s']:.1f}" for r in runs["ours"]))
+        print(f"same greedy tokens: {same}/{args.new}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(list(results.values()), f, indent=1)
+            json.dump({impl: rs for impl, rs in runs.items()}, f, indent=1)
     return 0
 
 

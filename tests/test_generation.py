@@ -331,3 +331,50 @@ def test_cache_rejects_packed_documents_and_bad_masks(models):
     # use_cache=False keeps the packed path
     out = lm(input_ids=ids, use_cache=False, cu_seq_lens_q=torch.tensor([0, 5, 12]))
     assert out.cache is None
+
+
+def test_decode_small_paths_are_taken_and_equal_the_general_path(models, monkeypatch):
+    """A decode step of one fp32 CPU sequence under no_grad runs the decode-sized paths (numpy block per decoder
+    layer, numpy KDA step, one-token MoE, numpy DSA with the numpy indexer selection and sparse attention, numpy
+    dense MLP); the same steps with grad mode on (and the indexer's torch selection) run the general torch paths.
+    Same tokens; step logits equal to
+    fp32 rounding (bound 1e-5 relative, measured 2.5e-6: the paths sum dot products in different orders)."""
+    import copy
+
+    import glm53flash_hf.dsa as dsa
+    import glm53flash_hf.kda as kda
+    import glm53flash_hf.modeling_glm53flash as modeling
+    import glm53flash_hf.moe as moe
+
+    _, _, lm = models
+    prompt = torch.tensor([_text(torch.Generator().manual_seed(21), 30)])
+    cache = DynamicCache(config=lm.config)
+    with torch.no_grad():
+        first = lm(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1]
+    general_cache = copy.deepcopy(cache)
+    calls = {}
+    for owner, name in [
+        (modeling.Glm53FlashDecoderLayer, "_forward_small"),
+        (kda.Glm53FlashLinearAttention, "_decode_step_numpy"),
+        (moe.Glm53FlashMoE, "_forward_one_token"),
+        (moe.Glm53FlashMLP, "_forward_numpy"),
+        (dsa.Glm53FlashAttention, "_forward_small"),
+        (dsa.Glm53FlashIndexer, "_select_small"),
+    ]:
+        real, key = getattr(owner, name), f"{owner.__name__}.{name}"
+        monkeypatch.setattr(owner, name, lambda *a, _r=real, _k=key, **kw: calls.update({_k: 1}) or _r(*a, **kw))
+    with torch.no_grad():
+        small = _decode(lm, cache, first, 6)
+    assert set(calls) == {
+        "Glm53FlashDecoderLayer._forward_small", "Glm53FlashLinearAttention._decode_step_numpy",
+        "Glm53FlashMoE._forward_one_token", "Glm53FlashMLP._forward_numpy", "Glm53FlashAttention._forward_small",
+        "Glm53FlashIndexer._select_small",
+    }, calls
+    calls.clear()
+    # the indexer always runs under no_grad: its torch selection is forced here
+    monkeypatch.setattr(dsa.Glm53FlashIndexer, "_select_small", lambda *a, **k: None)
+    with torch.enable_grad():
+        general = _decode(lm, general_cache, first, 6).detach()
+    assert not calls, calls
+    assert torch.equal(small.argmax(-1), general.argmax(-1))
+    assert rel_err(small, general) < 1e-5, rel_err(small, general)
