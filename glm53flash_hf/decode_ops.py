@@ -41,7 +41,8 @@ __all__ = [
 
 # The decode-sized paths of this package (numpy or lean torch, CPU, grad mode off) take at most this many tokens (rows
 # of queries): a decode step of a few sequences. Anything larger -- a prefill, a training step, the no-grad forward of
-# a reentrant activation checkpoint -- runs the general torch path, so a recompute always matches its forward.
+# a reentrant activation checkpoint over more tokens -- runs the general torch path (so such a recompute matches its
+# forward bit for bit; at <= 8 tokens the two agree to fp32 rounding).
 SMALL_TOKENS = 8
 # ... and inputs of at most this many elements (the release's widest activation, 8 tokens x 6144, fits).
 SMALL_NUMEL = 1 << 16
@@ -104,10 +105,11 @@ def matvec_rows(weight, x):
 
 
 def numpy_linear(module: nn.Module, x):
-    """A linear layer on a numpy fp32 array ``x [..., in]`` inside a decode-sized path (see :data:`SMALL_TOKENS`):
+    """A linear layer on a numpy fp32 array ``x [T, in]`` inside a decode-sized path (see :data:`SMALL_TOKENS`):
     a plain fp32 ``nn.Linear`` is one numpy ``x @ W.T (+ b)`` on the weight's memory (BLAS; about half of
     ``F.linear``'s cost for one row of a cached weight, ~20% less for a weight streamed from memory), anything else
-    (a PEFT/LoRA layer, a hooked one, other dtypes) goes through :func:`call_linear`. Returns a numpy array.
+    (a PEFT/LoRA layer, a hooked one, other dtypes) goes through :func:`call_linear`. Returns a numpy fp32 array
+    ``[T, out]`` (a module that returns another dtype is cast to fp32, as the fp32 ops after it would promote).
 
     Only the decode-sized paths use it: their results already equal the general path to fp32 rounding only (BLAS
     may sum a dot product in another order than torch), while :func:`call_linear` keeps torch's bits.
@@ -119,7 +121,7 @@ def numpy_linear(module: nn.Module, x):
             if bias is not None:
                 out += bias.detach().numpy()
             return out
-    return call_linear(module, torch.from_numpy(x)).numpy()
+    return call_linear(module, torch.from_numpy(x)).to(torch.float32).numpy()
 
 
 def small_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -95,7 +95,7 @@ def _hc_pre_numpy_ok(hidden_streams, fn, base, scale) -> bool:
         and hidden_streams.device.type == "cpu"
         and hidden_streams.shape[0] * hidden_streams.shape[1] <= _SMALL_HC_PRE_TOKENS
         and hidden_streams.dtype == fn.dtype == base.dtype == scale.dtype == torch.float32
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_streams, fn, base, scale)))
+        and not torch.is_grad_enabled()  # as every decode-sized path (.decode_ops.numpy_ok)
         and not torch.compiler.is_compiling()
     )
 
@@ -109,7 +109,7 @@ def _hc_post_numpy_ok(y, residual, post, comb) -> bool:
         and y.dtype == residual.dtype == post.dtype == comb.dtype == torch.float32
         and residual.is_contiguous()
         and y.is_contiguous()
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (y, residual, post, comb)))
+        and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     )
 
