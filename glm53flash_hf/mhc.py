@@ -176,9 +176,8 @@ def hc_pre_arrays(x, fn, base: list, scale: list, *, sinkhorn_iters: int, hc_eps
         pre_all.append([sig(m[i] * s_pre + b[i]) + hc_eps for i in range(n)])
         post_all.append([2.0 * sig(m[i] * s_post + b[i]) for i in range(n, 2 * n)])
         rows = []
-        for r in range(n):
-            o = 2 * n + r * n
-            logits = [m[o + j] * s_comb + b[o + j] for j in range(n)]
+        for o in range(2 * n, (2 + n) * n, n):  # softmax of each row of the N x N logits
+            logits = [v * s_comb + c for v, c in zip(m[o : o + n], b[o : o + n])]
             top = max(logits)
             e = [exp(v - top) for v in logits]
             total = sum(e)

@@ -83,8 +83,8 @@ def swiglu_numpy(gate, up, limit: float | None):
     """:func:`clamped_swiglu` on fp32 numpy arrays (the decode-sized paths): ``silu(min(gate, limit)) *
     clip(up, -limit, limit)`` with ``silu(g) = g / (1 + exp(-g))``."""
     f32 = _np.float32
-    if limit is not None:
-        gate, up = _np.minimum(gate, f32(limit)), _np.clip(up, f32(-limit), f32(limit))
+    if limit is not None:  # ufuncs, not np.clip (whose Python wrapper costs more than the work here)
+        gate, up = _np.minimum(gate, f32(limit)), _np.minimum(_np.maximum(up, f32(-limit)), f32(limit))
     return gate / (f32(1.0) + _np.exp(-gate)) * up
 
 
@@ -509,7 +509,7 @@ class Glm53FlashMoE(nn.Module):
         experts, gate = self.experts, self.gate
         return (
             hidden_states.numel() == hidden_states.shape[-1]
-            and numpy_ok(hidden_states, gate.weight, experts.gate_up_proj, experts.down_proj)
+            and numpy_ok(hidden_states, gate.weight, gate.e_score_correction_bias, experts.gate_up_proj, experts.down_proj)
             and gate.num_group == 1
             and plain_module(gate, Glm53FlashTopkRouter)
             and plain_module(self.shared_experts, Glm53FlashMLP)
@@ -520,20 +520,21 @@ class Glm53FlashMoE(nn.Module):
         )
 
     def _forward_one_token(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for one fp32 CPU token without autograd, in numpy: the router's GEMV, then its torch ops
-        on the scores (sigmoid, biased choice, ``topk(sorted=False)``, gather, normalisation: the general router's
-        ops), each chosen expert's two GEMVs on its weight slices in ascending expert id (the general path's order),
+        """:meth:`forward` for one fp32 CPU token without autograd, in numpy: the router (GEMV, sigmoid, biased
+        choice, torch's ``topk(sorted=False)`` as the general router, normalised and scaled weights of the picks),
+        each chosen expert's two GEMVs on its weight slices in ascending expert id (the general path's order),
         the shared expert (:func:`.decode_ops.numpy_linear`), the clamped SwiGLU, the routing weights and the sums.
         Values agree with the general path to fp32 rounding (tests/test_moe.py)."""
         gate, experts = self.gate, self.experts
         x = hidden_states.reshape(1, hidden_states.shape[-1]).numpy()
-        scores = torch.from_numpy(matvec_rows(gate.weight.detach().numpy(), x)).sigmoid()  # [1, E]
-        indices = torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, indices)
+        f32 = _np.float32
+        scores = f32(1.0) / (f32(1.0) + _np.exp(-matvec_rows(gate.weight.detach().numpy(), x)[0]))  # [E] sigmoid
+        choice = torch.from_numpy(scores + gate.e_score_correction_bias.numpy())
+        ids = torch.topk(choice, k=gate.top_k, sorted=False)[1].tolist()  # torch's top-k: the general router's ties
+        weights = scores[ids]
         if gate.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = (weights * gate.routed_scaling_factor)[0].tolist()
-        ids = indices[0].tolist()
+            weights = weights / (weights.sum() + f32(1e-20))
+        weights = (weights * f32(gate.routed_scaling_factor)).tolist()
         limit = experts.swiglu_limit
         inter = experts.down_proj.shape[2]
         gate_up_w, down_w = experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy()
