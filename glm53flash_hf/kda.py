@@ -1059,10 +1059,9 @@ class Glm53FlashLinearAttention(nn.Module):
         window[..., -1] = _np.concatenate([lin(self.q_proj, x), lin(self.k_proj, x), lin(self.v_proj, x)], axis=-1)
         y = _np.einsum("bcw,cw->bc", window, self.conv1d.weight.detach().numpy()[:, 0, :])  # [B, C]
         y = y / (f32(1.0) + _np.exp(-y))  # SiLU
-        q, k, v = y.reshape(B, 3, H, K).transpose(1, 0, 2, 3)
-        eps = f32(_L2NORM_EPS)
-        q = q / _np.sqrt((q * q).sum(-1, keepdims=True) + eps) * f32(K**-0.5)
-        k = k / _np.sqrt((k * k).sum(-1, keepdims=True) + eps)
+        y = y.reshape(B, 3, H, K)
+        qk = y[:, :2] / _np.sqrt((y[:, :2] * y[:, :2]).sum(-1, keepdims=True) + f32(_L2NORM_EPS))  # l2 norms
+        q, k, v = qk[:, 0] * f32(K**-0.5), qk[:, 1], y[:, 2]
         gate_f = self.forget_gate
         f = lin(gate_f.f_b_proj, lin(gate_f.f_a_proj, x)).reshape(B, H, K) + gate_f.dt_bias.detach().numpy().reshape(
             H, K
