@@ -1070,7 +1070,8 @@ class Glm53FlashLinearAttention(nn.Module):
         if gate_f.lower_bound is not None:
             g = f32(gate_f.lower_bound) / (f32(1.0) + _np.exp(-(rate * f)))
         else:
-            g = -rate * _np.where(f > 20.0, f, _np.log1p(_np.exp(_np.minimum(f, 20.0))))  # softplus, threshold 20
+            g = -rate * _np.logaddexp(f32(0.0), f)  # softplus log(1 + e^f), stable (torch's threshold-20 branch
+            # returns f there; log(1 + e^f) - f < 2.1e-9 beyond 20, below fp32 resolution)
         beta = f32(1.0) / (f32(1.0) + _np.exp(-lin(self.b_proj, x).reshape(B, H, 1)))
         state = recurrent_state.numpy()  # [B, H, K, V], the cache's memory
         state *= _np.exp(g)[..., None]
