@@ -177,6 +177,14 @@ def hc_pre_arrays(x, fn, base: list, scale: list, *, sinkhorn_iters: int, hc_eps
         post_all.append([2.0 * sig(m[i] * s_post + b[i]) for i in range(n, 2 * n)])
         rows = []
         for o in range(2 * n, (2 + n) * n, n):  # softmax of each row of the N x N logits
+            if n == 4:  # the release: straight-line code (same operations as the general lines below)
+                l0, l1 = m[o] * s_comb + b[o], m[o + 1] * s_comb + b[o + 1]
+                l2, l3 = m[o + 2] * s_comb + b[o + 2], m[o + 3] * s_comb + b[o + 3]
+                top = max(l0, l1, l2, l3)
+                e0, e1, e2, e3 = exp(l0 - top), exp(l1 - top), exp(l2 - top), exp(l3 - top)
+                total = e0 + e1 + e2 + e3
+                rows.append([e0 / total + hc_eps, e1 / total + hc_eps, e2 / total + hc_eps, e3 / total + hc_eps])
+                continue
             logits = [v * s_comb + c for v, c in zip(m[o : o + n], b[o : o + n])]
             top = max(logits)
             e = [exp(v - top) for v in logits]
