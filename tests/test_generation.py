@@ -352,6 +352,7 @@ def test_decode_small_paths_are_taken_and_equal_the_general_path(models, monkeyp
     with torch.no_grad():
         first = lm(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1]
     general_cache = copy.deepcopy(cache)
+    torch_step_cache = copy.deepcopy(cache)
     calls = {}
     for owner, name in [
         (modeling.Glm53FlashDecoderLayer, "_forward_small"),
@@ -378,3 +379,15 @@ def test_decode_small_paths_are_taken_and_equal_the_general_path(models, monkeyp
     assert not calls, calls
     assert torch.equal(small.argmax(-1), general.argmax(-1))
     assert rel_err(small, general) < 1e-5, rel_err(small, general)
+    # the torch in-place KDA decode step (what bf16 or a hooked gate/norm takes) equals them too
+    monkeypatch.setattr(kda.Glm53FlashLinearAttention, "_numpy_step_ok", lambda *a, **k: False)
+    torch_steps = []
+    real_step = kda.Glm53FlashLinearAttention._decode_step
+    monkeypatch.setattr(
+        kda.Glm53FlashLinearAttention, "_decode_step", lambda *a, **k: torch_steps.append(1) or real_step(*a, **k)
+    )
+    with torch.no_grad():
+        torch_step = _decode(lm, torch_step_cache, first, 6)
+    assert len(torch_steps) == 6 * sum(t == "linear_attention" for t in lm.config.get_text_config().layer_types)
+    assert torch.equal(torch_step.argmax(-1), general.argmax(-1))
+    assert rel_err(torch_step, general) < 1e-5, rel_err(torch_step, general)
