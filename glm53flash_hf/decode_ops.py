@@ -36,6 +36,7 @@ __all__ = [
     "numpy_linear",
     "numpy_ok",
     "plain_module",
+    "rms_norm_rows",
     "small_rms_norm",
 ]
 
@@ -126,6 +127,17 @@ def numpy_linear(module: nn.Module, x):
     return call_linear(module, torch.from_numpy(x)).to(torch.float32).numpy()
 
 
+def rms_norm_rows(x, weight, eps: float):
+    """RMSNorm over the last dim of a numpy fp32 array ``x [..., D]``: ``x / sqrt(mean(x^2) + eps) (* weight)``
+    (``weight`` a numpy ``[D]`` array or ``None``). The one numpy RMSNorm of the decode-sized paths."""
+    f32 = _np.float32
+    mean_sq = _np.einsum("...d,...d->...", x, x)[..., None] / f32(x.shape[-1])
+    out = x * (f32(1.0) / _np.sqrt(mean_sq + f32(eps)))
+    if weight is not None:
+        out *= weight
+    return out
+
+
 def small_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """fp32 RMSNorm of a few rows: ``x * rsqrt(mean(x^2) + eps) (* weight)`` over the last dim.
 
@@ -136,9 +148,4 @@ def small_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
     if not numpy_ok(x, *ws):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xn = x.detach().numpy() if x.is_contiguous() else x.detach().contiguous().numpy()
-    f32 = _np.float32
-    mean_sq = _np.einsum("...d,...d->...", xn, xn)[..., None] / f32(xn.shape[-1])
-    out = xn * (f32(1.0) / _np.sqrt(mean_sq + f32(eps)))
-    if weight is not None:
-        out *= weight.detach().numpy()
-    return torch.from_numpy(out)
+    return torch.from_numpy(rms_norm_rows(xn, None if weight is None else weight.detach().numpy(), eps))

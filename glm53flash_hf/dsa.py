@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module, rms_norm_rows
 from .dispatch import choose_backend, requested_backend
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_document_layout
@@ -812,11 +812,10 @@ class Glm53FlashAttention(nn.Module):
         Same formulas; values agree to fp32 rounding (tests/test_generation.py)."""
         batch, seq_len, _ = hidden_states.shape
         tokens, heads, nope, rank = batch * seq_len, self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
-        lin, f32 = numpy_linear, _np.float32
+        lin = numpy_linear
 
         def rms(x, norm):
-            mean_sq = _np.einsum("...d,...d->...", x, x)[..., None] / f32(x.shape[-1])
-            return x * (f32(1.0) / _np.sqrt(mean_sq + f32(norm.variance_epsilon))) * norm.weight.detach().numpy()
+            return rms_norm_rows(x, norm.weight.detach().numpy(), norm.variance_epsilon)
 
         x = hidden_states.reshape(tokens, -1).numpy()
         q_resid = rms(lin(self.q_a_proj, x), self.q_a_layernorm)  # [T, q_lora_rank]

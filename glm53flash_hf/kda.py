@@ -42,7 +42,15 @@ from torch.utils.checkpoint import checkpoint
 
 from transformers import initialization as init
 
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module, small_rms_norm
+from .decode_ops import (
+    SMALL_TOKENS,
+    call_linear,
+    numpy_linear,
+    numpy_ok,
+    plain_module,
+    rms_norm_rows,
+    small_rms_norm,
+)
 from .dispatch import choose_backend, requested_backend
 from .packing import DocumentLayout
 
@@ -1080,8 +1088,7 @@ class Glm53FlashLinearAttention(nn.Module):
         o = _np.matmul(q[:, :, None, :], state)[:, :, 0]  # [B, H, V]
         gate = lin(self.g_b_proj, lin(self.g_a_proj, x)).reshape(B, H, K)
         norm = self.o_norm
-        o = o / _np.sqrt((o * o).sum(-1, keepdims=True) / f32(K) + f32(norm.variance_epsilon))
-        o = o * norm.weight.detach().numpy() / (f32(1.0) + _np.exp(-gate))
+        o = rms_norm_rows(o, norm.weight.detach().numpy(), norm.variance_epsilon) / (f32(1.0) + _np.exp(-gate))
         return torch.from_numpy(lin(self.o_proj, o.reshape(B, H * K))).view(B, 1, -1)
 
     def _decode_step(self, hidden_states: torch.Tensor, cache, recurrent_state: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
@@ -38,7 +37,7 @@ from transformers.utils import logging
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module
+from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module, rms_norm_rows
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
@@ -111,13 +110,7 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
         x = self.input_layernorm(x)
-        topk_indices = None
-        if self.layer_type == "linear_attention":
-            x = self.self_attn(x, layout=layout, cache=cache)
-        else:
-            x, topk_indices = self.self_attn(
-                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
-            )
+        x, topk_indices = self._token_mixer(x, layout, prev_topk_indices, cache, cache_context)
         hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
 
         residual = hidden_states
@@ -126,6 +119,14 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x = self.mlp(x)
         hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
         return hidden_states, topk_indices
+
+    def _token_mixer(self, x, layout, prev_topk_indices, cache, cache_context):
+        """KDA or DSA attention of the normalised input -> ``(out, topk_indices or None)``."""
+        if self.layer_type == "linear_attention":
+            return self.self_attn(x, layout=layout, cache=cache), None
+        return self.self_attn(
+            x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
+        )
 
     def _small_block_ok(self, hidden_states: torch.Tensor) -> bool:
         """Whether :meth:`_forward_small` applies: a few fp32 CPU tokens (a decode step), grad mode off, not
@@ -159,7 +160,6 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         eps)``); values agree to fp32 rounding (tests/test_generation.py compares decode with the uncached forward).
         """
         batch, seq, n, dim = hidden_states.shape
-        f32 = np.float32
         streams = hidden_states.reshape(batch * seq, n, dim).numpy()  # [T, N, D] (a copy only if not contiguous)
 
         def site(hc, norm, streams):
@@ -167,19 +167,11 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
                 streams, hc.fn.detach().numpy(), hc.base.tolist(), hc.scale.tolist(),
                 sinkhorn_iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, norm_eps=hc.norm_eps,
             )
-            mean_sq = np.einsum("td,td->t", x, x) / f32(dim)
-            x = x * (f32(1.0) / np.sqrt(mean_sq + f32(norm.variance_epsilon)))[:, None]
-            x *= norm.weight.detach().numpy()
+            x = rms_norm_rows(x, norm.weight.detach().numpy(), norm.variance_epsilon)
             return post, comb, torch.from_numpy(x).view(batch, seq, dim)
 
         post, comb, x = site(self.attn_hc, self.input_layernorm, streams)
-        topk_indices = None
-        if self.layer_type == "linear_attention":
-            x = self.self_attn(x, layout=layout, cache=cache)
-        else:
-            x, topk_indices = self.self_attn(
-                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
-            )
+        x, topk_indices = self._token_mixer(x, layout, prev_topk_indices, cache, cache_context)
         streams = hc_post_arrays(x.reshape(batch * seq, dim).numpy(), streams, post, comb)
         post, comb, x = site(self.ffn_hc, self.post_attention_layernorm, streams)
         x = self.mlp(x)
@@ -431,9 +423,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         ):
             # decode step: mean head and final RMSNorm in numpy (same formulas, fp32 rounding)
             h_pre = hidden_states.reshape(b * s, n, d).numpy().mean(axis=1)
-            mean_sq = np.einsum("td,td->t", h_pre, h_pre)[:, None] / np.float32(d)
-            h_pre = h_pre * (np.float32(1.0) / np.sqrt(mean_sq + np.float32(self.norm.variance_epsilon)))
-            hidden_states = torch.from_numpy(h_pre * self.norm.weight.detach().numpy()).view(b, s, d)
+            h = rms_norm_rows(h_pre, self.norm.weight.detach().numpy(), self.norm.variance_epsilon)
+            hidden_states = torch.from_numpy(h).view(b, s, d)
         else:
             h_pre = hc_head(hidden_states)
             hidden_states = self.norm(h_pre)
