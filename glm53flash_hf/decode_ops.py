@@ -119,8 +119,7 @@ def numpy_linear(module: nn.Module, x):
         params = module._parameters  # direct reads (nn.Module.__getattr__ costs ~0.5 us; ~70 calls per token)
         weight, bias = params["weight"], params["bias"]
         if weight.dtype == torch.float32 and weight.is_cpu and (bias is None or bias.dtype == torch.float32):
-            w = weight.detach().numpy()
-            out = (w @ x[0])[None] if x.shape[0] == 1 else x @ w.T  # matvec_rows, inlined
+            out = matvec_rows(weight.detach().numpy(), x)
             if bias is not None:
                 out += bias.detach().numpy()
             return out

@@ -117,6 +117,24 @@ def _sparse_mla_numpy(q_abs, latent, indices, scale: float) -> tuple[torch.Tenso
     return torch.from_numpy(out), torch.from_numpy(lse)
 
 
+def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
+    """Shape and index-dtype checks of the sparse MLA core (shared by :func:`sparse_mla_torch` and the fused path).
+
+    Raises:
+        ValueError: ``q_abs`` not ``[B, S, H, Dl]``, ``latent`` not ``[B, S_kv, Dl]``, ``indices`` not ``[B, S, W]``
+            or not an integer tensor.
+    """
+    if q_abs.dim() != 4:
+        raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
+    batch, seq_len, _, dim = q_abs.shape
+    if latent.dim() != 3 or latent.shape[0] != batch or latent.shape[2] != dim:
+        raise ValueError(f"latent must be [B={batch}, S_kv, Dl={dim}]; got shape {tuple(latent.shape)}")
+    if indices.dim() != 3 or indices.shape[0] != batch or indices.shape[1] != seq_len:
+        raise ValueError(f"indices must be [B={batch}, S={seq_len}, W]; got shape {tuple(indices.shape)}")
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
+        raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
+
+
 def sparse_mla_torch(
     q_abs: torch.Tensor,
     latent: torch.Tensor,
@@ -158,15 +176,8 @@ def sparse_mla_torch(
     Raises:
         ValueError: on mismatched shapes, a non-integer ``indices`` tensor or ``query_chunk < 1``.
     """
-    if q_abs.dim() != 4:
-        raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
+    check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, _, dim = q_abs.shape
-    if latent.dim() != 3 or latent.shape[0] != batch or latent.shape[2] != dim:
-        raise ValueError(f"latent must be [B={batch}, S_kv, Dl={dim}]; got shape {tuple(latent.shape)}")
-    if indices.dim() != 3 or indices.shape[0] != batch or indices.shape[1] != seq_len:
-        raise ValueError(f"indices must be [B={batch}, S={seq_len}, W]; got shape {tuple(indices.shape)}")
-    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
-        raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
     width = indices.shape[-1]
     heads = q_abs.shape[2]
     if query_chunk is None:

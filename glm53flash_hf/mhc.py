@@ -89,29 +89,26 @@ def _sinkhorn_numpy_array(c, iters: int, eps: float):
 _SMALL_HC_PRE_TOKENS = SMALL_TOKENS
 
 
-def _hc_pre_numpy_ok(hidden_streams, fn, base, scale) -> bool:
+def _small_fp32_cpu(streams, *tensors) -> bool:
+    """A decode-sized mHC call: ``streams [B, S, N, D]`` of at most ``_SMALL_HC_PRE_TOKENS`` tokens on CPU, every
+    tensor fp32, grad mode off (as every decode-sized path, :func:`.decode_ops.numpy_ok`), not compiling."""
     return (
         _np is not None
-        and hidden_streams.device.type == "cpu"
-        and hidden_streams.shape[0] * hidden_streams.shape[1] <= _SMALL_HC_PRE_TOKENS
-        and hidden_streams.dtype == fn.dtype == base.dtype == scale.dtype == torch.float32
-        and not torch.is_grad_enabled()  # as every decode-sized path (.decode_ops.numpy_ok)
+        and streams.device.type == "cpu"
+        and streams.shape[0] * streams.shape[1] <= _SMALL_HC_PRE_TOKENS
+        and all(t.dtype == torch.float32 for t in (streams, *tensors))
+        and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     )
+
+
+def _hc_pre_numpy_ok(hidden_streams, fn, base, scale) -> bool:
+    return _small_fp32_cpu(hidden_streams, fn, base, scale)
 
 
 def _hc_post_numpy_ok(y, residual, post, comb) -> bool:
     """Decode-sized fp32 ``hc_post`` without autograd on CPU runs in numpy (3 calls instead of ~8 torch ops)."""
-    return (
-        _np is not None
-        and residual.device.type == "cpu"
-        and residual.shape[0] * residual.shape[1] <= _SMALL_HC_PRE_TOKENS
-        and y.dtype == residual.dtype == post.dtype == comb.dtype == torch.float32
-        and residual.is_contiguous()
-        and y.is_contiguous()
-        and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-    )
+    return _small_fp32_cpu(residual, y, post, comb) and residual.is_contiguous() and y.is_contiguous()
 
 
 def _sigmoid(z: float) -> float:

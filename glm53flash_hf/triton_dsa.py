@@ -110,16 +110,12 @@ def _interpreting() -> bool:
 
 
 def _check_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
-    """Shape/dtype/device checks shared by the probe and :func:`sparse_mla_triton` (raise ``ValueError``)."""
-    if q_abs.dim() != 4:
-        raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
-    batch, seq_len, _, dim = q_abs.shape
-    if latent.dim() != 3 or latent.shape[0] != batch or latent.shape[2] != dim:
-        raise ValueError(f"latent must be [B={batch}, S_kv, Dl={dim}]; got shape {tuple(latent.shape)}")
-    if indices.dim() != 3 or indices.shape[0] != batch or indices.shape[1] != seq_len:
-        raise ValueError(f"indices must be [B={batch}, S={seq_len}, W]; got shape {tuple(indices.shape)}")
-    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
-        raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
+    """Shape/dtype/device checks shared by the probe and :func:`sparse_mla_triton` (raise ``ValueError``): the torch
+    path's :func:`glm53flash_hf.dsa.check_sparse_mla_args`, then the kernel's dtype, width and device limits."""
+    from .dsa import check_sparse_mla_args
+
+    check_sparse_mla_args(q_abs, latent, indices)
+    dim = q_abs.shape[-1]
     bad = [f"{name} {t.dtype}" for name, t in (("q_abs", q_abs), ("latent", latent)) if t.dtype not in SUPPORTED_DTYPES]
     if bad:
         raise ValueError(f"unsupported dtype(s) {bad} (fused sparse MLA supports float32, bfloat16, float16)")
