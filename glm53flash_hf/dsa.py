@@ -24,14 +24,12 @@ Triton interpreter in ``tests/test_triton_dsa.py``).
 
 from __future__ import annotations
 
-import numpy as _np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module, rms_norm_rows
 from .dispatch import choose_backend, requested_backend
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_document_layout
@@ -84,57 +82,6 @@ def _sparse_mla_chunk(
     return out, lse
 
 
-# At most this many (row, query) pairs of fp32 CPU inputs without autograd (a decode step) run in numpy, one query at
-# a time over its valid ids only: ~12 numpy calls instead of ~25 torch ops on the padded [B, C, W] layout.
-_SMALL_QUERIES = SMALL_TOKENS
-
-
-def _sparse_mla_numpy(q_abs, latent, indices, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sparse_mla_torch` for a few fp32 CPU queries without autograd. Same maths: invalid ids (``< 0`` or
-    ``>= S_kv``) are skipped (the torch path gives them weight ``exp(-inf) = 0``); a query without valid ids gets
-    ``out = 0``, ``lse = -inf``. Values agree to fp32 rounding (BLAS summation order)."""
-    batch, seq_len, heads, dim = q_abs.shape
-    kv_len = latent.shape[1]
-    q = q_abs.detach().numpy()
-    lat = latent.detach().numpy()
-    idx = indices.detach().numpy()
-    out = _np.zeros((batch, seq_len, heads, dim), dtype=_np.float32)
-    lse = _np.full((batch, seq_len, heads), -_np.inf, dtype=_np.float32)
-    f32 = _np.float32
-    for b in range(batch):
-        for t in range(seq_len):
-            ids = idx[b, t]
-            ids = ids[(ids >= 0) & (ids < kv_len)]
-            if ids.size == 0:
-                continue
-            kv = lat[b, ids]  # [w, Dl]
-            s = (q[b, t] @ kv.T) * f32(scale)  # [H, w]
-            top = s.max(axis=-1, keepdims=True)
-            e = _np.exp(s - top)
-            denom = e.sum(axis=-1, keepdims=True)
-            out[b, t] = (e / denom) @ kv
-            lse[b, t] = (top + _np.log(denom))[:, 0]
-    return torch.from_numpy(out), torch.from_numpy(lse)
-
-
-def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
-    """Shape and index-dtype checks of the sparse MLA core (shared by :func:`sparse_mla_torch` and the fused path).
-
-    Raises:
-        ValueError: ``q_abs`` not ``[B, S, H, Dl]``, ``latent`` not ``[B, S_kv, Dl]``, ``indices`` not ``[B, S, W]``
-            or not an integer tensor.
-    """
-    if q_abs.dim() != 4:
-        raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
-    batch, seq_len, _, dim = q_abs.shape
-    if latent.dim() != 3 or latent.shape[0] != batch or latent.shape[2] != dim:
-        raise ValueError(f"latent must be [B={batch}, S_kv, Dl={dim}]; got shape {tuple(latent.shape)}")
-    if indices.dim() != 3 or indices.shape[0] != batch or indices.shape[1] != seq_len:
-        raise ValueError(f"indices must be [B={batch}, S={seq_len}, W]; got shape {tuple(indices.shape)}")
-    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
-        raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
-
-
 def sparse_mla_torch(
     q_abs: torch.Tensor,
     latent: torch.Tensor,
@@ -176,8 +123,15 @@ def sparse_mla_torch(
     Raises:
         ValueError: on mismatched shapes, a non-integer ``indices`` tensor or ``query_chunk < 1``.
     """
-    check_sparse_mla_args(q_abs, latent, indices)
+    if q_abs.dim() != 4:
+        raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
     batch, seq_len, _, dim = q_abs.shape
+    if latent.dim() != 3 or latent.shape[0] != batch or latent.shape[2] != dim:
+        raise ValueError(f"latent must be [B={batch}, S_kv, Dl={dim}]; got shape {tuple(latent.shape)}")
+    if indices.dim() != 3 or indices.shape[0] != batch or indices.shape[1] != seq_len:
+        raise ValueError(f"indices must be [B={batch}, S={seq_len}, W]; got shape {tuple(indices.shape)}")
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
+        raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
     width = indices.shape[-1]
     heads = q_abs.shape[2]
     if query_chunk is None:
@@ -191,8 +145,6 @@ def sparse_mla_torch(
         lse = torch.full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype, device=q_abs.device)
         return out, lse
 
-    if batch * seq_len <= _SMALL_QUERIES and numpy_ok(q_abs, latent):
-        return _sparse_mla_numpy(q_abs, latent, indices, scale)
     use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
     outs, lses = [], []
     for start in range(0, seq_len, query_chunk):
@@ -245,19 +197,6 @@ def sparse_mla(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _stable_topk_numpy(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`stable_topk_indices` for a few fp32 CPU rows without NaN (a decode step): a stable descending argsort
-    keeps the ``k`` largest with ties toward the lower index (the same set), then the picks are ordered as the
-    torch path orders them (finite ones by index, then ``-inf`` ones by index). ~12 numpy calls instead of ~15 torch
-    ops and two ``topk``s."""
-    num = scores.shape[-1]
-    flat = scores.detach().reshape(-1, num).numpy()
-    chosen = _np.argsort(-flat, axis=-1, kind="stable")[:, :k]  # -(-inf) = inf sorts last, ties keep index order
-    finite = _np.isfinite(_np.take_along_axis(flat, chosen, axis=-1))
-    key = _np.sort(chosen + num * (~finite), axis=-1)  # finite picks first, each group by index
-    return torch.from_numpy(key % num).view(*scores.shape[:-1], k)
-
-
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries along the last axis, ties broken toward the lower index.
 
@@ -273,8 +212,6 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         long ``[..., k]`` indices: the finite picks in increasing index order, then the ``-inf`` ones (when fewer
         than ``k`` entries are finite), also in increasing index order (not score order).
     """
-    if scores.numel() <= SMALL_TOKENS * scores.shape[-1] and numpy_ok(scores) and not torch.isnan(scores).any():
-        return _stable_topk_numpy(scores, k)
     kth = scores.topk(k, dim=-1).values[..., -1:]
     greater = scores > kth
     tied = scores == kth
@@ -416,8 +353,8 @@ class Glm53FlashIndexer(nn.Module):
             pool_keys = (probs * slot_keys).sum(dim=2)  # [B, P, Dk] fp32
             pool_keys_t = pool_keys.transpose(1, 2).contiguous()  # [B, Dk, P]
 
-            q = call_linear(self.wq_b, q_resid).view(batch, seq_len, n_heads, head_dim)
-            head_weights = call_linear(self.weights_proj, hidden_states.to(self.weights_proj.weight.dtype)).float()
+            q = self.wq_b(q_resid).view(batch, seq_len, n_heads, head_dim)
+            head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
             head_weights = head_weights * (n_heads**-0.5 * self.softmax_scale)  # [B, S, Hi]; relu is 1-homogeneous
 
             # Selectable pools of query t: ids [hi - (local_pos + 1) // kp, hi) with hi = ends_upto[t].
@@ -490,55 +427,6 @@ class Glm53FlashIndexer(nn.Module):
             tail_ok = tail_offsets < tail_count[..., None]
             out[..., self.index_topk :] = tail_ids.masked_fill(~tail_ok, -1).to(torch.int32)
 
-    def _select_small(self, hidden_states, q_resid, state, ctx, num_pools: int, select_pools: int):
-        """The selection of :meth:`forward_cached` (after the state update) for a few fp32 CPU queries without
-        autograd, in numpy, one query at a time over its own complete pools only.
-
-        Same result as the torch selection (:meth:`_select_pools` with ``lo = 0``, ``hi = (local_pos + 1) // kp``,
-        then :meth:`_append_tail` and the padding mask): query ``t`` scores the ``hi`` complete pools of its row
-        (``relu(q_h . K_p)`` weighted over heads), keeps ``take = min(select_pools, pools in its chunk)`` of them
-        -- all when ``hi <= take``, else the top ``take`` by a stable descending sort (ties to the lower pool) --
-        in ascending pool order, expands each to its ``kp`` token ids, and leaves ``-1`` elsewhere. Returns ``None``
-        (the caller runs the torch selection) when a score is NaN, whose ordering the torch rule defines.
-        """
-        batch, seq_len, _ = hidden_states.shape
-        kp, head_dim, n_heads = self.index_kpool, self.head_dim, self.n_heads
-        out = _np.full((batch, seq_len, self.output_width), -1, dtype=_np.int32)
-        first = ctx.first.tolist()
-        valid = ctx.valid.tolist()
-        local_pos = ctx.local_pos.tolist()
-        positions = ctx.positions.tolist()
-        if select_pools > 0:
-            keys = state.numpy()[:, :num_pools, :head_dim]  # [B, P, Dk] cached pool keys
-            q = numpy_linear(self.wq_b, q_resid.reshape(batch * seq_len, -1).numpy())
-            q = q.reshape(batch, seq_len, n_heads, head_dim)
-            weights = numpy_linear(self.weights_proj, hidden_states.reshape(batch * seq_len, -1).numpy())
-            weights = weights.reshape(batch, seq_len, n_heads) * _np.float32(n_heads**-0.5 * self.softmax_scale)
-            chunk = max(1, int(self.max_score_elements) // max(1, batch * n_heads * num_pools))  # as _select_pools
-            offsets = _np.arange(kp)
-            for b in range(batch):
-                for t in range(seq_len):
-                    hi = max(local_pos[b][t] + 1, 0) // kp
-                    if not valid[b][t] or hi == 0:
-                        continue
-                    end = min(seq_len, (t // chunk + 1) * chunk)
-                    take = min(select_pools, min(num_pools, (ctx.past + end) // kp))
-                    scores = weights[b, t] @ _np.maximum(q[b, t] @ keys[b, :hi].T, 0)  # [hi]
-                    if _np.isnan(scores).any():
-                        return None
-                    chosen = _np.arange(hi) if hi <= take else _np.sort(_np.argsort(-scores, kind="stable")[:take])
-                    ids = (first[b] + kp * chosen)[:, None] + offsets
-                    out[b, t, : ids.size] = ids.reshape(-1)
-        if self.index_kpool_always_select_tail and kp > 1:
-            for b in range(batch):
-                for t in range(seq_len):
-                    count = (local_pos[b][t] + 1) % kp
-                    if valid[b][t] and count > 0:
-                        out[b, t, self.index_topk : self.index_topk + count] = _np.arange(
-                            positions[t] - count + 1, positions[t] + 1
-                        )
-        return torch.from_numpy(out)
-
     @torch.no_grad()
     def forward_cached(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cache, ctx) -> torch.Tensor:
         """Select token ids for ``S`` new queries, continuing from (and updating) the layer's indexer state.
@@ -570,45 +458,34 @@ class Glm53FlashIndexer(nn.Module):
         past, total = ctx.past, ctx.past + seq_len
         first, valid, local_pos = ctx.first, ctx.valid, ctx.local_pos
 
-        keys = self.k_norm(call_linear(self.wk, hidden_states)).float()
+        keys = self.k_norm(self.wk(hidden_states)).float()
         gates = F.linear(hidden_states, self.index_kpool_compress_gate).float()
         state = cache.update_indexer(torch.cat([keys, gates], dim=-1), self.layer_idx)  # [B, L, 2Dk]
         cap = state.shape[1]
 
         # ---- pools completed by this call: ids [n_before, n_after) of each row; build and store their keys -------
-        # Most decode steps complete no pool; on CPU, reading that costs nothing and skips the pool build below.
-        # (On CUDA the build always runs: reading the flag would synchronise the device.)
-        if first.is_cpu:
-            completes = any(max(total - f, 0) // kp > max(past - f, 0) // kp for f in first.tolist())
-        else:
-            completes = True
+        n_before = (past - first).clamp_min(0) // kp  # [B]
+        n_after = (total - first).clamp_min(0) // kp
         cand = -(-seq_len // kp)  # a call of S tokens completes at most ceil(S / kp) pools per row
+        pool_j = n_before[:, None] + torch.arange(cand, device=device)  # [B, cand] (distinct, < total <= cap)
+        new = pool_j < n_after[:, None]
+        slots = (first[:, None, None] + kp * pool_j[..., None] + torch.arange(kp, device=device)).clamp(0, cap - 1)
+        grouped = state.gather(1, slots.reshape(batch, cand * kp, 1).expand(-1, -1, 2 * head_dim))
+        slot_keys, slot_gates = grouped.view(batch, cand, kp, 2 * head_dim).split(head_dim, dim=-1)
+        probs = torch.softmax(slot_gates + self.index_kpool_compress_ape.float()[None, None], dim=2)
+        pool_keys = (probs * slot_keys).sum(dim=2)  # [B, cand, Dk] fp32, same maths as forward()
         key_cols = state[..., :head_dim]
-        if completes:
-            n_before = (past - first).clamp_min(0) // kp  # [B]
-            n_after = (total - first).clamp_min(0) // kp
-            pool_j = n_before[:, None] + torch.arange(cand, device=device)  # [B, cand] (distinct, < total <= cap)
-            new = pool_j < n_after[:, None]
-            slots = (first[:, None, None] + kp * pool_j[..., None] + torch.arange(kp, device=device)).clamp(0, cap - 1)
-            grouped = state.gather(1, slots.reshape(batch, cand * kp, 1).expand(-1, -1, 2 * head_dim))
-            slot_keys, slot_gates = grouped.view(batch, cand, kp, 2 * head_dim).split(head_dim, dim=-1)
-            probs = torch.softmax(slot_gates + self.index_kpool_compress_ape.float()[None, None], dim=2)
-            pool_keys = (probs * slot_keys).sum(dim=2)  # [B, cand, Dk] fp32, same maths as forward()
-            where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
-            key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
+        where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
+        key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
 
+        out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
         num_pools = total // kp  # upper bound on complete pools of any row
         select_pools = min(self.index_topk // kp, num_pools)
-        if batch * seq_len <= SMALL_TOKENS and numpy_ok(hidden_states, q_resid, state):
-            out = self._select_small(hidden_states, q_resid, state, ctx, num_pools, select_pools)
-            if out is not None:
-                return out
-        out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
         if select_pools > 0:
             pool_keys_t = key_cols[:, :num_pools].transpose(1, 2)  # [B, Dk, P] view of the cached pool keys
             pool_end = first[:, None] + kp * torch.arange(num_pools, device=device) + (kp - 1)  # [B, P]
-            q = call_linear(self.wq_b, q_resid).view(batch, seq_len, n_heads, head_dim)
-            head_weights = call_linear(self.weights_proj, hidden_states.to(self.weights_proj.weight.dtype)).float()
+            q = self.wq_b(q_resid).view(batch, seq_len, n_heads, head_dim)
+            head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
             head_weights = head_weights * (n_heads**-0.5 * self.softmax_scale)
             hi = torch.where(valid, (local_pos + 1).clamp_min(0) // kp, torch.zeros_like(local_pos))
             self._select_pools(
@@ -760,13 +637,10 @@ class Glm53FlashAttention(nn.Module):
         batch, seq_len, _ = hidden_states.shape
         if cache is None:
             layout = _check_layout(layout, batch, seq_len, hidden_states.device)
-        elif self._small_ok(hidden_states, prev_topk_indices):
-            return self._forward_small(hidden_states, prev_topk_indices, cache, cache_context)
 
-        lin = call_linear  # F.linear without nn.Module.__call__ for plain nn.Linear layers (.decode_ops)
-        q_resid = self.q_a_layernorm(lin(self.q_a_proj, hidden_states))
-        q_nope = lin(self.q_b_proj, q_resid).view(batch, seq_len, self.num_heads, self.qk_nope_head_dim)
-        latent = self.kv_a_layernorm(lin(self.kv_a_proj_with_mqa, hidden_states))  # [B, S, Dl] (no rope part)
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q_nope = self.q_b_proj(q_resid).view(batch, seq_len, self.num_heads, self.qk_nope_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(hidden_states))  # [B, S, Dl] (no rope part)
 
         kv_b = self.kv_b_weight(latent).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_kc = kv_b[:, : self.qk_nope_head_dim]  # [H, Dn, Dl]
@@ -798,59 +672,8 @@ class Glm53FlashAttention(nn.Module):
         )
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        attn = lin(self.o_proj, attn)
+        attn = self.o_proj(attn)
         return attn, (topk_indices if self.next_skip_topk else None)
-
-
-    def _small_ok(self, hidden_states: torch.Tensor, prev_topk_indices) -> bool:
-        """Whether :meth:`_forward_small` applies (cached calls only): at most ``SMALL_TOKENS`` fp32 CPU tokens, grad
-        mode off, plain fp32 RMSNorms, a plain ``kv_b_proj`` and ``kernels['dsa']`` not ``"fused"``."""
-        return (
-            hidden_states.shape[0] * hidden_states.shape[1] <= SMALL_TOKENS
-            and self.backend != "fused"
-            and numpy_ok(hidden_states, self.q_a_layernorm.weight, self.kv_a_layernorm.weight)
-            and plain_module(self.q_a_layernorm, Glm53FlashRMSNorm)
-            and plain_module(self.kv_a_layernorm, Glm53FlashRMSNorm)
-            and plain_module(self.kv_b_proj, nn.Linear)
-            and self.kv_b_proj.weight.dtype == torch.float32
-            and (self.indexer is not None or prev_topk_indices is not None)
-        )
-
-    def _forward_small(self, hidden_states, prev_topk_indices, cache, ctx):
-        """The cached :meth:`forward` for a few fp32 CPU tokens without autograd (a decode step): projections as
-        ``F.linear``, the two RMSNorms, the absorbed query ``q W_kc``, the sparse attention over the selected cached
-        latents (:func:`_sparse_mla_numpy`) and ``W_vc`` in numpy; the cache and the indexer as in the general path.
-        Same formulas; values agree to fp32 rounding (tests/test_generation.py)."""
-        batch, seq_len, _ = hidden_states.shape
-        tokens, heads, nope, rank = batch * seq_len, self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
-        lin = numpy_linear
-
-        def rms(x, norm):
-            return rms_norm_rows(x, norm.weight.detach().numpy(), norm.variance_epsilon)
-
-        x = hidden_states.reshape(tokens, -1).numpy()
-        q_resid = rms(lin(self.q_a_proj, x), self.q_a_layernorm)  # [T, q_lora_rank]
-        q_nope = lin(self.q_b_proj, q_resid).reshape(tokens, heads, 1, nope)
-        q_resid = torch.from_numpy(q_resid).view(batch, seq_len, -1)
-        latent = rms(lin(self.kv_a_proj_with_mqa, x), self.kv_a_layernorm).reshape(batch, seq_len, rank)
-        kv_b = self.kv_b_proj.weight.detach().numpy().reshape(heads, nope + self.v_head_dim, rank)
-        q_abs = _np.matmul(q_nope, kv_b[:, :nope])  # [T, H, 1, Dl]
-        latent = torch.from_numpy(latent)
-        keys, _ = cache.update(latent.unsqueeze(1), latent.new_zeros(batch, 1, seq_len, 0), self.layer_idx)
-        if self.indexer is not None:
-            topk_indices = self.indexer.forward_cached(hidden_states, q_resid, cache, ctx)
-        else:
-            if prev_topk_indices.dim() != 3 or prev_topk_indices.shape[:2] != (batch, seq_len):
-                raise ValueError(
-                    f"prev_topk_indices must be [B={batch}, S={seq_len}, W]; got {tuple(prev_topk_indices.shape)}"
-                )
-            topk_indices = prev_topk_indices
-        out_lat, _ = _sparse_mla_numpy(
-            torch.from_numpy(q_abs).view(batch, seq_len, heads, rank), keys[:, 0], topk_indices, self.scaling
-        )
-        attn = _np.matmul(out_lat.numpy().reshape(tokens, heads, 1, rank), kv_b[:, nope:].transpose(0, 2, 1))
-        attn = lin(self.o_proj, attn.reshape(tokens, heads * self.v_head_dim))
-        return torch.from_numpy(attn).view(batch, seq_len, -1), (topk_indices if self.next_skip_topk else None)
 
 
 def init_dsa_weights(module: nn.Module, config) -> None:

@@ -112,17 +112,6 @@ def build_cache_context(
                 "use_cache=False for packed batches, or generate one document per row (left padding)"
             )
     past = cache_seq_length(cache)
-    if attention_mask is None and (position_ids is None or seq_len == 1):
-        # no padding anywhere: every row starts at 0 (a decode step costs a few ops)
-        positions = torch.arange(past, past + seq_len, device=device)
-        return CacheContext(
-            past=past,
-            seq_len=seq_len,
-            valid=torch.ones(batch_size, seq_len, dtype=torch.bool, device=device),
-            first=torch.zeros(batch_size, dtype=torch.long, device=device),
-            positions=positions,
-            local_pos=positions.unsqueeze(0).repeat(batch_size, 1),
-        )
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(

@@ -34,7 +34,6 @@ import functools
 import math
 from dataclasses import dataclass
 
-import numpy as _np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,15 +41,6 @@ from torch.utils.checkpoint import checkpoint
 
 from transformers import initialization as init
 
-from .decode_ops import (
-    SMALL_TOKENS,
-    call_linear,
-    numpy_linear,
-    numpy_ok,
-    plain_module,
-    rms_norm_rows,
-    small_rms_norm,
-)
 from .dispatch import choose_backend, requested_backend
 from .packing import DocumentLayout
 
@@ -761,7 +751,7 @@ class Glm53FlashForgetGate(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` [B, S, hidden] -> ``g`` fp32 [B, S, H, K]."""
         B, S = hidden_states.shape[:2]
-        f = call_linear(self.f_b_proj, call_linear(self.f_a_proj, hidden_states)).float() + self.dt_bias.float()
+        f = self.f_b_proj(self.f_a_proj(hidden_states)).float() + self.dt_bias.float()
         f = f.view(B, S, self.num_heads, self.head_dim)
         rate = torch.exp(self.A_log.float()).view(self.num_heads, 1)
         if self.lower_bound is not None:
@@ -792,12 +782,6 @@ class Glm53FlashRMSNormGated(nn.Module):
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if gate.shape != hidden_states.shape:
             raise ValueError(f"gate must have the shape of x {tuple(hidden_states.shape)}; got {tuple(gate.shape)}")
-        if (  # decode-sized fp32 inference ([B, S, H, K], B * S <= SMALL_TOKENS): 1 call instead of ~10 ops
-            hidden_states.dim() == 4
-            and hidden_states.shape[0] * hidden_states.shape[1] <= SMALL_TOKENS
-            and numpy_ok(hidden_states, gate, self.weight)
-        ):
-            return small_rms_norm(hidden_states, self.weight, self.variance_epsilon) * torch.sigmoid(gate)
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         x = self.weight.float() * x * torch.sigmoid(gate.float())
@@ -969,24 +953,19 @@ class Glm53FlashLinearAttention(nn.Module):
         H, K, W = self.num_heads, self.head_dim, self.conv_kernel_size
         if valid is not None:
             hidden_states = hidden_states.masked_fill(~valid[:, :, None], 0.0)
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        weight = self.conv1d.weight[:, 0, :]  # [C, W] fp32
         conv_state = cache.get_conv_state(self.layer_idx)
         recurrent_state = cache.get_recurrent_state(self.layer_idx)
         decode = S == 1 and conv_state is not None and recurrent_state is not None
-        no_grad = decode and not (
-            torch.is_grad_enabled()
-            and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
-        )
         fused_step = (
-            no_grad
-            and not (hidden_states.is_cpu and self.backend != "fused")  # "auto" never picks a kernel for CPU tensors
+            decode
+            and not (
+                torch.is_grad_enabled()
+                and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
+            )
             and choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
         )
-        if no_grad and not fused_step:
-            if self._numpy_step_ok(hidden_states, cache, conv_state, recurrent_state):
-                return self._decode_step_numpy(hidden_states, conv_state, recurrent_state)
-            return self._decode_step(hidden_states, cache, recurrent_state)
-        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-        weight = self.conv1d.weight[:, 0, :]  # [C, W] fp32
         if fused_step:  # the kernel applies the gate and the beta sigmoid itself
             gate_f = self.forget_gate
             g = gate_f.f_b_proj(gate_f.f_a_proj(hidden_states)).view(B, S, H, K)
@@ -1035,95 +1014,6 @@ class Glm53FlashLinearAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, S, self.qkv_dim))
 
-
-    def _numpy_step_ok(self, hidden_states, cache, conv_state, recurrent_state) -> bool:
-        """Whether :meth:`_decode_step_numpy` applies: fp32 CPU input and states, grad mode off, a cache layer that
-        keeps only the last ``W`` conv inputs (not ``record_past``), and plain (hook-free) gate and norm modules."""
-        return (
-            numpy_ok(hidden_states, conv_state, recurrent_state, self.conv1d.weight, self.o_norm.weight)
-            and self.forget_gate.dt_bias.dtype == torch.float32
-            and conv_state.is_contiguous()
-            and recurrent_state.is_contiguous()
-            and conv_state.shape[-1] == self.conv_kernel_size
-            and not getattr(cache.layers[self.layer_idx], "record_past", False)
-            and plain_module(self.forget_gate, Glm53FlashForgetGate)
-            and plain_module(self.o_norm, Glm53FlashRMSNormGated)
-        )
-
-    def _decode_step_numpy(self, hidden_states, conv_state, recurrent_state) -> torch.Tensor:
-        """:meth:`_decode_step` for fp32 CPU tensors without autograd, in numpy on the tensors' memory: the
-        projections (:func:`.decode_ops.numpy_linear`), the conv window shift and conv, SiLU, l2 norms, forget gate,
-        beta, the delta-rule update of the cached state and the gated RMSNorm (~40 numpy calls, each cheaper than a
-        torch op on a few hundred floats). The cache's conv state ``[B, C, W]`` and recurrent state ``[B, H, K, V]``
-        are updated in place, as ``update_conv_state`` / ``update_recurrent_state`` would store them. Same
-        formulas; values agree with the torch paths to fp32 rounding (tests/test_generation.py).
-        """
-        B = hidden_states.shape[0]
-        H, K = self.num_heads, self.head_dim
-        lin, f32 = numpy_linear, _np.float32
-        x = hidden_states.reshape(B, -1).numpy()  # [B, D]
-        window = conv_state.numpy()  # [B, C, W], the cache's memory
-        window[..., :-1] = window[..., 1:]
-        window[..., -1] = _np.concatenate([lin(self.q_proj, x), lin(self.k_proj, x), lin(self.v_proj, x)], axis=-1)
-        y = _np.einsum("bcw,cw->bc", window, self.conv1d.weight.detach().numpy()[:, 0, :])  # [B, C]
-        y = y / (f32(1.0) + _np.exp(-y))  # SiLU
-        y = y.reshape(B, 3, H, K)
-        qk = y[:, :2] / _np.sqrt((y[:, :2] * y[:, :2]).sum(-1, keepdims=True) + f32(_L2NORM_EPS))  # l2 norms
-        q, k, v = qk[:, 0] * f32(K**-0.5), qk[:, 1], y[:, 2]
-        gate_f = self.forget_gate
-        f = lin(gate_f.f_b_proj, lin(gate_f.f_a_proj, x)).reshape(B, H, K) + gate_f.dt_bias.detach().numpy().reshape(
-            H, K
-        )
-        rate = _np.exp(gate_f.A_log.detach().numpy())[:, None]  # [H, 1]
-        if gate_f.lower_bound is not None:
-            g = f32(gate_f.lower_bound) / (f32(1.0) + _np.exp(-(rate * f)))
-        else:
-            g = -rate * _np.logaddexp(f32(0.0), f)  # softplus log(1 + e^f), stable (torch's threshold-20 branch
-            # returns f there; log(1 + e^f) - f < 2.1e-9 beyond 20, below fp32 resolution)
-        beta = f32(1.0) / (f32(1.0) + _np.exp(-lin(self.b_proj, x).reshape(B, H, 1)))
-        state = recurrent_state.numpy()  # [B, H, K, V], the cache's memory
-        state *= _np.exp(g)[..., None]
-        u = beta * (v - _np.matmul(k[:, :, None, :], state)[:, :, 0])  # [B, H, V]
-        state += k[..., None] * u[:, :, None, :]
-        o = _np.matmul(q[:, :, None, :], state)[:, :, 0]  # [B, H, V]
-        gate = lin(self.g_b_proj, lin(self.g_a_proj, x)).reshape(B, H, K)
-        norm = self.o_norm
-        o = rms_norm_rows(o, norm.weight.detach().numpy(), norm.variance_epsilon) / (f32(1.0) + _np.exp(-gate))
-        return torch.from_numpy(lin(self.o_proj, o.reshape(B, H * K))).view(B, 1, -1)
-
-    def _decode_step(self, hidden_states: torch.Tensor, cache, recurrent_state: torch.Tensor) -> torch.Tensor:
-        """One cached decode token on the torch path: ``hidden_states [B, 1, D]`` -> ``[B, 1, D]``.
-
-        The maths of the loop body of :func:`recurrent_kda_torch` (as :func:`_kda_decode_step`) with the layer
-        around it in few ops: the conv window is shifted by ``cache.update_conv_state``; ``q, k, v`` come from one
-        ``[B, 3, H, K]`` view of the conv output; the cached fp32 state ``[B, H, K, V]`` is advanced in place
-        (``S *= exp(g)``, ``S += k^T (beta * (v - k S))``: the cache's tensor, as ``update_recurrent_state`` would
-        have copied it there). Only without autograd (the caller checks); same results as the chunked path of
-        :meth:`forward_cached` to fp32 rounding (tests/test_generation.py compare with the uncached forward).
-        """
-        B = hidden_states.shape[0]
-        H, K, W = self.num_heads, self.head_dim, self.conv_kernel_size
-        x = hidden_states
-        lin = call_linear
-        mixed = torch.cat([lin(self.q_proj, x), lin(self.k_proj, x), lin(self.v_proj, x)], dim=-1)  # [B, 1, 3*H*K]
-        window = cache.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-        weight = self.conv1d.weight[:, 0, :]  # [C, W] fp32
-        y = F.silu((window[..., -W:].to(weight.dtype) * weight).sum(-1)).to(mixed.dtype).float()  # [B, C]
-        q, k, v = y.view(B, 3, H, K).unbind(1)
-        q = _l2norm(q) * (K**-0.5)
-        k = _l2norm(k)
-        g = self.forget_gate(x).view(B, H, K, 1)
-        beta = torch.sigmoid(lin(self.b_proj, x).float()).view(B, H, 1, 1)
-        state = recurrent_state
-        if state.dtype != torch.float32:  # the cache keeps what prefill stored (fp32)
-            raise ValueError(f"the KDA recurrent state must be fp32; got {state.dtype}")
-        state.mul_(torch.exp(g))
-        k = k.unsqueeze(-2)  # [B, H, 1, K]
-        u = beta * (v.unsqueeze(-2) - torch.matmul(k, state))  # [B, H, 1, V]
-        state.add_(torch.matmul(k.transpose(-1, -2), u))
-        o = torch.matmul(q.unsqueeze(-2), state).to(mixed.dtype).view(B, 1, H, K)
-        gate = lin(self.g_b_proj, lin(self.g_a_proj, x)).view(B, 1, H, K)
-        return lin(self.o_proj, self.o_norm(o, gate).reshape(B, 1, self.qkv_dim))
 
 def init_kda_weights(module: nn.Module, config) -> None:
     """From-scratch initialisation of the KDA-specific parameters of ``module`` (one module, not recursive).

@@ -33,14 +33,11 @@ forward+backward 1.6x / 7x. The Sinkhorn iterations use exactly the reference's 
 
 from __future__ import annotations
 
-import math as _math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .decode_ops import SMALL_TOKENS, matvec_rows
 from .dispatch import choose_backend, requested_backend
 
 try:  # optional: only the small-input Sinkhorn fast path uses it
@@ -79,141 +76,55 @@ def _sinkhorn_numpy_array(c, iters: int, eps: float):
     return c
 
 
-# Decode-sized hc_pre (at most this many tokens, fp32 streams and fp32 parameters, CPU, no autograd): the two dot
-# products (``sum x^2`` and ``fn @ x``) and the collapse run in numpy on the tokens' floats; the 24 mixing values per
-# token -- sigmoids, softmax, Sinkhorn -- are a few hundred scalar operations, cheaper as Python floats (float64, then
-# rounded to fp32) than as ~80 array calls (numpy or torch cost ~1-3 us per call whatever the size). For N = 4 (the
-# release) the Sinkhorn rounds are unrolled over the 16 entries (~17 us for 20 rounds instead of ~100 us). Same
-# formula and op order as the torch path; the mixing weights are evaluated in float64, so they are closer to a
-# float64 evaluation than the fp32 torch path is (tests/test_mhc.py::test_hc_pre_small_numpy_path).
-_SMALL_HC_PRE_TOKENS = SMALL_TOKENS
+# Decode-sized hc_pre (at most this many tokens, fp32 streams and fp32 parameters, CPU, no autograd): the whole site
+# -- projection GEMV, RMS factor, sigmoids, softmax, Sinkhorn, collapse -- runs in numpy on the tokens' few floats
+# (~40 numpy calls instead of ~60 torch ops plus the Sinkhorn), ~2-3x less per-call overhead. Same formula and op
+# order as the torch path; only the fp32 summation order of the dot products differs (numpy/BLAS vs torch), so values
+# agree to fp32 rounding (tests/test_mhc.py::test_hc_pre_small_numpy_path).
+_SMALL_HC_PRE_TOKENS = 8
 
 
-def _small_fp32_cpu(streams, *tensors) -> bool:
-    """A decode-sized mHC call: ``streams [B, S, N, D]`` of at most ``_SMALL_HC_PRE_TOKENS`` tokens on CPU, every
-    tensor fp32, grad mode off (as every decode-sized path, :func:`.decode_ops.numpy_ok`), not compiling."""
+def _hc_pre_numpy_ok(hidden_streams, fn, base, scale) -> bool:
     return (
         _np is not None
-        and streams.device.type == "cpu"
-        and streams.shape[0] * streams.shape[1] <= _SMALL_HC_PRE_TOKENS
-        and all(t.dtype == torch.float32 for t in (streams, *tensors))
-        and not torch.is_grad_enabled()
+        and hidden_streams.device.type == "cpu"
+        and hidden_streams.shape[0] * hidden_streams.shape[1] <= _SMALL_HC_PRE_TOKENS
+        and hidden_streams.dtype == fn.dtype == base.dtype == scale.dtype == torch.float32
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_streams, fn, base, scale)))
         and not torch.compiler.is_compiling()
     )
 
 
-def _hc_pre_numpy_ok(hidden_streams, fn, base, scale) -> bool:
-    return _small_fp32_cpu(hidden_streams, fn, base, scale)
-
-
 def _hc_post_numpy_ok(y, residual, post, comb) -> bool:
     """Decode-sized fp32 ``hc_post`` without autograd on CPU runs in numpy (3 calls instead of ~8 torch ops)."""
-    return _small_fp32_cpu(residual, y, post, comb) and residual.is_contiguous() and y.is_contiguous()
-
-
-def _sigmoid(z: float) -> float:
-    """Logistic function of a Python float without overflow (``math.exp`` raises beyond ~709)."""
-    if z >= 0.0:
-        return 1.0 / (1.0 + _math.exp(-z))
-    e = _math.exp(z)
-    return e / (1.0 + e)
-
-
-def _sinkhorn_rows(c: list, iters: int, eps: float) -> list:
-    """:func:`sinkhorn_normalize` of one ``N x N`` matrix given as a list of row lists of Python floats.
-
-    Same op sequence (one column normalisation, then ``iters - 1`` (row, column) rounds, ``+eps`` in every
-    denominator, sums in index order). N = 4 runs an unrolled body on 16 locals.
-    """
-    n = len(c)
-    if n == 4:
-        (a0, a1, a2, a3), (b0, b1, b2, b3), (c0, c1, c2, c3), (d0, d1, d2, d3) = c
-        s0, s1, s2, s3 = a0 + b0 + c0 + d0 + eps, a1 + b1 + c1 + d1 + eps, a2 + b2 + c2 + d2 + eps, a3 + b3 + c3 + d3 + eps
-        a0, b0, c0, d0, a1, b1, c1, d1 = a0 / s0, b0 / s0, c0 / s0, d0 / s0, a1 / s1, b1 / s1, c1 / s1, d1 / s1
-        a2, b2, c2, d2, a3, b3, c3, d3 = a2 / s2, b2 / s2, c2 / s2, d2 / s2, a3 / s3, b3 / s3, c3 / s3, d3 / s3
-        for _ in range(iters - 1):
-            s = a0 + a1 + a2 + a3 + eps
-            a0, a1, a2, a3 = a0 / s, a1 / s, a2 / s, a3 / s
-            s = b0 + b1 + b2 + b3 + eps
-            b0, b1, b2, b3 = b0 / s, b1 / s, b2 / s, b3 / s
-            s = c0 + c1 + c2 + c3 + eps
-            c0, c1, c2, c3 = c0 / s, c1 / s, c2 / s, c3 / s
-            s = d0 + d1 + d2 + d3 + eps
-            d0, d1, d2, d3 = d0 / s, d1 / s, d2 / s, d3 / s
-            s0, s1 = a0 + b0 + c0 + d0 + eps, a1 + b1 + c1 + d1 + eps
-            s2, s3 = a2 + b2 + c2 + d2 + eps, a3 + b3 + c3 + d3 + eps
-            a0, b0, c0, d0, a1, b1, c1, d1 = a0 / s0, b0 / s0, c0 / s0, d0 / s0, a1 / s1, b1 / s1, c1 / s1, d1 / s1
-            a2, b2, c2, d2, a3, b3, c3, d3 = a2 / s2, b2 / s2, c2 / s2, d2 / s2, a3 / s3, b3 / s3, c3 / s3, d3 / s3
-        return [[a0, a1, a2, a3], [b0, b1, b2, b3], [c0, c1, c2, c3], [d0, d1, d2, d3]]
-
-    def columns(rows):
-        sums = [sum(col) + eps for col in zip(*rows)]  # sum() adds left to right (from 0.0, exact)
-        return [[v / t for v, t in zip(row, sums)] for row in rows]
-
-    c = columns(c)
-    for _ in range(iters - 1):
-        c = columns([[v / (sum(row) + eps) for v in row] for row in c])
-    return c
-
-
-def hc_pre_arrays(x, fn, base: list, scale: list, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """The numpy core of the small ``hc_pre`` path, on arrays: ``x`` fp32 ``[T, N, D]`` streams, ``fn`` fp32 numpy
-    ``[(2+N)N, N*D]``, ``base`` / ``scale`` as Python lists -> ``(post [T, N], comb [T, N, N], collapsed [T, D])``
-    fp32 numpy arrays. Same formula as :func:`hc_pre` (see ``_SMALL_HC_PRE_TOKENS`` for the arithmetic)."""
-    tokens, n, dim = x.shape
-    f32 = _np.float32
-    flat = x.reshape(tokens, n * dim)
-    mean_sq = _np.einsum("td,td->t", flat, flat) / f32(n * dim)
-    mixes = matvec_rows(fn, flat) * (f32(1.0) / _np.sqrt(mean_sq + f32(norm_eps)))[:, None]  # [T, (2+N)N]
-    s_pre, s_post, s_comb = scale
-    b = base
-    pre_all, post_all, comb_all = [], [], []
-    exp, sig = _math.exp, _sigmoid
-    for m in mixes.tolist():
-        pre_all.append([sig(m[i] * s_pre + b[i]) + hc_eps for i in range(n)])
-        post_all.append([2.0 * sig(m[i] * s_post + b[i]) for i in range(n, 2 * n)])
-        rows = []
-        for o in range(2 * n, (2 + n) * n, n):  # softmax of each row of the N x N logits
-            if n == 4:  # the release: straight-line code (same operations as the general lines below)
-                l0, l1 = m[o] * s_comb + b[o], m[o + 1] * s_comb + b[o + 1]
-                l2, l3 = m[o + 2] * s_comb + b[o + 2], m[o + 3] * s_comb + b[o + 3]
-                top = max(l0, l1, l2, l3)
-                e0, e1, e2, e3 = exp(l0 - top), exp(l1 - top), exp(l2 - top), exp(l3 - top)
-                total = e0 + e1 + e2 + e3
-                rows.append([e0 / total + hc_eps, e1 / total + hc_eps, e2 / total + hc_eps, e3 / total + hc_eps])
-                continue
-            logits = [v * s_comb + c for v, c in zip(m[o : o + n], b[o : o + n])]
-            top = max(logits)
-            e = [exp(v - top) for v in logits]
-            total = sum(e)
-            rows.append([v / total + hc_eps for v in e])
-        comb_all.append(_sinkhorn_rows(rows, sinkhorn_iters, hc_eps))
-    pre = _np.array(pre_all, dtype=f32)  # [T, N]
-    collapsed = _np.matmul(pre[:, None, :], x)[:, 0]  # [T, D]
-    return _np.array(post_all, dtype=f32), _np.array(comb_all, dtype=f32), collapsed
-
-
-def hc_post_arrays(y, residual, post, comb):
-    """The numpy core of the small ``hc_post`` path: ``y [T, D]``, ``residual [T, N, D]``, ``post [T, N]``,
-    ``comb [T, N, N]`` fp32 arrays -> ``[T, N, D]`` (``comb^T @ residual`` first, then ``+ post * y``, the
-    reference's order)."""
-    out = _np.matmul(comb.swapaxes(-1, -2), residual)
-    out += post[..., None] * y[..., None, :]
-    return out
+    return (
+        _np is not None
+        and residual.device.type == "cpu"
+        and residual.shape[0] * residual.shape[1] <= _SMALL_HC_PRE_TOKENS
+        and y.dtype == residual.dtype == post.dtype == comb.dtype == torch.float32
+        and residual.is_contiguous()
+        and y.is_contiguous()
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (y, residual, post, comb)))
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _hc_pre_numpy(hidden_streams, fn, base, scale, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """:func:`hc_pre` for a few fp32 tokens without autograd (see ``_SMALL_HC_PRE_TOKENS``).
-
-    numpy: ``mean(x^2)``, ``fn @ x`` and the collapse ``pre @ X`` in fp32; Python floats (float64): the mixing
-    weights ``pre``, ``post``, ``comb`` (sigmoids, softmax, Sinkhorn), rounded to fp32 once.
-    """
+    """:func:`hc_pre` for a few fp32 tokens without autograd, in numpy (see ``_SMALL_HC_PRE_TOKENS``)."""
     batch, seq, n, dim = hidden_streams.shape
-    x = hidden_streams.detach().reshape(batch * seq, n, dim).numpy()  # no copy if contiguous
-    post, comb, collapsed = hc_pre_arrays(
-        x, fn.detach().numpy(), base.tolist(), scale.tolist(), sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-        norm_eps=norm_eps,
-    )
+    f32 = _np.float32
+    x = hidden_streams.detach().reshape(batch * seq, n * dim).contiguous().numpy()  # [T, N*D], no copy if contiguous
+    b = base.detach().numpy()
+    s = scale.detach().numpy()
+    mean_sq = _np.einsum("td,td->t", x, x) / f32(n * dim)
+    mixes = (x @ fn.detach().numpy().T) * (f32(1.0) / _np.sqrt(mean_sq + f32(norm_eps)))[:, None]  # [T, (2+N)N]
+    one, eps = f32(1.0), f32(hc_eps)
+    pre = one / (one + _np.exp(-(mixes[:, :n] * s[0] + b[:n]))) + eps
+    post = f32(2.0) * (one / (one + _np.exp(-(mixes[:, n : 2 * n] * s[1] + b[n : 2 * n]))))
+    logits = mixes[:, 2 * n :].reshape(-1, n, n) * s[2] + b[2 * n :].reshape(n, n)
+    e = _np.exp(logits - logits.max(axis=-1, keepdims=True))
+    comb = _sinkhorn_numpy_array(e / _np.add.reduce(e, axis=-1, keepdims=True) + eps, sinkhorn_iters, hc_eps)
+    collapsed = _np.matmul(pre[:, None, :], x.reshape(-1, n, dim))[:, 0]  # [T, D]
     return (
         torch.from_numpy(post).view(batch, seq, n),
         torch.from_numpy(comb).view(batch, seq, n, n),
@@ -320,18 +231,13 @@ def hc_pre(
     """
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     batch, seq, n, dim = hidden_streams.shape
-    # CPU decode first ("auto"/"torch" never pick a kernel for CPU tensors; "fused" goes through choose_backend so
-    # that its warning is given)
-    if backend in ("auto", "torch") and _hc_pre_numpy_ok(hidden_streams, fn, base, scale):
-        return _hc_pre_numpy(
-            hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
-        )
     if choose_backend("mhc", backend, hidden_streams, fn, base, scale) == "fused":
         from .triton_mhc import hc_pre_fused
 
         return hc_pre_fused(
             hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
         )
+
     if _hc_pre_numpy_ok(hidden_streams, fn, base, scale):
         return _hc_pre_numpy(
             hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
@@ -381,15 +287,15 @@ def hc_post(
             f"hc_post shapes do not fit residual [B,S,N,D]={tuple(residual.shape)}: y {tuple(y.shape)} (want "
             f"[B,S,D]), post {tuple(post.shape)} (want [B,S,N]), comb {tuple(comb.shape)} (want [B,S,N,N])"
         )
-    small = backend in ("auto", "torch") and _hc_post_numpy_ok(y, residual, post, comb)  # CPU decode: no choice
-    if not small and choose_backend("mhc", backend, y, residual, post, comb) == "fused":
+    if choose_backend("mhc", backend, y, residual, post, comb) == "fused":
         from .triton_mhc import hc_post_fused
 
         return hc_post_fused(y, residual, post, comb)
-    if small or _hc_post_numpy_ok(y, residual, post, comb):
-        return torch.from_numpy(
-            hc_post_arrays(y.detach().numpy(), residual.detach().numpy(), post.detach().numpy(), comb.detach().numpy())
-        )
+    if _hc_post_numpy_ok(y, residual, post, comb):
+        r = residual.detach().numpy()
+        out = _np.matmul(comb.detach().numpy().swapaxes(-1, -2), r)
+        out += post.detach().numpy()[..., None] * y.detach().numpy()[..., None, :]
+        return torch.from_numpy(out)
     dtype = residual.dtype
     out = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
     expanded = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2)

@@ -22,7 +22,6 @@ after the main stack at ``layers.{num_hidden_layers + i}``, as in the published 
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -37,20 +36,11 @@ from transformers.utils import logging
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
-from .decode_ops import SMALL_TOKENS, call_linear, numpy_linear, numpy_ok, plain_module, rms_norm_rows
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
 from .kda import Glm53FlashLinearAttention, init_kda_weights
-from .mhc import (
-    Glm53FlashHyperConnection,
-    hc_expand,
-    hc_head,
-    hc_post,
-    hc_post_arrays,
-    hc_pre_arrays,
-    init_mhc_weights,
-)
+from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
 from .mtp import doc_roll, mtp_loss
 from .norm import Glm53FlashRMSNorm
@@ -105,12 +95,16 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         cache=None,
         cache_context=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._small_block_ok(hidden_states):
-            return self._forward_small(hidden_states, layout, prev_topk_indices, cache, cache_context)
         residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
         x = self.input_layernorm(x)
-        x, topk_indices = self._token_mixer(x, layout, prev_topk_indices, cache, cache_context)
+        topk_indices = None
+        if self.layer_type == "linear_attention":
+            x = self.self_attn(x, layout=layout, cache=cache)
+        else:
+            x, topk_indices = self.self_attn(
+                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
+            )
         hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
 
         residual = hidden_states
@@ -119,75 +113,6 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x = self.mlp(x)
         hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
         return hidden_states, topk_indices
-
-    def _token_mixer(self, x, layout, prev_topk_indices, cache, cache_context):
-        """KDA or DSA attention of the normalised input -> ``(out, topk_indices or None)``."""
-        if self.layer_type == "linear_attention":
-            return self.self_attn(x, layout=layout, cache=cache), None
-        return self.self_attn(
-            x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
-        )
-
-    def _small_block_ok(self, hidden_states: torch.Tensor) -> bool:
-        """Whether :meth:`_forward_small` applies: a few fp32 CPU tokens (a decode step), grad mode off, not
-        compiling, the mHC sites and norms are this package's plain modules (no hooks) with fp32 parameters, and the
-        mHC backend is not ``"fused"`` (a CPU call of which warns, on the general path)."""
-        if not (
-            hidden_states.device.type == "cpu"
-            and hidden_states.dtype == torch.float32
-            and hidden_states.dim() == 4
-            and hidden_states.shape[0] * hidden_states.shape[1] <= _SMALL_BLOCK_TOKENS
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and self.hc_backend in ("auto", "torch")
-        ):
-            return False
-        modules = self._modules  # direct dict reads: this runs once per layer and token
-        for name, cls in _SMALL_BLOCK_MODULES:
-            module = modules[name]
-            if not plain_module(module, cls):
-                return False
-            for param in module._parameters.values():
-                if param.dtype != torch.float32:
-                    return False
-        return True
-
-    def _forward_small(self, hidden_states, layout, prev_topk_indices, cache, cache_context):
-        """:meth:`forward` for a few fp32 CPU tokens without autograd (a decode step): the two mHC sites and the two
-        RMSNorms run in numpy on the streams' memory, chained without torch round trips (``hc_pre`` → norm →
-        sub-block → ``hc_post``, twice); the token mixer and the MLP are called as modules. Same formulas as the
-        general path (:func:`.mhc.hc_pre_arrays`, :func:`.mhc.hc_post_arrays`, RMSNorm ``w * x / sqrt(mean(x^2) +
-        eps)``); values agree to fp32 rounding (tests/test_generation.py compares decode with the uncached forward).
-        """
-        batch, seq, n, dim = hidden_states.shape
-        streams = hidden_states.reshape(batch * seq, n, dim).numpy()  # [T, N, D] (a copy only if not contiguous)
-
-        def site(hc, norm, streams):
-            post, comb, x = hc_pre_arrays(
-                streams, hc.fn.detach().numpy(), hc.base.tolist(), hc.scale.tolist(),
-                sinkhorn_iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, norm_eps=hc.norm_eps,
-            )
-            x = rms_norm_rows(x, norm.weight.detach().numpy(), norm.variance_epsilon)
-            return post, comb, torch.from_numpy(x).view(batch, seq, dim)
-
-        post, comb, x = site(self.attn_hc, self.input_layernorm, streams)
-        x, topk_indices = self._token_mixer(x, layout, prev_topk_indices, cache, cache_context)
-        streams = hc_post_arrays(x.reshape(batch * seq, dim).numpy(), streams, post, comb)
-        post, comb, x = site(self.ffn_hc, self.post_attention_layernorm, streams)
-        x = self.mlp(x)
-        streams = hc_post_arrays(x.reshape(batch * seq, dim).numpy(), streams, post, comb)
-        return torch.from_numpy(streams).view(batch, seq, n, dim), topk_indices
-
-
-# A decoder layer's numpy block path (:meth:`Glm53FlashDecoderLayer._forward_small`) takes at most this many tokens,
-# and needs these submodules to be exactly these classes, without hooks.
-_SMALL_BLOCK_TOKENS = SMALL_TOKENS
-_SMALL_BLOCK_MODULES = (
-    ("attn_hc", Glm53FlashHyperConnection),
-    ("ffn_hc", Glm53FlashHyperConnection),
-    ("input_layernorm", Glm53FlashRMSNorm),
-    ("post_attention_layernorm", Glm53FlashRMSNorm),
-)
 
 
 class Glm53FlashSharedHead(nn.Module):
@@ -407,7 +332,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 if isinstance(gate, Glm53FlashTopkRouter):
                     hooks.append(gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0])))
         try:
-            for layer in itertools.islice(self.layers, self.config.num_hidden_layers):  # no ModuleList copy
+            for layer in self.layers[: self.config.num_hidden_layers]:
                 hidden_states, topk_indices = layer(
                     hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
                 )
@@ -417,17 +342,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             for hook in hooks:
                 hook.remove()
         router_logits = tuple(router_logits) if output_router_logits else None
-        b, s, n, d = hidden_states.shape
-        if not mtp_depth and b * s <= SMALL_TOKENS and plain_module(self.norm, Glm53FlashRMSNorm) and numpy_ok(
-            hidden_states, self.norm.weight
-        ):
-            # decode step: mean head and final RMSNorm in numpy (same formulas, fp32 rounding)
-            h_pre = hidden_states.reshape(b * s, n, d).numpy().mean(axis=1)
-            h = rms_norm_rows(h_pre, self.norm.weight.detach().numpy(), self.norm.variance_epsilon)
-            hidden_states = torch.from_numpy(h).view(b, s, d)
-        else:
-            h_pre = hc_head(hidden_states)
-            hidden_states = self.norm(h_pre)
+        h_pre = hc_head(hidden_states)
+        hidden_states = self.norm(h_pre)
         if not mtp_depth:
             return Glm53FlashTextModelOutput(
                 last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
@@ -504,8 +420,6 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
     ``mtp_loss_weight > 0``. Depths: ``config.mtp_depth``.
     """
     requested = kwargs.pop("mtp", None)
-    if labels is None:
-        return 0
     config = head_model.config.get_text_config(decoder=True)
     cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache")
     on = requested if requested is not None else config.mtp_loss_weight > 0
@@ -526,12 +440,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "G
         hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
     else:
         hidden_states = hidden_states[:, logits_to_keep, :]
-    b, s, d = hidden_states.shape
-    if labels is None and b * s <= SMALL_TOKENS and numpy_ok(hidden_states):  # a decode step: numpy GEMV
-        logits = torch.from_numpy(numpy_linear(head_model.lm_head, hidden_states.reshape(b * s, d).numpy()))
-        logits = logits.view(b, s, -1)
-    else:
-        logits = call_linear(head_model.lm_head, hidden_states)  # no Module.__call__ overhead (.decode_ops)
+    logits = head_model.lm_head(hidden_states)
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}

@@ -51,14 +51,12 @@ Note for a fused path: the torch ``grouped_mm`` backward rejects a stride-0 (exp
 
 from __future__ import annotations
 
-import numpy as _np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
-from .decode_ops import SMALL_TOKENS, call_linear, matvec_rows, numpy_linear, numpy_ok, plain_module
 from .dispatch import choose_backend, requested_backend
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -77,15 +75,6 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
-
-
-def swiglu_numpy(gate, up, limit: float | None):
-    """:func:`clamped_swiglu` on fp32 numpy arrays (the decode-sized paths): ``silu(min(gate, limit)) *
-    clip(up, -limit, limit)`` with ``silu(g) = g / (1 + exp(-g))``."""
-    f32 = _np.float32
-    if limit is not None:  # ufuncs, not np.clip (whose Python wrapper costs more than the work here)
-        gate, up = _np.minimum(gate, f32(limit)), _np.minimum(_np.maximum(up, f32(-limit)), f32(limit))
-    return gate / (f32(1.0) + _np.exp(-gate)) * up
 
 
 class Glm53FlashMLP(nn.Module):
@@ -119,18 +108,7 @@ class Glm53FlashMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= SMALL_TOKENS * x.shape[-1] and numpy_ok(x):  # a decode step: numpy GEMVs and SwiGLU
-            return torch.from_numpy(self._forward_numpy(x.reshape(-1, x.shape[-1]).numpy())).view(*x.shape[:-1], -1)
-        lin = call_linear  # F.linear without nn.Module.__call__ for plain nn.Linear layers (.decode_ops)
-        return lin(self.down_proj, clamped_swiglu(lin(self.gate_proj, x), lin(self.up_proj, x), self.swiglu_limit))
-
-    def _forward_numpy(self, x):
-        """The MLP on a few fp32 rows ``x [T, H]`` (numpy, grad mode off): :func:`.decode_ops.numpy_linear` GEMVs
-        and the clamped SwiGLU in numpy. Same formula; fp32 rounding may differ from the torch path."""
-        return numpy_linear(
-            self.down_proj,
-            swiglu_numpy(numpy_linear(self.gate_proj, x), numpy_linear(self.up_proj, x), self.swiglu_limit),
-        )
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 class Glm53FlashTopkRouter(nn.Module):
@@ -253,21 +231,6 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 _SMALL_PAIRS = 8
 
 
-def _one_token_experts(x, ids, weights, gate_up_proj, down_proj, swiglu_limit):
-    """One token (``x [1, H]``), its distinct in-range expert ids (Python list) and weights ``[k]``: the experts in
-    ascending id order (the general path's order), each ``F.linear`` on its weight slice, the weighted outputs
-    summed in that order in the weights' promoted dtype. ~8 ops per expert instead of the general bookkeeping."""
-    inter = down_proj.shape[2]
-    acc = None
-    for j in sorted(range(len(ids)), key=ids.__getitem__):
-        e = ids[j]
-        gate_up = F.linear(x, gate_up_proj[e])  # [1, 2I]
-        act = clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
-        row = F.linear(act, down_proj[e]) * weights[j]
-        acc = row if acc is None else acc + row
-    return acc
-
-
 def _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
                            drop_out_of_range):
     num_tokens, hidden = hidden_states.shape
@@ -277,10 +240,6 @@ def _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_pr
     if any(e < 0 or e >= num_experts for e in ids):
         if not drop_out_of_range or any(e < 0 for e in ids):
             return None  # let the general path handle (or reject) it
-    elif num_tokens == 1:  # a decode step of one sequence
-        out = _one_token_experts(hidden_states.to(gate_up_proj.dtype), ids, top_k_weights[0], gate_up_proj,
-                                 down_proj, swiglu_limit)
-        return out.to(hidden_states.dtype)
     pairs = sorted((e, i) for i, e in enumerate(ids) if e < num_experts)  # (expert, flat pair index), as torch.sort
     if not pairs:
         return torch.zeros(num_tokens, hidden, device=hidden_states.device, dtype=hidden_states.dtype)
@@ -348,13 +307,7 @@ def grouped_experts_forward(
     Raises:
         ValueError: unknown backend; shapes that do not fit together.
     """
-    small = (
-        backend in ("auto", "torch")  # a CPU tensor never picks a kernel: skip the choice (and its probe)
-        and hidden_states.device.type == "cpu"
-        and top_k_index.numel() <= _SMALL_PAIRS
-        and not torch.compiler.is_compiling()
-    )
-    path = "torch" if small else choose_backend("moe", backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
+    path = choose_backend("moe", backend, hidden_states, gate_up_proj, down_proj, top_k_weights)  # validates
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [T, H]; got shape {tuple(hidden_states.shape)}")
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
@@ -390,7 +343,7 @@ def grouped_experts_forward(
         )
     k = top_k_index.shape[1]
     device = hidden_states.device
-    if small:
+    if device.type == "cpu" and num_tokens * k <= _SMALL_PAIRS and not torch.compiler.is_compiling():
         small = _small_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                        swiglu_limit, drop_out_of_range)
         if small is not None:
@@ -489,8 +442,6 @@ class Glm53FlashMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, return_router_logits: bool = False):
-        if not return_router_logits and self._one_token_ok(hidden_states):
-            return self._forward_one_token(hidden_states)
         shape = hidden_states.shape
         router_logits, topk_weights, topk_indices = self.gate(hidden_states)
         routed = self.experts(hidden_states.reshape(-1, shape[-1]), topk_indices, topk_weights).view(shape)
@@ -498,54 +449,6 @@ class Glm53FlashMoE(nn.Module):
         if return_router_logits:
             return out, router_logits
         return out
-
-
-    def _one_token_ok(self, hidden_states: torch.Tensor) -> bool:
-        """Whether :meth:`_forward_one_token` applies: one fp32 CPU token (a decode step of one sequence), grad
-        mode off, not compiling; the router and the shared expert are plain modules (no hooks: e.g. the
-        ``output_router_logits`` recorder is a hook), the router is not group-limited, and the experts run their
-        eager torch forward (no other ``_experts_implementation``, no expert parallelism, ``kernels['moe']`` not
-        ``"fused"``) on fp32 weights."""
-        experts, gate = self.experts, self.gate
-        return (
-            hidden_states.numel() == hidden_states.shape[-1]
-            and numpy_ok(hidden_states, gate.weight, gate.e_score_correction_bias, experts.gate_up_proj, experts.down_proj)
-            and gate.num_group == 1
-            and plain_module(gate, Glm53FlashTopkRouter)
-            and plain_module(self.shared_experts, Glm53FlashMLP)
-            and plain_module(experts, Glm53FlashExperts)
-            and getattr(self.config, "_experts_implementation", None) in (None, "eager")
-            and not getattr(experts, "_is_expert_parallel", False)
-            and requested_backend(self.config, "moe") != "fused"
-        )
-
-    def _forward_one_token(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for one fp32 CPU token without autograd, in numpy: the router (GEMV, sigmoid, biased
-        choice, torch's ``topk(sorted=False)`` as the general router, normalised and scaled weights of the picks),
-        each chosen expert's two GEMVs on its weight slices in ascending expert id (the general path's order),
-        the shared expert (:func:`.decode_ops.numpy_linear`), the clamped SwiGLU, the routing weights and the sums.
-        Values agree with the general path to fp32 rounding (tests/test_moe.py)."""
-        gate, experts = self.gate, self.experts
-        x = hidden_states.reshape(1, hidden_states.shape[-1]).numpy()
-        f32 = _np.float32
-        scores = f32(1.0) / (f32(1.0) + _np.exp(-matvec_rows(gate.weight.detach().numpy(), x)[0]))  # [E] sigmoid
-        choice = torch.from_numpy(scores + gate.e_score_correction_bias.numpy())
-        ids = torch.topk(choice, k=gate.top_k, sorted=False)[1].tolist()  # torch's top-k: the general router's ties
-        weights = scores[ids]
-        if gate.norm_topk_prob:
-            weights = weights / (weights.sum() + f32(1e-20))
-        weights = (weights * f32(gate.routed_scaling_factor)).tolist()
-        limit = experts.swiglu_limit
-        inter = experts.down_proj.shape[2]
-        gate_up_w, down_w = experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy()
-        out = None
-        for j in sorted(range(len(ids)), key=ids.__getitem__):
-            e = ids[j]
-            gate_up = matvec_rows(gate_up_w[e], x)  # [1, 2I]
-            row = matvec_rows(down_w[e], swiglu_numpy(gate_up[:, :inter], gate_up[:, inter:], limit))
-            row *= _np.float32(weights[j])
-            out = row if out is None else out + row
-        return torch.from_numpy(out + self.shared_experts._forward_numpy(x)).view(hidden_states.shape)
 
 
 def init_moe_weights(module: nn.Module, config) -> None:

@@ -66,33 +66,6 @@ def _as_2d(name: str, value: torch.Tensor, batch_size: int, seq_len: int) -> tor
     return value.expand(batch_size, seq_len)
 
 
-def _single_token_layout(batch_size: int, device, attention_mask: torch.Tensor | None) -> DocumentLayout:
-    """The layout of ``[B, 1]`` (a decode step): every token is its own segment; what the general builder gives,
-    in a handful of ops instead of ~40 (it runs once per generated token)."""
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f"attention_mask must be a 2-D [batch, seq] padding mask; got shape {tuple(attention_mask.shape)}"
-            )
-        valid = _as_2d("attention_mask", attention_mask.to(device), batch_size, 1).bool()
-    else:
-        valid = torch.ones(batch_size, 1, dtype=torch.bool, device=device)
-    zeros = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-    cu = torch.arange(batch_size + 1, device=device)
-    return DocumentLayout(
-        batch_size=batch_size,
-        seq_len=1,
-        valid=valid,
-        doc_start=zeros,
-        local_pos=zeros,
-        seq_idx=cu[:-1].view(batch_size, 1),
-        cu_seqlens=cu,
-        segment_valid=valid.reshape(-1),
-        max_seqlen=1,
-        trivial=attention_mask is None or bool(valid.all()),
-    )
-
-
 def build_document_layout(
     batch_size: int,
     seq_len: int,
@@ -123,8 +96,6 @@ def build_document_layout(
             sequence from 0 to ``B * S``, or it describes an empty document (two equal entries).
     """
     total = batch_size * seq_len
-    if seq_len == 1 and position_ids is None and cu_seqlens is None and seq_idx is None:
-        return _single_token_layout(batch_size, device, attention_mask)
     arange = torch.arange(seq_len, device=device)
     starts = torch.zeros(batch_size, seq_len, dtype=torch.bool, device=device)
     starts[:, 0] = True

@@ -355,8 +355,7 @@ def test_sparse_mla_dispatch_and_validation():
     dispatch._warned.clear()
     with pytest.warns(UserWarning, match="cannot run"):
         c = sparse_mla(q, lat, idx, 0.5, backend="fused")[0]
-    # same grad mode as c (under no_grad a few CPU queries take the numpy route, equal only to fp32 rounding)
-    assert torch.equal(c, sparse_mla_torch(q, lat, idx, 0.5)[0])
+    assert torch.equal(c, b)
     with pytest.raises(ValueError, match="backend"):
         sparse_mla(q, lat, idx, 0.5, backend="triton")
     with pytest.raises(ValueError, match="indices"):

@@ -454,7 +454,7 @@ def test_init_moe_weights():
     assert module.gate.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("tokens,k,drop", [(1, 2, False), (1, 3, False), (4, 2, False), (3, 2, True), (2, 3, False)])
+@pytest.mark.parametrize("tokens,k,drop", [(1, 2, False), (4, 2, False), (3, 2, True), (2, 3, False)])
 def test_small_decode_path_matches_grouped_path(monkeypatch, tokens, k, drop):
     """The few-pairs CPU path (decode) equals the sort + grouped-GEMM path within 1e-6 (incl. sentinel ids)."""
     import glm53flash_hf.moe as moe_mod
