@@ -11,7 +11,8 @@ inference engines that key on ``model_type``. They add:
   family; a dict names families among ``kda``, ``mhc``, ``dsa``, ``moe`` (missing ones are ``"auto"``).
 
 Unsupported combinations raise ``ValueError`` naming the field and its value (see
-:meth:`Glm53FlashTextConfig.validate_architecture`). Field meanings: ``shared/reference/model-spec.md`` §1-§2.
+:meth:`Glm53FlashTextConfig.validate_architecture`). Field meanings: transformers'
+``models/glm5_next/configuration_glm5_next.py`` (``Glm5NextTextConfig``), which these classes extend.
 """
 
 from huggingface_hub.dataclasses import strict
@@ -68,7 +69,7 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
     kernels (`str | dict`, defaults to ``"auto"``):
         Implementation per operator family, see the module docstring.
     mtp_depth (`int`, defaults to 1):
-        Number D of logical MTP depths applied with the one (shared) MTP layer during training (model-spec §9).
+        Number D of logical MTP depths applied with the one (shared) MTP layer during training (DeepSeek-V3 technical report §2.2).
     mtp_loss_weight (`float`, defaults to 0.1):
         Weight of the MTP loss (mean over depths) added to ``loss``; 0 turns the MTP objective off.
 

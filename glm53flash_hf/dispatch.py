@@ -12,10 +12,9 @@ recompute in eval mode must pick the same path as the forward it replays) and ne
 never reach a GPU-only kernel even when fla/triton are installed.
 
 Fused kernels are probed through :data:`FUSED_AVAILABILITY` (family → callable returning ``(ok, reason)`` for the
-given tensors). The probes import their kernel module lazily, only for CUDA tensors: ``kda`` →
-:mod:`glm53flash_hf.fla_kda` (fla-core), ``mhc`` → :mod:`glm53flash_hf.triton_mhc`, ``dsa`` →
-:mod:`glm53flash_hf.triton_dsa`, ``moe`` → :mod:`glm53flash_hf.triton_moe` (each exposes
-``fused_<family>_available(*tensors) -> (ok, reason)``).
+given tensors). The probes import their kernel module ``glm53flash_hf.<family>_fused`` lazily, only for CUDA
+tensors: ``kda_fused`` (fla-core), ``mhc_fused``, ``dsa_fused`` and ``moe_fused`` (our Triton kernels); each exposes
+``fused_<family>_available(*tensors) -> (ok, reason)``.
 
 :func:`local_tensor` unwraps parameters that arrive as DTensors (FSDP2 / tensor parallel) before a fused kernel
 reads their storage: replicated ones become their local tensor, sharded ones raise naming the parameter.
@@ -108,10 +107,8 @@ def _lazy_probe(module: str, probe: str) -> Callable[..., tuple[bool, str]]:
     return run
 
 
-FUSED_AVAILABILITY["kda"] = _lazy_probe("fla_kda", "fused_kda_available")
-FUSED_AVAILABILITY["mhc"] = _lazy_probe("triton_mhc", "fused_mhc_available")
-FUSED_AVAILABILITY["dsa"] = _lazy_probe("triton_dsa", "fused_dsa_available")
-FUSED_AVAILABILITY["moe"] = _lazy_probe("triton_moe", "fused_moe_available")
+for _family in KERNEL_FAMILIES:
+    FUSED_AVAILABILITY[_family] = _lazy_probe(f"{_family}_fused", f"fused_{_family}_available")
 
 
 def local_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:

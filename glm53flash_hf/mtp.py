@@ -1,4 +1,5 @@
-"""Multi-token prediction (MTP) objective: per-document rolls and the MTP loss (model-spec §9).
+"""Multi-token prediction (MTP) objective: per-document rolls and the MTP loss (DeepSeek-V3 technical report
+§2.2, "Multi-Token Prediction").
 
 Index convention (the one used by :func:`mtp_targets` and tested in ``tests/test_mtp.py``): depth ``k``
 (1-based) at position ``t`` reads the main stack's state at ``t`` (``h_pre``, or depth ``k-1``'s output) and the

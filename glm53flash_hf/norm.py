@@ -5,7 +5,6 @@ T5/Llama RMSNorm: normalise in fp32, cast back to the input dtype, then multiply
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -26,14 +25,6 @@ class Glm53FlashRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if (
-            hidden_states.dtype == self.weight.dtype == torch.float32
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-        ):
-            # Inference in fp32 (e.g. CPU decode): torch's fused rms_norm, one op instead of six; the same formula
-            # (fp32 mean of squares, rsqrt, then the weight), measured bit-equal to the composite path below.
-            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)

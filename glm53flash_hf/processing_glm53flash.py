@@ -12,8 +12,8 @@
   backend (see its docstring for why it exists and how it relates to transformers' ``Glm5NextVideoProcessor``);
 * the GLM-5.3 chat template, ``chat_template.jinja`` next to this file.
 
-Placeholder expansion follows ``shared/reference/model-spec.md`` section 12 and transformers 5.24's
-``Glm5NextProcessor`` (the reference; ``tests/test_processing.py`` compares the two on the same inputs):
+Placeholder expansion follows transformers 5.24's ``Glm5NextProcessor``
+(``models/glm5_next/processing_glm5_next.py``, the reference; ``tests/test_processing.py`` compares the two on the same inputs):
 only the inner marker is expanded, the begin/end wrappers stay.
 
 * ``<|image|>`` -> ``<|image|>`` x (t*h*w / merge^2) for the image's ``image_grid_thw`` row.

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 # transformers' glm5_next binds fla-core's Triton kernels at import when fla is installed (the [gpu] or [test] extra),
-# and those fail on CPU tensors ("0 active drivers"; kernels.md §1.7): hide fla so the reference runs its torch path.
+# and those fail on CPU tensors ("0 active drivers"): hide fla so the reference runs its torch path.
 if "fla" not in sys.modules:
     sys.modules["fla"] = None
 

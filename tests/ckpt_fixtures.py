@@ -2,8 +2,8 @@
 
 A canonical checkpoint is written by our own ``save_pretrained`` (published layout, several shards); variants are
 derived from it by rewriting the keys of each shard with safetensors, quantizing the keys of
-:func:`glm53flash_hf.fp8.fp8_keys_of` (``<name>_scale_inv`` placed in *another* shard than the weight, as model-spec
-§13 item 19 warns can happen) and adding a few fake vision tensors under the variant's vision prefix.
+:func:`glm53flash_hf.tools.fp8.fp8_keys_of` (``<name>_scale_inv`` placed in *another* shard than the weight, which
+the release can do) and adding a few fake vision tensors under the variant's vision prefix.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
-from glm53flash_hf.fp8 import fp8_keys_of, fp8_quantization_config, quantize_fp8_blockwise
+from glm53flash_hf.tools.fp8 import fp8_keys_of, fp8_quantization_config, quantize_fp8_blockwise
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 from tiny import randomize_
 
@@ -44,7 +44,7 @@ def tiny_config(**text_overrides) -> Glm53FlashConfig:
     return Glm53FlashConfig(**raw)
 
 
-# Tensors the release stores in fp32 (model-spec §11); the rest, including the KDA convolutions and the router
+# Tensors the release stores in fp32; the rest, including the KDA convolutions and the router
 # weight that the model keeps in fp32 in memory, are bf16 on disk.
 FP32_ON_DISK = ("A_log", "dt_bias", "hc.base", "hc.scale", "e_score_correction_bias")
 

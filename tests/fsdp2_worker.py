@@ -32,7 +32,7 @@ DOCS = [(10, 14), (24,), (7, 9, 8), (16, 8)]
 def make_model(seed: int = 0):
     """The tiny causal LM in fp32 (MTP layer included; the loss adds 0.1 * mtp_loss)."""
     from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
-    from glm53flash_hf.make_tiny import DEFAULT_CONFIG
+    from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
     from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 
     torch.manual_seed(seed)
@@ -125,7 +125,7 @@ def _sharding_report(model, plan) -> dict:
 
 
 def _fp32_run(rank: int, world: int, mesh, tmpdir: str, ref: dict, out: dict) -> None:
-    from glm53flash_hf.distributed import apply_fsdp2, load_sharded_checkpoint, save_sharded_checkpoint
+    from glm53flash_hf.train.distributed import apply_fsdp2, load_sharded_checkpoint, save_sharded_checkpoint
 
     model = make_model(0)
     plan = apply_fsdp2(model, mesh=mesh)
@@ -219,7 +219,7 @@ def _accelerate_run(rank: int, world: int, accelerate_env: dict, out: dict) -> N
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from glm53flash_hf.distributed import shard_fp32_kept_units
+    from glm53flash_hf.train.distributed import shard_fp32_kept_units
 
     os.environ.update(accelerate_env)
     plugin = FullyShardedDataParallelPlugin()
@@ -252,7 +252,7 @@ def _bf16_run(rank: int, world: int, mesh, out: dict) -> None:
     """bf16 policy: dtypes seen in the forward; loss and gradients against an unsharded model with the same dtypes."""
     import torch.distributed as dist
 
-    from glm53flash_hf.distributed import apply_fsdp2, fp32_kept_parameter_names
+    from glm53flash_hf.train.distributed import apply_fsdp2, fp32_kept_parameter_names
 
     model = make_model(0)
     kept = fp32_kept_parameter_names(model)

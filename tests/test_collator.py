@@ -1,10 +1,10 @@
-"""Glm53FlashPackingCollator (issue 7 item 3): packed SFT rows equal the samples run alone.
+"""Glm53FlashPackingCollator: packed SFT rows equal the samples run alone.
 
 Inputs are real: "Explain <topic>" conversations answered with CPython's ``pydoc_data.topics`` text and
 scikit-image's bundled photos (astronaut, chelsea), turned into SFT examples by the embedded processor's
 ``build_sft_example`` and run through the embedded default checkpoint (``make_tiny``) loaded with remote code.
 Reference: each sample run alone through the same model (logits, loss); the label/position conventions are
-those of transformers' ``DataCollatorWithFlattening`` (hf-integration.md §4.1).
+those of transformers' ``DataCollatorWithFlattening``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53flash_hf.collator import Glm53FlashPackingCollator
+from glm53flash_hf.train.collator import Glm53FlashPackingCollator
 from tiny import rel_err
 
 TOPICS = ["assert", "break", "continue", "pass", "global", "lambda"]
@@ -22,7 +22,7 @@ TOPICS = ["assert", "break", "continue", "pass", "global", "lambda"]
 def tiny(tmp_path_factory):
     from transformers import AutoProcessor
 
-    from glm53flash_hf.make_tiny import make_tiny
+    from glm53flash_hf.tools.make_tiny import make_tiny
 
     folder = make_tiny(str(tmp_path_factory.mktemp("collator") / "tiny"), show_progress=False)
     processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from glm53flash_hf.demo import main
+from glm53flash_hf.tools.demo import main
 
 
 def test_demo_runs_on_embedded_default(tmp_path, capsys):

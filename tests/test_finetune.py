@@ -1,4 +1,4 @@
-"""The main job ``glm53flash-finetune`` (issue 7 item 7): the SFT-set builder, and the job itself run as a user
+"""The main job ``glm53flash-finetune``: the SFT-set builder, and the job itself run as a user
 would (a subprocess on the embedded tiny checkpoint) with LoRA and with ``--full``.
 
 The job runs with small settings here (6 or 2 steps, 12 text samples + the 6 media samples); the default run (400
@@ -20,8 +20,8 @@ import torch
 peft = pytest.importorskip("peft")
 pytest.importorskip("skimage")
 
-from glm53flash_hf import finetune  # noqa: E402
-from glm53flash_hf.make_tiny import make_tiny  # noqa: E402
+from glm53flash_hf.tools import finetune, sft_data  # noqa: E402
+from glm53flash_hf.tools.make_tiny import make_tiny  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORE = -100
@@ -44,9 +44,10 @@ def processor(tiny):
 
 def _run_job(args, cwd, script=False):
     """Run the job in a fresh process; return (stdout, stderr). Fails the test on a non-zero exit."""
-    entry = [os.path.join(REPO, "scripts", "finetune.py")] if script else ["-m", "glm53flash_hf.finetune"]
+    console = os.path.join(os.path.dirname(sys.executable), "glm53flash-finetune")
+    entry = [console] if script else [sys.executable, "-m", "glm53flash_hf.tools.finetune"]
     env = dict(os.environ, PYTHONPATH=REPO, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, *entry, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    proc = subprocess.run([*entry, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=480)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout, proc.stderr
@@ -58,33 +59,33 @@ def _run_job(args, cwd, script=False):
 def test_topic_prompts_and_answers_are_real_text():
     from pydoc_data.topics import topics
 
-    assert finetune.explain_prompt("pass") == 'Explain the "pass" statement.'
-    assert finetune.explain_prompt("lambda") == "Explain Lambdas."
+    assert sft_data.explain_prompt("pass") == 'Explain the "pass" statement.'
+    assert sft_data.explain_prompt("lambda") == "Explain Lambdas."
     for name in ("pass", "types", "assert", "debugger"):  # short, very long, and a title without "The"
-        answer = finetune.topic_answer(name, max_chars=300)
+        answer = sft_data.topic_answer(name, max_chars=300)
         assert 40 <= len(answer) <= 300, (name, len(answer))
         body = topics[name].split("\n", 2)[2]
         assert answer.split("\n\n")[0] in body and not answer.startswith(topics[name].split("\n")[0])
     # whole paragraphs when they fit: "pass" has a grammar line then its explanation
-    assert finetune.topic_answer("pass", 400).startswith('pass_stmt ::= "pass"\n\n"pass" is a null operation')
+    assert sft_data.topic_answer("pass", 400).startswith('pass_stmt ::= "pass"\n\n"pass" is a null operation')
     with pytest.raises(KeyError, match="not a pydoc_data.topics topic"):
-        finetune.explain_prompt("no-such-topic")
+        sft_data.explain_prompt("no-such-topic")
     with pytest.raises(ValueError, match="max_chars"):
-        finetune.topic_answer("pass", 10)
+        sft_data.topic_answer("pass", 10)
 
 
 def test_text_topics_exclude_held_out_and_duplicates():
     from pydoc_data.topics import topics
 
-    every = finetune.text_topics(77, held_out="pass", seed=0)  # 79 topics, "else" repeats "if", "pass" held out
+    every = sft_data.text_topics(77, held_out="pass", seed=0)  # 79 topics, "else" repeats "if", "pass" held out
     assert len(every) == len(set(every)) == 77 and "pass" not in every
     assert len({topics[n] for n in every}) == 77
-    assert finetune.text_topics(5, "pass", seed=1) != finetune.text_topics(5, "pass", seed=2)
-    assert "if" not in finetune.text_topics(77, held_out="if", seed=0)
+    assert sft_data.text_topics(5, "pass", seed=1) != sft_data.text_topics(5, "pass", seed=2)
+    assert "if" not in sft_data.text_topics(77, held_out="if", seed=0)
     with pytest.raises(ValueError, match="--samples must be between 0 and 77"):
-        finetune.text_topics(78, held_out="pass", seed=0)
+        sft_data.text_topics(78, held_out="pass", seed=0)
     with pytest.raises(KeyError):
-        finetune.text_topics(3, held_out="nope", seed=0)
+        sft_data.text_topics(3, held_out="nope", seed=0)
 
 
 def test_sft_dataset(processor):
@@ -92,13 +93,13 @@ def test_sft_dataset(processor):
     on the answers: the trained tokens decode to the answer followed by <|endoftext|> (thinking off: the
     ``<think></think>`` of the prompt is not trained), and no visual placeholder is trained."""
     tokenizer = processor.tokenizer
-    convs = finetune.sft_conversations(12, held_out="lambda", seed=0)
-    examples = finetune.build_sft_dataset(processor, 12, held_out="lambda", seed=0, max_length=512)
-    assert len(examples) == len(convs) == 12 + len(finetune.PHOTOS) + 1
+    convs = sft_data.sft_conversations(12, held_out="lambda", seed=0)
+    examples = sft_data.build_sft_dataset(processor, 12, held_out="lambda", seed=0, max_length=512)
+    assert len(examples) == len(convs) == 12 + len(sft_data.PHOTOS) + 1
     names = [e["name"] for e in examples]
-    assert names[:12] == [f"topic:{n}" for n in finetune.text_topics(12, "lambda", 0)]
+    assert names[:12] == [f"topic:{n}" for n in sft_data.text_topics(12, "lambda", 0)]
     assert "topic:lambda" not in names
-    assert names[12:] == [f"photo:{n}" for n, _ in finetune.PHOTOS] + [f"video:{finetune.GIF_NAME}"]
+    assert names[12:] == [f"photo:{n}" for n, _ in sft_data.PHOTOS] + [f"video:{sft_data.GIF_NAME}"]
     for conv, example in zip(convs, examples):
         question = conv["messages"][0]["content"][-1]["text"]
         answer = conv["messages"][1]["content"]
@@ -112,16 +113,16 @@ def test_sft_dataset(processor):
         if conv["name"].startswith("topic:"):
             assert question.startswith("Explain ") and (types == 0).all() and "pixel_values" not in example
         elif conv["name"].startswith("photo:"):
-            assert question == finetune.IMAGE_PROMPT and int((types == 1).sum()) == 16  # 112 px: 8x8 patches / 4
+            assert question == sft_data.IMAGE_PROMPT and int((types == 1).sum()) == 16  # 112 px: 8x8 patches / 4
             assert example["pixel_values"].shape == (64, 1176) and example["image_grid_thw"].tolist() == [[1, 8, 8]]
         else:
-            assert question == finetune.VIDEO_PROMPT and int((types == 2).sum()) > 0
+            assert question == sft_data.VIDEO_PROMPT and int((types == 2).sum()) > 0
             assert int(example["video_grid_thw"][0, 0]) >= 2  # several tubelets of the 24-frame GIF
-    video, meta = finetune.load_gif()
+    video, meta = sft_data.load_gif()
     assert video.shape == (24, 25, 14, 3) and video.dtype.name == "uint8" and abs(meta.fps - 1000 / 70) < 1e-9
     # truncation that leaves no answer token is refused
     with pytest.raises(ValueError, match="no trained token"):
-        finetune.build_sft_dataset(processor, 1, max_length=12, media=False)
+        sft_data.build_sft_dataset(processor, 1, max_length=12, media=False)
 
 
 def test_loss_summary_and_folder_check(tmp_path):
@@ -219,7 +220,7 @@ def test_lora_adapter_reproduces_merged_folder(lora_run, tiny):
 
 
 def test_full_finetune_saves_full_weights(tiny, tmp_path):
-    """``--full`` (through scripts/finetune.py, no MTP, 2 steps without warm-up): full weights in the folder, no
+    """``--full`` (through the glm53flash-finetune console script, no MTP, 2 steps without warm-up): full weights in the folder, no
     adapter, no MTP loss logged, and every weight kind moved (attention, experts, vision tower)."""
     from safetensors import safe_open
 

@@ -1,9 +1,8 @@
-"""FSDP2 (issue 7 item 6): ``glm53flash_hf.distributed`` and ``configuration/accelerate_fsdp2.yaml``.
+"""FSDP2: ``glm53flash_hf.train.distributed`` and ``configuration/accelerate_fsdp2.yaml``.
 
-accelerate 1.15 silently drops FSDP on CPU (``--cpu`` runs one process, ``MULTI_CPU`` ignores the plugin: DDP;
-hf-integration §5.4), so the distributed test does not go through ``accelerate launch``: two processes
+accelerate 1.15 silently drops FSDP on CPU (``--cpu`` runs one process, ``MULTI_CPU`` ignores the plugin: DDP), so the distributed test does not go through ``accelerate launch``: two processes
 (``torch.multiprocessing``, gloo, ``tests/fsdp2_worker.py``) shard the tiny model with raw ``fully_shard``
-(:func:`glm53flash_hf.distributed.apply_fsdp2`), and the accelerate path is exercised by calling accelerate's own
+(:func:`glm53flash_hf.train.distributed.apply_fsdp2`), and the accelerate path is exercised by calling accelerate's own
 ``fsdp2_prepare_model`` with the plugin the yaml's environment builds. Sharding is proven, not assumed: every block
 parameter is a ``DTensor`` with a ``Shard(0)`` placement and a local shard smaller than the full tensor, and the
 checkpoint folder holds one file per rank.
@@ -40,7 +39,7 @@ import pytest
 import torch
 
 import fsdp2_worker
-from glm53flash_hf.distributed import (
+from glm53flash_hf.train.distributed import (
     apply_fsdp2,
     fp32_kept_parameter_names,
     load_sharded_checkpoint,
@@ -52,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 YAML = os.path.join(ROOT, "configuration", "accelerate_fsdp2.yaml")
 WORKER_DEADLINE_S = 300
 
-#: independent oracle of the fp32-kept parameters (model-spec §11/§13 item 8; transformers' glm5_next list)
+#: independent oracle of the fp32-kept parameters (transformers' glm5_next list)
 KEPT_SUFFIXES = (
     ".A_log", ".dt_bias", ".conv1d.weight", "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale",
     ".mlp.gate.weight",
@@ -160,7 +159,7 @@ def test_fp32_kept_parameter_names():
 
 def test_bad_input_raises(tmp_path, monkeypatch):
     """Input errors name what is wrong, before any process group is needed."""
-    from glm53flash_hf import distributed
+    from glm53flash_hf.train import distributed
 
     model = fsdp2_worker.make_model(0)
     with monkeypatch.context() as m:

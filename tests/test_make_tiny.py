@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from glm53flash_hf.fp8 import FP8_DTYPE, dequantize_fp8_blockwise, fp8_keys_of, fp8_quantization_config
-from glm53flash_hf.make_tiny import DEFAULT_CONFIG, SPECIAL_TOKENS, TEXT_TAG_TOKENS, main, make_tiny
+from glm53flash_hf.tools.fp8 import FP8_DTYPE, dequantize_fp8_blockwise, fp8_keys_of, fp8_quantization_config
+from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, SPECIAL_TOKENS, TEXT_TAG_TOKENS, main, make_tiny
 from glm53flash_hf.modeling_glm53flash import AUTO_MAP
 from tiny import read_checkpoint_tensors
 
@@ -200,7 +200,7 @@ def test_help_explains_every_option(capsys):
     for option in ("OUT", "--fp8", "--seed", "--config", "--dtype", "--overwrite", "--quiet"):
         assert option in text
     assert "pydoc_data.topics" in text and "_scale_inv" in text
-    # The script wrapper works outside pytest too.
-    command = [sys.executable, os.path.join(REPO, "scripts", "make_tiny.py"), "--help"]
+    # The console script works outside pytest too.
+    command = [os.path.join(os.path.dirname(sys.executable), "glm53flash-make-tiny"), "--help"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and re.search(r"--fp8", result.stdout), result.stderr

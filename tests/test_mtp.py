@@ -1,4 +1,4 @@
-"""MTP forward and loss (model-spec §9; ``glm53flash_hf/mtp.py``).
+"""MTP forward and loss (``glm53flash_hf/mtp.py``).
 
 Model: ``configuration/tiny.json`` (KDA, full and shared DSA, MoE, mHC, one MTP layer), randomised, fp32.
 Packed rows follow ``DataCollatorWithFlattening``: ``position_ids`` restart at 0 per document, the first label

@@ -1,4 +1,4 @@
-"""``docs/quickstart.ipynb`` runs from top to bottom and shows what its prose says (issue 7, item 8).
+"""``docs/quickstart.ipynb`` runs from top to bottom and shows what its prose says.
 
 The notebook is executed with nbclient in a fresh ``python3`` kernel (ipykernel's built-in kernelspec, which
 jupyter_client starts with this test's interpreter, i.e. the venv's), working directory a temporary folder,

@@ -85,7 +85,7 @@ def test_document_isolation(models):
 
 
 def test_hf_reference_leaks_across_documents(models):
-    """Records the known defect we fix: transformers' built-in mixes packed documents (model-spec §4.3)."""
+    """Records the known defect we fix: transformers' built-in mixes packed documents."""
     hf, _ = models
     docs = _docs(3)
     ids, pos, _ = _packed_inputs(docs)

@@ -1,5 +1,5 @@
 """PEFT LoRA on GLM-5.3-Flash: projections (``target_modules``) and the routed experts' 3-D weights
-(``target_parameters``) via :func:`glm53flash_hf.training.default_lora_config` (issue 7 item 5)."""
+(``target_parameters``) via :func:`glm53flash_hf.train.trainer.default_lora_config`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 peft = pytest.importorskip("peft")
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig  # noqa: E402
-from glm53flash_hf.make_tiny import DEFAULT_CONFIG, make_tiny  # noqa: E402
+from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, make_tiny  # noqa: E402
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM  # noqa: E402
-from glm53flash_hf.training import EXPERT_TARGET_PARAMETERS, default_lora_config  # noqa: E402
+from glm53flash_hf.train.trainer import EXPERT_TARGET_PARAMETERS, default_lora_config  # noqa: E402
 
 
 def _base(seed: int = 0) -> Glm53FlashForCausalLM:

@@ -1,10 +1,10 @@
-"""Glm53FlashProcessor, Glm53FlashVideoProcessor, the GLM-5.3 chat template and SFT labels (issue 4).
+"""Glm53FlashProcessor, Glm53FlashVideoProcessor, the GLM-5.3 chat template and SFT labels.
 
 Inputs are real pictures and the animated GIF shipped in scikit-image's ``skimage/data`` (shrunk so the tests
-stay fast); the tokenizer is the byte-level BPE of ``glm53flash_hf.make_tiny`` (trained on CPython's
+stay fast); the tokenizer is the byte-level BPE of ``glm53flash_hf.tools.make_tiny`` (trained on CPython's
 ``pydoc_data.topics``) with the GLM special tokens. Nothing is downloaded.
 
-References: the expected template strings are spelled out character for character (model-spec section 12);
+References: the expected template strings are spelled out character for character;
 the placeholder expansion is compared with transformers' in-library ``Glm5NextProcessor`` on the same inputs;
 frame sampling, the patch layout and the grid sizes are compared with transformers' ``Glm5NextVideoProcessor``
 (loaded in a subprocess behind a stand-in for torchvision, which cannot be installed next to the CPU torch
@@ -49,7 +49,7 @@ MERGE = 2
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from glm53flash_hf.make_tiny import train_tokenizer
+    from glm53flash_hf.tools.make_tiny import train_tokenizer
 
     return PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(2000),

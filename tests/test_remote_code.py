@@ -19,8 +19,8 @@ import textwrap
 import pytest
 import torch
 
-from glm53flash_hf.export import export, main as export_main, remote_code_files
-from glm53flash_hf.make_tiny import DEFAULT_CONFIG, make_tiny
+from glm53flash_hf.tools.export import export, main as export_main, remote_code_files
+from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, make_tiny
 from glm53flash_hf.modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
 from tiny import randomize_, read_checkpoint_tensors, rel_err
 

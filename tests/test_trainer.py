@@ -1,5 +1,5 @@
-"""HF Trainer integration (issue 7 item 1): exact gradient accumulation through ``num_items_in_batch`` and the
-aux-loss-free balancing callback (:class:`glm53flash_hf.training.AuxLossFreeBalancingCallback`)."""
+"""HF Trainer integration: exact gradient accumulation through ``num_items_in_batch`` and the
+aux-loss-free balancing callback (:class:`glm53flash_hf.train.trainer.AuxLossFreeBalancingCallback`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
-from glm53flash_hf.make_tiny import DEFAULT_CONFIG
+from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
-from glm53flash_hf.training import AuxLossFreeBalancingCallback, find_routers
+from glm53flash_hf.train.trainer import AuxLossFreeBalancingCallback, find_routers
 
 SEQ = 12
 

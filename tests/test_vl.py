@@ -1,7 +1,7 @@
 """Vision-language model: parity with transformers' ``Glm5NextForConditionalGeneration`` on the same weights.
 
 Images and videos are synthetic patch tensors in the vision tower's input layout (``[t*h*w, C*T*P*P]`` with
-``grid_thw`` rows), and the token sequences carry the placeholder structure the processor produces (model-spec §12):
+``grid_thw`` rows), and the token sequences carry the placeholder structure the processor produces:
 ``<|begin_of_image|><|image|>*(h*w/4)<|end_of_image|>`` for an image; for a video, per tubelet
 ``<|begin_of_image|><|image|>*(h*w/4)<|end_of_image|>`` + timestamp text, inside
 ``<|begin_of_video|> … <|end_of_video|>``.
@@ -147,7 +147,7 @@ def test_embedded_default_end_to_end_with_real_photo(tmp_path):
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from glm53flash_hf.make_tiny import make_tiny
+    from glm53flash_hf.tools.make_tiny import make_tiny
 
     folder = make_tiny(str(tmp_path / "tiny"), show_progress=False)
     processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
@@ -171,7 +171,7 @@ def test_vl_save_writes_the_published_layout(tmp_path):
 
     from safetensors.torch import load_file
 
-    from glm53flash_hf.make_tiny import make_tiny
+    from glm53flash_hf.tools.make_tiny import make_tiny
     from glm53flash_hf.modeling_glm53flash import Glm53FlashForConditionalGeneration
 
     def tensors(folder):

@@ -35,16 +35,16 @@ initialisation (the model's ``_init_weights``) under ``torch.manual_seed(seed)``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
+
+from . import docstring_parser
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Shipped inside the package (so non-editable installs have it); configuration/tiny.json links to it.
 DEFAULT_CONFIG = os.path.join(HERE, "tiny_config.json")
 
-# GLM special tokens in id order (model-spec §12); the first one sits at the config's pad_token_id.
+# GLM special tokens in id order (the release's tokenizer_config.json); the first one sits at the config's pad_token_id.
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "[MASK]",
@@ -296,7 +296,7 @@ def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: b
     """
     import torch
 
-    from .configuration_glm53flash import Glm53FlashConfig
+    from ..configuration_glm53flash import Glm53FlashConfig
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     if dtype not in dtypes:
@@ -330,7 +330,7 @@ def _write(out, config, text, seed, fp8, dtype, overwrite, show_progress) -> Non
     from tqdm.auto import tqdm
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-    from .modeling_glm53flash import Glm53FlashForCausalLM
+    from ..modeling_glm53flash import Glm53FlashForCausalLM
 
     # fork_rng: the caller's global RNG state is left as it was.
     bar = tqdm(total=5, desc="glm53flash-make-tiny", disable=not show_progress)
@@ -372,11 +372,13 @@ def save_processor(out: str, config) -> None:
     from transformers import AutoTokenizer
     from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 
-    from .processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
+    from ..processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
 
     vision = config.vision_config
     sizes = dict(
-        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
     )
     processor = Glm53FlashProcessor(
         Glm5NextImageProcessorPil(**sizes), AutoTokenizer.from_pretrained(out), Glm53FlashVideoProcessor(**sizes)
@@ -396,19 +398,9 @@ def _add_quantization_config(out: str) -> None:
         f.write("\n")
 
 
-def _plain(text: str) -> str:
-    """Docstring text for ``--help``: reST roles and literals as plain text."""
-    return re.sub(r":(?:meth|func|data|class|mod):`~?\.?([^`]*)`", r"\1", text).replace("``", "")
-
-
 def main(argv=None) -> int:
     """Command-line entry point of ``glm53flash-make-tiny``; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="glm53flash-make-tiny",
-        description=_plain(__doc__.split("\n\n")[0]),
-        epilog=_plain(__doc__.split("\n\n", 1)[1]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = docstring_parser("glm53flash-make-tiny", __doc__)
     parser.add_argument("out", metavar="OUT", help="folder to write (created; must be empty unless --overwrite)")
     parser.add_argument(
         "--fp8",
@@ -422,7 +414,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        help="model config JSON with text_config and vision_config (default: the package's tiny_config.json, the same file as configuration/tiny.json); "
+        help="model config JSON with text_config and vision_config (default: the package's tiny_config.json, "
+        "the same file as configuration/tiny.json); "
         "its special-token ids must follow the layout described below",
     )
     parser.add_argument(

@@ -6,7 +6,8 @@ sharded (DCP) checkpoints.
 layer, vision blocks —, then the root), and adds what a single ``MixedPrecisionPolicy`` cannot express: the
 parameters the model keeps in fp32 (``_keep_in_fp32_modules_strict``: KDA ``A_log`` / ``dt_bias`` / ``conv1d``,
 mHC ``base`` / ``scale``, router ``gate.weight``) stay fp32 in the forward under a bf16 policy
-(model-spec §13 item 8, hf-integration §5.5: "a dtype declaration does not survive ``MixedPrecisionPolicy``").
+(a dtype declaration such as ``_keep_in_fp32_modules`` does not survive ``MixedPrecisionPolicy``, which casts
+every parameter of a unit).
 
 How the fp32 parameters are kept: FSDP2 applies one policy per unit and casts every parameter of the unit, so each
 fp32-kept parameter is moved into its own *fp32 unit* (``param_dtype=None``: the fp32 master is all-gathered as
@@ -43,14 +44,14 @@ helpers write one folder with a ``"model"`` and an ``"optimizer"`` key).
 accelerate: ``configuration/accelerate_fsdp2.yaml`` gives the same blocks and root (plus an embedding unit and a
 ``[norm, lm_head]`` unit); accelerate's own bf16 policy
 casts every parameter, so call :func:`shard_fp32_kept_units` on the model *before* ``accelerator.prepare(model)``
-(accelerate wraps around units that already exist). On CPU accelerate 1.15 silently drops FSDP (hf-integration
-§5.4), so the CPU tests use :func:`apply_fsdp2` on gloo.
+(accelerate wraps around units that already exist). On CPU accelerate 1.15 silently drops FSDP, so the CPU tests
+use :func:`apply_fsdp2` on gloo.
 
 Sources: torch ``fully_shard`` / ``MixedPrecisionPolicy`` (``torch/distributed/fsdp/_fully_shard``, torch 2.13:
 uniform original dtype per unit, grouped-unit post-backward on the first module's inputs); accelerate 1.15
 ``utils/fsdp_utils.py::fsdp2_prepare_model`` / ``fsdp2_prepare_auto_wrap_policy``; transformers 5.24
 ``_keep_in_fp32_modules_strict`` matching (``core_model_loading.py``: glob alternation, ``re.search`` on the
-parameter name); xtuner's fp32 handling described in hf-integration §5.5.
+parameter name); xtuner's fp32 parameter handling for FSDP2.
 """
 
 from __future__ import annotations

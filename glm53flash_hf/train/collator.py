@@ -2,8 +2,8 @@
 
 :class:`Glm53FlashPackingCollator` takes the examples :meth:`Glm53FlashProcessor.build_sft_example` returns
 (text-only or with images/videos) and packs them into rows of at most ``max_length`` tokens, following the
-conventions of transformers' :class:`~transformers.DataCollatorWithFlattening` (``data/data_collator.py``;
-``shared/reference/hf-integration.md`` §4.1), which it subclasses and calls once per row:
+conventions of transformers' :class:`~transformers.DataCollatorWithFlattening` (``data/data_collator.py``),
+which it subclasses and calls once per row:
 
 * ``labels`` are ``[-100] + labels[1:]`` per sample, so no prediction crosses a sample boundary (the model's
   causal-LM loss shifts by one: the first token of a sample is never a target of the previous sample's last);
@@ -20,8 +20,8 @@ Additions for this model:
   own in ``cu_seq_lens`` with ``position_ids`` restarting at 0, ``labels`` -100, ``mm_token_type_ids`` 0 and
   ``input_ids`` = ``pad_token_id``: its outputs are never read and it cannot leak into a sample. With
   ``max_length=None`` everything goes into one row without padding (``R = 1``, exactly the parent's layout).
-* ``mm_token_type_ids`` (model-spec §12: the only reliable modality signal) are packed and padded exactly like
-  ``input_ids``;
+* ``mm_token_type_ids`` (each token's modality, 0 text / 1 image / 2 video, as transformers' glm5_next reads it)
+  are packed and padded exactly like ``input_ids``;
 * the visual tensors are concatenated in the order their placeholders appear in the flattened ``R * L`` tokens
   (row-major, which is the order the model consumes them): ``pixel_values`` / ``image_grid_thw`` and
   ``pixel_values_videos`` / ``video_grid_thw``. With one row, or when first fit keeps sample order, this is the
@@ -51,7 +51,9 @@ def _as_list(value, name: str, index: int) -> list[int]:
         if value.dim() == 2 and value.shape[0] == 1:
             value = value[0]
         if value.dim() != 1:
-            raise ValueError(f"sample {index}: {name} must be 1-D (one sample, unpadded); got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"sample {index}: {name} must be 1-D (one sample, unpadded); got shape {tuple(value.shape)}"
+            )
         return value.tolist()
     if hasattr(value, "tolist"):  # numpy
         value = value.tolist()
@@ -200,7 +202,9 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
     # ----------------------------------------------------------------------------------------------- collate
     def __call__(self, features, return_tensors=None, separator_id=None):
         if return_tensors not in (None, "pt"):
-            raise ValueError(f"Glm53FlashPackingCollator returns torch tensors only; got return_tensors={return_tensors!r}")
+            raise ValueError(
+                f"Glm53FlashPackingCollator returns torch tensors only; got return_tensors={return_tensors!r}"
+            )
         samples = [self._parse(f, i) for i, f in enumerate(features)]
         rows = self.plan([len(s.input_ids) for s in samples])
         if not rows or not rows[0]:

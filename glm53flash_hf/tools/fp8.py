@@ -1,12 +1,13 @@
 """Block-scaled FP8 (e4m3, 128x128 blocks, ``weight_scale_inv``) as stored by the GLM-5.3-Flash FP8 release.
 
-Format (model-spec §11): a weight ``W [out, in]`` is stored as ``float8_e4m3fn`` next to ``<name>_scale_inv`` fp32
-``[ceil(out/128), ceil(in/128)]``; the last blocks may be partial. Dequantization repeats each scale over its
-block, crops to the weight shape and multiplies: ``W ≈ W_fp8.float() * scale_inv``.
+Format (the GLM-5.3-Flash FP8 release, DeepSeek-V3's block scaling): a weight ``W [out, in]`` is stored as
+``float8_e4m3fn`` next to ``<name>_scale_inv`` fp32 ``[ceil(out/128), ceil(in/128)]``; the last blocks may be
+partial. Dequantization repeats each scale over its block, crops to the weight shape and multiplies: ``W ≈
+W_fp8.float() * scale_inv``.
 
-Which weights the release quantizes (inferred by count, model-spec §11): routed and shared experts, dense MLPs and
-four projections of each DSA/MTP attention block; ``kv_b_proj`` stays unquantized (absorption needs it), as do
-KDA, the indexer, ``eh_proj``, embeddings, ``lm_head``, norms, gates, mHC and the vision tower.
+Which weights the release quantizes (inferred from the release's index by tensor count): routed and shared experts,
+dense MLPs and four projections of each DSA/MTP attention block; ``kv_b_proj`` stays unquantized (absorption needs
+it), as do KDA, the indexer, ``eh_proj``, embeddings, ``lm_head``, norms, gates, mHC and the vision tower.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ What is written to OUT:
   (``model.language_model.``, ``language_model.``, ``model.``, none) is kept as found.
 * FP8 weights (``float8_e4m3fn`` + ``<name>_scale_inv``) dequantized to ``--dtype`` with
   :func:`.fp8.dequantize_fp8_blockwise` (exact for partial blocks); the scales are not written. A scale is
-  looked up through the index in whatever shard holds it (model-spec §13 item 19).
+  looked up through the index in whatever shard holds it (the release places some scales in another shard than
+  their weight).
 * ``config.json`` with ``num_hidden_layers = N``, ``layer_types`` / ``mlp_layer_types`` / ``indexer_types`` cut
   to N entries, ``num_nextn_predict_layers`` set to the MTP layers found, ``first_k_dense_replace`` capped at N,
   ``linear_attn_config.kda_layers`` / ``full_attn_layers`` filtered (their 0- or 1-based numbering is detected
@@ -43,7 +44,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .checkpoint import SCALE_SUFFIX, check_fp8_pair, fp8_block_size, is_fp8_dtype, open_shard, read_weight_map
+from ..checkpoint import SCALE_SUFFIX, check_fp8_pair, fp8_block_size, is_fp8_dtype, open_shard, read_weight_map
 from .fp8 import dequantize_fp8_blockwise
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -202,13 +203,13 @@ def _config_kwargs(config: dict) -> dict:
 def _resolved_text_config(config: dict):
     """The source's text config as :class:`.configuration_glm53flash.Glm53FlashConfig` resolves it (defaults
     filled in)."""
-    from .configuration_glm53flash import Glm53FlashConfig
+    from ..configuration_glm53flash import Glm53FlashConfig
 
     return Glm53FlashConfig(**_config_kwargs(config)).get_text_config(decoder=True)
 
 
 def _validate_config(config: dict) -> None:
-    from .configuration_glm53flash import Glm53FlashConfig
+    from ..configuration_glm53flash import Glm53FlashConfig
 
     try:
         Glm53FlashConfig(**_config_kwargs(config))

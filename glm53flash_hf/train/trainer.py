@@ -1,4 +1,8 @@
-"""Training helpers: a LoRA configuration for GLM-5.3-Flash and the aux-loss-free expert-balancing callback.
+"""Training helpers: the ``Trainer`` subclass of the fine-tune job, a LoRA configuration for GLM-5.3-Flash, the
+aux-loss-free expert-balancing callback and the job's progress / loss-log callbacks.
+
+* :class:`Glm53FlashTrainer` is ``transformers.Trainer`` plus the MTP loss in the logs, a count of the trained
+  (non-padding) tokens, and ``mtp=False`` passed to the model when the MTP loss is off.
 
 * :func:`default_lora_config` builds a ``peft.LoraConfig`` that adapts the attention projections (MLA and KDA),
   the dense / shared-expert MLP projections (``target_modules``, ``nn.Linear``) and the routed experts' 3-D weights
@@ -6,7 +10,7 @@
   in ``lora.ParamWrapper``, which assumes transformers' ``[E, out, in]`` layout — ours). ``task_type="CAUSAL_LM"``
   is set so that ``AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True)`` resolves the base
   class through ``AutoModelForCausalLM`` (without it PEFT rejects the ``transformers_modules.*`` parent library;
-  hf-integration §6). The vision tower (``model.visual.*``) is excluded.
+  see ``peft.AutoPeftModel``). The vision tower (``model.visual.*``) is excluded.
 * :class:`AuxLossFreeBalancingCallback` is DeepSeek-V3's auxiliary-loss-free load balancing as a
   ``transformers.TrainerCallback``: forward hooks on every :class:`~.moe.Glm53FlashTopkRouter` count how many
   tokens each routed expert received during one optimizer step (all gradient-accumulation micro-batches), and at
@@ -22,10 +26,14 @@ transformers ``TrainerCallback`` events (``on_train_begin`` / ``on_step_end`` / 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
+
+IGNORE_INDEX = -100
 
 ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
 
@@ -206,3 +214,105 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
+
+
+class Glm53FlashTrainer(Trainer):
+    """``transformers.Trainer`` for GLM-5.3-Flash causal-LM / VL fine-tuning.
+
+    Adds to the Trainer:
+
+    * ``mtp_loss`` in the logs: the unweighted MTP loss per optimizer step (the model's ``mtp_loss``, summed over the
+      step's micro-batches since the Trainer passes ``num_items_in_batch``), averaged over the logging interval;
+      this process's value (with several processes, an estimate of the global one);
+    * :attr:`trained_tokens`: positions that are not padding, counted per micro-batch as ``input_ids != pad`` or a
+      trained target (the packing collator pads with ``pad`` ids and -100 labels; a trained ``<|endoftext|>`` equal
+      to ``pad`` has a label);
+    * ``mtp=False`` passed to the model when ``mtp`` is off.
+
+    Args:
+        pad_token_id: the tokenizer's padding id (int).
+        mtp: train with the model's MTP loss (``out.loss`` then includes ``mtp_loss_weight * mtp_loss``).
+        *args, **kwargs: ``transformers.Trainer``'s.
+    """
+
+    def __init__(self, *args, pad_token_id: int, mtp: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pad_token_id = pad_token_id
+        self.mtp = mtp
+        self.trained_tokens = 0
+        self._mtp_sum, self._mtp_logged_step = 0.0, 0
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        ids, labels = inputs["input_ids"], inputs["labels"]
+        self.trained_tokens += int(((ids != self.pad_token_id) | (labels != IGNORE_INDEX)).sum())
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self.mtp:
+            inputs = {**inputs, "mtp": False}
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        mtp_value = getattr(outputs, "mtp_loss", None)
+        if mtp_value is not None and model.training:
+            value = float(mtp_value.detach().float())
+            if num_items_in_batch is None:  # a per-micro-batch mean: the step's value is their mean
+                value /= self.args.gradient_accumulation_steps
+            elif self.args.average_tokens_across_devices:  # num_items_in_batch counts every process's tokens
+                value *= self.accelerator.num_processes
+            self._mtp_sum += value
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs, start_time=None):
+        steps = self.state.global_step - self._mtp_logged_step
+        if "loss" in logs and self._mtp_sum and steps > 0:
+            logs["mtp_loss"] = round(self._mtp_sum / steps, 6)
+            self._mtp_sum, self._mtp_logged_step = 0.0, self.state.global_step
+        return super().log(logs, start_time)
+
+
+class ProgressWithLossCallback(TrainerCallback):
+    """A tqdm progress bar over the optimizer steps showing the current loss (main process only); replaces the
+    Trainer's ``ProgressCallback``, which prints every log dict."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, desc="fine-tuning", unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs and "loss" in logs:
+            self.bar.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class LossLogCallback(TrainerCallback):
+    """Writes one JSON line per logged training step (``step``, ``epoch`` and the Trainer's log dict: ``loss``,
+    ``mtp_loss``, ``grad_norm``, ``learning_rate``) to ``path``, truncated at train begin; main process only.
+
+    Args:
+        path: the log file (str); its folder is created.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            open(self.path, "w").close()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")

@@ -20,13 +20,14 @@ loading OUT without ``trust_remote_code`` still uses transformers' built-in ``gl
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import os
 import re
 import shutil
 import warnings
+
+from . import docstring_parser
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 LINK_MODES = ("symlink", "hardlink", "copy")
@@ -43,7 +44,7 @@ def remote_code_files() -> list[str]:
     ``modeling_glm53flash.AUTO_MAP`` plus, recursively, the modules they import with ``from .x import y``."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
-    from .modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
+    from ..modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
 
     package_dir = os.path.dirname(os.path.abspath(inspect.getfile(Glm53FlashForCausalLM)))
     files: list[str] = []
@@ -137,8 +138,8 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     """
     from tqdm.auto import tqdm
 
-    from .configuration_glm53flash import Glm53FlashConfig
-    from .modeling_glm53flash import AUTO_MAP
+    from ..configuration_glm53flash import Glm53FlashConfig
+    from ..modeling_glm53flash import AUTO_MAP
 
     if link not in LINK_MODES:
         raise ValueError(f"link must be one of {LINK_MODES}; got link={link!r}")
@@ -197,7 +198,7 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
 def _drop_absent_mtp(src: str, config: dict) -> None:
     """Set ``num_nextn_predict_layers`` to 0 (with a warning) when the config declares MTP layers but the weights
     have none — transformers' built-in ``Glm5NextForConditionalGeneration.save_pretrained`` drops them."""
-    from .checkpoint import checkpoint_keys
+    from ..checkpoint import checkpoint_keys
 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     n_mtp = int(text.get("num_nextn_predict_layers") or 0)
@@ -206,7 +207,7 @@ def _drop_absent_mtp(src: str, config: dict) -> None:
     if not n_mtp or n_layers is None or keys is None:
         return
     if not any(re.search(rf"layers\.{n_layers + i}\.", k) for k in keys for i in range(n_mtp)):
-        warnings.warn(
+        warnings.warn(  # noqa: B028 (the warning is about the user's checkpoint, raised from this line)
             f"{src}: config.json declares num_nextn_predict_layers={n_mtp} but the weights hold no MTP layer "
             f"(layers.{n_layers}.*; transformers' built-in class drops it when saving); the exported config sets "
             "num_nextn_predict_layers=0"
@@ -214,19 +215,9 @@ def _drop_absent_mtp(src: str, config: dict) -> None:
         text["num_nextn_predict_layers"] = 0
 
 
-def _plain(text: str) -> str:
-    """Docstring text for ``--help``: reST roles and literals as plain text."""
-    return re.sub(r":(?:meth|func|data|class|mod):`~?\.?([^`]*)`", r"\1", text).replace("``", "")
-
-
 def main(argv=None) -> int:
     """Command-line entry point of ``glm53flash-export``; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="glm53flash-export",
-        description=_plain(__doc__.split("\n\n")[0]),
-        epilog=_plain(__doc__.split("\n\n", 1)[1]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = docstring_parser("glm53flash-export", __doc__)
     parser.add_argument(
         "src", metavar="SRC", help="local checkpoint folder (config.json with model_type glm5_next, safetensors)"
     )

@@ -1,0 +1,529 @@
+"""``glm53flash-finetune``: supervised fine-tuning of GLM-5.3-Flash with the HF Trainer, end to end.
+
+With no arguments it runs the embedded default on CPU in a few minutes:
+
+1. makes the embedded tiny checkpoint ``./glm53flash-tiny`` with ``glm53flash-make-tiny`` when it is absent;
+2. builds an SFT set from real data that ships with Python and scikit-image: "Explain <topic>" questions answered
+   by the opening paragraphs of that topic in CPython's ``pydoc_data.topics`` (the language reference), plus
+   "Describe the image." / "Describe the video." turns on scikit-image's bundled photos and animated GIF, each
+   rendered with the GLM-5.3 chat template (labels only on the assistant answers);
+3. trains with ``transformers.Trainer``: samples packed into rows by the packing collator (documents kept apart),
+   the MTP loss added to the main loss, LoRA on the attention/MLP projections and the routed experts' 3-D
+   weights (plus ``lm_head`` in full on the random-init tiny checkpoint, see ``--train-lm-head``; ``--full``
+   trains every weight instead), a progress bar and a loss log (``loss_log.jsonl``);
+4. saves a Hub-style folder: the merged weights (LoRA merged into the base, or the fully fine-tuned weights),
+   ``config.json`` with ``auto_map``, the remote-code modules, the processor and the chat template; with LoRA
+   also the adapter in ``<output-dir>/adapter`` (and a check that the merged model's logits equal the adapter's);
+5. reloads the folder in a fresh Python process (offline, without importing this package) through
+   ``AutoModelForCausalLM`` and ``AutoModelForImageTextToText`` with ``trust_remote_code=True``, and greedily
+   answers a held-out question (a topic left out of the training set) and an image prompt.
+
+It prints the first and last loss, the trained tokens per second, the wall time and where the output is.
+
+``--model PATH`` fine-tunes another checkpoint (a folder in the published layout or a Hub id).
+``accelerate launch --config_file configuration/accelerate_fsdp2.yaml -m glm53flash_hf.tools.finetune ...`` runs it on
+several GPUs: the Trainer shards the model, only the main process saves, reloads and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from .reload_check import run_reload_check
+from .sft_data import (
+    DEFAULT_HELD_OUT,
+    IGNORE_INDEX,
+    IMAGE_PROMPT,
+    PROBE_PHOTO,
+    build_sft_dataset,
+    chat_inputs,
+    explain_prompt,
+    greedy_answer,
+    load_photo,
+    text_topics,
+)
+
+DEFAULT_MODEL = "glm53flash-tiny"
+DEFAULT_OUTPUT_DIR = "glm53flash-finetune-out"
+LOSS_LOG = "loss_log.jsonl"
+ADAPTER_DIR = "adapter"
+
+
+def loss_summary(losses: list[float], k: int = 3) -> tuple[float, float, int]:
+    """``(first, last, n)``: means of the first and of the last ``n = min(k, len(losses) // 2)`` (at least 1)
+    logged losses, so that with few steps the two windows never overlap (one loss: ``first == last``).
+
+    Raises:
+        ValueError: no loss was logged.
+    """
+    if not losses:
+        raise ValueError("no training loss was logged (max_steps must be >= 1)")
+    n = max(1, min(k, len(losses) // 2))
+    return sum(losses[:n]) / n, sum(losses[-n:]) / n, n
+
+
+def _fsdp_launch() -> bool:
+    """Whether ``accelerate launch`` was configured for FSDP (it exports ``ACCELERATE_USE_FSDP=true``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+
+
+def _resolve_dtype(name: str):
+    """``--dtype`` as a torch dtype. ``auto``: float32 on CPU and under FSDP (fp32 masters; the FSDP mixed-precision
+    policy computes in bf16), bfloat16 on a single CUDA device."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and not _fsdp_launch() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _save_trained(trainer, path: str, main_process: bool) -> None:
+    """Save the trained model (a PEFT model saves its adapter only) to ``path``.
+
+    Without FSDP this is ``Trainer.save_model``. Under FSDP the full state dict is gathered on every rank
+    (``Accelerator.get_state_dict``: FSDP2 ``full_state_dict=True``, CPU offload; a collective) and the main process
+    saves it, whatever ``fsdp_state_dict_type`` the accelerate config names (``Trainer.save_model`` writes nothing
+    for ``SHARDED_STATE_DICT``)."""
+    if not trainer.is_fsdp_enabled:
+        trainer.save_model(path)
+        return
+    state_dict = trainer.accelerator.get_state_dict(trainer.model)
+    if main_process:
+        trainer.accelerator.unwrap_model(trainer.model).save_pretrained(path, state_dict=state_dict)
+
+
+def load_model(path: str, dtype):
+    """The VL model (``Glm53FlashForConditionalGeneration``) from ``path``, by this package's class (so that a
+    published checkpoint without ``auto_map`` is read by our code, never by transformers' built-in class)."""
+    from ..modeling_glm53flash import Glm53FlashForConditionalGeneration
+
+    model = Glm53FlashForConditionalGeneration.from_pretrained(path, dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def load_processor(path: str):
+    """This package's processor (``Glm53FlashProcessor``) from ``path``."""
+    from ..processing_glm53flash import Glm53FlashProcessor
+
+    return Glm53FlashProcessor.from_pretrained(path)
+
+
+def check_saved_folder(out: str, adapter: bool) -> list[str]:
+    """Check that ``out`` is a self-contained Hub-style folder; return the list of files found.
+
+    Checked: ``config.json`` with ``auto_map`` entries for ``AutoConfig``, ``AutoModelForCausalLM`` and
+    ``AutoModelForImageTextToText`` whose modules (``<module>.py``) are in ``out``; safetensors weights;
+    ``processor_config.json`` with an ``AutoProcessor`` entry whose module is in ``out``; the tokenizer and
+    ``chat_template.jinja``; with ``adapter``, ``adapter/adapter_config.json`` and
+    ``adapter/adapter_model.safetensors``.
+
+    Raises:
+        RuntimeError: naming every missing piece.
+    """
+    missing = []
+    files = sorted(os.listdir(out))
+
+    def need(condition, what):
+        if not condition:
+            missing.append(what)
+
+    def read_json(name):
+        path = os.path.join(out, name)
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+
+    def need_module(reference, auto):
+        module = reference.split("--")[-1].rsplit(".", 1)[0]
+        need(f"{module}.py" in files, f"{module}.py (remote code for {auto})")
+
+    config = read_json("config.json")
+    need(config, "config.json")
+    auto_map = config.get("auto_map", {})
+    for auto in ("AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText"):
+        need(auto in auto_map, f"config.json auto_map[{auto!r}]")
+        if auto in auto_map:
+            need_module(auto_map[auto], auto)
+    need(any(f.endswith(".safetensors") for f in files), "*.safetensors weights")
+    processor_config = read_json("processor_config.json")
+    need(processor_config, "processor_config.json")
+    processor_map = processor_config.get("auto_map", {})
+    need("AutoProcessor" in processor_map, "processor_config.json auto_map['AutoProcessor']")
+    if "AutoProcessor" in processor_map:
+        need_module(processor_map["AutoProcessor"], "AutoProcessor")
+    need("tokenizer.json" in files, "tokenizer.json")
+    need("chat_template.jinja" in files, "chat_template.jinja")
+    if adapter:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            need(os.path.isfile(os.path.join(out, ADAPTER_DIR, name)), f"{ADAPTER_DIR}/{name}")
+    if missing:
+        raise RuntimeError(f"the saved folder {out} is incomplete; missing: {', '.join(missing)}")
+    return files
+
+
+def merge_adapter(base_path: str, adapter_dir: str, dtype):
+    """Load the base VL model from ``base_path`` (this package's class, on CPU, ``dtype``), apply the LoRA adapter
+    saved in ``adapter_dir`` with ``peft.PeftModel.from_pretrained`` and return ``merge_and_unload()``: a plain
+    ``Glm53FlashForConditionalGeneration`` with the deltas added to the base weights (experts' 3-D weights
+    included). Works the same after single-process and sharded (FSDP) training, since the adapter on disk is
+    complete."""
+    from peft import PeftModel
+
+    base = load_model(base_path, dtype)
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+
+
+#: Largest ``max |logit difference| / max(1, max |logit|)`` accepted between the trained LoRA model (adapter applied
+#: on the fly) and the merged model, in float32. Merging changes only the rounding of ``W x + s B (A x)`` vs
+#: ``(W + s B A) x`` (float32 eps 1.2e-7 per operation, compounded over the layers); a lost or misplaced delta
+#: moves trained logits by 1e-1 or more.
+MERGE_RTOL = 2e-5
+
+
+def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[float, float]:
+    """``(max |logits_a - logits_b|, max |logits_a|)`` (floats) of two models on the chat prompt for ``question``
+    and on the :data:`PROBE_PHOTO` image prompt (one forward each, no grad; both models are left in eval mode)."""
+    import torch
+
+    diff = scale = 0.0
+    for inputs in (chat_inputs(processor, question), chat_inputs(processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO))):
+        with torch.no_grad():
+            a = model_a.eval()(**inputs).logits.float()
+            b = model_b.eval()(**inputs).logits.float()
+        diff = max(diff, float((a - b).abs().max()))
+        scale = max(scale, float(a.abs().max()))
+    return diff, scale
+
+
+# ------------------------------------------------------------------------------------------------ the job
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options of ``glm53flash-finetune`` (see ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="glm53flash-finetune", description="S" + __doc__.split("\n\n")[0].split(": s", 1)[-1],
+        epilog=__doc__.split("\n\n", 1)[1].replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"checkpoint to fine-tune (folder or Hub id); ./{DEFAULT_MODEL} is made with "
+                             "glm53flash-make-tiny when it is absent (default)")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where to save (default: %(default)s)")
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    parser.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=32,
+                        help='"Explain <topic>" samples from pydoc_data.topics (default: %(default)s); the 5 photo '
+                             "and 1 video samples come on top (--no-media drops them)")
+    parser.add_argument("--no-media", action="store_true", help="text samples only")
+    parser.add_argument("--held-out", default=DEFAULT_HELD_OUT,
+                        help="pydoc_data.topics topic kept out of training and asked afterwards (default: %(default)s)")
+    parser.add_argument("--answer-chars", type=int, default=400,
+                        help="cap on each answer's length in characters (default: %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=400, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="samples per step and device, packed into rows of --max-length (default: %(default)s)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
+    parser.add_argument("--max-length", type=int, default=512,
+                        help="tokens per packed row; longer samples are truncated (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default: 5e-3 with LoRA, 1e-3 with --full), linear decay")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="linear warm-up steps (default: %(default)s)")
+    parser.add_argument("--train-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                        help="with LoRA, also train lm_head in full (PEFT modules_to_save). Default: on for the "
+                             "embedded tiny checkpoint only, whose random-init lm_head and final norm, frozen, bound "
+                             "every logit to about +-1.3 and so the loss to about 7.5; off with --model")
+    parser.add_argument("--no-mtp", action="store_true", help="train without the MTP loss")
+    parser.add_argument("--balance-speed", type=float, default=0.0,
+                        help="aux-loss-free expert balancing bias update speed (DeepSeek-V3 used 1e-3; default off). "
+                             "With LoRA the updated biases reach only the merged model, not the adapter")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="weights dtype for training and saving (auto: float32 on CPU and under FSDP, bfloat16 on "
+                             "one GPU)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the LoRA init")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer after training")
+    parser.add_argument("--no-reload", action="store_true", help="skip the fresh-process reload and generation")
+    return parser
+
+
+def _check_args(parser, args) -> None:
+    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "answer_chars", "max_new_tokens")
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.samples < 0 or (args.samples == 0 and args.no_media):
+        parser.error(f"--samples must be >= 1 (or >= 0 with media); got {args.samples}")
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be > 0; got {args.lr}")
+    if args.warmup_steps < 0 or args.balance_speed < 0:
+        parser.error("--warmup-steps and --balance-speed must be >= 0")
+    try:
+        text_topics(args.samples, args.held_out, args.seed)
+    except KeyError as error:
+        parser.error(f"--held-out: {error.args[0]}")
+    except ValueError as error:
+        parser.error(str(error))
+
+
+@dataclass
+class Job:
+    """What the steps of one ``glm53flash-finetune`` run share.
+
+    Attributes:
+        args: the parsed command line.
+        out: absolute output folder.
+        dtype: weights dtype (``torch.float32`` / ``torch.bfloat16``).
+        training_args: the ``transformers.TrainingArguments`` of the run.
+        main_process: whether this is process 0 (it alone prints, saves and verifies).
+        model_path: the checkpoint trained (absolute when it is a folder); set by :func:`prepare`.
+    """
+
+    args: argparse.Namespace
+    out: str
+    dtype: object
+    training_args: object
+    main_process: bool
+    model_path: str = ""
+
+    def say(self, *parts) -> None:
+        """Print on the main process only."""
+        if self.main_process:
+            print(*parts, flush=True)
+
+
+def training_arguments(args, out: str, dtype):
+    """The ``TrainingArguments`` of the job: linear schedule with warm-up, one log per step, no intermediate saves,
+    bf16 autocast only on CUDA in bf16 (or under an FSDP bf16 launch)."""
+    import torch
+    from transformers import TrainingArguments
+
+    lr = args.lr if args.lr is not None else (1e-3 if args.full else 5e-3)
+    return TrainingArguments(
+        output_dir=out,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=lr,
+        lr_scheduler_type="linear",
+        warmup_steps=args.warmup_steps,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_num_workers=0,
+        seed=args.seed,
+        data_seed=args.seed,
+        bf16=torch.cuda.is_available() and (dtype == torch.bfloat16 or (
+            _fsdp_launch() and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16")),
+        dataloader_pin_memory=torch.cuda.is_available(),
+        activation_checkpointing=args.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
+    )
+
+
+def prepare(job: Job):
+    """Step 1, checkpoint and data: make the embedded tiny checkpoint when the default is absent, load the processor
+    and the VL model, build the SFT set. Returns ``(processor, model, dataset)``."""
+    args = job.args
+    model_path = args.model
+    with job.training_args.main_process_first(desc="checkpoint"):
+        if args.model == DEFAULT_MODEL and not os.path.exists(os.path.join(model_path, "config.json")):
+            from .make_tiny import make_tiny
+
+            job.say(f"making the embedded tiny checkpoint in ./{model_path} ...")
+            if job.main_process:
+                make_tiny(model_path, show_progress=False)
+    job.model_path = os.path.abspath(model_path) if os.path.isdir(model_path) else model_path
+    processor = load_processor(job.model_path)
+    model = load_model(job.model_path, job.dtype)
+    dataset = build_sft_dataset(processor, args.samples, args.held_out, args.seed, args.max_length,
+                                args.answer_chars, media=not args.no_media)
+    n_tokens = sum(len(e["input_ids"]) for e in dataset)
+    n_trained = sum(int((e["labels"] != IGNORE_INDEX).sum()) for e in dataset)
+    n_media = sum(1 for e in dataset if not e["name"].startswith("topic:"))
+    job.say(f"model: {job.model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
+            f"{job.dtype})")
+    job.say(f"SFT set: {len(dataset) - n_media} 'Explain <topic>' samples from pydoc_data.topics + {n_media} "
+            f"image/video samples from scikit-image; {n_tokens} tokens, {n_trained} trained (answers only); "
+            f"held out: {explain_prompt(args.held_out)!r}")
+    return processor, model, dataset
+
+
+def build_trainer(job: Job, processor, model, dataset):
+    """Step 2: wrap the model with LoRA (unless ``--full``) and build the :class:`Glm53FlashTrainer` with the
+    packing collator, the progress / loss-log callbacks and, with ``--balance-speed``, the expert balancing."""
+    import torch
+    from transformers import ProgressCallback
+
+    from ..train.collator import Glm53FlashPackingCollator
+    from ..train.trainer import (
+        AuxLossFreeBalancingCallback,
+        Glm53FlashTrainer,
+        LossLogCallback,
+        ProgressWithLossCallback,
+        default_lora_config,
+    )
+
+    args = job.args
+    text_config = model.config.get_text_config(decoder=True)
+    if args.full:
+        mode = "full fine-tuning"
+    else:
+        import peft
+
+        torch.manual_seed(args.seed)
+        train_head = args.train_lm_head if args.train_lm_head is not None else args.model == DEFAULT_MODEL
+        extra = dict(modules_to_save=["lm_head"]) if train_head else {}
+        model = peft.get_peft_model(model, default_lora_config(r=args.lora_r, **extra))
+        mode = f"LoRA r={args.lora_r}" + (" + lm_head" if train_head else "")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    mtp = not args.no_mtp and text_config.num_nextn_predict_layers > 0 and text_config.mtp_loss_weight > 0
+    job.say(f"training: {mode}, {trainable / 1e6:.3f} M trainable parameters, lr {job.training_args.learning_rate:g}, "
+            f"{args.max_steps} steps x {args.batch_size} samples packed into rows of <= {args.max_length} tokens, "
+            "MTP loss " + (f"on (weight {text_config.mtp_loss_weight:g})" if mtp else "off"))
+    callbacks = [ProgressWithLossCallback(), LossLogCallback(os.path.join(job.out, LOSS_LOG))]
+    if args.balance_speed > 0:
+        callbacks.append(AuxLossFreeBalancingCallback(speed=args.balance_speed))
+    pad = processor.tokenizer.pad_token_id
+    trainer = Glm53FlashTrainer(
+        model=model, args=job.training_args, train_dataset=dataset, callbacks=callbacks, pad_token_id=pad, mtp=mtp,
+        data_collator=Glm53FlashPackingCollator(max_length=args.max_length, pad_token_id=pad),
+    )
+    trainer.remove_callback(ProgressCallback)
+    if trainer.is_fsdp_enabled and job.training_args.bf16:
+        # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC
+        # base/scale, router) for the forward: give them their own fp32 units first
+        # (configuration/accelerate_fsdp2.yaml).
+        from ..train.distributed import shard_fp32_kept_units
+
+        shard_fp32_kept_units(model, param_dtype=torch.bfloat16)
+    return trainer
+
+
+def train(job: Job, trainer) -> dict:
+    """Step 3: ``trainer.train()``. Returns ``{"seconds", "tokens", "first", "last", "n"}``: training time, trained
+    tokens over all processes, and the first / last loss means of :func:`loss_summary`."""
+    import torch
+
+    result = trainer.train()
+    tokens = trainer.trained_tokens
+    if trainer.accelerator.num_processes > 1:
+        tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device),
+                                                reduction="sum"))
+    first, last, n = loss_summary([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    return dict(seconds=float(result.metrics["train_runtime"]), tokens=tokens, first=first, last=last, n=n)
+
+
+def save(job: Job, trainer, processor):
+    """Step 4: save the Hub-style folder in ``job.out``: with LoRA the adapter in ``adapter/`` and the merged model
+    beside it, with ``--full`` the trained model (a stale adapter of an earlier LoRA run is removed); then the
+    processor, and :func:`check_saved_folder`. Returns the saved model on the main process when it is in memory
+    (else ``None``)."""
+    os.makedirs(job.out, exist_ok=True)
+    saved_model = None
+    if job.args.full:
+        stale = os.path.join(job.out, ADAPTER_DIR)
+        if job.main_process and os.path.isfile(os.path.join(stale, "adapter_config.json")):
+            import shutil
+
+            job.say(f"removing the adapter of an earlier LoRA run: {stale}")
+            shutil.rmtree(stale)
+        _save_trained(trainer, job.out, job.main_process)
+        saved_model = trainer.model if trainer.accelerator.num_processes == 1 else None
+    else:
+        adapter_dir = os.path.join(job.out, ADAPTER_DIR)
+        _save_trained(trainer, adapter_dir, job.main_process)
+        if job.main_process:
+            saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype)
+            saved_model.save_pretrained(job.out)
+    if job.main_process:
+        processor.save_pretrained(job.out)
+        check_saved_folder(job.out, adapter=not job.args.full)
+    trainer.accelerator.wait_for_everyone()
+    return saved_model
+
+
+def verify(job: Job, trainer, saved_model, processor) -> int:
+    """Step 5 (main process): the merged model's logits against the trained adapter's (LoRA, one CPU process,
+    float32), then the fresh-process reload through the Auto classes, whose answers must equal the in-memory
+    model's. Prints what it checks; returns 0 when everything holds, else 1."""
+    import torch
+
+    args, status = job.args, 0
+    question = explain_prompt(args.held_out)
+    single_cpu_fp32 = trainer.accelerator.num_processes == 1 and job.dtype == torch.float32 and \
+        next(trainer.model.parameters()).device.type == "cpu"
+    if not args.full and single_cpu_fp32:
+        diff, scale = max_logit_difference(trainer.model, saved_model, processor, question)
+        ok = diff <= MERGE_RTOL * max(1.0, scale)
+        job.say(f"merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}) "
+                + ("ok" if ok else f"ERROR: above {MERGE_RTOL:g} relative"))
+        status = status if ok else 1
+    if args.no_reload:
+        return status
+    job.say("reloading in a fresh process (HF_HUB_OFFLINE=1, trust_remote_code=True) ...")
+    reloaded = run_reload_check(job.out, question, args.max_new_tokens)
+    job.say(f"  AutoModelForCausalLM -> {reloaded['text_class']}")
+    job.say(f"  Q (held out): {question}\n  A: {reloaded['text_answer']!r}")
+    job.say(f"  AutoModelForImageTextToText -> {reloaded['vl_class']}")
+    job.say(f"  Q: [{PROBE_PHOTO} photo] {IMAGE_PROMPT}\n  A: {reloaded['image_answer']!r}")
+    if reloaded["package_imported"]:
+        job.say("  ERROR: the fresh process imported glm53flash_hf; the folder is not self-contained")
+        status = 1
+    if saved_model is not None and single_cpu_fp32:
+        saved_model.eval()
+        expected = (greedy_answer(saved_model, processor, question, max_new_tokens=args.max_new_tokens),
+                    greedy_answer(saved_model, processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO), args.max_new_tokens))
+        same = expected == (reloaded["text_answer"], reloaded["image_answer"])
+        job.say(f"  reloaded answers equal the in-memory model's: {'yes' if same else 'NO'}")
+        if not same:
+            job.say(f"  ERROR: in-memory answers differ: {expected!r}")
+            status = 1
+    return status
+
+
+def main(argv=None) -> int:
+    """Command-line entry point of ``glm53flash-finetune``: :func:`prepare`, :func:`build_trainer`, :func:`train`,
+    :func:`save`, :func:`verify`. Returns the exit status (0 on success)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    start = time.perf_counter()
+    out, dtype = os.path.abspath(args.output_dir), _resolve_dtype(args.dtype)
+    training_args = training_arguments(args, out, dtype)
+    job = Job(args=args, out=out, dtype=dtype, training_args=training_args,
+              main_process=training_args.process_index == 0)
+
+    processor, model, dataset = prepare(job)
+    trainer = build_trainer(job, processor, model, dataset)
+    result = train(job, trainer)
+    saved_model = save(job, trainer, processor)
+    if not job.main_process:
+        return 0
+    first, last, n = result["first"], result["last"], result["n"]
+    job.say("")
+    job.say(f"loss: first {first:.4f} (mean of the first {n} steps), last {last:.4f} (mean of the last {n}); "
+            + (f"fell by {first - last:.4f}" if last < first else "WARNING: the loss did not fall"))
+    job.say(f"trained {result['tokens']} tokens (no padding) in {result['seconds']:.1f} s: "
+            f"{result['tokens'] / result['seconds']:.0f} tokens/s")
+    job.say(f"saved: {out} ({'merged LoRA weights' if not args.full else 'fully fine-tuned weights'}, {dtype}; "
+            "remote code, auto_map, processor, chat template)"
+            + ("" if args.full else f"; adapter: {os.path.join(out, ADAPTER_DIR)}")
+            + f"; loss log: {os.path.join(out, LOSS_LOG)}")
+    status = verify(job, trainer, saved_model, processor)
+    job.say(f"wall time {time.perf_counter() - start:.0f} s; output: {out}")
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

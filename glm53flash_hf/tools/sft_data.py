@@ -1,0 +1,264 @@
+"""The embedded default SFT set of ``glm53flash-finetune``: real text and pictures that ship with Python and
+scikit-image, rendered with the GLM-5.3 chat template; and the chat helpers used to ask the model afterwards.
+
+* text: "Explain <topic>" questions answered by the opening paragraphs of that topic in CPython's
+  ``pydoc_data.topics`` (the language reference);
+* images: "Describe the image." on scikit-image's bundled photos (``skimage.data``);
+* video: "Describe the video." on scikit-image's animated GIF.
+
+This module imports nothing from ``glm53flash_hf`` (nor torch at the top): the fresh-process reload check
+(:mod:`glm53flash_hf.tools.reload_check`) runs it as a plain file next to a saved folder.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: ``pydoc_data.topics`` key left out of the training set and asked after training.
+DEFAULT_HELD_OUT = "pass"
+IGNORE_INDEX = -100
+
+IMAGE_PROMPT = "Describe the image."
+VIDEO_PROMPT = "Describe the video."
+#: scikit-image's bundled photos (``skimage.data.<name>()``, no download) and what they show.
+PHOTOS = (
+    ("astronaut", "An astronaut in an orange spacesuit, smiling, in front of a flag and a model of the space shuttle."),
+    ("chelsea", "A close-up of a tabby cat with green eyes."),
+    ("coffee", "A cup of coffee on a red saucer with a spoon, on a wooden table."),
+    ("rocket", "A rocket on its launch pad at dusk, between two towers."),
+    ("camera", "A black-and-white photo of a man looking through a camera on a tripod."),
+)
+#: scikit-image's animated GIF (24 frames of 25 x 14 pixels, 70 ms each) and what it shows.
+GIF_NAME = "no_time_for_that_tiny.gif"
+GIF_CAPTION = "A tiny, blurry clip of a person standing in the middle of the frame."
+#: Photos are resized to this square size (pixels): 8 x 8 patches of 14, 16 image tokens after the 2 x 2 merge.
+PHOTO_SIZE = 112
+#: The photo of the image prompt asked after training.
+PROBE_PHOTO = "astronaut"
+
+
+def _topics() -> dict:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+def topic_title(name: str) -> str:
+    """The title line of ``pydoc_data.topics[name]`` (e.g. ``'The "pass" statement'`` for ``"pass"``).
+
+    Raises:
+        KeyError: ``name`` is not a topic (the message lists a few valid names).
+    """
+    topics = _topics()
+    if name not in topics:
+        raise KeyError(f"{name!r} is not a pydoc_data.topics topic; valid names include {sorted(topics)[:8]}")
+    return topics[name].split("\n", 1)[0].strip()
+
+
+def explain_prompt(name: str) -> str:
+    """The user question for topic ``name``: ``"Explain <title>."`` with a leading ``"The "`` lower-cased,
+    e.g. ``'Explain the "pass" statement.'``, ``'Explain Lambdas.'``."""
+    title = topic_title(name)
+    if title.startswith("The "):
+        title = "the " + title[4:]
+    return f"Explain {title}."
+
+
+def topic_answer(name: str, max_chars: int = 400) -> str:
+    """The assistant answer for topic ``name``: the topic's text without its title, whole paragraphs from the
+    start while they fit in ``max_chars`` characters; a first paragraph longer than that is cut after its last
+    sentence (or word) that fits.
+
+    Raises:
+        KeyError: unknown topic. ValueError: ``max_chars < 40``.
+    """
+    if max_chars < 40:
+        raise ValueError(f"max_chars must be >= 40; got max_chars={max_chars}")
+    topic_title(name)  # raises for an unknown name
+    lines = _topics()[name].split("\n")
+    body_start = 2 if len(lines) > 1 and set(lines[1].strip()) <= {"*", "=", "-"} else 1
+    paragraphs = [p.strip("\n") for p in "\n".join(lines[body_start:]).strip().split("\n\n") if p.strip()]
+    answer = ""
+    for paragraph in paragraphs:
+        candidate = f"{answer}\n\n{paragraph}" if answer else paragraph
+        if len(candidate) > max_chars:
+            break
+        answer = candidate
+    if not answer:  # the first paragraph alone is too long: cut it
+        head = paragraphs[0][:max_chars]
+        cut = max(head.rfind(". "), head.rfind(".\n"))
+        answer = head[: cut + 1] if cut >= max_chars // 3 else head.rsplit(None, 1)[0]
+    return answer
+
+
+def text_topics(samples: int, held_out: str, seed: int) -> list[str]:
+    """``samples`` distinct ``pydoc_data.topics`` keys for the training set, in a seeded random order, never
+    ``held_out`` and never a topic whose text duplicates another's (``"else"`` repeats ``"if"``).
+
+    Raises:
+        ValueError: ``samples < 0`` or more than the topics available (the message gives the number).
+    """
+    import random
+
+    topics = _topics()
+    topic_title(held_out)
+    seen, names = {topics[held_out]}, []
+    for name in sorted(topics):
+        if topics[name] not in seen:
+            seen.add(topics[name])
+            names.append(name)
+    if not 0 <= samples <= len(names):
+        raise ValueError(f"--samples must be between 0 and {len(names)} (distinct topics besides the held-out one); "
+                         f"got {samples}")
+    random.Random(seed).shuffle(names)
+    return names[:samples]
+
+
+def _skimage():
+    try:
+        import skimage
+        import skimage.data
+    except ImportError as error:
+        raise ImportError("the image and video samples come from scikit-image, which is not installed: "
+                          "pip install 'scikit-image>=0.24', or pass --no-media (text only)") from error
+    return skimage
+
+
+def load_photo(name: str, size: int = PHOTO_SIZE):
+    """scikit-image's bundled photo ``name`` (``skimage.data.<name>()``, no download) as RGB uint8
+    ``[size, size, 3]`` (grayscale photos are repeated over the three channels; bicubic resize).
+
+    Raises:
+        ImportError: scikit-image is not installed (the message says what to do).
+    """
+    import numpy as np
+    from PIL import Image
+
+    skimage = _skimage()
+    photo = Image.fromarray(getattr(skimage.data, name)()).convert("RGB")
+    return np.asarray(photo.resize((size, size), Image.BICUBIC))
+
+
+def load_gif():
+    """scikit-image's animated GIF ``skimage/data/no_time_for_that_tiny.gif`` as an RGB video.
+
+    Returns:
+        ``(video, metadata)``: uint8 ``[T, H, W, 3]`` (24 frames of 25 x 14 pixels) and a
+        ``transformers.video_utils.VideoMetadata`` with ``fps`` from the GIF's frame duration (70 ms → 14.3 fps).
+
+    Raises:
+        FileNotFoundError: the GIF is not in the installed scikit-image. ImportError: no scikit-image.
+    """
+    import numpy as np
+    from PIL import Image
+    from transformers.video_utils import VideoMetadata
+
+    skimage = _skimage()
+    path = os.path.join(os.path.dirname(skimage.__file__), "data", GIF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"scikit-image's {GIF_NAME} is missing at {path}; reinstall scikit-image>=0.24")
+    clip = Image.open(path)
+    frames = []
+    for index in range(clip.n_frames):
+        clip.seek(index)
+        frames.append(np.asarray(clip.convert("RGB")))
+    frame_ms = float(clip.info.get("duration") or 70)
+    video = np.stack(frames)
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=1000.0 / frame_ms,
+                             duration=len(frames) * frame_ms / 1000)
+    return video, metadata
+
+
+def _user(text: str, media: str | None = None) -> dict:
+    content = [{"type": media}] if media else []
+    return {"role": "user", "content": content + [{"type": "text", "text": text}]}
+
+
+def sft_conversations(samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int = 0, answer_chars: int = 400,
+                      media: bool = True) -> list[dict]:
+    """The SFT set as conversations (no tokenization).
+
+    Args:
+        samples: number of "Explain <topic>" samples (see :func:`text_topics`).
+        held_out: topic excluded from the set (asked after training).
+        seed: order of the topics.
+        answer_chars: answer length cap (:func:`topic_answer`).
+        media: add one "Describe the image." sample per :data:`PHOTOS` entry and one "Describe the video." sample
+            on the GIF.
+
+    Returns:
+        list of ``{"name", "messages", "images", "videos", "video_metadata"}``; ``images`` uint8 ``[H, W, 3]``
+        arrays, ``videos`` uint8 ``[T, H, W, 3]`` arrays (empty lists for text samples). Text samples come first,
+        then the photos, then the video.
+    """
+    out = []
+    for name in text_topics(samples, held_out, seed):
+        messages = [_user(explain_prompt(name)), {"role": "assistant", "content": topic_answer(name, answer_chars)}]
+        out.append(dict(name=f"topic:{name}", messages=messages, images=[], videos=[], video_metadata=None))
+    if media:
+        for name, caption in PHOTOS:
+            messages = [_user(IMAGE_PROMPT, "image"), {"role": "assistant", "content": caption}]
+            out.append(dict(name=f"photo:{name}", messages=messages, images=[load_photo(name)], videos=[],
+                            video_metadata=None))
+        video, metadata = load_gif()
+        messages = [_user(VIDEO_PROMPT, "video"), {"role": "assistant", "content": GIF_CAPTION}]
+        out.append(dict(name=f"video:{GIF_NAME}", messages=messages, images=[], videos=[video],
+                        video_metadata=[metadata]))
+    return out
+
+
+def build_sft_dataset(processor, samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int = 0,
+                      max_length: int = 512, answer_chars: int = 400, media: bool = True) -> list[dict]:
+    """Tokenized SFT examples for the packing collator.
+
+    Each conversation of :func:`sft_conversations` goes through ``processor.build_sft_example`` with
+    ``enable_thinking=False`` (prompt ``...<|assistant|><think></think>``, as generation with thinking off) and
+    ``max_length`` truncation.
+
+    Returns:
+        list of dicts with 1-D long ``input_ids`` / ``labels`` (-100 outside the answers) / ``mm_token_type_ids``
+        and, for media samples, ``pixel_values`` float32 ``[patches, 1176]`` + ``image_grid_thw`` long ``[1, 3]``
+        or ``pixel_values_videos`` + ``video_grid_thw``; plus ``"name"`` (str; the packing collator ignores it).
+
+    Raises:
+        ValueError: a sample with no trained token left after truncation (raise ``max_length``), and the errors
+            of :func:`sft_conversations` / ``build_sft_example``.
+    """
+    examples = []
+    for conv in sft_conversations(samples, held_out, seed, answer_chars, media):
+        example = processor.build_sft_example(
+            conv["messages"], images=conv["images"], videos=conv["videos"], video_metadata=conv["video_metadata"],
+            enable_thinking=False, max_length=max_length, sample_id=conv["name"],
+        )
+        example = {k: v for k, v in example.items() if k != "attention_mask"}
+        if int((example["labels"] != IGNORE_INDEX).sum()) == 0:
+            raise ValueError(f"SFT sample {conv['name']!r} has no trained token within max_length={max_length}")
+        example["name"] = conv["name"]
+        examples.append(example)
+    return examples
+
+
+def chat_inputs(processor, question: str, image=None):
+    """Model inputs (batch of 1, torch) for a one-turn chat with the generation prompt and thinking off
+    (``...<|assistant|><think></think>``), as in training; ``image`` (uint8 ``[H, W, 3]``) is placed before the
+    question."""
+    messages = [_user(question, "image" if image is not None else None)]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                           enable_thinking=False)
+    kwargs = dict(images=[image]) if image is not None else {}
+    return processor(text=[prompt], return_tensors="pt", **kwargs)
+
+
+def greedy_answer(model, processor, question: str, image=None, max_new_tokens: int = 48) -> str:
+    """Greedy answer (``do_sample=False``, at most ``max_new_tokens`` tokens, stopping at the config's EOS ids) of
+    ``model`` to ``question`` (with ``image`` when given), decoded without special tokens and stripped."""
+    import torch
+
+    inputs = chat_inputs(processor, question, image)
+    if image is None:  # text only: the text-only class takes no mm_token_type_ids (all zeros here)
+        inputs.pop("mm_token_type_ids", None)
+    inputs = {k: v.to(model.device) if hasattr(v, "to") else v for k, v in inputs.items()}
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = generated[0, inputs["input_ids"].shape[1]:]
+    return processor.tokenizer.decode(new, skip_special_tokens=True).strip()

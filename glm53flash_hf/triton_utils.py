@@ -1,0 +1,120 @@
+"""What the Triton kernel modules (``mhc_fused``, ``dsa_fused``, ``moe_fused``) share: the optional ``triton``
+import, the dtypes they accept, the common part of their availability probes and small launch helpers.
+
+``triton`` is an optional dependency: this module imports without it (``TRITON_AVAILABLE`` is then False,
+:func:`probe_tensors` reports it and :func:`require_triton` raises ``RuntimeError``). transformers' remote-code
+``check_imports`` exempts imports inside ``try`` blocks, so a saved checkpoint loads on machines without triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised on installs without triton
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# torch dtype -> Triton dtype of the kernels' constexpr dtype arguments (empty without triton)
+TL_DTYPES: dict = (
+    {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if TRITON_AVAILABLE else {}
+)
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "TL_DTYPES",
+    "TRITON_AVAILABLE",
+    "check_device",
+    "check_dtype",
+    "interpreting",
+    "next_power_of_2",
+    "probe_tensors",
+    "require_triton",
+    "round_to",
+    "tl",
+    "triton",
+]
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``), the only way CPU tensors may reach a
+    kernel."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def require_triton(module: str) -> None:
+    """Raise ``RuntimeError`` naming ``module`` when triton is not importable."""
+    if not TRITON_AVAILABLE:
+        raise RuntimeError(f"{module} needs triton (pip install triton); use the torch path instead")
+
+
+def next_power_of_2(x: int, lo: int = 1) -> int:
+    """The smallest power of two ``>= max(x, lo)`` (Triton block sizes must be powers of two)."""
+    return max(lo, 1 << max(0, int(x) - 1).bit_length())
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``t`` is on CUDA (or the interpreter runs)."""
+    if not t.is_cuda and not interpreting():
+        raise ValueError(f"{name} must be a CUDA tensor for the Triton kernels (got device {t.device})")
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``t`` is float32, bfloat16 or float16."""
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16; got dtype {t.dtype}")
+
+
+def probe_tensors(family: str, tensors) -> tuple[list[torch.Tensor], str]:
+    """The common first half of a family's availability probe.
+
+    Args:
+        family: the family's name for messages (``"mHC"``, ``"sparse MLA"``, ``"MoE"``).
+        tensors: the call's arguments; non-tensors are dropped.
+
+    Returns:
+        ``(tensors, reason)``: the tensor arguments, and ``""`` when triton is importable, there is at least one
+        tensor, all are on CUDA and every floating one is fp32/bf16/fp16; otherwise the reason they cannot run.
+    """
+    if not TRITON_AVAILABLE:
+        return [], "triton is not installed"
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return tensors, "no tensors given"
+    if not all(t.is_cuda for t in tensors):
+        return tensors, "the tensors are not on a CUDA device"
+    bad = sorted({str(t.dtype) for t in tensors if t.dtype.is_floating_point and t.dtype not in SUPPORTED_DTYPES})
+    if bad:
+        return tensors, f"unsupported dtype(s) {bad} (fused {family} supports float32, bfloat16, float16)"
+    return tensors, ""
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def round_to(x, DT: tl.constexpr):
+        """``x`` (any float dtype) rounded to the nearest ``DT`` value, ties to even, returned as fp32.
+
+        bf16 is rounded by integer arithmetic on the fp32 bits, because Triton's interpreter truncates in
+        ``.to(tl.bfloat16)`` while GPUs round to nearest even; this gives one rounding rule on both. A NaN stays a
+        quiet NaN (the GPU's NaN pattern 0x7FFFFFFF would otherwise round to 0x80000000, -0.0, and a NaN with only low
+        payload bits would become inf in a later bf16 cast). fp16 and fp32 use Triton's casts (round to nearest)."""
+        x = x.to(tl.float32)
+        if DT == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return tl.where(x != x, bits | 0x7FC00000, rounded).to(tl.float32, bitcast=True)
+        else:
+            return x.to(DT).to(tl.float32)
+
+else:  # pragma: no cover - installs without triton
+    round_to = None
