@@ -1,9 +1,9 @@
-"""NoPE DeepSeek-Sparse-Attention (DSA) MLA attention and its KPool indexer.
+"""NoPE DeepSeek-Sparse-Attention (DSA) MLA attention and its KPool indexer: the modules and the per-call dispatch of
+the sparse MLA core.
 
 Sources: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextAttention``,
-``Glm5NextTextIndexer``: the numerical reference and the parameter names), DeepSeek-V3.2 DSA (lightning indexer +
-top-k sparse MLA), and the project notes ``shared/reference/model-spec.md`` §5-§6, §13 items 10-12 and
-``shared/reference/kernels.md`` §4.
+``Glm5NextTextIndexer``: the numerical reference and the parameter names) and DeepSeek-V3.2's DeepSeek Sparse
+Attention (lightning indexer + top-k sparse MLA).
 
 What differs from the transformers module (the maths is the same):
 
@@ -12,14 +12,15 @@ What differs from the transformers module (the maths is the same):
   pool of its own document. The boundaries come from a :class:`~.packing.DocumentLayout` built once per forward.
 * **Sparse compute.** Attention is computed only over the selected token ids, by gathering the latent ``c`` at
   those ids (``O(S * W)`` memory), never through a dense ``[B, S, S]`` mask. It uses the absorbed MLA form
-  (queries multiplied into the latent space by ``W_kc``, keys = values = latent, output lifted by ``W_vc``).
+  (queries multiplied into the latent space by ``W_kc``, keys = values = latent, output lifted by ``W_vc``), with
+  and without a cache: a decoding step attends over the selected cached latents.
 * **Bounded memory.** The indexer scores queries in chunks under an element budget, the attention core runs in
   query chunks each wrapped in activation checkpointing, so neither keeps ``[S, S]``-sized buffers.
 
-The attention core is :func:`sparse_mla`, which dispatches per call on ``backend`` (``config.kernels["dsa"]``) and the
-tensors' device: :func:`sparse_mla_torch` (CPU and the oracle) or, on CUDA, our Triton kernel
-:func:`glm53flash_hf.triton_dsa.sparse_mla_triton` (forward and backward, checked against the torch path under the
-Triton interpreter in ``tests/test_triton_dsa.py``).
+The torch operators (sparse MLA, KPool pooling, pool scoring and top-k selection) are in :mod:`.dsa_ops`. The
+attention core is :func:`sparse_mla`, which chooses per call (:func:`.dispatch.choose_backend` on ``backend`` =
+``config.kernels["dsa"]`` and the tensors' device) between :func:`.dsa_ops.sparse_mla_torch` and, on CUDA, the
+Triton kernel :func:`glm53flash_hf.dsa_fused.sparse_mla_fused` (forward and backward).
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .dispatch import choose_backend, requested_backend
+from .dsa_ops import (
+    DEFAULT_INDEXER_SCORE_ELEMENTS,
+    kpool_pool_keys,
+    select_top_pools,
+    sparse_mla_torch,
+    tail_token_ids,
+)
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_document_layout
 
@@ -39,126 +46,7 @@ __all__ = [
     "Glm53FlashIndexer",
     "init_dsa_weights",
     "sparse_mla",
-    "sparse_mla_torch",
 ]
-
-# Default working-set budgets, in tensor elements (fp32: 4 bytes each).
-DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 26  # [B, chunk, index_n_heads, pools] score buffer of the indexer
-DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 26  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
-
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Sparse MLA core
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _sparse_mla_chunk(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query chunk of :func:`sparse_mla_torch`: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` -> out, lse."""
-    batch, chunk, _, dim = q_abs.shape
-    kv_len = latent.shape[1]
-    width = indices.shape[-1]
-    compute_dtype = torch.promote_types(torch.promote_types(q_abs.dtype, latent.dtype), torch.float32)
-
-    idx = indices.long()
-    valid = (idx >= 0) & (idx < kv_len)  # [B, C, W]
-    safe = torch.where(valid, idx, torch.zeros_like(idx))
-    gathered = torch.gather(latent, 1, safe.reshape(batch, chunk * width, 1).expand(-1, -1, dim))
-    gathered = gathered.view(batch, chunk, width, dim).to(compute_dtype)  # [B, C, W, Dl]
-
-    scores = torch.matmul(q_abs.to(compute_dtype), gathered.transpose(-1, -2)) * scale  # [B, C, H, W]
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty rows: all -inf
-    expo = torch.exp(scores - row_max)
-    denom = expo.sum(dim=-1, keepdim=True)
-    nonempty = denom > 0
-    safe_denom = torch.where(nonempty, denom, torch.ones_like(denom))
-    probs = expo / safe_denom
-    out = torch.matmul(probs, gathered)  # [B, C, H, Dl]
-    lse = torch.where(nonempty, row_max + torch.log(safe_denom), torch.full_like(denom, float("-inf"))).squeeze(-1)
-    return out, lse
-
-
-def sparse_mla_torch(
-    q_abs: torch.Tensor,
-    latent: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    *,
-    query_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse multi-query attention in the absorbed MLA form, over per-query token ids (torch reference path).
-
-    For every batch row ``b``, query ``t`` and head ``h``::
-
-        s[w]         = scale * <q_abs[b, t, h], latent[b, indices[b, t, w]]>     for valid slots w
-        lse[b, t, h] = log(sum_w exp(s[w]))                                    (natural log)
-        out[b, t, h] = sum_w softmax(s)[w] * latent[b, indices[b, t, w]]
-
-    Keys and values are both the latent ``c`` (one KV head shared by all heads, as in DeepSeek-V3.2 / FlashMLA's
-    ``flash_mla_sparse_fwd`` with ``d_v = d_qk``). A slot is valid when ``0 <= index < S_kv``; ``-1`` (or any
-    out-of-range value) is padding. Ids must be unique within a query's row: a repeated id is counted twice
-    (the indexer never repeats ids). A query without any valid slot gets ``out = 0`` and ``lse = -inf``; its
-    gradients are zero, never NaN.
-
-    The computation runs in ``promote(input dtype, float32)`` (softmax in fp32 at least) over query chunks; each
-    chunk is wrapped in ``torch.utils.checkpoint`` (non-reentrant) when gradients are needed, so memory is
-    ``O(S * W)`` for the indices plus one chunk's ``[B, chunk, W, Dl]`` gathered latents, never ``[S, S_kv]``.
-
-    Args:
-        q_abs: ``[B, S, H, Dl]`` queries already multiplied by ``W_kc`` (``Dl = kv_lora_rank``), any float dtype.
-        latent: ``[B, S_kv, Dl]`` latent keys/values (``kv_a_layernorm(kv_a_proj_with_mqa(x))``).
-        indices: integer ``[B, S, W]`` row-local token ids into ``latent`` (int32 or int64), ``-1`` = invalid.
-        scale: softmax scale (``qk_head_dim ** -0.5`` for GLM-5.3: ``qk_nope_head_dim ** -0.5``).
-        query_chunk: queries per chunk; ``None`` picks one so that ``B * chunk * W * (Dl + H)`` stays under
-            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``.
-
-    Returns:
-        ``(out_lat, lse)``: ``out_lat`` ``[B, S, H, Dl]`` in ``q_abs.dtype``; ``lse`` ``[B, S, H]`` natural-log
-        log-sum-exp of the scaled scores in the compute dtype (fp32 for fp32/bf16/fp16 inputs).
-
-    Raises:
-        ValueError: on mismatched shapes, a non-integer ``indices`` tensor or ``query_chunk < 1``.
-    """
-    if q_abs.dim() != 4:
-        raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
-    batch, seq_len, _, dim = q_abs.shape
-    if latent.dim() != 3 or latent.shape[0] != batch or latent.shape[2] != dim:
-        raise ValueError(f"latent must be [B={batch}, S_kv, Dl={dim}]; got shape {tuple(latent.shape)}")
-    if indices.dim() != 3 or indices.shape[0] != batch or indices.shape[1] != seq_len:
-        raise ValueError(f"indices must be [B={batch}, S={seq_len}, W]; got shape {tuple(indices.shape)}")
-    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
-        raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
-    width = indices.shape[-1]
-    heads = q_abs.shape[2]
-    if query_chunk is None:
-        query_chunk = max(1, DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS // max(1, batch * width * (dim + heads)))
-    if query_chunk < 1:
-        raise ValueError(f"query_chunk must be >= 1; got query_chunk={query_chunk}")
-
-    if width == 0 or seq_len == 0:
-        compute_dtype = torch.promote_types(q_abs.dtype, torch.float32)
-        out = torch.zeros_like(q_abs)
-        lse = torch.full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype, device=q_abs.device)
-        return out, lse
-
-    use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
-    outs, lses = [], []
-    for start in range(0, seq_len, query_chunk):
-        end = min(seq_len, start + query_chunk)
-        args = (q_abs[:, start:end], latent, indices[:, start:end], scale)
-        if use_checkpoint:
-            out, lse = checkpoint(_sparse_mla_chunk, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out, lse = _sparse_mla_chunk(*args)
-        outs.append(out)
-        lses.append(lse)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
-    return out.to(q_abs.dtype), lse
 
 
 def sparse_mla(
@@ -170,14 +58,16 @@ def sparse_mla(
     backend: str = "auto",
     query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA attention core; picks the implementation named by ``backend``.
+    """Sparse MLA attention core; picks the implementation named by ``backend`` for this call.
 
-    Same contract as :func:`sparse_mla_torch` (shapes, dtypes, ``-1`` padding, natural-log LSE).
+    Same contract as :func:`.dsa_ops.sparse_mla_torch`: ``q_abs`` ``[B, S, H, Dl]``, ``latent`` ``[B, S_kv, Dl]``,
+    integer ``indices`` ``[B, S, W]`` (``-1`` padding) -> ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H])``,
+    natural-log LSE (fp32 for fp32/bf16/fp16 inputs).
 
     Args:
-        backend: ``"torch"`` (:func:`sparse_mla_torch`), ``"auto"`` (the fused Triton kernel
-            :func:`glm53flash_hf.triton_dsa.sparse_mla_triton` when it can run on these tensors — CUDA, triton
-            installed, fp32/bf16/fp16 — else torch) or ``"fused"`` (the Triton kernel; when it cannot run, a warning
+        backend: ``"torch"`` (:func:`.dsa_ops.sparse_mla_torch`), ``"auto"`` (the Triton kernel
+            :func:`glm53flash_hf.dsa_fused.sparse_mla_fused` when it can run on these tensors: CUDA, triton
+            installed, fp32/bf16/fp16; else torch) or ``"fused"`` (the Triton kernel; when it cannot run, a warning
             says why once and torch runs).
         query_chunk: queries per chunk of the torch path; the fused kernel needs no chunking (its memory is
             ``O(S * W)`` without it) and ignores it.
@@ -186,42 +76,15 @@ def sparse_mla(
         ValueError: for an unknown ``backend`` (:func:`.dispatch.choose_backend`), and the errors of the chosen path.
     """
     if choose_backend("dsa", backend, q_abs, latent, indices) == "fused":
-        from .triton_dsa import sparse_mla_triton
+        from .dsa_fused import sparse_mla_fused  # CUDA tensors only: CPU runs never import triton
 
-        return sparse_mla_triton(q_abs, latent, indices, scale)
+        return sparse_mla_fused(q_abs, latent, indices, scale)
     return sparse_mla_torch(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # KPool indexer
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest entries along the last axis, ties broken toward the lower index.
-
-    ``torch.topk`` breaks exact ties arbitrarily (the choice depends on the array's length and on where the entries
-    sit), so a document's selection could change when other documents are packed beside it. Exact ties are common
-    in the KPool indexer (``relu`` makes every head's score 0 for many pools), hence this deterministic rule: among
-    equal scores the earlier pool wins, whatever else is in the row.
-
-    Args:
-        scores: float ``[..., P]`` (may hold ``-inf``), ``1 <= k <= P``.
-
-    Returns:
-        long ``[..., k]`` indices: the finite picks in increasing index order, then the ``-inf`` ones (when fewer
-        than ``k`` entries are finite), also in increasing index order (not score order).
-    """
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    greater = scores > kth
-    tied = scores == kth
-    need = k - greater.sum(-1, keepdim=True)
-    chosen = greater | (tied & (torch.cumsum(tied, dim=-1) <= need))
-    num = scores.shape[-1]
-    rank = torch.arange(num, 0, -1, device=scores.device)  # earlier entries get larger keys
-    # Finite picks first (so -inf fillers, e.g. pools of other documents, come last), each group in index order.
-    key = torch.where(chosen, rank + num * torch.isfinite(scores), torch.zeros_like(rank))
-    return key.topk(k, dim=-1).indices
 
 
 def _check_layout(layout: DocumentLayout, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
@@ -246,14 +109,15 @@ class Glm53FlashIndexer(nn.Module):
     ``index_kpool_compress_ape`` ``[index_kpool, index_head_dim]``, ``index_kpool_compress_gate``
     ``[index_head_dim, hidden]``.
 
-    Semantics per document (model-spec §6): pools are consecutive groups of ``kp = index_kpool`` tokens from the
-    document's first token; the pool key (fp32) is ``sum_j softmax_j(gate[j] + ape[j]) * k[j]`` over its slots; the
-    score of pool ``p`` for query ``t`` is ``sum_h w[t,h] * n_heads^-0.5 * relu(q[t,h] . pk[p] * head_dim^-0.5)``
+    Semantics per document (those of ``Glm5NextTextIndexer``, with pools restarting at each document): pools are
+    consecutive groups of ``kp = index_kpool`` tokens from the document's first token; the pool key (fp32) is
+    ``sum_j softmax_j(gate[j] + ape[j]) * k[j]`` over its slots (:func:`.dsa_ops.kpool_pool_keys`); the score of
+    pool ``p`` for query ``t`` is ``sum_h w[t,h] * n_heads^-0.5 * relu(q[t,h] . pk[p] * head_dim^-0.5)``
     (``w = weights_proj(h)`` in fp32; the positive scales are folded into ``w``). Query ``t`` may select the
     complete pools of its document that end at or before ``t`` (the first ``(local_pos + 1) // kp`` pools); it takes
-    the top ``min(index_topk // kp, #selectable)`` and expands them to token ids. With
-    ``index_kpool_always_select_tail`` it also gets the ``(local_pos + 1) % kp`` tokens of its incomplete current
-    pool. For one unpadded document (or a left-padded row) the id SET equals transformers' indexer output.
+    the top ``min(index_topk // kp, #selectable)`` (:func:`.dsa_ops.select_top_pools`) and expands them to token
+    ids. With ``index_kpool_always_select_tail`` it also gets the ``(local_pos + 1) % kp`` tokens of its incomplete
+    current pool. For one unpadded document (or a left-padded row) the id SET equals transformers' indexer output.
 
     Attributes:
         max_score_elements: element budget of the ``[B, chunk, index_n_heads, pools]`` fp32 score buffer; the
@@ -304,7 +168,7 @@ class Glm53FlashIndexer(nn.Module):
         Returns:
             int32 ``[B, S, W]`` (``W = output_width``) row-local token ids, ``-1`` padding. Selected pools come
             first (``kp`` ids each, in increasing pool order; exact score ties go to the earlier pool, see
-            :func:`stable_topk_indices`), then ``-1`` for unfilled pool slots, then the tail
+            :func:`.dsa_ops.stable_topk_indices`), then ``-1`` for unfilled pool slots, then the tail
             slots. Padding queries (``layout.valid`` False) are all ``-1``. Runs without gradient (frozen indexer).
 
         Raises:
@@ -322,13 +186,11 @@ class Glm53FlashIndexer(nn.Module):
         layout = _check_layout(layout, batch, seq_len, hidden_states.device)
         device = hidden_states.device
         kp = self.index_kpool
-        n_heads, head_dim = self.n_heads, self.head_dim
-        width = self.output_width
 
         valid = layout.valid.to(device)
         local_pos = layout.local_pos.to(device)
         positions = torch.arange(seq_len, device=device)
-        out = torch.full((batch, seq_len, width), -1, dtype=torch.int32, device=device)
+        out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
 
         # ---- pools: complete groups of kp tokens of one document, identified by their last token ----------------
         num_pools = seq_len // kp  # static upper bound on complete pools per row
@@ -342,90 +204,43 @@ class Glm53FlashIndexer(nn.Module):
             pool_end = order_key.sort(dim=1).values[:, :num_pools]
             pool_end = torch.where(pool_end < seq_len, pool_end, torch.zeros_like(pool_end))  # [B, P]
 
-            # Pool keys, once per forward (fp32): softmax over the kp slots of gate + ape, weighted sum of keys.
-            keys = self.k_norm(self.wk(hidden_states))  # [B, S, Dk]
-            gates = F.linear(hidden_states, self.index_kpool_compress_gate)  # [B, S, Dk]
+            # Pool keys, once per forward (fp32).
             slots = (pool_end[:, :, None] - (kp - 1) + torch.arange(kp, device=device)).clamp_min(0)  # [B, P, kp]
-            flat_slots = slots.reshape(batch, num_pools * kp, 1).expand(-1, -1, head_dim)
-            slot_keys = torch.gather(keys, 1, flat_slots).view(batch, num_pools, kp, head_dim).float()
-            slot_gates = torch.gather(gates, 1, flat_slots).view(batch, num_pools, kp, head_dim).float()
-            probs = torch.softmax(slot_gates + self.index_kpool_compress_ape.float()[None, None], dim=2)
-            pool_keys = (probs * slot_keys).sum(dim=2)  # [B, P, Dk] fp32
-            pool_keys_t = pool_keys.transpose(1, 2).contiguous()  # [B, Dk, P]
-
-            q = self.wq_b(q_resid).view(batch, seq_len, n_heads, head_dim)
-            head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
-            head_weights = head_weights * (n_heads**-0.5 * self.softmax_scale)  # [B, S, Hi]; relu is 1-homogeneous
+            pool_keys = kpool_pool_keys(self._token_state(hidden_states), slots, self.index_kpool_compress_ape)
 
             # Selectable pools of query t: ids [hi - (local_pos + 1) // kp, hi) with hi = ends_upto[t].
             hi = torch.where(valid, ends_upto, torch.zeros_like(ends_upto))
             lo = torch.where(valid, ends_upto - (local_pos + 1) // kp, torch.zeros_like(ends_upto))
+            pool_keys_t = pool_keys.transpose(1, 2).contiguous()  # [B, Dk, P]
+            out[..., : select_pools * kp] = self._select(
+                hidden_states, q_resid, pool_keys_t, pool_end, lo, hi, select_pools, offset=0
+            )
+        return self._finish(out, positions, local_pos, valid)
 
-            self._select_pools(out, q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools)
+    def _token_state(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[B, S, 2 * Dk]`` per-token ``[k | gate]``: ``k = k_norm(wk(x))``, ``gate = x @ compress_gate^T``."""
+        keys = self.k_norm(self.wk(hidden_states))
+        gates = F.linear(hidden_states, self.index_kpool_compress_gate)
+        return torch.cat([keys.float(), gates.float()], dim=-1)
 
-        self._append_tail(out, positions, local_pos)
-        out.masked_fill_(~valid[..., None], -1)
-        return out
+    def _select(self, hidden_states, q_resid, pool_keys_t, pool_end, lo, hi, select_pools: int, offset: int):
+        """The indexer queries and head weights (scales folded in; ``relu`` is 1-homogeneous) of ``hidden_states``,
+        then :func:`.dsa_ops.select_top_pools`: int32 ``[B, S, select_pools * kp]`` token ids."""
+        batch, seq_len, _ = hidden_states.shape
+        q = self.wq_b(q_resid).view(batch, seq_len, self.n_heads, self.head_dim)
+        head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
+        head_weights = head_weights * (self.n_heads**-0.5 * self.softmax_scale)  # [B, S, Hi]
+        return select_top_pools(
+            q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, self.index_kpool,
+            offset=offset, max_score_elements=self.max_score_elements,
+        )  # fmt: skip
 
-    def _select_pools(
-        self,
-        out: torch.Tensor,
-        q: torch.Tensor,
-        head_weights: torch.Tensor,
-        pool_keys_t: torch.Tensor,
-        pool_end: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
-        select_pools: int,
-        offset: int = 0,
-    ) -> None:
-        """Score the pools and write the expanded top pools into ``out[..., :select_pools * kp]`` (in place).
-
-        ``q`` ``[B, S, Hi, Dk]``, ``head_weights`` fp32 ``[B, S, Hi]`` (scales folded in), ``pool_keys_t`` fp32
-        ``[B, Dk, P]`` (pool ``p`` of a row = the row's ``p``-th complete pool, ending at row position
-        ``pool_end[b, p]``), ``lo`` / ``hi`` long ``[B, S]``: query ``t`` may select pools ``[lo, hi)``. ``offset``
-        is the row position of query 0 (the cached length; 0 without a cache), so a query at row position ``r``
-        sees at most ``(r + 1) // kp`` pools. Queries are scored in chunks under ``max_score_elements``.
-        """
-        batch, seq_len, n_heads, head_dim = q.shape
-        num_pools = pool_keys_t.shape[-1]
-        kp = self.index_kpool
-        device = q.device
-        chunk = max(1, int(self.max_score_elements) // max(1, batch * n_heads * num_pools))
-        slot_offsets = torch.arange(kp, device=device) - (kp - 1)
-        for start in range(0, seq_len, chunk):
-            end = min(seq_len, start + chunk)
-            size = end - start
-            # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
-            pools_here = min(num_pools, (offset + end) // kp)
-            if pools_here == 0:
-                continue
-            qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)
-            logits = torch.bmm(qc, pool_keys_t[:, :, :pools_here]).relu_()  # [B, C*Hi, Pc]
-            logits = logits.view(batch * size, n_heads, pools_here)
-            wc = head_weights[:, start:end].reshape(batch * size, 1, n_heads)
-            scores = torch.bmm(wc, logits).view(batch, size, pools_here)  # [B, C, Pc]
-            pool_ids = torch.arange(pools_here, device=device)
-            selectable = (pool_ids >= lo[:, start:end, None]) & (pool_ids < hi[:, start:end, None])
-            scores = scores.masked_fill_(~selectable, float("-inf"))
-            take = min(select_pools, pools_here)
-            top = stable_topk_indices(scores, take)  # [B, C, take]
-            top_ok = selectable.gather(-1, top)
-            top_end = pool_end.gather(1, top.reshape(batch, size * take)).view(batch, size, take)
-            token_ids = top_end[..., None] + slot_offsets  # [B, C, take, kp]
-            token_ids = token_ids.masked_fill(~top_ok[..., None], -1).flatten(-2)
-            out[:, start:end, : take * kp] = token_ids.to(torch.int32)
-
-    def _append_tail(self, out: torch.Tensor, positions: torch.Tensor, local_pos: torch.Tensor) -> None:
-        """With ``index_kpool_always_select_tail``: write the ``(local_pos + 1) % kp`` tokens of each query's
-        incomplete pool (row positions, ``-1`` for unused slots) into ``out[..., index_topk:]`` (in place)."""
-        kp = self.index_kpool
-        if self.index_kpool_always_select_tail and kp > 1:
-            tail_count = (local_pos + 1) % kp  # [B, S]
-            tail_offsets = torch.arange(kp - 1, device=out.device)
-            tail_ids = (positions - tail_count + 1)[..., None] + tail_offsets  # [B, S, kp - 1]
-            tail_ok = tail_offsets < tail_count[..., None]
-            out[..., self.index_topk :] = tail_ids.masked_fill(~tail_ok, -1).to(torch.int32)
+    def _finish(self, out: torch.Tensor, positions, local_pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """With ``index_kpool_always_select_tail``, write each query's tail tokens (:func:`.dsa_ops.tail_token_ids`)
+        into ``out[..., index_topk:]``; then ``-1`` for padding queries. In place; returns ``out``."""
+        if self.index_kpool_always_select_tail and self.index_kpool > 1:
+            out[..., self.index_topk :] = tail_token_ids(positions, local_pos, self.index_kpool)
+        return out.masked_fill_(~valid[..., None], -1)
 
     @torch.no_grad()
     def forward_cached(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cache, ctx) -> torch.Tensor:
@@ -454,13 +269,11 @@ class Glm53FlashIndexer(nn.Module):
         """
         batch, seq_len, _ = hidden_states.shape
         device = hidden_states.device
-        kp, head_dim, n_heads = self.index_kpool, self.head_dim, self.n_heads
+        kp, head_dim = self.index_kpool, self.head_dim
         past, total = ctx.past, ctx.past + seq_len
         first, valid, local_pos = ctx.first, ctx.valid, ctx.local_pos
 
-        keys = self.k_norm(self.wk(hidden_states)).float()
-        gates = F.linear(hidden_states, self.index_kpool_compress_gate).float()
-        state = cache.update_indexer(torch.cat([keys, gates], dim=-1), self.layer_idx)  # [B, L, 2Dk]
+        state = cache.update_indexer(self._token_state(hidden_states), self.layer_idx)  # [B, L, 2Dk]
         cap = state.shape[1]
 
         # ---- pools completed by this call: ids [n_before, n_after) of each row; build and store their keys -------
@@ -470,10 +283,7 @@ class Glm53FlashIndexer(nn.Module):
         pool_j = n_before[:, None] + torch.arange(cand, device=device)  # [B, cand] (distinct, < total <= cap)
         new = pool_j < n_after[:, None]
         slots = (first[:, None, None] + kp * pool_j[..., None] + torch.arange(kp, device=device)).clamp(0, cap - 1)
-        grouped = state.gather(1, slots.reshape(batch, cand * kp, 1).expand(-1, -1, 2 * head_dim))
-        slot_keys, slot_gates = grouped.view(batch, cand, kp, 2 * head_dim).split(head_dim, dim=-1)
-        probs = torch.softmax(slot_gates + self.index_kpool_compress_ape.float()[None, None], dim=2)
-        pool_keys = (probs * slot_keys).sum(dim=2)  # [B, cand, Dk] fp32, same maths as forward()
+        pool_keys = kpool_pool_keys(state, slots, self.index_kpool_compress_ape)  # [B, cand, Dk], as forward()
         key_cols = state[..., :head_dim]
         where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
         key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
@@ -484,16 +294,11 @@ class Glm53FlashIndexer(nn.Module):
         if select_pools > 0:
             pool_keys_t = key_cols[:, :num_pools].transpose(1, 2)  # [B, Dk, P] view of the cached pool keys
             pool_end = first[:, None] + kp * torch.arange(num_pools, device=device) + (kp - 1)  # [B, P]
-            q = self.wq_b(q_resid).view(batch, seq_len, n_heads, head_dim)
-            head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
-            head_weights = head_weights * (n_heads**-0.5 * self.softmax_scale)
             hi = torch.where(valid, (local_pos + 1).clamp_min(0) // kp, torch.zeros_like(local_pos))
-            self._select_pools(
-                out, q, head_weights, pool_keys_t, pool_end, torch.zeros_like(hi), hi, select_pools, offset=past
+            out[..., : select_pools * kp] = self._select(
+                hidden_states, q_resid, pool_keys_t, pool_end, torch.zeros_like(hi), hi, select_pools, offset=past
             )
-        self._append_tail(out, ctx.positions, local_pos)
-        out.masked_fill_(~valid[..., None], -1)
-        return out
+        return self._finish(out, ctx.positions, local_pos, valid)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -508,8 +313,8 @@ class Glm53FlashAttention(nn.Module):
     ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` and ``indexer`` (a
     :class:`Glm53FlashIndexer`, ``None`` for a "shared" layer).
 
-    Maths (model-spec §5): ``q = q_b_proj(q_a_layernorm(q_a_proj(x)))`` ``[B,S,H,qk_nope]``; latent
-    ``c = kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[B,S,kv_lora_rank]``; ``kv_b_proj.weight`` viewed
+    Maths (those of ``Glm5NextTextAttention``): ``q = q_b_proj(q_a_layernorm(q_a_proj(x)))`` ``[B,S,H,qk_nope]``;
+    latent ``c = kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[B,S,kv_lora_rank]``; ``kv_b_proj.weight`` viewed
     ``[H, qk_nope + v_head_dim, kv_lora_rank]`` gives ``W_kc`` (first ``qk_nope`` rows) and ``W_vc``; absorbed
     queries ``q_abs[h] = q[h] @ W_kc[h]``; ``out_lat = SparseMLA(q_abs, c, ids, scale = qk_head_dim^-0.5)``;
     ``o[h] = out_lat[h] @ W_vc[h]^T``; ``o_proj`` of the concatenated heads. No RoPE (``qk_rope_head_dim == 0``).
@@ -534,18 +339,18 @@ class Glm53FlashAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
         self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank is None:
+            raise ValueError("q_lora_rank must be set for DSA attention (the indexer reads the query residual)")
+        self.num_heads = config.num_attention_heads
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
+        if self.qk_rope_head_dim != 0:
+            raise ValueError(f"qk_rope_head_dim must be 0 (NoPE DSA); got qk_rope_head_dim={self.qk_rope_head_dim}")
         self.v_head_dim = config.v_head_dim
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.attention_dropout = config.attention_dropout
-        if self.qk_rope_head_dim != 0:
-            raise ValueError(f"qk_rope_head_dim must be 0 (NoPE DSA); got qk_rope_head_dim={self.qk_rope_head_dim}")
-        if self.q_lora_rank is None:
-            raise ValueError("q_lora_rank must be set for DSA attention (the indexer reads the query residual)")
 
         num_layers = config.num_hidden_layers
         if indexer_type is None:
@@ -680,8 +485,8 @@ def init_dsa_weights(module: nn.Module, config) -> None:
     """Initialise the DSA parameters that the generic Linear/LayerNorm/RMSNorm init does not cover.
 
     Reproduces transformers' ``Glm5NextPreTrainedModel._init_weights`` for the indexer:
-    ``index_kpool_compress_ape`` zeros, ``index_kpool_compress_gate`` ones (xtuner uses zeros for the gate;
-    model-spec §6). Other modules are left alone. ``config`` is accepted for a uniform signature.
+    ``index_kpool_compress_ape`` zeros, ``index_kpool_compress_gate`` ones. Other modules are left alone. ``config``
+    is accepted for a uniform signature.
     """
     if isinstance(module, Glm53FlashIndexer):
         init.zeros_(module.index_kpool_compress_ape)

@@ -1,9 +1,11 @@
-"""Tests of glm53flash_hf.dsa: KPool indexer, sparse MLA core, NoPE DSA attention.
+"""Tests of glm53flash_hf.dsa (KPool indexer, NoPE DSA attention, the dispatch of the sparse MLA core) and of the
+torch operators in glm53flash_hf.dsa_ops (sparse MLA, stable top-k).
 
 Oracles: transformers' ``Glm5NextTextIndexer`` / ``Glm5NextTextAttention`` (same weights), a float64 per-document
-loop implementing model-spec §6 for the indexer, and a float64 dense-mask attention for ``sparse_mla_torch``.
-Top-k selection is compared as SETS of token ids per query (model-spec §13.12); the float64 reference also
-asserts that the test data has no near-ties at the selection boundary, so a set mismatch is a real bug.
+loop of the KPool indexer's maths (:func:`ref_indexer`), and a float64 dense-mask attention for
+``sparse_mla_torch``. Top-k selection is compared as SETS of token ids per query (the order of the ids inside a
+query's row is not part of the contract); the float64 reference also asserts that the test data has no near-ties at
+the selection boundary, so a set mismatch is a real bug.
 """
 
 import math
@@ -15,13 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention, Glm5NextTextIndexer
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
-from glm53flash_hf.dsa import (
-    Glm53FlashAttention,
-    Glm53FlashIndexer,
-    init_dsa_weights,
-    sparse_mla,
-    sparse_mla_torch,
-)
+from glm53flash_hf.dsa import Glm53FlashAttention, Glm53FlashIndexer, init_dsa_weights, sparse_mla
+from glm53flash_hf.dsa_ops import sparse_mla_torch, stable_topk_indices
 from glm53flash_hf.packing import build_document_layout
 
 HIDDEN = 64
@@ -78,7 +75,8 @@ def row_sets(indices):
 
 
 def ref_indexer(indexer, hidden, q_resid, docs, min_gap=1e-5):
-    """Float64 per-document reference of the KPool indexer (model-spec §6), as id sets.
+    """Float64 per-document reference of the KPool indexer (``Glm5NextTextIndexer``'s maths per document), as id
+    sets.
 
     ``docs[b]`` lists the (start, end) row ranges of the valid documents of row b. Asserts that the score gap
     at the top-k boundary exceeds ``min_gap`` (relative) so the data is tie-free.
@@ -331,8 +329,8 @@ def test_sparse_mla_torch_matches_dense_float64(query_chunk):
     assert rel_err(out, ref_out) < 1e-6
     assert rel_err(lse[finite], ref_lse[finite]) < 1e-6
 
-    def loss(o, l):
-        return (o.double() * r_out).sum() + (torch.where(finite, l.double(), 0.0) * r_lse).sum()
+    def loss(o, log_z):
+        return (o.double() * r_out).sum() + (torch.where(finite, log_z.double(), 0.0) * r_lse).sum()
 
     loss(out, lse).backward()
     loss(ref_out, ref_lse).backward()
@@ -566,7 +564,7 @@ def test_no_quadratic_buffers():
 
 def test_bf16_runs_and_tracks_fp32():
     # index_topk covers every pool, so the selection cannot differ between precisions: bf16 rounding makes
-    # near-tied pool scores exactly equal and may legitimately change a sparse selection (model-spec §13.12).
+    # near-tied pool scores exactly equal and may legitimately change a sparse selection.
     config = make_config(index_topk=32)
     ours = randomize_(Glm53FlashAttention(config, 3), seed=22)
     x = torch.randn(2, 29, HIDDEN)
@@ -579,8 +577,6 @@ def test_bf16_runs_and_tracks_fp32():
 
 
 def test_stable_topk_breaks_ties_toward_earlier_entries():
-    from glm53flash_hf.dsa import stable_topk_indices
-
     scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0], [float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0]])
     assert stable_topk_indices(scores, 3).tolist() == [[0, 1, 4], [1, 2, 4]]
     assert stable_topk_indices(scores[1:], 5).tolist() == [[1, 2, 4, 5, 0]]
@@ -633,7 +629,7 @@ def test_indexer_packed_equals_separate_with_score_ties():
 
 def test_plain_topk_would_break_packing_under_ties(monkeypatch):
     """The setting above really has ties that plain torch.topk resolves differently when packed."""
-    import glm53flash_hf.dsa as dsa
+    import glm53flash_hf.dsa_ops as dsa_ops
 
-    monkeypatch.setattr(dsa, "stable_topk_indices", lambda scores, k: scores.topk(k, dim=-1).indices)
+    monkeypatch.setattr(dsa_ops, "stable_topk_indices", lambda scores, k: scores.topk(k, dim=-1).indices)
     assert not _packed_matches_alone(*_tie_setup())

@@ -1,10 +1,10 @@
 """Fused Triton kernels for the sparse MLA attention core of GLM-5.3-Flash's DSA layers, forward and backward.
 
-Our own kernels (FlashMLA's ``flash_mla_sparse_fwd``, TileLang's DeepSeek-V3.2 ``sparse_mla_fwd/bwd`` examples and
-xtuner's SparseMLA backends were read for their contracts only, kernels.md §4.2-§4.3). The maths is exactly that of
-:func:`glm53flash_hf.dsa.sparse_mla_torch`, the oracle of ``tests/test_triton_dsa.py``: absorbed MLA form, one shared
-latent KV head (``K = V = c``), per-query token ids with ``-1`` padding (any id outside ``[0, S_kv)`` is padding),
-softmax scale ``qk_head_dim ** -0.5`` passed by the caller, natural-log LSE.
+The maths is exactly that of the torch path :func:`glm53flash_hf.dsa_ops.sparse_mla_torch` (the kernels' oracle in
+``tests/test_dsa_fused.py``): absorbed MLA form, one shared latent KV head (``K = V = c``), per-query token ids with
+``-1`` padding (any id outside ``[0, S_kv)`` is padding), softmax scale ``qk_head_dim ** -0.5`` passed by the caller,
+natural-log LSE — the contract of DeepSeek's FlashMLA sparse kernel (``flash_mla_sparse_fwd``) and of TileLang's
+DeepSeek-V3.2 ``sparse_mla_fwd`` / ``sparse_mla_bwd`` examples, reference implementations of the same operator.
 
 Kernels
 -------
@@ -38,35 +38,37 @@ Precision
 
 Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for tests), fp32/bf16/fp16 inputs, any ``H``,
 ``Dl <= MAX_LATENT_DIM`` (power-of-two block with masking), any ``W`` (masked tail block), int32/int64 ids. Block
-sizes are not tuned on hardware yet (no autotuner). Memory is ``O(S * W)`` for the ids plus the inputs, outputs and
+sizes are fixed by :func:`_blocks` (no autotuner). Memory is ``O(S * W)`` for the ids plus the inputs, outputs and
 the fp32 ``dlatent`` buffer: nothing scales with ``S * S_kv``. ``dlatent`` is accumulated with fp32 atomics, so its
 fp32 summation order (and its last bits) may vary between GPU runs.
 
-``triton`` is imported lazily-safe: this module imports without it (``TRITON_AVAILABLE`` is then False,
-:func:`fused_dsa_available` says so and :func:`sparse_mla_triton` raises ``RuntimeError``).
+This module imports without triton (:mod:`.triton_utils`): :func:`fused_dsa_available` then says so and
+:func:`sparse_mla_fused` raises ``RuntimeError``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-try:  # optional dependency: the package must import without triton (remote-code check_imports exempts try-imports)
-    import triton
-    import triton.language as tl
+from .dsa_ops import check_sparse_mla_args
+from .triton_utils import (
+    TL_DTYPES,
+    TRITON_AVAILABLE,
+    check_device,
+    check_dtype,
+    interpreting,
+    next_power_of_2,
+    probe_tensors,
+    require_triton,
+    tl,
+    triton,
+)
 
-    TRITON_AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised on installs without triton
-    triton = None
-    tl = None
-    TRITON_AVAILABLE = False
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_LATENT_DIM = 1024  # Dl above this would need a split of the [BH, Dl] accumulator (the release uses 512)
 
-__all__ = ["MAX_LATENT_DIM", "SUPPORTED_DTYPES", "TRITON_AVAILABLE", "fused_dsa_available", "sparse_mla_triton"]
+__all__ = ["MAX_LATENT_DIM", "fused_dsa_available", "sparse_mla_fused"]
 
 
 def fused_dsa_available(*tensors: torch.Tensor) -> tuple[bool, str]:
@@ -76,17 +78,13 @@ def fused_dsa_available(*tensors: torch.Tensor) -> tuple[bool, str]:
         tensors: the call's tensors ``(q_abs [B, S, H, Dl], latent [B, S_kv, Dl], indices [B, S, W])``.
 
     Returns:
-        ``(True, "")`` when :func:`sparse_mla_triton` can run on them, else ``(False, reason)``: triton not
+        ``(True, "")`` when :func:`sparse_mla_fused` can run on them, else ``(False, reason)``: triton not
         importable, a tensor not on CUDA, a float dtype other than fp32/bf16/fp16 (fp64 runs the torch path), shapes
         that are not ``[B, S, H, Dl]`` / ``[B, S_kv, Dl]`` / integer ``[B, S, W]``, or ``Dl > MAX_LATENT_DIM``.
     """
-    if not TRITON_AVAILABLE:
-        return False, "triton is not installed"
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if not tensors:
-        return False, "no tensors given"
-    if not all(t.is_cuda for t in tensors):
-        return False, "the tensors are not on a CUDA device"
+    tensors, reason = probe_tensors("sparse MLA", tensors)
+    if reason:
+        return False, reason
     if len(tensors) != 3:
         return False, f"expected (q_abs, latent, indices); got {len(tensors)} tensors"
     try:
@@ -96,42 +94,27 @@ def fused_dsa_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-def _require_triton() -> None:
-    if not TRITON_AVAILABLE:
-        raise RuntimeError("glm53flash_hf.triton_dsa needs triton (pip install triton); use the torch path instead")
-
-
-def _p2(x: int, lo: int = 1) -> int:
-    return max(lo, 1 << max(0, int(x) - 1).bit_length())
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
-    """Shape/dtype/device checks shared by the probe and :func:`sparse_mla_triton` (raise ``ValueError``): the torch
-    path's :func:`glm53flash_hf.dsa.check_sparse_mla_args`, then the kernel's dtype, width and device limits."""
-    from .dsa import check_sparse_mla_args
-
+    """Checks shared by the probe and :func:`sparse_mla_fused` (raise ``ValueError``): the torch path's
+    :func:`.dsa_ops.check_sparse_mla_args`, then the kernel's dtype, width and device limits."""
     check_sparse_mla_args(q_abs, latent, indices)
+    check_dtype("q_abs", q_abs)
+    check_dtype("latent", latent)
     dim = q_abs.shape[-1]
-    bad = [f"{name} {t.dtype}" for name, t in (("q_abs", q_abs), ("latent", latent)) if t.dtype not in SUPPORTED_DTYPES]
-    if bad:
-        raise ValueError(f"unsupported dtype(s) {bad} (fused sparse MLA supports float32, bfloat16, float16)")
     if dim > MAX_LATENT_DIM:
         raise ValueError(f"kv_lora_rank Dl={dim} exceeds MAX_LATENT_DIM={MAX_LATENT_DIM} of the fused sparse MLA")
     devices = {q_abs.device, latent.device, indices.device}
     if len(devices) != 1:
         raise ValueError(f"q_abs, latent and indices must be on one device; got {sorted(map(str, devices))}")
+    check_device("q_abs", q_abs)
 
 
 def _blocks(heads: int, dim: int, block_h: int | None, block_w: int | None, budget: int) -> tuple[int, int, int, int]:
     """``(BH heads, BW ids, BD features, num_warps)`` per program. ``tl.dot`` needs every block dim >= 16; the
-    ``[BH, BD]`` and ``[BW, BD]`` tiles are capped at ``budget`` elements each (forward 16k, backward 8k: the
-    backward holds q, dO, the dq accumulator and the dc tile at once). Untuned guesses: no GPU measured yet."""
-    bd = _p2(dim, 16)
-    bh = block_h if block_h is not None else max(16, min(_p2(heads), 64, budget // bd))
+    ``[BH, BD]`` and ``[BW, BD]`` tiles are capped at ``budget`` elements each (``_FWD_TILE``, ``_BWD_TILE``: the
+    backward holds q, dO, the dq accumulator and the dc tile at once)."""
+    bd = next_power_of_2(dim, 16)
+    bh = block_h if block_h is not None else max(16, min(next_power_of_2(heads), 64, budget // bd))
     bw = block_w if block_w is not None else max(16, min(64, budget // bd))
     for name, value in (("block_h", bh), ("block_w", bw)):
         if value < 16 or value & (value - 1):
@@ -140,11 +123,6 @@ def _blocks(heads: int, dim: int, block_h: int | None, block_w: int | None, budg
 
 
 _FWD_TILE, _BWD_TILE = 16384, 8192
-
-
-_TL_DTYPES = {}
-if TRITON_AVAILABLE:
-    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 # ============================================================================================================ kernels
@@ -176,34 +154,48 @@ if TRITON_AVAILABLE:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
     @triton.jit
+    def _program_tile(S, H, DL, BH: tl.constexpr, BD: tl.constexpr):
+        """This program's query row ``b * S + t`` (int64), batch row ``b``, heads ``h`` ``[BH]`` and features ``d``
+        ``[BD]`` with their masks ``hm`` / ``dm``, the ``[BH, BD]`` mask ``qm`` and element offsets ``offs`` of its
+        ``q_abs`` / ``out`` tile."""
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        hm = h < H
+        dm = d < DL
+        return row, row // S, h, hm, d, dm, hm[:, None] & dm[None, :], (row * H + h[:, None]) * DL + d[None, :]
+
+    @triton.jit
+    def _gather_block(idx_ptr, lat_ptr, row, b, w0, S_KV, W, DL, d, dm, BW: tl.constexpr, LOWP: tl.constexpr):
+        """Ids ``w0 .. w0 + BW`` of query row ``row`` and their latent rows: ``valid`` ``[BW]`` (slot exists and
+        ``0 <= id < S_KV``), element offsets ``offs`` and mask ``cm`` ``[BW, BD]`` of the rows, and the rows ``c``
+        (0 where invalid; fp32 unless ``LOWP``)."""
+        w = w0 + tl.arange(0, BW)
+        ids = tl.load(idx_ptr + row * W + w, mask=w < W, other=-1).to(tl.int64)
+        valid = (w < W) & (ids >= 0) & (ids < S_KV)
+        offs = (b * S_KV + tl.where(valid, ids, 0)[:, None]) * DL + d[None, :]
+        cm = valid[:, None] & dm[None, :]
+        c = tl.load(lat_ptr + offs, mask=cm, other=0.0)
+        if not LOWP:
+            c = c.to(tl.float32)
+        return valid, offs, cm, c
+
+    @triton.jit
     def _sparse_mla_fwd_kernel(
         q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr,
         S, S_KV, H, W, DL, scale,
         BH: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr,
         DT_OUT: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)  # b * S + t
-        b = row // S
-        h = tl.program_id(1) * BH + tl.arange(0, BH)
-        hm = h < H
-        d = tl.arange(0, BD)
-        dm = d < DL
-        qm = hm[:, None] & dm[None, :]
-        q = tl.load(q_ptr + (row * H + h[:, None]) * DL + d[None, :], mask=qm, other=0.0)
+        row, b, h, hm, d, dm, qm, offs = _program_tile(S, H, DL, BH, BD)
+        q = tl.load(q_ptr + offs, mask=qm, other=0.0)
         if not LOWP:
             q = q.to(tl.float32)
         m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BH,), dtype=tl.float32)
         acc = tl.zeros((BH, BD), dtype=tl.float32)
         for w0 in range(0, W, BW):
-            w = w0 + tl.arange(0, BW)
-            ids = tl.load(idx_ptr + row * W + w, mask=w < W, other=-1).to(tl.int64)
-            valid = (w < W) & (ids >= 0) & (ids < S_KV)
-            safe = tl.where(valid, ids, 0)
-            c = tl.load(lat_ptr + (b * S_KV + safe[:, None]) * DL + d[None, :], mask=valid[:, None] & dm[None, :],
-                        other=0.0)
-            if not LOWP:
-                c = c.to(tl.float32)
+            valid, _, _, c = _gather_block(idx_ptr, lat_ptr, row, b, w0, S_KV, W, DL, d, dm, BW, LOWP)
             s = _dot(q, tl.trans(c), tl.zeros((BH, BW), dtype=tl.float32), LOWP, UPCAST)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -219,7 +211,7 @@ if TRITON_AVAILABLE:
         nonempty = l_i > 0.0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(out_ptr + (row * H + h[:, None]) * DL + d[None, :], _cast(out, DT_OUT), mask=qm)
+        tl.store(out_ptr + offs, _cast(out, DT_OUT), mask=qm)
         tl.store(lse_ptr + row * H + h, lse, mask=hm)
 
     @triton.jit
@@ -230,14 +222,7 @@ if TRITON_AVAILABLE:
         DT_Q: tl.constexpr,
         HAS_DLSE: tl.constexpr, NEED_DQ: tl.constexpr, NEED_DLAT: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        b = row // S
-        h = tl.program_id(1) * BH + tl.arange(0, BH)
-        hm = h < H
-        d = tl.arange(0, BD)
-        dm = d < DL
-        qm = hm[:, None] & dm[None, :]
-        offs = (row * H + h[:, None]) * DL + d[None, :]
+        row, b, h, hm, d, dm, qm, offs = _program_tile(S, H, DL, BH, BD)
         q = tl.load(q_ptr + offs, mask=qm, other=0.0)
         do = tl.load(dout_ptr + offs, mask=qm, other=0.0)
         o = tl.load(out_ptr + offs, mask=qm, other=0.0).to(tl.float32)
@@ -251,14 +236,7 @@ if TRITON_AVAILABLE:
         lse = tl.where(lse == float("-inf"), 0.0, lse)  # empty row: every slot is invalid, p = 0 below
         dq = tl.zeros((BH, BD), dtype=tl.float32)
         for w0 in range(0, W, BW):
-            w = w0 + tl.arange(0, BW)
-            ids = tl.load(idx_ptr + row * W + w, mask=w < W, other=-1).to(tl.int64)
-            valid = (w < W) & (ids >= 0) & (ids < S_KV)
-            safe = tl.where(valid, ids, 0)
-            cm = valid[:, None] & dm[None, :]
-            c = tl.load(lat_ptr + (b * S_KV + safe[:, None]) * DL + d[None, :], mask=cm, other=0.0)
-            if not LOWP:
-                c = c.to(tl.float32)
+            valid, lat_offs, cm, c = _gather_block(idx_ptr, lat_ptr, row, b, w0, S_KV, W, DL, d, dm, BW, LOWP)
             s = _dot(q, tl.trans(c), tl.zeros((BH, BW), dtype=tl.float32), LOWP, UPCAST)
             dp = _dot(do, tl.trans(c), tl.zeros((BH, BW), dtype=tl.float32), LOWP, UPCAST)
             keep = hm[:, None] & valid[None, :]
@@ -275,7 +253,7 @@ if TRITON_AVAILABLE:
             if NEED_DLAT:
                 dc = _dot(tl.trans(ds_w), q, tl.zeros((BW, BD), dtype=tl.float32), LOWP, UPCAST) * scale
                 dc = _dot(tl.trans(p_w), do, dc, LOWP, UPCAST)
-                tl.atomic_add(dlat_ptr + (b * S_KV + safe[:, None]) * DL + d[None, :], dc, mask=cm, sem="relaxed")
+                tl.atomic_add(dlat_ptr + lat_offs, dc, mask=cm, sem="relaxed")
         if NEED_DQ:
             tl.store(dq_ptr + offs, _cast(dq * scale, DT_Q), mask=qm)
 
@@ -296,8 +274,7 @@ class _SparseMlaFunction(torch.autograd.Function):
         lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
         if not lowp and lat_c.dtype != torch.float32:  # mixed dtypes: run the pure fp32 variant (one upcast)
             lat_c = lat_c.float()
-        # fp32 tiles at half the budget: the fp32 (FMA) dot over K = Dl spills registers at 32x32x512 (compiled for
-        # sm_90 with triton 3.6: 2 KB per thread; 0 at 16x16)
+        # fp32 tiles at half the budget: the fp32 (FMA, no tensor cores) dot over K = Dl holds twice the registers
         bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _FWD_TILE if lowp else _FWD_TILE // 2)
         out = torch.empty_like(q_c)
         lse = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q_c.device)
@@ -305,7 +282,7 @@ class _SparseMlaFunction(torch.autograd.Function):
             _sparse_mla_fwd_kernel[(batch * seq_len, triton.cdiv(heads, bh))](
                 q_ptr=q_c, lat_ptr=lat_c, idx_ptr=idx_c, out_ptr=out, lse_ptr=lse,
                 S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
-                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=_interpreting(), DT_OUT=_TL_DTYPES[q_c.dtype], num_warps=warps,
+                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=interpreting(), DT_OUT=TL_DTYPES[q_c.dtype], num_warps=warps,
             )
         ctx.save_for_backward(q_c, lat_c, idx_c, out, lse)
         ctx.latent_dtype = latent.dtype  # lat_c may be an fp32 upcast (mixed dtypes): the gradient keeps the input's
@@ -333,7 +310,7 @@ class _SparseMlaFunction(torch.autograd.Function):
                 q_ptr=q, lat_ptr=latent, idx_ptr=indices, out_ptr=out, dout_ptr=grad_out, lse_ptr=lse,
                 dlse_ptr=dlse, dq_ptr=dq if need_dq else q, dlat_ptr=dlat32 if need_dlat else lse,
                 S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
-                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=_interpreting(), DT_Q=_TL_DTYPES[q.dtype],
+                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=interpreting(), DT_Q=TL_DTYPES[q.dtype],
                 HAS_DLSE=has_dlse, NEED_DQ=need_dq, NEED_DLAT=need_dlat, num_warps=warps,
             )
         elif need_dq:
@@ -342,7 +319,7 @@ class _SparseMlaFunction(torch.autograd.Function):
         return dq, dlat, None, None, None, None
 
 
-def sparse_mla_triton(
+def sparse_mla_fused(
     q_abs: torch.Tensor,
     latent: torch.Tensor,
     indices: torch.Tensor,
@@ -353,14 +330,14 @@ def sparse_mla_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse multi-query attention in the absorbed MLA form (Triton forward and backward).
 
-    Same contract as :func:`glm53flash_hf.dsa.sparse_mla_torch`: for batch row ``b``, query ``t`` and head ``h``,
+    Same contract as :func:`glm53flash_hf.dsa_ops.sparse_mla_torch`: for batch row ``b``, query ``t`` and head ``h``,
     ``s[w] = scale * <q_abs[b,t,h], latent[b, indices[b,t,w]]>`` over the valid slots ``w`` (``0 <= id < S_kv``;
     ``-1`` and any other out-of-range id are padding), ``lse = ln(sum_w exp(s[w]))`` and
     ``out = sum_w softmax(s)[w] * latent[b, indices[b,t,w]]``. Ids are expected unique per query (a repeated id is
     counted twice, as in the torch path). A query without a valid id gets ``out = 0``, ``lse = -inf`` and zero
     gradients. Differentiable in ``q_abs`` and ``latent`` through ``out`` and ``lse`` (the kernels of the module
-    docstring; source: FlashAttention-2's backward specialised to one shared KV head and gathered keys, as in
-    FlashMLA / TileLang's DeepSeek-V3.2 sparse MLA).
+    docstring: FlashAttention-2's backward specialised to one shared KV head and gathered keys, as in FlashMLA /
+    TileLang's DeepSeek-V3.2 sparse MLA).
 
     Args:
         q_abs: ``[B, S, H, Dl]`` absorbed queries (``q_nope @ W_kc``), fp32/bf16/fp16, ``Dl <= MAX_LATENT_DIM``.
@@ -382,11 +359,8 @@ def sparse_mla_triton(
             ``Dl > MAX_LATENT_DIM``, tensors on different devices, CPU tensors outside ``TRITON_INTERPRET=1``,
             a non-finite ``scale`` or a bad ``block_h`` / ``block_w``.
     """
-    _require_triton()
+    require_triton("glm53flash_hf.dsa_fused")
     _check_args(q_abs, latent, indices)
-    if not q_abs.is_cuda and not _interpreting():
-        raise ValueError(f"sparse_mla_triton needs CUDA tensors (CPU only under TRITON_INTERPRET=1); got device "
-                         f"{q_abs.device}")
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite; got scale={scale}")

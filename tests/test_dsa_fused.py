@@ -1,22 +1,22 @@
-"""Tests of glm53flash_hf/triton_dsa.py: the fused sparse MLA kernels (Triton forward + backward, custom autograd).
+"""Tests of glm53flash_hf/dsa_fused.py: the fused sparse MLA kernels (Triton forward + backward, custom autograd).
 
-Oracles: ``glm53flash_hf.dsa.sparse_mla_torch`` (itself tested against a dense float64 evaluation and, through the
+Oracles: ``glm53flash_hf.dsa_ops.sparse_mla_torch`` (itself tested against a dense float64 evaluation and, through the
 attention module, against transformers' glm5_next in tests/test_dsa.py) and an independent float64 evaluation
 written here (:func:`dense64`: a dense ``[B, S, H, S_kv]`` softmax over a multiplicity mask, differentiated by torch
 autograd). Values, natural-log LSE and the gradients of ``q_abs`` and ``latent`` through both ``out`` and ``lse``.
 
 CPU tests run the kernels under Triton's interpreter in a child pytest process (``TRITON_INTERPRET=1`` must be set
-before triton is imported; see tests/test_triton_mhc.py), with one torch thread and tiny shapes; in this process they
-are skipped with that reason. ``TRITON_INTERPRET=1 pytest tests/test_triton_dsa.py -m interpreter`` runs them
+before triton is imported; see tests/interp.py), with one torch thread and tiny shapes; in this process they
+are skipped with that reason. ``TRITON_INTERPRET=1 pytest tests/test_dsa_fused.py -m interpreter`` runs them
 directly.
 
 Tolerances:
 
-* fp32: 1e-5 relative to the largest reference magnitude, for the torch path and float64 alike (measured <= 1e-6):
-  both paths compute the same fp32 products; only the summation order and the online-softmax rescaling differ, a few
-  fp32 ulps (6e-8 each) per sum of at most a few dozen terms. LSE: ``1e-5 * (1 + |lse|)`` absolute.
+* fp32: 1e-5 relative to the largest reference magnitude, for the torch path and float64 alike: both paths compute
+  the same fp32 products; only the summation order and the online-softmax rescaling differ, a few fp32 ulps (6e-8
+  each) per sum of at most a few dozen terms. LSE: ``1e-5 * (1 + |lse|)`` absolute.
 * bf16 / fp16: elementwise first-order rounding bounds with unit roundoff ``u`` (``2**-8`` / ``2**-11``), derived
-  from where the kernel rounds (module docstring of triton_dsa) and evaluated in float64 from the oracle's own
+  from where the kernel rounds (module docstring of dsa_fused) and evaluated in float64 from the oracle's own
   quantities (:func:`rounding_bounds`): ``out`` rounds each probability once (``u * sum_w P_w |c_w|``) and the
   result once (``u |out|``); ``Delta`` uses the rounded output; ``dq`` rounds each ``ds`` once and the result once;
   ``dlatent`` rounds each ``ds`` and ``p`` once and the fp32 sum once. The bounds carry a factor 1.01 (the O(u^2)
@@ -33,11 +33,11 @@ import warnings
 
 import pytest
 import torch
+from interp import INTERPRETING, interpreted_module, run_interpreter_child
 
 from glm53flash_hf import dispatch, dsa
-from glm53flash_hf.dsa import sparse_mla, sparse_mla_torch
-
-from interp import INTERPRETING, interpreted_module, run_interpreter_child
+from glm53flash_hf.dsa import sparse_mla
+from glm53flash_hf.dsa_ops import sparse_mla_torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
 
@@ -46,8 +46,8 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 @pytest.fixture
 def td():
-    """glm53flash_hf.triton_dsa with interpreted kernels; one intra-op thread (tiny shapes)."""
-    yield from interpreted_module("triton_dsa")
+    """glm53flash_hf.dsa_fused with interpreted kernels; one intra-op thread (tiny shapes)."""
+    yield from interpreted_module("dsa_fused")
 
 
 @pytest.mark.interpreter
@@ -84,6 +84,15 @@ def loss_grads(out, lse, leaves, g_out, g_lse):
     finite = torch.isfinite(lse.detach())
     total = (out * g_out.to(out.dtype)).sum() + (torch.where(finite, lse, 0.0) * g_lse.to(lse.dtype)).sum()
     return torch.autograd.grad(total, leaves)
+
+
+def fused_and_torch(td, q, lat, idx, scale, g_out, g_lse, **blocks):
+    """The fused kernel and the torch path on the same inputs: ``((out, lse, dq, dlat), (the torch path's))``, the
+    gradients those of :func:`loss_grads` w.r.t. ``(q, lat)``; ``blocks``: ``block_h`` / ``block_w`` of the kernel."""
+    out, lse = td.sparse_mla_fused(q, lat, idx, scale, **blocks)
+    fused = (out, lse, *loss_grads(out, lse, (q, lat), g_out, g_lse))
+    ref_out, ref_lse = sparse_mla_torch(q, lat, idx, scale)
+    return fused, (ref_out, ref_lse, *loss_grads(ref_out, ref_lse, (q, lat), g_out, g_lse))
 
 
 def rel(a, b):
@@ -211,11 +220,9 @@ def test_fp32_matches_torch_and_float64(td, case):
     q, lat, g_out, g_lse, gen = inputs(batch, seq, heads, dim, kv_len, torch.float32, seed=len(case))
     idx = spoil(random_ids(batch, seq, width, kv_len, gen), kv_len).to(idx_dtype)
 
-    out, lse = td.sparse_mla_triton(q, lat, idx, scale, block_h=bh, block_w=bw)
+    fused, ref = fused_and_torch(td, q, lat, idx, scale, g_out, g_lse, block_h=bh, block_w=bw)
+    (out, lse, dq, dlat), (ref_out, ref_lse, rdq, rdlat) = fused, ref
     assert out.dtype == torch.float32 and lse.dtype == torch.float32 and out.shape == q.shape
-    dq, dlat = loss_grads(out, lse, (q, lat), g_out, g_lse)
-    ref_out, ref_lse = sparse_mla_torch(q, lat, idx, scale)
-    rdq, rdlat = loss_grads(ref_out, ref_lse, (q, lat), g_out, g_lse)
     q64, c64, out64, lse64, _, _ = dense64(q, lat, idx, scale)
     dq64, dc64 = loss_grads(out64, lse64, (q64, c64), g_out.double(), g_lse.double())
 
@@ -245,7 +252,7 @@ def test_fp32_partial_gradients_and_unused_lse(td):
     idx = random_ids(1, 6, 5, 6, gen)
     for leaf, frozen in ((q, lat), (lat, q)):
         frozen.requires_grad_(False)
-        (got,) = torch.autograd.grad(td.sparse_mla_triton(q, lat, idx, 0.3)[0], leaf, g_out)
+        (got,) = torch.autograd.grad(td.sparse_mla_fused(q, lat, idx, 0.3)[0], leaf, g_out)
         (ref,) = torch.autograd.grad(sparse_mla_torch(q, lat, idx, 0.3)[0], leaf, g_out)
         frozen.requires_grad_(True)
         assert_rel(got, ref, 1e-5, "partial gradient")
@@ -256,7 +263,7 @@ def test_duplicate_ids_count_twice(td):
     """The contract shared with the torch path: a repeated id is counted twice (values and gradients)."""
     q, lat, g_out, g_lse, _ = inputs(1, 2, 2, 16, 4, torch.float32, seed=6)
     idx = torch.tensor([[[1, 1, 2, -1], [0, 3, 3, 3]]])
-    out, lse = td.sparse_mla_triton(q, lat, idx, 0.5)
+    out, lse = td.sparse_mla_fused(q, lat, idx, 0.5)
     q64, c64, out64, lse64, _, _ = dense64(q, lat, idx, 0.5)
     assert_rel(out, out64, 1e-5, "out")
     assert_lse(lse, lse64, "lse")
@@ -275,10 +282,8 @@ def test_packed_documents_and_causal_pattern(td):
     width = 6
     q, lat, g_out, g_lse, _ = inputs(1, sum(docs), 3, 24, sum(docs), torch.float32, seed=7)
     idx = packed_causal_ids(docs, width)
-    out, lse = td.sparse_mla_triton(q, lat, idx, 0.25, block_w=16)
-    dq, dlat = loss_grads(out, lse, (q, lat), g_out, g_lse)
-    ref_out, ref_lse = sparse_mla_torch(q, lat, idx, 0.25)
-    rdq, rdlat = loss_grads(ref_out, ref_lse, (q, lat), g_out, g_lse)
+    (out, lse, dq, dlat), (ref_out, ref_lse, rdq, rdlat) = fused_and_torch(td, q, lat, idx, 0.25, g_out, g_lse,
+                                                                            block_w=16)
     assert_rel(out, ref_out, 1e-5, "out")
     assert_lse(lse, ref_lse, "lse")
     assert_rel(dq, rdq, 1e-5, "dq")
@@ -288,7 +293,7 @@ def test_packed_documents_and_causal_pattern(td):
     q2 = q.detach()[:, lo:hi].clone().requires_grad_()
     lat2 = lat.detach()[:, lo:hi].clone().requires_grad_()
     alone_idx = packed_causal_ids([docs[1]], width)
-    a_out, a_lse = td.sparse_mla_triton(q2, lat2, alone_idx, 0.25, block_w=16)
+    a_out, a_lse = td.sparse_mla_fused(q2, lat2, alone_idx, 0.25, block_w=16)
     a_dq, a_dlat = loss_grads(a_out, a_lse, (q2, lat2), g_out[:, lo:hi], g_lse[:, lo:hi])
     assert_rel(out[:, lo:hi], a_out, 1e-6, "document 2 alone: out")
     assert_rel(lse[:, lo:hi], a_lse, 1e-6, "document 2 alone: lse")
@@ -300,12 +305,12 @@ def test_packed_documents_and_causal_pattern(td):
 def test_empty_shapes(td):
     """W = 0 (no ids at all) and S = 0: the torch path's zeros / -inf, and zero gradients."""
     q, lat, _, _, _ = inputs(2, 3, 2, 16, 3, torch.float32, seed=8)
-    out, lse = td.sparse_mla_triton(q, lat, torch.empty(2, 3, 0, dtype=torch.int64), 0.5)
+    out, lse = td.sparse_mla_fused(q, lat, torch.empty(2, 3, 0, dtype=torch.int64), 0.5)
     ref_out, ref_lse = sparse_mla_torch(q, lat, torch.empty(2, 3, 0, dtype=torch.int64), 0.5)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     dq, dlat = torch.autograd.grad(out.sum(), (q, lat))
     assert bool((dq == 0).all()) and bool((dlat == 0).all())
-    out0, lse0 = td.sparse_mla_triton(q[:, :0], lat, torch.empty(2, 0, 4, dtype=torch.int64), 0.5)
+    out0, lse0 = td.sparse_mla_fused(q[:, :0], lat, torch.empty(2, 0, 4, dtype=torch.int64), 0.5)
     assert out0.shape == (2, 0, 2, 16) and lse0.shape == (2, 0, 2)
 
 
@@ -314,21 +319,21 @@ def test_argument_errors(td):
     q, lat, _, _, gen = inputs(1, 4, 2, 16, 4, torch.float32, seed=9)
     idx = random_ids(1, 4, 3, 4, gen)
     with pytest.raises(ValueError, match="indices must be an integer"):
-        td.sparse_mla_triton(q, lat, idx.float(), 0.5)
+        td.sparse_mla_fused(q, lat, idx.float(), 0.5)
     with pytest.raises(ValueError, match="latent must be"):
-        td.sparse_mla_triton(q, lat[..., :8], idx, 0.5)
+        td.sparse_mla_fused(q, lat[..., :8], idx, 0.5)
     with pytest.raises(ValueError, match="indices must be"):
-        td.sparse_mla_triton(q, lat, idx[:, :3], 0.5)
-    with pytest.raises(ValueError, match="unsupported dtype"):
-        td.sparse_mla_triton(q.double(), lat.double(), idx, 0.5)
+        td.sparse_mla_fused(q, lat, idx[:, :3], 0.5)
+    with pytest.raises(ValueError, match="must be float32, bfloat16 or float16"):
+        td.sparse_mla_fused(q.double(), lat.double(), idx, 0.5)
     with pytest.raises(ValueError, match="block_w"):
-        td.sparse_mla_triton(q, lat, idx, 0.5, block_w=24)
+        td.sparse_mla_fused(q, lat, idx, 0.5, block_w=24)
     with pytest.raises(ValueError, match="block_h"):
-        td.sparse_mla_triton(q, lat, idx, 0.5, block_h=8)
+        td.sparse_mla_fused(q, lat, idx, 0.5, block_h=8)
     with pytest.raises(ValueError, match="scale"):
-        td.sparse_mla_triton(q, lat, idx, float("nan"))
+        td.sparse_mla_fused(q, lat, idx, float("nan"))
     with pytest.raises(ValueError, match="MAX_LATENT_DIM"):
-        td.sparse_mla_triton(torch.zeros(1, 1, 1, 2048), torch.zeros(1, 1, 2048), idx[:, :1], 0.5)
+        td.sparse_mla_fused(torch.zeros(1, 1, 1, 2048), torch.zeros(1, 1, 2048), idx[:, :1], 0.5)
 
 
 # -------------------------------------------------------------------------------------------------------- bf16/fp16
@@ -344,12 +349,10 @@ def test_16bit_within_rounding_bounds(td, dtype):
     q, lat, g_out, g_lse, gen = inputs(batch, seq, heads, dim, seq, dtype, seed=10)
     idx = spoil(random_ids(batch, seq, width, seq, gen), seq)
 
-    out, lse = td.sparse_mla_triton(q, lat, idx, scale, block_w=16)
+    fused, ref = fused_and_torch(td, q, lat, idx, scale, g_out, g_lse, block_w=16)
+    (out, lse, dq, dlat), (ref_out, ref_lse, rdq, rdlat) = fused, ref
     assert out.dtype == dtype and lse.dtype == torch.float32
-    dq, dlat = loss_grads(out, lse, (q, lat), g_out, g_lse)
     assert dq.dtype == dtype and dlat.dtype == dtype
-    ref_out, ref_lse = sparse_mla_torch(q, lat, idx, scale)
-    rdq, rdlat = loss_grads(ref_out, ref_lse, (q, lat), g_out, g_lse)
     q64, c64, out64, lse64, P, count = dense64(q, lat, idx, scale)
     dq64, dc64 = loss_grads(out64, lse64, (q64, c64), g_out.double(), g_lse.double())
     e_out, e_dq, e_dlat, g_abs = rounding_bounds(q, lat, g_out, g_lse, out64, lse64, P, count, dq64, dc64, scale, u)
@@ -376,11 +379,8 @@ def test_mixed_dtypes_run_the_fp32_path(td):
     also works in fp32); dlatent is the fp32 sum rounded once, so within one bf16 rounding of float64."""
     q, lat, g_out, g_lse, gen = inputs(1, 7, 2, 16, 7, torch.bfloat16, seed=11, q_dtype=torch.float32)
     idx = random_ids(1, 7, 6, 7, gen)
-    out, lse = td.sparse_mla_triton(q, lat, idx, 0.3)
+    (out, lse, dq, dlat), (ref_out, ref_lse, rdq, _) = fused_and_torch(td, q, lat, idx, 0.3, g_out, g_lse)
     assert out.dtype == torch.float32
-    dq, dlat = loss_grads(out, lse, (q, lat), g_out, g_lse)
-    ref_out, ref_lse = sparse_mla_torch(q, lat, idx, 0.3)
-    rdq, _ = loss_grads(ref_out, ref_lse, (q, lat), g_out, g_lse)
     assert_rel(out, ref_out, 1e-5, "out")
     assert_lse(lse, ref_lse, "lse")
     assert_rel(dq, rdq, 1e-5, "dq")
@@ -396,10 +396,11 @@ def test_module_fused_matches_torch(td, monkeypatch):
     """``Glm53FlashAttention`` with ``kernels={"dsa": "fused"}`` vs ``"torch"`` (same weights, a packed row of two
     documents plus a left-padded row): outputs and every parameter gradient. On CPU the dispatcher never picks the
     fused path, so it is forced here for the "fused" module and the calls are counted."""
+    from tiny import PARITY_TEXT, randomize_
+
     from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
     from glm53flash_hf.dsa import Glm53FlashAttention
     from glm53flash_hf.packing import build_document_layout
-    from tiny import PARITY_TEXT, randomize_
 
     calls = []
     real_choose = dsa.choose_backend
@@ -459,8 +460,8 @@ def test_fused_on_cpu_warns_once_and_falls_back(monkeypatch):
 
 
 def test_auto_on_cpu_never_imports_the_kernels(monkeypatch):
-    """``backend="auto"`` (and "fused") on CPU decide without importing glm53flash_hf.triton_dsa."""
-    monkeypatch.delitem(sys.modules, "glm53flash_hf.triton_dsa", raising=False)
+    """``backend="auto"`` (and "fused") on CPU decide without importing glm53flash_hf.dsa_fused."""
+    monkeypatch.delitem(sys.modules, "glm53flash_hf.dsa_fused", raising=False)
     monkeypatch.setattr(dispatch, "_warned", set())
     gen = torch.Generator().manual_seed(14)
     q, lat = torch.randn(1, 3, 2, 16, generator=gen), torch.randn(1, 3, 16, generator=gen)
@@ -470,20 +471,20 @@ def test_auto_on_cpu_never_imports_the_kernels(monkeypatch):
         sparse_mla(q, lat, idx, 0.5, backend="auto")
         sparse_mla(q, lat, idx, 0.5, backend="fused")
     assert dispatch.choose_backend("dsa", "auto", q, lat, idx) == "torch"
-    assert "glm53flash_hf.triton_dsa" not in sys.modules
+    assert "glm53flash_hf.dsa_fused" not in sys.modules
 
 
 @pytest.mark.skipif(INTERPRETING, reason="checks the refusal outside the interpreter")
 def test_kernel_refuses_cpu_tensors_outside_interpreter():
     """Called directly on CPU tensors without TRITON_INTERPRET=1, the kernel entry raises a clear error, and the
     probe reports the device."""
-    from glm53flash_hf import triton_dsa
+    from glm53flash_hf import dsa_fused
 
     q, lat = torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 16)
     idx = torch.zeros(1, 2, 1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="needs CUDA tensors"):
-        triton_dsa.sparse_mla_triton(q, lat, idx, 0.5)
-    assert triton_dsa.fused_dsa_available(q, lat, idx) == (False, "the tensors are not on a CUDA device")
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        dsa_fused.sparse_mla_fused(q, lat, idx, 0.5)
+    assert dsa_fused.fused_dsa_available(q, lat, idx) == (False, "the tensors are not on a CUDA device")
 
 
 # ----------------------------------------------------------------------------------------------------------------- GPU
@@ -528,7 +529,7 @@ def test_gpu_release_shapes_bf16():
 def test_gpu_memory_linear_in_seq_len():
     """Peak extra memory of forward + backward at S = 16384 is at most 4.5x that at S = 4096 (linear: 4x; the dense
     built-in's S x S mask/scores would give 16x). Release shapes H = 64, Dl = 512, W = 2051, bf16."""
-    from glm53flash_hf.triton_dsa import sparse_mla_triton
+    from glm53flash_hf.dsa_fused import sparse_mla_fused
 
     dev = torch.device("cuda")
 
@@ -539,7 +540,7 @@ def test_gpu_memory_linear_in_seq_len():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out, _ = sparse_mla_triton(q, lat, idx, 0.0625)
+        out, _ = sparse_mla_fused(q, lat, idx, 0.0625)
         out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
