@@ -1,6 +1,6 @@
 """Generation-cache plumbing for glm53flash-hf (the layer caches themselves are transformers').
 
-The hybrid model reuses transformers' cache classes as they are (``shared/reference/hf-integration.md`` §7):
+The hybrid model reuses transformers' cache classes as they are (``transformers/cache_utils.py``):
 ``DynamicCache(config=...)`` / ``StaticCache`` build one layer per ``config.layer_types`` entry:
 
 * ``"linear_attention"`` (KDA) -> ``LinearAttentionLayer``: conv state ``[B, 3*H*K, W]`` (the last ``W`` conv

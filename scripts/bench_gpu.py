@@ -8,11 +8,11 @@ Families and what each variant runs (bf16, batch 1, release sizes of model-spec 
 * kda -- hf: ``Glm5NextTextLinearAttention`` (its torch reference: fla is hidden while transformers binds it);
   ours: ``Glm53FlashLinearAttention``; entry: ``kda.kda_chunk(backend="fused")``; raw: fla's ``chunk_kda``.
 * dsa -- hf: ``Glm5NextTextAttention`` (SDPA over the dense top-k mask); ours: ``Glm53FlashAttention``;
-  entry: ``dsa.sparse_mla(backend="fused")``; raw: ``triton_dsa.sparse_mla_triton``; the selection is our
+  entry: ``dsa.sparse_mla(backend="fused")``; raw: ``dsa_fused.sparse_mla_fused``; the selection is our
   indexer's on the same input.
 * mhc -- hf: ``Glm5NextTextHyperConnection`` + the decoder layer's hc_post expression; ours:
   ``Glm53FlashHyperConnection`` + ``mhc.hc_post``; entry: ``mhc.hc_pre``/``mhc.hc_post`` with backend "fused";
-  raw: ``triton_mhc.hc_pre_fused`` + ``hc_post_fused``.
+  raw: ``mhc_fused.hc_pre_fused`` + ``hc_post_fused``.
 * moe -- hf: ``Glm5NextTextMoE`` with experts implementation "grouped_mm" (transformers' default inside a model);
   ours: ``Glm53FlashMoE``; entry: ``moe.grouped_experts_forward(backend="fused")``; raw: grouped_mm + our SwiGLU and
   combine kernels, routing metadata prepared outside the timing.
@@ -169,10 +169,10 @@ def case_dsa(sizes, seq, device, dtype, with_torch):
     scale = sizes["qk_nope_head_dim"] ** -0.5
     c.run["entry"] = lambda: dsa.sparse_mla(q_abs, latent, indices, scale, backend="fused")[0].backward(go_core)
     if device.type == "cuda":
-        from glm53flash_hf.triton_dsa import sparse_mla_triton
+        from glm53flash_hf.dsa_fused import sparse_mla_fused
 
-        c.run["raw"] = lambda: sparse_mla_triton(q_abs=q_abs, latent=latent, indices=indices,
-                                                 scale=scale)[0].backward(go_core)
+        c.run["raw"] = lambda: sparse_mla_fused(q_abs=q_abs, latent=latent, indices=indices,
+                                                scale=scale)[0].backward(go_core)
     else:
         c.skip["raw"] = "n/a: the Triton kernel needs CUDA"
     c.leaves = [x, q_abs, latent, *ours.parameters(), *ours_t.parameters(), *hf_mod.parameters()]
@@ -209,7 +209,7 @@ def case_mhc(sizes, seq, device, dtype, with_torch):
         c.run["ours_torch"] = lambda: ours_site(ours_t, "torch")
     c.run["entry"] = entry_site
     if device.type == "cuda":
-        from glm53flash_hf.triton_mhc import hc_post_fused, hc_pre_fused
+        from glm53flash_hf.mhc_fused import hc_post_fused, hc_pre_fused
 
         def raw_site():
             post, comb, col = hc_pre_fused(streams, ours.fn, ours.base, ours.scale, **kw)
@@ -243,19 +243,19 @@ def case_moe(sizes, seq, device, dtype, with_torch):
     c.run["entry"] = lambda: moe.grouped_experts_forward(tokens, ids, weights, experts.gate_up_proj, experts.down_proj,
                                                          limit, backend="fused").backward(go_tok)
     if device.type == "cuda":
-        from glm53flash_hf import triton_moe
+        from glm53flash_hf import moe_fused, moe_ops
 
-        _, token_of_row, offsets, row_w, token_rows = triton_moe.routing_metadata(ids, weights.detach(),
-                                                                                  sizes["n_routed_experts"])
+        _, token_of_row, offsets, row_w = moe_ops.routing_metadata(ids, weights.detach(), sizes["n_routed_experts"])
+        token_rows = moe_fused.rows_by_token(token_of_row, ids.shape[1])
         rows = leaf(tokens.detach().index_select(0, token_of_row))
         row_w = leaf(row_w)
 
         def raw_site():
-            gate_up = moe._grouped_mm(rows, experts.gate_up_proj.transpose(-2, -1), offsets)
-            act = triton_moe.clamped_swiglu_fused(gate_up, limit)
-            out_rows = moe._grouped_mm(act, experts.down_proj.transpose(-2, -1), offsets)
-            triton_moe.weighted_combine_fused(out_rows, row_w, token_rows, token_of_row,
-                                              out_dtype=dtype).backward(go_tok)
+            gate_up = moe_ops.grouped_mm(rows, experts.gate_up_proj.transpose(-2, -1), offsets)
+            act = moe_fused.clamped_swiglu_fused(gate_up, limit)
+            out_rows = moe_ops.grouped_mm(act, experts.down_proj.transpose(-2, -1), offsets)
+            moe_fused.weighted_combine_fused(out_rows, row_w, token_rows, token_of_row,
+                                             out_dtype=dtype).backward(go_tok)
 
         c.run["raw"] = raw_site
         c.leaves += [rows, row_w]

@@ -1,4 +1,4 @@
-"""Triton-interpreter child processes, shared by the kernel test files (test_triton_mhc/dsa/moe, test_fla_kda).
+"""Triton-interpreter child processes, shared by the kernel test files (``tests/test_*_fused.py``).
 
 ``TRITON_INTERPRET=1`` must be set before triton is first imported, and setting it in the main test process would leak
 into every later test (GPU tests would silently run interpreted). So each file's ``interpreter`` tests run in a child

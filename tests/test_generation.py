@@ -264,7 +264,7 @@ def test_indexer_state_holds_pool_keys_and_survives_steps(models):
 
 @torch.no_grad()
 def test_decode_is_a_single_step_update(models, monkeypatch):
-    """After the prefill, a decode step runs neither the chunked KDA / conv prefill maths nor the uncached indexer,
+    """After the prefill, a decode step runs neither the chunked KDA (only its recurrent step) nor the uncached indexer,
     and never calls kv_b_proj (the MLA cache stays compressed; absorbed attention over the selected latents)."""
     import glm53flash_hf.dsa as dsa
     import glm53flash_hf.kda as kda
@@ -277,8 +277,7 @@ def test_decode_is_a_single_step_update(models, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("prefill maths in a decode step")
 
-    monkeypatch.setattr(kda, "kda_chunk", forbidden)
-    monkeypatch.setattr(kda, "kda_conv", forbidden)
+    monkeypatch.setattr(kda, "chunk_kda_torch", forbidden)
     monkeypatch.setattr(dsa.Glm53FlashIndexer, "forward", forbidden)
     calls = []
     hooks = [

@@ -16,10 +16,10 @@ the outputs and of the gradients of the input and of every parameter, and the fu
 where the fused kernel by design computes in lower precision than our torch path (which keeps fp32 inside):
 
 * mHC, MoE: floor ``2**-8`` (one bf16 rounding, relative): both kernels keep every intermediate in fp32 and round
-  where the torch path rounds (tests/test_triton_mhc.py, tests/test_triton_moe.py show ulp agreement). mHC's ``post``
+  where the torch path rounds (tests/test_mhc_fused.py, tests/test_moe_fused.py show ulp agreement). mHC's ``post``
   and ``comb`` are fp32 functions of the same inputs in all three runs (the bf16 streams are exact in fp32), so the
   torch path's error there is 0 and the floor is 1e-4: fp32 sums over 16384 terms in another order (about
-  sqrt(16384) * 6e-8 = 8e-6) with a margin of 10 for the Sinkhorn steps (tests/test_triton_mhc.py's GPU test).
+  sqrt(16384) * 6e-8 = 8e-6) with a margin of 10 for the Sinkhorn steps (tests/test_mhc_fused.py's GPU test).
 * DSA: floor ``1e-2``: the sparse kernel feeds bf16 operands to its tensor-core products (scores and P @ V with P
   rounded to bf16, relative 2**-9 each, over 2051 keys); xtuner's bound for its FlashMLA sparse kernel against its torch
   path is 1e-2 relative L2 for the gradients (kernels.md §4.3).
@@ -103,12 +103,12 @@ def cuda_session():
         # A probe run earlier in this process (another file's GPU test) may have cached "cannot import fla":
         # fresh lazy probes import again.
         if hasattr(dispatch, "_lazy_probe"):
-            for family, (module, probe) in {"kda": ("fla_kda", "fused_kda_available"),
-                                            "mhc": ("triton_mhc", "fused_mhc_available"),
-                                            "dsa": ("triton_dsa", "fused_dsa_available"),
-                                            "moe": ("triton_moe", "fused_moe_available")}.items():
+            for family, (module, probe) in {"kda": ("kda_fused", "fused_kda_available"),
+                                            "mhc": ("mhc_fused", "fused_mhc_available"),
+                                            "dsa": ("dsa_fused", "fused_dsa_available"),
+                                            "moe": ("moe_fused", "fused_moe_available")}.items():
                 dispatch.FUSED_AVAILABILITY[family] = dispatch._lazy_probe(module, probe)
-        kernels = sys.modules.get("glm53flash_hf.fla_kda")  # its own cache of fla's import failure
+        kernels = sys.modules.get("glm53flash_hf.kda_fused")  # its own cache of fla's import failure
         for name in ("_fla_import_error", "_load_fla"):
             cached = getattr(kernels, name, None)
             if hasattr(cached, "cache_clear"):

@@ -1,6 +1,7 @@
-"""Tests of the KDA (Kimi Delta Attention) layer, ``glm53flash_hf/kda.py``.
+"""Tests of the KDA (Kimi Delta Attention) family's torch path: the operators of ``glm53flash_hf/kda_ops.py`` and the
+layer of ``glm53flash_hf/kda.py``.
 
-Oracles: a float64 token-by-token recurrence written here (the update rule of model-spec.md §4), and
+Oracles: a float64 token-by-token recurrence written here (the update rule of Kimi Linear, arXiv:2510.26692 §3), and
 transformers' ``glm5_next`` modules with the same weights (``Glm5NextTextLinearAttention``, ``causal_conv1d_fn``,
 ``causal_conv1d_update``, ``chunk_kimi_delta_attention``, ``Glm5NextTextForgetGate``, ``Glm5NextTextRMSNormGated``,
 ``Glm5NextPreTrainedModel._init_weights``).
@@ -10,20 +11,19 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.models.glm5_next import modeling_glm5_next as hf
 
-import glm53flash_hf.kda as kda_module
+import glm53flash_hf.kda_ops as kda_ops
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
 from glm53flash_hf.kda import (
     Glm53FlashForgetGate,
     Glm53FlashLinearAttention,
     Glm53FlashRMSNormGated,
-    causal_conv1d_torch,
-    chunk_kda_torch,
     init_kda_weights,
     kda_chunk,
-    recurrent_kda_torch,
 )
+from glm53flash_hf.kda_ops import causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
 from glm53flash_hf.packing import build_document_layout
 
 # fp32 kernel vs float64 recurrence: measured max error / max |ref| <= 3e-7 (values and grads) on these shapes.
@@ -48,12 +48,13 @@ def tiny_config(**overrides) -> Glm53FlashTextConfig:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (b is the reference)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def naive_kda(q, k, v, g, beta, initial_state=None, cu_seqlens=None, scale=None):
-    """float64 token loop of the KDA recurrence (model-spec.md §4); restarts the state at every cu_seqlens boundary.
+    """float64 token loop of the KDA recurrence (module docstring of kda_ops); restarts the state at every cu_seqlens
+    boundary.
 
     Returns (o [B,T,H,V], final states [N,H,K,V]) in float64; differentiable.
     """
@@ -166,21 +167,20 @@ def test_recurrent_matches_naive_and_chunk():
     assert none is None
 
 
-def test_decode_step_matches_recurrent_and_naive():
-    """The lean one-token decode step equals recurrent_kda_torch at T = 1 bitwise (same ops, same order) and the
-    float64 recurrence to CORE_TOL; the input state is not modified."""
-    from glm53flash_hf.kda import _kda_decode_step
-
+def test_decode_step_matches_naive_and_keeps_the_state():
+    """The layer's decode step, recurrent_kda_torch on one token from a given state, equals the float64 recurrence to
+    CORE_TOL and the chunked form from the same state; the input state is not modified."""
     for seed in range(3):
         inputs = make_inputs(2, 1, 2, 16, 8, n_states=2, seed=40 + seed)
         q, k, v, g, beta, h0 = (t.detach() for t in inputs)
         h0_copy = h0.clone()
-        o, ht = _kda_decode_step(q, k, v, g, beta, h0)
-        ref_o, ref_ht = recurrent_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-        assert o.shape == ref_o.shape and torch.equal(o, ref_o) and torch.equal(ht, ref_ht)
+        o, ht = recurrent_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert o.shape == (2, 1, 2, 8) and ht.dtype == torch.float32
         assert torch.equal(h0, h0_copy)
         n_o, n_ht = naive_kda(*(t.double() for t in (q, k, v, g, beta)), initial_state=h0.double())
         assert rel_err(o, n_o) < CORE_TOL and rel_err(ht, n_ht) < CORE_TOL
+        c_o, c_ht = chunk_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert rel_err(o, c_o) < CORE_TOL and rel_err(ht, c_ht) < CORE_TOL
 
 
 def test_chunk_matches_hf_eager():
@@ -217,13 +217,13 @@ def test_chunk_packed_equals_separate(lengths, chunk_size, with_state, monkeypat
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     N, T = len(lengths), int(cu[-1])
     plans = []
-    real_make_plan = kda_module._make_plan
+    real_make_plan = kda_ops._make_plan
 
     def recording_make_plan(*args):
         plans.append(real_make_plan(*args))
         return plans[-1]
 
-    monkeypatch.setattr(kda_module, "_make_plan", recording_make_plan)
+    monkeypatch.setattr(kda_ops, "_make_plan", recording_make_plan)
     inputs = make_inputs(1, T, 2, 16, 24, n_states=N, seed=chunk_size)
     if not with_state:
         inputs = inputs[:5]
@@ -321,7 +321,7 @@ def test_layer_gate_at_lower_bound_finite_grads():
     torch.manual_seed(15)
     cfg = tiny_config()
     ours = Glm53FlashLinearAttention(cfg, layer_idx=0)
-    _random_init(ours)
+    random_init_(ours)
     with torch.no_grad():
         ours.forget_gate.A_log.fill_(6.0)  # exp(6) * (f + dt_bias) >> 17 wherever f + dt_bias > 0.05
         ours.forget_gate.dt_bias.fill_(5.0)
@@ -433,7 +433,7 @@ def test_forget_gate_matches_hf(lower_bound):
     torch.manual_seed(30)
     cfg = tiny_config(linear_lower_bound=lower_bound)
     ours = Glm53FlashForgetGate(cfg)
-    _random_init(ours)
+    random_init_(ours)
     ref = hf.Glm5NextTextForgetGate(cfg)
     ref.load_state_dict(ours.state_dict(), strict=True)
     x = 3.0 * torch.randn(2, 9, cfg.hidden_size)
@@ -494,20 +494,21 @@ def test_init_matches_hf(lower_bound):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _random_init(module: torch.nn.Module) -> None:
-    """Random weights of a size that makes every path matter (incl. fp32 conv, A_log, dt_bias, o_norm)."""
+def random_init_(module: torch.nn.Module, generator: torch.Generator | None = None) -> None:
+    """Random weights of a size that makes every path matter (gate far from saturation, fp32 conv, A_log, dt_bias and
+    o_norm not trivial); drawn from ``generator``, or the global generator."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0)
+                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0, generator=generator))
             elif name.endswith("dt_bias"):
-                p.normal_(0.0, 0.5)
+                p.copy_(0.5 * torch.randn(p.shape, generator=generator))
             elif name.endswith("o_norm.weight"):
-                p.uniform_(0.5, 1.5)
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=generator))
             elif name.endswith("conv1d.weight"):
-                p.normal_(0.0, 0.5)
+                p.copy_(0.5 * torch.randn(p.shape, generator=generator))
             else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
 
 
 def _compare_layers(ours, ref, x, layout, attention_mask, tol=LAYER_TOL):
@@ -535,7 +536,7 @@ def _layer_pair(seed=40, **cfg_overrides):
     torch.manual_seed(seed)
     cfg = tiny_config(**cfg_overrides)
     ours = Glm53FlashLinearAttention(cfg, layer_idx=0)
-    _random_init(ours)
+    random_init_(ours)
     ref = hf.Glm5NextTextLinearAttention(cfg, layer_idx=0)
     ref.load_state_dict(ours.state_dict(), strict=True)
     # and back: the names and shapes match both ways
@@ -613,6 +614,36 @@ def test_layer_packed_equals_separate():
     params = [x] + list(ours.parameters())
     for a, b in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((sep * w).sum(), params)):
         assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_layer_cached_equals_uncached(grad):
+    """With a transformers cache: a left-padded prefill, a multi-token continuation, then one-token decode steps (the
+    recurrent step from the cached states) give the uncached forward's outputs at the real tokens, with and without
+    autograd; the cache holds transformers' layout (conv state [B, 3*H*K, W] in the projections' dtype, fp32
+    recurrent state [B, H, K, V])."""
+    cfg, ours, _ = _layer_pair(seed=45)
+    B, S = 2, 14
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :3] = 0
+    x = torch.randn(B, S, cfg.hidden_size)
+    cache = DynamicCache(config=cfg)
+    with torch.set_grad_enabled(grad):
+        full = ours(x, build_document_layout(B, S, "cpu", attention_mask=mask))
+        parts = []
+        for a, b in ((0, 8), (8, 11), (11, 12), (12, 13), (13, 14)):
+            layout = build_document_layout(B, b - a, "cpu", attention_mask=mask[:, a:b])
+            parts.append(ours(x[:, a:b], layout, cache=cache))
+    got = torch.cat(parts, dim=1)
+    assert got.requires_grad == grad
+    valid = mask.bool()
+    assert rel_err(got[valid], full[valid]) < 1e-5
+    conv_state, state = cache.layers[0].conv_states[0], cache.layers[0].recurrent_states[0]
+    assert conv_state.shape == (B, 3 * 32, 4) and conv_state.dtype == x.dtype
+    assert state.shape == (B, 2, 16, 16) and state.dtype == torch.float32
+    # the last W conv inputs (up to the projections' summation order: decode steps project one token at a time)
+    mixed = torch.cat([ours.q_proj(x[:, -4:]), ours.k_proj(x[:, -4:]), ours.v_proj(x[:, -4:])], dim=-1)
+    torch.testing.assert_close(conv_state, mixed.transpose(1, 2), rtol=0, atol=1e-6)
 
 
 def test_layer_core_stays_fp32_under_autocast():

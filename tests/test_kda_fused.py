@@ -1,28 +1,29 @@
-"""Tests of glm53flash_hf/fla_kda.py: the fla-core KDA path (conv, chunk_kda with the gate in the kernel, gated norm,
+"""Tests of glm53flash_hf/kda_fused.py: the fla-core KDA path (conv, chunk_kda with the gate in the kernel, gated norm,
 fused_recurrent_kda) vs our torch path, the keyword guard, and the per-call dispatch.
 
-Oracle: the torch path of :mod:`glm53flash_hf.kda` (``chunk_kda_torch``, ``causal_conv1d_torch``,
-``recurrent_kda_torch``, ``Glm53FlashForgetGate``, ``Glm53FlashRMSNormGated``; tested against transformers' glm5_next
-and naive recurrences in tests/test_kda.py). The layer test runs the *same* weights through two modules built from
+Oracle: the torch path of :mod:`glm53flash_hf.kda_ops` and :mod:`glm53flash_hf.kda` (``chunk_kda_torch``,
+``causal_conv1d_torch``, ``recurrent_kda_torch``, ``Glm53FlashForgetGate``, ``Glm53FlashRMSNormGated``; tested against
+transformers' glm5_next and naive recurrences in tests/test_kda.py, whose float64 recurrence and helpers this file
+reuses). The layer test runs the *same* weights through two modules built from
 configs with ``kernels={"kda": "fused"}`` and ``{"kda": "torch"}``, and compares the output and the gradients of the
 input and of every parameter (A_log, dt_bias, conv weight, all projections, o_norm weight).
 
 CPU runs of fla's kernels use Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before triton is
 first imported and would leak into later tests, so the ``interpreter`` tests run in a child pytest
 (:func:`test_interpreter_tests_in_subprocess`, one torch thread) and are skipped in this process. In the child the
-``fla_interp`` fixture applies kernels.md §2's test-only recipe (never in fla or in the package): one autotune config
+``fla_interp`` fixture applies test-only patches (never in fla or in the package): one autotune config
 per kernel; ``IS_GATHER_SUPPORTED = False`` in ``fla.ops.kda.chunk_intra`` (the interpreter does not patch the
 module-level ``gather = tl.gather`` alias); a module-global ``range`` in every ``fla.*`` module yielding ints whose
 ``.to(dtype)`` goes through the interpreter (``chunk_delta_h`` calls ``i_t.to(tl.int64)`` on a loop variable); and
-``SAFE_GATE_DOT_PRECISION = "ieee"`` (the interpreter has no ``bf16x3``; backward with ``safe_gate`` only). One more
-interpreter-only patch, not in kernels.md: fla's ``compute_dh0_kernel`` (gradient of the conv's initial state) builds
+``SAFE_GATE_DOT_PRECISION = "ieee"`` (the interpreter has no ``bf16x3``; backward with ``safe_gate`` only); and for
+fla's ``compute_dh0_kernel`` (gradient of the conv's initial state) builds
 the load mask ``(t < seq_len) & m_d``, which the interpreter types int32 and then rejects ("mask has unsupported
 dtype"); masked loads/stores treat an integer mask as ``mask != 0`` (what the compiled kernel does). On CPU the
 dispatcher never answers "fused" (CUDA only), so the child forces it by replacing ``kda.choose_backend`` with a
 function that asks the real probe (:func:`fused_kda_available`, which accepts CPU tensors under the interpreter) and
 fails the test if the probe refuses.
 
-Tolerances (fp32 everywhere; ``rel`` = max |a - b| / max |reference|). Both sides compute in fp32 by different
+Tolerances (fp32 everywhere; ``rel_err`` = max |a - b| / max |reference|). Both sides compute in fp32 by different
 algorithms: fla runs the recurrence in base 2 (the gate cumsum scaled by an fp32 1/ln 2, then ``exp2``), factors the
 intra-chunk matrices in sub-chunks of 16 and sums in another order; our torch path uses natural exp, a hierarchical
 Gram factorisation and ``solve_triangular``. (The interpreter's ``tl.dot`` is an exact fp32 matmul; on GPUs fla's
@@ -47,26 +48,20 @@ dropping ``dt_bias`` by 9.7e-2, merging two documents (one boundary lost) by 1.1
 from __future__ import annotations
 
 import importlib.abc
-import math
 import sys
 import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
+from interp import INTERPRETING, run_interpreter_child, skip_unless_interpreting
+from test_kda import naive_kda, random_init_, rel_err, tiny_config
 
 from glm53flash_hf import dispatch
 from glm53flash_hf import kda as kda_module
-from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
-from glm53flash_hf.kda import (
-    Glm53FlashLinearAttention,
-    causal_conv1d_torch,
-    chunk_kda_torch,
-    recurrent_kda_torch,
-)
+from glm53flash_hf.kda import Glm53FlashLinearAttention
+from glm53flash_hf.kda_ops import causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
 from glm53flash_hf.packing import build_document_layout
-
-from interp import INTERPRETING, run_interpreter_child, skip_unless_interpreting
 
 KERNEL_TOL = 1e-5
 GATE_PARAM_TOL = 1e-4
@@ -74,12 +69,6 @@ GATE_PARAMS = ("A_log", "dt_bias", "f_a_proj", "f_b_proj")
 
 
 # ------------------------------------------------------------------------------------------------------------ helpers
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (b is the reference)."""
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def tol_for(what: str) -> float:
     """GATE_PARAM_TOL for the gradients of the gate parameters, else KERNEL_TOL (module docstring)."""
     return GATE_PARAM_TOL if any(p in what for p in GATE_PARAMS) else KERNEL_TOL
@@ -89,40 +78,16 @@ def assert_rel(a, b, what, tol=None, log=None):
     tol = tol_for(what) if tol is None else tol
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
     assert torch.isfinite(a).all(), f"{what}: non-finite values"
-    err = rel(a, b)
+    err = rel_err(a, b)
     if log is not None:
         log[what] = err
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 
 
-def tiny_config(**overrides) -> Glm53FlashTextConfig:
-    kwargs = dict(hidden_size=64, linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4,
-                  num_hidden_layers=4, index_kpool=4, index_topk=16)
-    kwargs.update(overrides)
-    return Glm53FlashTextConfig(**kwargs)
-
-
-def random_init_(module: torch.nn.Module, seed: int) -> None:
-    """Weights of a size that makes every path matter (gate far from saturation, o_norm and conv not trivial)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0, generator=gen))
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("o_norm.weight"):
-                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=gen))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-
-
 def layer_pair(seed=0, **overrides):
     """Two layers with the same weights: ``kernels={"kda": "fused"}`` and ``{"kda": "torch"}``."""
     fused = Glm53FlashLinearAttention(tiny_config(kernels={"kda": "fused"}, **overrides), layer_idx=0)
-    random_init_(fused, seed)
+    random_init_(fused, torch.Generator().manual_seed(seed))
     torch_layer = Glm53FlashLinearAttention(tiny_config(kernels={"kda": "torch"}, **overrides), layer_idx=0)
     torch_layer.load_state_dict(fused.state_dict(), strict=True)
     return fused, torch_layer
@@ -135,6 +100,19 @@ def layer_run(layer, x, layout, weight):
     names = ["hidden_states"] + [n for n, _ in layer.named_parameters()]
     grads = torch.autograd.grad((out * weight).sum(), [x] + [p for _, p in layer.named_parameters()])
     return out.detach(), dict(zip(names, grads))
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` (for this test) so that every call appends to the returned list, then runs it."""
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
 
 
 def packed_batch(hidden, seed=0):
@@ -162,19 +140,19 @@ def unpacked_batch(batch):
 # ============================================================================================ interpreter child (CPU)
 @pytest.fixture(scope="module")
 def fla_interp():
-    """glm53flash_hf.fla_kda with fla's kernels interpreted: kernels.md §2's test-only patches, one torch thread."""
+    """glm53flash_hf.kda_fused with fla's kernels interpreted (the module docstring's test-only patches), one torch
+    thread."""
     skip_unless_interpreting()
     import builtins
 
     import numpy as np
     import triton.language as tl
-    from triton.runtime import autotuner
-    from triton.runtime import interpreter
+    from triton.runtime import autotuner, interpreter
     from triton.runtime.interpreter import interpreter_semantic
 
-    from glm53flash_hf import fla_kda
+    from glm53flash_hf import kda_fused
 
-    fla_kda._load_fla()  # imports every fla module whose kernels we run
+    kda_fused._load_fla()  # imports every fla module whose kernels we run
     import fla.ops.kda.chunk_intra as chunk_intra
 
     class _LoopIndex(int):
@@ -220,7 +198,7 @@ def fla_interp():
         m.range = _range
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield fla_kda
+    yield kda_fused
     torch.set_num_threads(threads)
     for obj, name, value in saved:
         setattr(obj, name, value)
@@ -244,10 +222,7 @@ def force_fused(fla_interp, monkeypatch):
 
 @pytest.mark.interpreter
 def test_interpreter_tests_in_subprocess():
-    """Run this file's interpreter tests in a child pytest with TRITON_INTERPRET=1 set before triton is imported.
-
-    Measured wall time of the child on the shared 2-core machine (load average 3-6 from other jobs): 25-38 s, about
-    8 s of it imports; the longest tests take 2-5 s each (up to 3x more under heavier contention)."""
+    """Run this file's interpreter tests in a child pytest with TRITON_INTERPRET=1 set before triton is imported."""
     print(f"interpreter child: {run_interpreter_child(__file__, OMP_NUM_THREADS='1'):.1f} s")
 
 
@@ -257,7 +232,7 @@ def test_interpreter_tests_in_subprocess():
     [(False, -5.0, 2), (True, -5.0, 2), (False, None, 1)],
     ids=["unpacked-bound", "packed-bound", "unpacked-softplus"],
 )
-def test_layer_fused_matches_torch(force_fused, packed, lower_bound, batch):
+def test_layer_fused_matches_torch(force_fused, monkeypatch, packed, lower_bound, batch):
     """The layer's fused path (fla conv, chunk_kda with gate/beta/l2norm in the kernel, gated norm) vs its torch path:
     output and the gradients of the input and of every parameter, fp32.
 
@@ -276,18 +251,8 @@ def test_layer_fused_matches_torch(force_fused, packed, lower_bound, batch):
         weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)) * layout.valid[..., None]
     else:
         x, layout, weight = unpacked_batch(batch)
-    calls = []
-    original = force_fused.kda_layer_forward_fused
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    force_fused.kda_layer_forward_fused = spy
-    try:
-        out, grads = layer_run(fused, x, layout, weight)
-    finally:
-        force_fused.kda_layer_forward_fused = original
+    calls = count_calls(monkeypatch, force_fused, "chunk_kda_gate_in_kernel")
+    out, grads = layer_run(fused, x, layout, weight)
     assert calls == [1], "the fused layer path did not run"
     ref, ref_grads = layer_run(torch_layer, x, layout, weight)
     valid = layout.valid
@@ -304,29 +269,22 @@ def test_layer_fused_matches_torch(force_fused, packed, lower_bound, batch):
     print("max rel err", max(log.values()), log)
 
 
-def naive_gated_kda_f64(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens):
-    """Float64 token-by-token KDA with GLM's gate (model-spec §4), written from the update rule, not from either
-    implementation: ``g = lb * sigmoid(exp(A_log) * (g_raw + dt_bias))`` (or ``-exp(A_log) * softplus(...)``),
-    ``beta = sigmoid(logits)``, l2-normalised q, k (eps 1e-6), ``q`` scaled by ``K^-0.5``; per head
-    ``S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q``, the state restarting at every document."""
-    q, k, v, g_raw, beta_logits, A_log, dt_bias = (t.double() for t in (q, k, v, g_raw, beta_logits, A_log, dt_bias))
-    H, K = q.shape[2], q.shape[3]
+def activated_gate(g_raw, A_log, dt_bias, lower_bound):
+    """GLM's forget gate on its pre-activation ``g_raw`` ``[B, T, H, K]``: ``lb * sigmoid(exp(A_log) * (g_raw +
+    dt_bias))``, or ``-exp(A_log) * softplus(g_raw + dt_bias)`` without a lower bound (in ``g_raw``'s dtype)."""
+    H, K = g_raw.shape[2], g_raw.shape[3]
     f = g_raw + dt_bias.view(H, K)
     rate = A_log.exp().view(H, 1)
-    g = lower_bound * torch.sigmoid(rate * f) if lower_bound is not None else -rate * torch.nn.functional.softplus(f)
-    beta = torch.sigmoid(beta_logits)
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K**-0.5
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        state = q.new_zeros(H, K, v.shape[-1])
-        for t in range(start, end):
-            state = state * g[0, t].exp().unsqueeze(-1)
-            u = beta[0, t, :, None] * (v[0, t] - torch.einsum("hk,hkv->hv", k[0, t], state))
-            state = state + torch.einsum("hk,hv->hkv", k[0, t], u)
-            outs.append(torch.einsum("hk,hkv->hv", q[0, t], state))
-    return torch.stack(outs).unsqueeze(0)
+    return lower_bound * torch.sigmoid(rate * f) if lower_bound is not None else -rate * torch.nn.functional.softplus(f)
+
+
+def naive_gated_kda_f64(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens):
+    """Float64 token-by-token KDA with GLM's gate: :func:`activated_gate`, ``beta = sigmoid(logits)``, then the
+    float64 recurrence ``naive_kda`` of tests/test_kda.py (written from the update rule, not from either
+    implementation), the state restarting at every document."""
+    q, k, v, g_raw, beta_logits, A_log, dt_bias = (t.double() for t in (q, k, v, g_raw, beta_logits, A_log, dt_bias))
+    g = activated_gate(g_raw, A_log, dt_bias, lower_bound)
+    return naive_kda(q, k, v, g, torch.sigmoid(beta_logits), cu_seqlens=cu_seqlens)[0]
 
 
 @pytest.mark.interpreter
@@ -359,7 +317,7 @@ def test_gate_in_kernel_core_matches_float64(fla_interp, monkeypatch, case):
         _, layer = layer_pair(seed=1, linear_lower_bound=None)
         x, layout, weight = unpacked_batch(1)
         captured = {}
-        original = kda_module.kda_chunk
+        original = kda_module.chunk_kda_torch
 
         def capture(q, k, v, g, beta, **kwargs):
             captured["qkv"] = (q.detach(), k.detach(), v.detach())
@@ -367,7 +325,7 @@ def test_gate_in_kernel_core_matches_float64(fla_interp, monkeypatch, case):
             o.register_hook(lambda grad: captured.__setitem__("do", grad.detach()))
             return o, final
 
-        monkeypatch.setattr(kda_module, "kda_chunk", capture)
+        monkeypatch.setattr(kda_module, "chunk_kda_torch", capture)
         layer_run(layer, x, layout, weight)
         q, k, v = captured["qkv"]
         do = captured["do"]
@@ -383,9 +341,7 @@ def test_gate_in_kernel_core_matches_float64(fla_interp, monkeypatch, case):
     grads = torch.autograd.grad((o * do).sum(), leaves)
     # control: the torch path, gate written out in torch
     q, k, v, g_raw, beta_logits, A_log, dt_bias = leaves
-    f = g_raw + dt_bias.view(H, K)
-    rate = A_log.exp().view(H, 1)
-    g = lower_bound * torch.sigmoid(rate * f) if lower_bound is not None else -rate * torch.nn.functional.softplus(f)
+    g = activated_gate(g_raw, A_log, dt_bias, lower_bound)
     o_t, _ = chunk_kda_torch(q, k, v, g, torch.sigmoid(beta_logits), cu_seqlens=cu)
     grads_t = torch.autograd.grad((o_t * do).sum(), leaves)
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
@@ -432,7 +388,7 @@ def test_layer_checkpoint_recompute_takes_the_fused_path(force_fused):
 
 @pytest.mark.interpreter
 def test_chunk_and_conv_entry_points_with_states(force_fused):
-    """``kda_chunk`` / ``kda_conv`` with backend "fused" (what ``forward_cached`` prefill calls) vs the torch functions:
+    """``kda_chunk`` / ``kda_conv`` with backend "fused" vs the torch functions:
     activated gate, packed documents of 7, 33 and 8 tokens (chunk 32: one document spans two chunks), per-document
     initial states, final states; values and gradients of every input including the initial states.
 
@@ -508,66 +464,63 @@ def test_fused_recurrent_step_matches_torch(fla_interp, lower_bound):
 
 # ========================================================================================== main process (no fla)
 class _ImportRecorder(importlib.abc.MetaPathFinder):
-    """Records every attempt to import fla or glm53flash_hf.fla_kda (and lets the normal machinery go on)."""
+    """Records every attempt to import fla or glm53flash_hf.kda_fused (and lets the normal machinery go on)."""
 
     def __init__(self):
         self.seen = []
 
     def find_spec(self, name, path=None, target=None):
-        if name == "fla" or name.startswith("fla.") or name == "glm53flash_hf.fla_kda":
+        if name == "fla" or name.startswith("fla.") or name == "glm53flash_hf.kda_fused":
             self.seen.append(name)
         return None
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bound", "softplus"])
-def test_cached_decode_takes_the_fused_step(force_fused, lower_bound):
-    """forward_cached: prefill 9 tokens, then 3 decode steps; with kernels="fused" each no-grad decode step runs fla's
-    fused_recurrent_kda (gate and beta in the kernel), with "torch" the lean torch step. Outputs and the cached
-    recurrent and conv states agree (fp32, bound 1e-5 relative; measured ~1e-7), and equal the uncached forward over
-    all 12 tokens."""
+def test_cached_decode_takes_the_fused_step(force_fused, monkeypatch, lower_bound):
+    """The layer with a cache: prefill 9 tokens, 3 decode steps without gradients, then one with gradients. With
+    kernels="fused" every call runs fla's causal_conv1d (from the cached conv state), each no-grad decode step fla's
+    fused_recurrent_kda (gate and beta in the kernel) and the decode step with gradients fla's chunk_kda (one token
+    from the cached state); with "torch" causal_conv1d_torch and recurrent_kda_torch. Outputs and the cached recurrent
+    and conv states agree (fp32, bound 1e-5 relative; measured ~1e-7), and equal the uncached forward over all 13
+    tokens."""
     from transformers import DynamicCache
 
     fused, torch_layer = layer_pair(seed=4, linear_lower_bound=lower_bound)
     config = tiny_config(linear_lower_bound=lower_bound)
-    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
-    steps = []
-    original = force_fused.fused_recurrent_step
-
-    def spy(*args, **kwargs):
-        steps.append(1)
-        return original(*args, **kwargs)
-
-    force_fused.fused_recurrent_step = spy
-    try:
-        outs = {}
-        for name, layer in (("fused", fused), ("torch", torch_layer)):
-            cache = DynamicCache(config=config)
-            with torch.no_grad():
-                parts = [layer(x[:, :9], build_document_layout(2, 9, "cpu"), cache=cache)]
-                for t in range(9, 12):
-                    parts.append(layer(x[:, t : t + 1], build_document_layout(2, 1, "cpu"), cache=cache))
-            outs[name] = (torch.cat(parts, dim=1), cache.layers[0].recurrent_states[0], cache.layers[0].conv_states[0])
-    finally:
-        force_fused.fused_recurrent_step = original
+    x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(5))
+    steps = count_calls(monkeypatch, force_fused, "fused_recurrent_step")
+    chunks = count_calls(monkeypatch, force_fused, "chunk_kda_gate_in_kernel")
+    outs = {}
+    for name, layer in (("fused", fused), ("torch", torch_layer)):
+        cache = DynamicCache(config=config)
+        with torch.no_grad():
+            parts = [layer(x[:, :9], build_document_layout(2, 9, "cpu"), cache=cache)]
+            for t in range(9, 12):
+                parts.append(layer(x[:, t : t + 1], build_document_layout(2, 1, "cpu"), cache=cache))
+        last = layer(x[:, 12:], build_document_layout(2, 1, "cpu"), cache=cache)
+        assert last.requires_grad
+        parts.append(last.detach())
+        outs[name] = (torch.cat(parts, dim=1), cache.layers[0].recurrent_states[0], cache.layers[0].conv_states[0])
     assert len(steps) == 3, "the fused decode step was not taken"
+    assert len(chunks) == 2, "the prefill and the decode step with gradients did not run fla's chunk_kda"
     for a, b, what in zip(outs["fused"], outs["torch"], ("output", "recurrent state", "conv state")):
-        assert_rel(a, b, what, tol=1e-5)
+        assert_rel(a.detach(), b.detach(), what, tol=1e-5)
     with torch.no_grad():
-        full = torch_layer(x, build_document_layout(2, 12, "cpu"))
+        full = torch_layer(x, build_document_layout(2, 13, "cpu"))
     assert_rel(outs["fused"][0], full, "cached vs uncached", tol=1e-5)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test (CPU tensors, no interpreter)")
 def test_cpu_auto_never_imports_fla_and_equals_torch(monkeypatch):
     """kernels="auto" on CPU tensors takes the torch path (bit-equal to kernels="torch", forward and backward, packed
-    and unpacked) without importing fla or glm53flash_hf.fla_kda."""
+    and unpacked) without importing fla or glm53flash_hf.kda_fused."""
     recorder = _ImportRecorder()
     monkeypatch.delitem(sys.modules, "fla", raising=False)
-    monkeypatch.delitem(sys.modules, "glm53flash_hf.fla_kda", raising=False)
+    monkeypatch.delitem(sys.modules, "glm53flash_hf.kda_fused", raising=False)
     monkeypatch.setattr(sys, "meta_path", [recorder] + sys.meta_path)
     auto = Glm53FlashLinearAttention(tiny_config(kernels="auto"), layer_idx=0)
-    random_init_(auto, 12)
+    random_init_(auto, torch.Generator().manual_seed(12))
     torch_layer = Glm53FlashLinearAttention(tiny_config(kernels={"kda": "torch"}), layer_idx=0)
     torch_layer.load_state_dict(auto.state_dict())
     for x, layout in (packed_batch(64, seed=13),
@@ -602,30 +555,30 @@ def test_cpu_fused_warns_once_and_runs_torch(monkeypatch):
 @pytest.mark.skipif(INTERPRETING, reason="main-process test (fla hidden by conftest)")
 def test_probe_reasons(monkeypatch):
     """fused_kda_available: dtype, head dim, device and import checks, each with its reason."""
-    from glm53flash_hf import fla_kda
+    from glm53flash_hf import kda_fused
 
     x = torch.zeros(1, 2, 2, 16)
-    assert fla_kda.fused_kda_available() == (False, "no tensors given")
-    ok, reason = fla_kda.fused_kda_available(x.double())
+    assert kda_fused.fused_kda_available() == (False, "no tensors given")
+    ok, reason = kda_fused.fused_kda_available(x.double())
     assert not ok and "float64" in reason
     for bad in (8, 512):
-        ok, reason = fla_kda.fused_kda_available(torch.zeros(1, 2, 2, bad))
+        ok, reason = kda_fused.fused_kda_available(torch.zeros(1, 2, 2, bad))
         assert not ok and f"head dim {bad}" in reason
-    assert fla_kda.fused_kda_available(x, torch.tensor([0, 2])) == (False, "the tensors are not on a CUDA device")
+    assert kda_fused.fused_kda_available(x, torch.tensor([0, 2])) == (False, "the tensors are not on a CUDA device")
     # Interpreter mode accepts CPU tensors; then fla must import (here conftest hides it).
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fla_kda._fla_import_error.cache_clear()
+    kda_fused._fla_import_error.cache_clear()
     try:
-        ok, reason = fla_kda.fused_kda_available(x)
+        ok, reason = kda_fused.fused_kda_available(x)
     finally:
-        fla_kda._fla_import_error.cache_clear()
+        kda_fused._fla_import_error.cache_clear()
     assert not ok and "fla-core cannot be imported" in reason
     # The layer's own call: the head dim reaches the probe through o_norm.weight viewed [1, 1, 1, K].
     seen = []
     monkeypatch.setattr(kda_module, "choose_backend", lambda family, req, *t: seen.append(t) or "torch")
     layer = Glm53FlashLinearAttention(tiny_config(linear_head_dim=8), layer_idx=0)
     layer(torch.zeros(1, 3, 64), build_document_layout(1, 3, "cpu"))
-    ok, reason = fla_kda.fused_kda_available(*seen[0])
+    ok, reason = kda_fused.fused_kda_available(*seen[0])
     assert not ok and "head dim 8" in reason
 
 
@@ -633,21 +586,21 @@ def test_probe_reasons(monkeypatch):
 def test_guard_rejects_keywords_the_function_would_ignore():
     """call_checked raises TypeError naming the function and the argument for a keyword that is neither a named
     parameter nor read from **kwargs; kwargs names are accepted only where the source reads them."""
-    from glm53flash_hf import fla_kda
+    from glm53flash_hf import kda_fused
 
     def no_safe_gate(q, k, *, scale=None):
         return "called"
 
-    assert fla_kda.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, scale=0.5) == "called"
+    assert kda_fused.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, scale=0.5) == "called"
     with pytest.raises(TypeError, match=r"no_safe_gate.*\['safe_gate'\]"):
-        fla_kda.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, safe_gate=True)
+        kda_fused.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, safe_gate=True)
 
     def chunk_kda(q, **kwargs):  # reads A_log and chunk_size from **kwargs, swallows the rest (as fla does)
         return kwargs.get("A_log"), kwargs.pop("chunk_size", 64)
 
-    assert fla_kda.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, chunk_size=32) == (3, 32)
+    assert kda_fused.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, chunk_size=32) == (3, 32)
     with pytest.raises(TypeError, match=r"chunk_kda.*\['dt_bias'\]"):
-        fla_kda.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, dt_bias=4)
+        kda_fused.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, dt_bias=4)
 
 
 def _fake_fla(record):
@@ -692,16 +645,17 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     documents' cu_seqlens (device and host copies) and the norm's weight and eps; every call passes the guard.
     Every parameter handed to a kernel goes through ``dispatch.local_tensor`` (DTensor unwrapping; its own behaviour
     is tested in tests/test_dispatch.py) under a name that identifies it."""
-    from glm53flash_hf import fla_kda
+    from glm53flash_hf import kda_fused
 
     record = {}
     unwrapped = []
-    monkeypatch.setattr(fla_kda, "_fla", lambda: _fake_fla(record))
-    monkeypatch.setattr(fla_kda, "local_tensor",
+    monkeypatch.setattr(kda_fused, "_fla", lambda: _fake_fla(record))
+    monkeypatch.setattr(kda_fused, "local_tensor",
                         lambda t, name: unwrapped.append(name) or dispatch.local_tensor(t, name))
+    monkeypatch.setattr(kda_module, "choose_backend", lambda family, requested, *tensors: "fused")
     layer, _ = layer_pair(seed=18, linear_lower_bound=lower_bound)
     x, layout = packed_batch(64, seed=19)
-    out = fla_kda.kda_layer_forward_fused(layer, x, layout)
+    out = layer(x, layout)
     assert out.shape == x.shape
     for param in ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight", "o_norm.weight"):
         assert f"KDA layer 0 {param}" in unwrapped, (param, unwrapped)
@@ -721,7 +675,7 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     assert norm["eps"] == layer.o_norm.variance_epsilon
     with torch.no_grad():
         q = torch.zeros(2, 1, 2, 16)
-        fla_kda.fused_recurrent_step(q, q, q, q, torch.zeros(2, 1, 2), layer.forget_gate.A_log,
+        kda_fused.fused_recurrent_step(q, q, q, q, torch.zeros(2, 1, 2), layer.forget_gate.A_log,
                                      layer.forget_gate.dt_bias, lower_bound, torch.zeros(2, 2, 16, 16))
     assert "forget_gate.A_log" in unwrapped and "forget_gate.dt_bias" in unwrapped
     r = record["fused_recurrent_kda"]
@@ -733,7 +687,7 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
 def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
     """An fla whose functions lack parameters we pass (fla 0.4.2's chunk_kda had no A_log/dt_bias/lower_bound and
     swallowed them in **kwargs) makes every wrapper raise TypeError naming the function, before any kernel runs."""
-    from glm53flash_hf import fla_kda
+    from glm53flash_hf import kda_fused
 
     def old_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
@@ -744,47 +698,47 @@ def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
 
     fake = SimpleNamespace(version="0.4.2", chunk_kda=old_chunk_kda, fused_recurrent_kda=narrow, causal_conv1d=narrow,
                            rms_norm_gated=narrow)
-    monkeypatch.setattr(fla_kda, "_fla", lambda: fake)
+    monkeypatch.setattr(kda_fused, "_fla", lambda: fake)
     q = torch.zeros(1, 4, 2, 16)
     beta = torch.zeros(1, 4, 2)
     A_log, dt_bias = torch.zeros(2), torch.zeros(32)
     with pytest.raises(TypeError, match=r"chunk_kda.*A_log"):
-        fla_kda.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias, -5.0)
+        kda_fused.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias, -5.0)
     with pytest.raises(TypeError, match=r"chunk_kda.*use_gate_in_kernel"):
-        fla_kda.chunk_kda_fused(q, q, q, q, beta)
+        kda_fused.chunk_kda_fused(q, q, q, q, beta)
     with pytest.raises(TypeError, match=r"causal_conv1d.*weight"):
-        fla_kda.causal_conv1d_fused(torch.zeros(1, 4, 8), torch.zeros(8, 4))
+        kda_fused.causal_conv1d_fused(torch.zeros(1, 4, 8), torch.zeros(8, 4))
     with pytest.raises(TypeError, match=r"rms_norm_gated.*'g'"):
-        fla_kda.rms_norm_gated_fused(q, q, torch.ones(16), 1e-5)
+        kda_fused.rms_norm_gated_fused(q, q, torch.ones(16), 1e-5)
     with torch.no_grad(), pytest.raises(TypeError, match=r"fused_recurrent_kda.*A_log"):
-        fla_kda.fused_recurrent_step(q[:, :1], q[:, :1], q[:, :1], q[:, :1], beta[:, :1], A_log, dt_bias, -5.0, None)
+        kda_fused.fused_recurrent_step(q[:, :1], q[:, :1], q[:, :1], q[:, :1], beta[:, :1], A_log, dt_bias, -5.0, None)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
 def test_argument_errors(monkeypatch):
     """Bad inputs raise ValueError/RuntimeError naming the problem before fla is touched."""
-    from glm53flash_hf import fla_kda
+    from glm53flash_hf import kda_fused
 
-    monkeypatch.setattr(fla_kda, "_fla", lambda: pytest.fail("fla must not be reached"))
+    monkeypatch.setattr(kda_fused, "_fla", lambda: pytest.fail("fla must not be reached"))
     q = torch.zeros(1, 4, 2, 16)
     beta = torch.zeros(1, 4, 2)
     A_log, dt_bias = torch.zeros(2), torch.zeros(32)
     with pytest.raises(ValueError, match="head dim K"):
-        fla_kda.chunk_kda_fused(q[..., :8], q[..., :8], q[..., :8], q[..., :8], beta)
+        kda_fused.chunk_kda_fused(q[..., :8], q[..., :8], q[..., :8], q[..., :8], beta)
     with pytest.raises(ValueError, match="chunk_size"):
-        fla_kda.chunk_kda_fused(q, q, q, q, beta, chunk_size=16)
+        kda_fused.chunk_kda_fused(q, q, q, q, beta, chunk_size=16)
     with pytest.raises(ValueError, match="dt_bias"):
-        fla_kda.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias[:16], -5.0)
+        kda_fused.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias[:16], -5.0)
     with pytest.raises(ValueError, match="lower_bound"):
-        fla_kda.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias, 0.0)
+        kda_fused.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias, 0.0)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        fla_kda.chunk_kda_fused(q, q, q, q, beta, cu_seqlens=torch.tensor([0, 3]))
+        kda_fused.chunk_kda_fused(q, q, q, q, beta, cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="initial_state"):
-        fla_kda.chunk_kda_fused(q, q, q, q, beta, initial_state=torch.zeros(2, 2, 16, 16))
+        kda_fused.chunk_kda_fused(q, q, q, q, beta, initial_state=torch.zeros(2, 2, 16, 16))
     with pytest.raises(ValueError, match="activation"):
-        fla_kda.causal_conv1d_fused(torch.zeros(1, 4, 8), torch.zeros(8, 4), activation="gelu")
+        kda_fused.causal_conv1d_fused(torch.zeros(1, 4, 8), torch.zeros(8, 4), activation="gelu")
     with torch.no_grad(), pytest.raises(ValueError, match="float32"):
-        fla_kda.fused_recurrent_step(q, q, q, q, beta, A_log, dt_bias, -5.0, torch.zeros(1, 2, 16, 16).double())
+        kda_fused.fused_recurrent_step(q, q, q, q, beta, A_log, dt_bias, -5.0, torch.zeros(1, 2, 16, 16).double())
     # no autograd in fla's recurrent kernel: refuse instead of returning a detached result
     with pytest.raises(RuntimeError, match="no backward"):
-        fla_kda.fused_recurrent_step(q.requires_grad_(), q, q, q, beta, A_log, dt_bias, -5.0, None)
+        kda_fused.fused_recurrent_step(q.requires_grad_(), q, q, q, beta, A_log, dt_bias, -5.0, None)

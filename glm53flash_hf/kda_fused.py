@@ -1,26 +1,28 @@
 """The fused KDA path: fla-core's Triton kernels (``chunk_kda``, ``causal_conv1d``, ``rms_norm_gated``,
 ``fused_recurrent_kda``), called directly with checked keyword arguments.
 
-Same maths as the torch path in :mod:`glm53flash_hf.kda` (the oracle of ``tests/test_fla_kda.py``), which equals
-transformers' ``Glm5NextTextLinearAttention`` (model-spec §4; kernels.md §1; Kimi Linear arXiv:2510.26692 §3).
-fla-core 0.6.x (``fla/ops/kda/chunk.py``, ``fused_recurrent.py``, ``gate.py``; ``fla/modules/causal_conv1d/ops.py``;
-``fla/modules/norm/fused_norm_gate.py``) was read for its contracts; no code is copied.
+Same maths as the torch path in :mod:`glm53flash_hf.kda_ops` (the oracle of ``tests/test_kda_fused.py``), which equals
+transformers' ``Glm5NextTextLinearAttention`` (``models/glm5_next/modeling_glm5_next.py``; Kimi Linear,
+arXiv:2510.26692 §3). The contracts are those of fla-core 0.6.0: ``fla.ops.kda.chunk_kda``,
+``fla.ops.kda.fused_recurrent_kda``, ``fla.modules.causal_conv1d.causal_conv1d`` and
+``fla.modules.norm.fused_norm_gate.rms_norm_gated``.
 
-What runs where (one KDA layer, :func:`kda_layer_forward_fused`):
+What runs where (one call of the KDA layer bound by :func:`bind_layer_fused`):
 
 * the projections ``q_proj``/``k_proj``/``v_proj``, ``f_a_proj``/``f_b_proj``, ``b_proj``, ``g_a_proj``/``g_b_proj`` and
   ``o_proj``: torch ``nn.Linear`` (cuBLAS), as in the torch path;
-* the short convolution + SiLU over ``[q|k|v]``: fla ``causal_conv1d`` (Triton, varlen through ``cu_seqlens``);
+* the short convolution + SiLU over ``[q|k|v]``: fla ``causal_conv1d`` (Triton, varlen through ``cu_seqlens``, the
+  cached conv state as its initial state);
 * the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: one fla ``chunk_kda`` call with
   ``use_gate_in_kernel=True`` (``g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, or
   ``-exp(A_log) * softplus(g_raw + dt_bias)`` without a lower bound), ``use_beta_sigmoid_in_kernel=True``,
   ``use_qk_l2norm_in_kernel=True``, ``safe_gate=True`` when the lower bound is in fla's safe range ``[-5, 0)``
   (GLM's -5 is), fp32 state, ``cu_seqlens`` for packed documents. Gradients flow to ``A_log`` and ``dt_bias``
   from the kernel;
+* a cached decode step without gradients: fla ``fused_recurrent_kda`` with the same in-kernel gate, beta and l2-norm
+  (:func:`fused_recurrent_step`; the kernel has no autograd, so it refuses inputs that require grad while grad mode
+  is on instead of silently returning a result without ``grad_fn``);
 * the gated RMSNorm of the output: fla ``rms_norm_gated(activation="sigmoid")`` with the module's own weight.
-
-Decode without gradients: :func:`fused_recurrent_step` (fla ``fused_recurrent_kda``, which has no autograd: it refuses
-inputs that require grad while grad mode is on, instead of silently returning a result without ``grad_fn``).
 
 Entry points used by :func:`glm53flash_hf.kda.kda_chunk` / :func:`~glm53flash_hf.kda.kda_conv` when the dispatcher
 answers ``"fused"``: :func:`chunk_kda_fused` (activated gate and beta, the contract of ``chunk_kda_torch``) and
@@ -29,22 +31,22 @@ answers ``"fused"``: :func:`chunk_kda_fused` (activated gate and beta, the contr
 **Argument guard.** Every fla function is called through :func:`call_checked`: all arguments by keyword, each checked
 against the installed function's signature (computed once per function). fla's entry points take ``**kwargs`` and
 ignore what they do not read: fla 0.4.2's ``chunk_kda`` took ``A_log``/``dt_bias`` that way and trained a wrong
-gate without any error (kernels.md §1.8). A keyword that is not a named parameter raises ``TypeError`` naming the
-function and the argument; the only exceptions are names listed in :data:`KWARGS_READ` (``chunk_kda`` reads
-``A_log``, ``dt_bias``, ``chunk_size`` from ``**kwargs`` in 0.6.0), and those are accepted only if the installed
-function's source visibly reads them from its ``**kwargs`` (so an fla that drops them is caught too).
+gate without any error. A keyword that is not a named parameter raises ``TypeError`` naming the function and the
+argument; the only exceptions are names listed in :data:`KWARGS_READ` (``chunk_kda`` reads ``A_log``, ``dt_bias``,
+``chunk_size`` from ``**kwargs`` in 0.6.0), and those are accepted only if the installed function's source visibly
+reads them from its ``**kwargs`` (so an fla that drops them is caught too).
 
 **Selection.** :func:`fused_kda_available` is the probe behind ``dispatch.choose_backend("kda", ...)``: CUDA tensors
 (CPU tensors only under ``TRITON_INTERPRET=1``, for the interpreter tests), float32/bfloat16/float16, head dim in
 ``[16, 256]`` (fla asserts ``K <= 256``; below 16 fla 0.4.2 silently dropped gradients), fla importable. The choice
-depends on the tensors only — never on ``module.training`` or grad mode — so an activation-checkpoint recompute runs
-the same kernels as the forward it replays (the forward always uses ``chunk_kda``, never the no-grad recurrent
-kernel).
+depends on the tensors only, never on ``module.training`` or grad mode, so an activation-checkpoint recompute runs
+the same kernels as the forward it replays (an uncached forward always uses ``chunk_kda``, never the no-grad
+recurrent kernel).
 
-**Precision** (fp32, measured under Triton's interpreter, whose ``tl.dot`` is an exact fp32 matmul; on GPUs fla's fp32
-dots default to TF32): outputs and per-token gradients within 3e-6 of a float64 oracle; the gradients of ``A_log`` and
-``dt_bias`` (sums of the per-token gate gradient over all tokens) up to 3e-5, against 6e-7 for the torch path
-(``tests/test_fla_kda.py`` explains why).
+**Precision.** fla computes the gate, the state and its dot products in fp32 (TF32 on GPUs unless disabled), in base
+2 and in sub-chunks of 16, so results differ from the torch path by fp32 rounding; the gradients of ``A_log`` and
+``dt_bias`` (sums of the per-token gate gradient over all tokens) carry the largest differences
+(``tests/test_kda_fused.py`` states the bounds).
 
 **Imports.** fla is imported lazily inside ``try`` blocks (transformers' remote-code ``check_imports`` ignores those),
 only when a fused function runs: importing this module never imports fla or triton, and CPU runs never reach this
@@ -66,7 +68,7 @@ from types import SimpleNamespace
 import torch
 
 from .dispatch import local_tensor
-from .kda import _check_core_inputs, _check_cu_seqlens, _check_state
+from .kda_ops import LayerOps, check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
 
 __all__ = [
     "fused_kda_available",
@@ -78,11 +80,11 @@ __all__ = [
     "causal_conv1d_fused",
     "rms_norm_gated_fused",
     "fused_recurrent_step",
-    "kda_layer_forward_fused",
+    "bind_layer_fused",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MIN_HEAD_DIM = 16  # tl.dot's smallest K; fla 0.4.2 silently dropped backward grads below it (kernels.md §1.8)
+MIN_HEAD_DIM = 16  # tl.dot's smallest K; fla 0.4.2 silently dropped backward grads below it
 MAX_HEAD_DIM = 256  # asserted by fla's chunk_kda
 FLA_CHUNK_SIZES = (32, 64)
 SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
@@ -242,12 +244,11 @@ def _check_head_dim(k: int, v: int) -> None:
             raise ValueError(f"fused KDA needs head dim {name} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got {name}={d}")
 
 
-def _varlen(cu_seqlens: torch.Tensor | None, total: int, batch: int, name: str):
-    """Validate ``cu_seqlens`` (one host sync) and return ``(cu_seqlens long on device, host copy)`` for fla, whose
-    chunk-index preparation then needs no second sync."""
+def _varlen(cu_seqlens: torch.Tensor | None, cu_host: list[int] | None):
+    """``(cu_seqlens long on device, host copy)`` for fla from the validated boundaries (whose check made the one
+    host sync; fla's chunk-index preparation then needs no second one), or ``(None, None)``."""
     if cu_seqlens is None:
         return None, None
-    cu_host = _check_cu_seqlens(cu_seqlens, total, batch, name)
     return cu_seqlens.to(torch.long), torch.tensor(cu_host, dtype=torch.long)
 
 
@@ -279,7 +280,7 @@ def chunk_kda_fused(
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA with an *activated* gate and beta: the contract of :func:`glm53flash_hf.kda.chunk_kda_torch`, run
+    """Chunked KDA with an *activated* gate and beta: the contract of :func:`glm53flash_hf.kda_ops.chunk_kda_torch`, run
     by fla's ``chunk_kda`` (``use_gate_in_kernel=False``, ``safe_gate=False``: the gate's bound is unknown here).
 
     Args:
@@ -315,7 +316,7 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     """The checks and the fla ``chunk_kda`` call shared by :func:`chunk_kda_fused` and
     :func:`chunk_kda_gate_in_kernel`. ``gate``: ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel;
     ``flags``: the kernel's ``use_*`` / ``safe_gate`` switches."""
-    _check_core_inputs(q, k, v, g, beta)
+    check_core_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_head_dim(K, V)
@@ -325,8 +326,9 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         flags.update(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=_safe_gate(lower_bound))
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
-    cu, cu_cpu = _varlen(cu_seqlens, T, B, "q.shape[0]")
-    _check_state(initial_state, B if cu is None else cu_cpu.numel() - 1, H, K, V)
+    cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]") if cu_seqlens is not None else None
+    check_state(initial_state, B if cu_host is None else len(cu_host) - 1, H, K, V)
+    cu, cu_cpu = _varlen(cu_seqlens, cu_host)
     fla = _fla()
     return call_checked(
         fla.chunk_kda,
@@ -405,7 +407,7 @@ def causal_conv1d_fused(
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal convolution (+SiLU) by fla's Triton ``causal_conv1d``: the contract of
-    :func:`glm53flash_hf.kda.causal_conv1d_torch`.
+    :func:`glm53flash_hf.kda_ops.causal_conv1d_torch`.
 
     Args:
         x: ``[B, T, D]`` time-major (strided views accepted).
@@ -423,20 +425,8 @@ def causal_conv1d_fused(
         ValueError: shapes, activation, bad ``cu_seqlens``; a sharded DTensor weight.
         TypeError / ImportError: as :func:`chunk_kda_fused`.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, D]; got shape {tuple(x.shape)}")
     weight = local_tensor(weight, "conv1d.weight")
-    if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight must be [D={x.shape[-1]}, W]; got shape {tuple(weight.shape)}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None, 'silu' or 'swish'; got activation={activation!r}")
-    B, T, D = x.shape
-    cu, cu_cpu = _varlen(cu_seqlens, T, B, "x.shape[0]")
-    n = B if cu is None else cu_cpu.numel() - 1
-    if initial_state is not None and tuple(initial_state.shape) != (n, D, weight.shape[1]):
-        raise ValueError(
-            f"initial_state must be [N={n}, D={D}, W={weight.shape[1]}]; got shape {tuple(initial_state.shape)}"
-        )
+    cu, cu_cpu = _varlen(cu_seqlens, check_conv_inputs(x, weight, activation, initial_state, cu_seqlens))
     fla = _fla()
     return call_checked(
         fla.causal_conv1d,
@@ -492,12 +482,12 @@ def fused_recurrent_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
 
-    For ``forward_cached``'s decode branch (``S == 1``): after the conv step, call
-    ``o, new_state = fused_recurrent_step(q, k, v, forget_gate.f_b_proj(forget_gate.f_a_proj(x)).view(B, S, H, K),
-    b_proj(x), forget_gate.A_log, forget_gate.dt_bias, forget_gate.lower_bound, recurrent_state)`` and store
-    ``new_state``. Equals :func:`glm53flash_hf.kda.recurrent_kda_torch` on ``(q, k, v, forget_gate(x),
-    sigmoid(b_proj(x)))`` with ``use_qk_l2norm_in_kernel=True``. Each of the ``T`` tokens of a row advances that row's
-    state (no ``cu_seqlens``; rows are independent).
+    The core of a cached decode step without gradients (:func:`bind_layer_fused`): ``o, new_state =
+    fused_recurrent_step(q, k, v, forget_gate.f_b_proj(forget_gate.f_a_proj(x)).view(B, S, H, K), b_proj(x),
+    forget_gate.A_log, forget_gate.dt_bias, forget_gate.lower_bound, recurrent_state)``. Equals
+    :func:`glm53flash_hf.kda_ops.recurrent_kda_torch` on ``(q, k, v, forget_gate(x), sigmoid(b_proj(x)))`` with
+    ``use_qk_l2norm_in_kernel=True``. Each of the ``T`` tokens of a row advances that row's state (no
+    ``cu_seqlens``; rows are independent).
 
     Args:
         q, k: ``[B, T, H, K]`` (after the conv, not normalised); v: ``[B, T, H, V]``.
@@ -525,12 +515,12 @@ def fused_recurrent_step(
             "fused_recurrent_step has no backward (fla's fused_recurrent_kda is inference-only) but an input requires "
             "grad: call it under torch.no_grad(), or use the chunked path for training"
         )
-    _check_core_inputs(q, k, v, g_raw, beta_logits)
+    check_core_inputs(q, k, v, g_raw, beta_logits)
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_head_dim(K, V)
     _check_gate_params(A_log, dt_bias, H, K, lower_bound)
-    _check_state(state, B, H, K, V)
+    check_state(state, B, H, K, V)
     if state is not None and state.dtype != torch.float32:
         raise ValueError(f"state must be float32 (the recurrent cache is fp32); got dtype {state.dtype}")
     fla = _fla()
@@ -557,56 +547,57 @@ def fused_recurrent_step(
 
 
 # ============================================================================================================ the layer
-def kda_layer_forward_fused(module, hidden_states: torch.Tensor, layout) -> torch.Tensor:
-    """The fused body of :meth:`glm53flash_hf.kda.Glm53FlashLinearAttention.forward` (no cache).
+def bind_layer_fused(module, hidden_states: torch.Tensor, decode: bool) -> LayerOps:
+    """The fused operations of one call of a :class:`glm53flash_hf.kda.Glm53FlashLinearAttention` (what its
+    ``bind_ops`` returns when the backend choice is ``"fused"``); same maths as its torch operations.
 
-    Same computation as the layer's torch branch: padding zeroed with ``masked_fill``; ``[q|k|v]`` projections, fla
-    ``causal_conv1d`` + SiLU (varlen over ``layout.cu_seqlens`` for non-trivial layouts, the batch flattened to
-    ``[1, B*S]``); :func:`chunk_kda_gate_in_kernel` with the gate pre-activation ``f_b_proj(f_a_proj(x))``, the beta
-    logits ``b_proj(x)``, ``A_log``, ``dt_bias`` and ``forget_gate.lower_bound``; fla ``rms_norm_gated`` with
-    ``g_b_proj(g_a_proj(x))``; ``o_proj``.
+    * gate: ``(f_b_proj(f_a_proj(x)) [B, S, H, K], b_proj(x) [B, S, H])``, the pre-activations (without ``dt_bias``,
+      before the sigmoid) that the kernels activate;
+    * conv: :func:`causal_conv1d_fused` with ``conv1d.weight[:, 0, :]`` and the layer's activation;
+    * core: for a decode step when grad mode is off or neither ``hidden_states`` nor any parameter requires grad,
+      :func:`fused_recurrent_step`; otherwise :func:`chunk_kda_gate_in_kernel`; both with ``A_log``, ``dt_bias`` and
+      ``forget_gate.lower_bound``;
+    * norm: :func:`rms_norm_gated_fused` with ``o_norm``'s weight and epsilon.
 
     Args:
-        module: a :class:`glm53flash_hf.kda.Glm53FlashLinearAttention`.
-        hidden_states: ``[B, S, D]``.
-        layout: the batch's :class:`glm53flash_hf.packing.DocumentLayout` (already checked against ``[B, S]``).
+        module: the layer.
+        hidden_states: ``[B, S, D]``, the call's input.
+        decode: whether the call is a cached decode step (one token continuing the cached states).
 
     Returns:
-        ``[B, S, D]`` in hidden_states' dtype.
+        A :class:`glm53flash_hf.kda_ops.LayerOps`.
 
     Raises:
-        ValueError: a sharded DTensor among ``A_log``, ``dt_bias``, ``conv1d.weight``, ``o_norm.weight`` (named), or
-            an unsupported head dim. TypeError / ImportError: as :func:`chunk_kda_fused`.
+        ValueError: a sharded DTensor among ``A_log``, ``dt_bias``, ``conv1d.weight``, ``o_norm.weight`` (named with
+            the layer index).
     """
-    B, S, _ = hidden_states.shape
-    H, K = module.num_heads, module.head_dim
     where = f"KDA layer {module.layer_idx}"
     gate_mod = module.forget_gate
-    A_log = local_tensor(gate_mod.A_log, f"{where} forget_gate.A_log")
-    dt_bias = local_tensor(gate_mod.dt_bias, f"{where} forget_gate.dt_bias")
+    gate_params = dict(
+        A_log=local_tensor(gate_mod.A_log, f"{where} forget_gate.A_log"),
+        dt_bias=local_tensor(gate_mod.dt_bias, f"{where} forget_gate.dt_bias"),
+        lower_bound=gate_mod.lower_bound,
+    )
     conv_weight = local_tensor(module.conv1d.weight, f"{where} conv1d.weight")[:, 0, :]
     norm_weight = local_tensor(module.o_norm.weight, f"{where} o_norm.weight")
-    if not layout.trivial:
-        hidden_states = hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
+    heads = (module.num_heads, module.head_dim)
 
-    mixed = torch.cat(
-        [module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)], dim=-1
+    def gate(x):
+        return gate_mod.f_b_proj(gate_mod.f_a_proj(x)).unflatten(-1, heads), module.b_proj(x)
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden_states.requires_grad or any(p.requires_grad for p in module.parameters())
     )
-    g_raw = gate_mod.f_b_proj(gate_mod.f_a_proj(hidden_states))  # [B, S, H*K], dt_bias added in the kernel
-    beta_logits = module.b_proj(hidden_states)  # [B, S, H], sigmoid in the kernel (fp32 output)
-    cu = None
-    if not layout.trivial:
-        mixed = mixed.reshape(1, B * S, module.conv_dim)
-        g_raw = g_raw.reshape(1, B * S, H * K)
-        beta_logits = beta_logits.reshape(1, B * S, H)
-        cu = layout.cu_seqlens
-    b, t = mixed.shape[:2]
-    mixed, _ = causal_conv1d_fused(mixed, conv_weight, cu_seqlens=cu, activation=module.activation)
-    q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(module.qkv_dim, dim=-1))
-    o, _ = chunk_kda_gate_in_kernel(
-        q, k, v, g_raw.reshape(b, t, H, K), beta_logits, A_log, dt_bias, gate_mod.lower_bound, cu_seqlens=cu
+    if decode and not needs_grad:
+
+        def core(q, k, v, g_raw, beta_logits, *, initial_state, output_final_state):
+            return fused_recurrent_step(q, k, v, g_raw, beta_logits, state=initial_state, **gate_params)
+
+    else:
+        core = functools.partial(chunk_kda_gate_in_kernel, **gate_params)
+    return LayerOps(
+        gate=gate,
+        conv=functools.partial(causal_conv1d_fused, weight=conv_weight, activation=module.activation),
+        core=core,
+        norm=functools.partial(rms_norm_gated_fused, weight=norm_weight, eps=module.o_norm.variance_epsilon),
     )
-    o = o.reshape(B, S, H, K)
-    gate = module.g_b_proj(module.g_a_proj(hidden_states)).view(B, S, H, K)
-    o = rms_norm_gated_fused(o, gate, norm_weight, module.o_norm.variance_epsilon)
-    return module.o_proj(o.reshape(B, S, module.qkv_dim))
