@@ -1,4 +1,5 @@
-"""Tests of glm53flash_hf/moe.py: clamped SwiGLU, dense MLP, router, grouped experts, MoE block, PEFT on 3-D experts.
+"""Tests of glm53flash_hf/moe.py and moe_ops.py (torch path): clamped SwiGLU, dense MLP, router, grouped experts,
+MoE block, PEFT on 3-D experts.
 
 Oracles: transformers' ``glm5_next`` modules with the same weights (``Glm5NextTextMLP``, ``Glm5NextTextTopkRouter``,
 ``Glm5NextTextExperts`` with the eager loop, ``Glm5NextTextMoE``) and a float64 loop-over-experts reference
@@ -26,19 +27,18 @@ from glm53flash_hf.moe import (
     Glm53FlashMLP,
     Glm53FlashMoE,
     Glm53FlashTopkRouter,
-    clamped_swiglu,
     grouped_experts_forward,
     init_moe_weights,
 )
+from glm53flash_hf.moe_ops import clamped_swiglu
 
-H, I, E, K = 32, 16, 8, 3  # hidden, expert width (2I != H so a layout mix-up cannot pass), experts, top-k
+H, I, E, K = 32, 16, 8, 3  # noqa: E741  hidden, expert width (2I != H so a layout mix-up cannot pass), experts, top-k
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
-    """Tiny shapes: intra-op threads only add OpenMP barrier waits (26 s -> 5 s for both files on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """Tiny shapes: one intra-op thread, as in tests/test_mhc.py."""
+    threads, _ = torch.get_num_threads(), torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
@@ -294,6 +294,22 @@ def test_experts_odd_sizes_and_sentinels():
     assert empty.shape == (0, 10)
 
 
+@pytest.mark.parametrize("tokens,drop", [(1, False), (2, False), (2, True)])
+def test_experts_decode_sized(tokens, drop):
+    """A few tokens (a decoding step) take the same grouped path; with an expert-parallel sentinel too."""
+    gen = torch.Generator().manual_seed(tokens * 10 + drop)
+    ours, _ = _experts_pair(seed=tokens)
+    x = torch.randn(tokens, H, generator=gen)
+    idx, w = random_routing(tokens, E, K, generator=gen)
+    if drop:
+        idx[0, 0] = E  # contributes nothing
+    with torch.no_grad():
+        y = grouped_experts_forward(x, idx, w, ours.gate_up_proj, ours.down_proj, 1.0, drop_out_of_range=drop)
+    keep = idx < E
+    y64 = reference_experts_f64(x, idx.masked_fill(~keep, 99), w * keep, ours.gate_up_proj, ours.down_proj, 1.0)
+    assert y.shape == (tokens, H) and rel_err(y, y64) < 1e-5
+
+
 def test_experts_input_errors():
     ours, _ = _experts_pair()
     x = torch.randn(4, H)
@@ -306,10 +322,10 @@ def test_experts_input_errors():
         ours(x, idx, w[:, :1])
 
 
-
 @pytest.mark.parametrize("kernels,ok", [("torch", True), ({"moe": "auto"}, True), ({"moe": "fused"}, False)])
 def test_backend_from_package_config(kernels, ok):
-    """Our config class (with ``kernels``) drives the same modules; on CPU tensors "fused" cannot run (the fused MoE is CUDA-only): it warns and falls back."""
+    """Our config class (with ``kernels``) drives the same modules; on CPU tensors "fused" cannot run (the fused MoE
+    is CUDA-only): it warns and falls back to the torch path."""
     fields = dict(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
                   swiglu_limit=1.0, num_hidden_layers=2, kernels=kernels)
     ours = Glm53FlashMoE(Glm53FlashTextConfig(**fields))
@@ -453,22 +469,3 @@ def test_init_moe_weights():
     assert torch.equal(module.gate.e_score_correction_bias, torch.zeros(16))
     assert module.gate.weight.dtype == torch.float32
 
-
-@pytest.mark.parametrize("tokens,k,drop", [(1, 2, False), (4, 2, False), (3, 2, True), (2, 3, False)])
-def test_small_decode_path_matches_grouped_path(monkeypatch, tokens, k, drop):
-    """The few-pairs CPU path (decode) equals the sort + grouped-GEMM path within 1e-6 (incl. sentinel ids)."""
-    import glm53flash_hf.moe as moe_mod
-
-    g = torch.Generator().manual_seed(tokens * 10 + k)
-    E, H, I = 8, 64, 32
-    x = torch.randn(tokens, H, generator=g)
-    gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.2
-    down = torch.randn(E, H, I, generator=g) * 0.2
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
-    if drop:
-        idx[0, 0] = E  # expert-parallel sentinel: contributes nothing
-    w = torch.rand(tokens, k, generator=g)
-    small = moe_mod.grouped_experts_forward(x, idx, w, gate_up, down, 7.0, drop_out_of_range=drop)
-    monkeypatch.setattr(moe_mod, "_SMALL_PAIRS", 0)
-    ref = moe_mod.grouped_experts_forward(x, idx, w, gate_up, down, 7.0, drop_out_of_range=drop)
-    torch.testing.assert_close(small, ref, rtol=0, atol=1e-6)

@@ -1,14 +1,15 @@
-"""Tests of glm53flash_hf/triton_mhc.py: fused hc_post / hc_pre (Triton, custom autograd) vs the torch path.
+"""Tests of glm53flash_hf/mhc_fused.py: fused hc_post / hc_pre (Triton, custom autograd) vs the torch path.
 
-Oracle: ``glm53flash_hf.mhc.hc_post`` / ``hc_pre`` (themselves tested against transformers' glm5_next in
-tests/test_mhc.py), values and the gradients of every input; for bf16 gradients also a float64 evaluation.
+Oracle: ``glm53flash_hf.mhc_ops.hc_post_torch`` / ``hc_pre_torch`` (themselves tested against transformers'
+glm5_next in tests/test_mhc.py), values and the gradients of every input; for bf16 gradients also a float64
+evaluation.
 
 CPU tests run the kernels under Triton's interpreter. ``TRITON_INTERPRET=1`` must be set before triton is first imported
 (triton.language's own ``@jit`` helpers such as ``tl.zeros`` are decorated at import), and setting it in this process
 would leak into every later test (GPU tests would silently run interpreted). So the ``interpreter`` tests run in a
 child pytest process started with ``TRITON_INTERPRET=1`` (:func:`test_interpreter_tests_in_subprocess`); in this process
-they are skipped with that reason. Running ``TRITON_INTERPRET=1 pytest tests/test_triton_mhc.py -m interpreter`` runs
-them directly. Our kernels use no autotuner, so kernels.md §2's "one autotune config" patch is not needed.
+they are skipped with that reason. Running ``TRITON_INTERPRET=1 pytest tests/test_mhc_fused.py -m interpreter`` runs
+them directly. The kernels use no autotuner.
 
 Tolerances:
 * fp32: 1e-5 relative to the largest reference magnitude (measured <= 6e-7): only the fp32 summation order differs.
@@ -24,14 +25,11 @@ Tolerances:
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-from glm53flash_hf import mhc
-from glm53flash_hf import dispatch
-
 from interp import INTERPRETING, interpreted_module, run_interpreter_child
+
+from glm53flash_hf import dispatch, mhc, mhc_ops
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
 
@@ -40,8 +38,8 @@ KW = dict(sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
 
 @pytest.fixture
 def tm():
-    """glm53flash_hf.triton_mhc with interpreted kernels; one intra-op thread (tiny shapes)."""
-    yield from interpreted_module("triton_mhc")
+    """glm53flash_hf.mhc_fused with interpreted kernels; one intra-op thread (tiny shapes)."""
+    yield from interpreted_module("mhc_fused")
 
 
 @pytest.mark.interpreter
@@ -107,7 +105,7 @@ def run(fn, inputs, grads, **kw):
 def test_hc_post_fp32(tm, shape):
     inputs, grad = post_inputs(*shape, torch.float32)
     (out,), grads = run(tm.hc_post_fused, inputs, grad)
-    (ref,), ref_grads = run(mhc.hc_post, inputs, grad)
+    (ref,), ref_grads = run(mhc_ops.hc_post_torch, inputs, grad)
     assert_rel(out, ref, 1e-5, "out")
     for name, a, b in zip(("dy", "dresidual", "dpost", "dcomb"), grads, ref_grads):
         assert_rel(a, b, 1e-5, name)
@@ -118,7 +116,7 @@ def test_hc_post_bf16(tm):
     inputs, grad = post_inputs(2, 5, 4, 48, torch.bfloat16, seed=1)
     y, res, post, comb = inputs
     (out,), (dy, dres, dpost, dcomb) = run(tm.hc_post_fused, inputs, grad)
-    (ref,), (rdy, rdres, rdpost, rdcomb) = run(mhc.hc_post, inputs, grad)
+    (ref,), (rdy, rdres, rdpost, rdcomb) = run(mhc_ops.hc_post_torch, inputs, grad)
     # same fp32 quantities rounded once to bf16 in both paths
     assert_ulps(out, ref, "out")
     assert_ulps(dres, rdres, "dresidual")
@@ -140,27 +138,27 @@ def test_hc_post_bf16(tm):
 
 
 def _rounding_probe_kernel():
-    """A kernel storing each module's bf16 rounding of its input (defined lazily: only interpreter children use it;
+    """A kernel storing each bf16 round-on-the-bits helper's rounding of its input: the sparse-MLA kernels' own and
+    the one of ``triton_utils`` that the mHC and MoE kernels share (defined lazily: only interpreter children use it;
     a jit function looks its callees up in this module's globals)."""
     import triton.language as tl
 
-    global triton_dsa, triton_mhc, triton_moe
-    from glm53flash_hf import triton_dsa, triton_mhc, triton_moe
+    global dsa_fused, triton_utils
+    from glm53flash_hf import dsa_fused, triton_utils
 
     @triton.jit
-    def kernel(x_ptr, o_dsa, o_mhc, o_moe, N: tl.constexpr):
+    def kernel(x_ptr, o_dsa, o_shared, N: tl.constexpr):
         i = tl.arange(0, N)
         x = tl.load(x_ptr + i)
-        tl.store(o_dsa + i, triton_dsa._cast(x, tl.bfloat16).to(tl.float32))
-        tl.store(o_mhc + i, triton_mhc._rd(x, tl.bfloat16))
-        tl.store(o_moe + i, triton_moe._round(x, tl.bfloat16))
+        tl.store(o_dsa + i, dsa_fused._cast(x, tl.bfloat16).to(tl.float32))
+        tl.store(o_shared + i, triton_utils.round_to(x, tl.bfloat16))
 
     return kernel
 
 
 @pytest.mark.interpreter
 def test_rounding_helpers_keep_nan(tm):
-    """The bf16 round-on-the-bits helpers of the three kernel modules keep every NaN a NaN. The GPU's arithmetic NaN
+    """The bf16 round-on-the-bits helpers of the kernel modules keep every NaN a NaN. The GPU's arithmetic NaN
     is 0x7FFFFFFF, which the bit rounding alone would turn into 0x80000000 (-0.0): the interpreter's own NaNs
     (0x7FC00000) never show this, so the patterns are fed in directly. Ordinary values round to nearest even."""
     kernel = _rounding_probe_kernel()
@@ -168,10 +166,10 @@ def test_rounding_helpers_keep_nan(tm):
     bits = torch.tensor([0x7FFFFFFF, 0x7FC00000, 0xFFC00000 - 2**32, 0x7F800001, 0x3F800000, 0x3F808000, 0x3F818000,
                          0x3F80C000], dtype=torch.int32)
     x = bits.view(torch.float32)
-    outs = [torch.empty(8) for _ in range(3)]
+    outs = [torch.empty(8) for _ in range(2)]
     kernel[(1,)](x, *outs, N=8)
     expect = x.to(torch.bfloat16).float()  # torch rounds to nearest even
-    for name, out in zip(("triton_dsa._cast", "triton_mhc._rd", "triton_moe._round"), outs):
+    for name, out in zip(("dsa_fused._cast", "triton_utils.round_to"), outs):
         assert torch.isnan(out[:4]).all(), (name, out[:4])
         assert torch.equal(out[4:], expect[4:]), (name, out[4:], expect[4:])
 
@@ -184,7 +182,7 @@ def test_hc_post_bf16_mixing_weights(tm):
     y, res, post, comb = inputs
     inputs16 = (y, res, post.detach().bfloat16().requires_grad_(), comb.detach().bfloat16().requires_grad_())
     (out,), _ = run(tm.hc_post_fused, inputs16, grad)
-    (ref,), _ = run(mhc.hc_post, inputs16, grad)
+    (ref,), _ = run(mhc_ops.hc_post_torch, inputs16, grad)
     assert_ulps(out, ref, "out")
 
 
@@ -205,7 +203,7 @@ def test_hc_pre_fp32(tm, shape, iters):
     inputs, grads = pre_inputs(*shape, torch.float32)
     kw = dict(KW, sinkhorn_iters=iters)
     outs, got = run(tm.hc_pre_fused, inputs, grads, **kw)
-    refs, ref_got = run(mhc.hc_pre, inputs, grads, **kw)
+    refs, ref_got = run(mhc_ops.hc_pre_torch, inputs, grads, **kw)
     for name, a, b in zip(("post", "comb", "collapsed"), outs, refs):
         assert_rel(a, b, 1e-5, name)
     for name, a, b in zip(("dX", "dfn", "dbase", "dscale"), got, ref_got):
@@ -217,7 +215,7 @@ def test_hc_pre_fp32(tm, shape, iters):
 def test_hc_pre_bf16(tm, fn_dtype):
     inputs, grads = pre_inputs(2, 5, 4, 48, torch.bfloat16, fn_dtype=fn_dtype, seed=3)
     (post, comb, col), (dx, dfn, dbase, dscale) = run(tm.hc_pre_fused, inputs, grads, **KW)
-    (rpost, rcomb, rcol), (rdx, rdfn, rdbase, rdscale) = run(mhc.hc_pre, inputs, grads, **KW)
+    (rpost, rcomb, rcol), (rdx, rdfn, rdbase, rdscale) = run(mhc_ops.hc_pre_torch, inputs, grads, **KW)
     # fp32 quantities computed from bf16 streams (exact in fp32): fp32 tolerance
     assert_rel(post, rpost, 1e-5, "post")
     assert_rel(comb, rcomb, 1e-5, "comb")
@@ -241,7 +239,7 @@ def test_hc_pre_partial_outputs(tm):
     for pick in ((2,), (0, 1)):
         got = torch.autograd.grad([tm.hc_pre_fused(x, fn, base, scale, **KW)[i] for i in pick], (x, fn),
                                   [grads[i] for i in pick])
-        ref = torch.autograd.grad([mhc.hc_pre(x, fn, base, scale, **KW)[i] for i in pick], (x, fn),
+        ref = torch.autograd.grad([mhc_ops.hc_pre_torch(x, fn, base, scale, **KW)[i] for i in pick], (x, fn),
                                   [grads[i] for i in pick])
         for name, a, b in zip(("dX", "dfn"), got, ref):
             assert_rel(a, b, 1e-5, f"{name} for outputs {pick}")
@@ -283,7 +281,7 @@ def test_gpu_realistic_bf16():
     sum, with margin for the Sinkhorn chain amplifying post/comb differences by < 10 (measured on CPU: 2.4e-7 in,
     2.7e-7 out). bf16 ``dy``/``dpost``/``dcomb`` of hc_post: the torch path's own bf16 rounding of intermediates.
     """
-    from glm53flash_hf import triton_mhc as tm
+    from glm53flash_hf import mhc_fused as tm
 
     dev = torch.device("cuda")
     b, s, n, d = 1, 8192, 4, 4096
@@ -292,8 +290,7 @@ def test_gpu_realistic_bf16():
     grads = tuple(g.to(dev) for g in grads)
     assert dispatch.choose_backend("mhc", "auto", x, fn, base, scale) == "fused"
     (post, comb, col), (dx, dfn, dbase, dscale) = run(tm.hc_pre_fused, (x, fn, base, scale), grads, **KW)
-    (rpost, rcomb, rcol), (rdx, rdfn, rdbase, rdscale) = run(mhc.hc_pre, (x, fn, base, scale), grads,
-                                                             backend="torch", **KW)
+    (rpost, rcomb, rcol), (rdx, rdfn, rdbase, rdscale) = run(mhc_ops.hc_pre_torch, (x, fn, base, scale), grads, **KW)
     for name, a, r in (("post", post, rpost), ("comb", comb, rcomb), ("dfn", dfn, rdfn), ("dbase", dbase, rdbase),
                        ("dscale", dscale, rdscale)):
         assert_rel(a, r, 1e-4, name)
@@ -304,7 +301,7 @@ def test_gpu_realistic_bf16():
     inputs = tuple(t.detach().to(dev).requires_grad_() for t in inputs)
     grad = grad.to(dev)
     (out,), (dy, dres, dpost, dcomb) = run(tm.hc_post_fused, inputs, grad)
-    (ref,), (rdy, rdres, rdpost, rdcomb) = run(mhc.hc_post, inputs, grad, backend="torch")
+    (ref,), (rdy, rdres, rdpost, rdcomb) = run(mhc_ops.hc_post_torch, inputs, grad)
     assert_ulps(out, ref, "out")
     assert_ulps(dres, rdres, "dresidual")
     terms = (inputs[2].detach().to(torch.bfloat16).double().unsqueeze(-1) * grad.double()).abs().sum(-2)

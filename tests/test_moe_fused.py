@@ -1,13 +1,13 @@
-"""Tests of glm53flash_hf/triton_moe.py: fused clamped SwiGLU, weighted combine and the fused experts forward.
+"""Tests of glm53flash_hf/moe_fused.py: fused clamped SwiGLU, weighted combine and the fused experts forward.
 
-Oracles: the torch path (``glm53flash_hf.moe.clamped_swiglu``, ``grouped_experts_forward(backend="torch")``, itself
+Oracles: the torch path (``glm53flash_hf.moe_ops.clamped_swiglu``, ``experts_forward_torch``, itself
 tested against transformers' glm5_next in tests/test_moe.py) and float64 evaluations written here (the clamped
 SwiGLU in float64; a float64 loop over experts). Values and the gradients of every differentiable input (tokens,
 routing weights, ``gate_up_proj``, ``down_proj``).
 
 CPU tests run the kernels under Triton's interpreter, in a child pytest started with ``TRITON_INTERPRET=1``
 (:func:`test_interpreter_tests_in_subprocess`; the variable must be set before triton is imported and would leak
-into later tests), as tests/test_triton_mhc.py does. ``TRITON_INTERPRET=1 pytest tests/test_triton_moe.py -m
+into later tests), as tests/test_mhc_fused.py does. ``TRITON_INTERPRET=1 pytest tests/test_moe_fused.py -m
 interpreter`` runs them directly. The kernels have no autotuner.
 
 Tolerances (measured values in the comments of each test):
@@ -24,24 +24,20 @@ Tolerances (measured values in the comments of each test):
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from glm53flash_hf import dispatch
-from glm53flash_hf import moe
-
 from interp import interpreted_module, run_interpreter_child
+
+from glm53flash_hf import dispatch, moe, moe_ops
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
 
 
-
 @pytest.fixture
 def tm():
-    """glm53flash_hf.triton_moe with interpreted kernels; one intra-op thread (tiny shapes)."""
-    yield from interpreted_module("triton_moe")
+    """glm53flash_hf.moe_fused with interpreted kernels; one intra-op thread (tiny shapes)."""
+    yield from interpreted_module("moe_fused")
 
 
 @pytest.mark.interpreter
@@ -139,7 +135,7 @@ def test_swiglu_fp32(tm, limit):
     dact = torch.randn(37, 24, generator=torch.Generator().manual_seed(5))
     act = tm.clamped_swiglu_fused(gu, limit)
     (dgu,) = torch.autograd.grad(act, gu, dact)
-    ref = moe.clamped_swiglu(*gu.chunk(2, dim=-1), limit)
+    ref = moe_ops.clamped_swiglu(*gu.chunk(2, dim=-1), limit)
     (rdgu,) = torch.autograd.grad(ref, gu, dact)
     assert act.dtype == torch.float32 and dgu.dtype == torch.float32
     assert_rel(act, ref, 1e-6, "act vs torch")
@@ -163,7 +159,7 @@ def test_swiglu_bf16(tm):
     dact = torch.randn(29, 40, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     act = tm.clamped_swiglu_fused(gu, limit)
     (dgu,) = torch.autograd.grad(act, gu, dact)
-    ref = moe.clamped_swiglu(*gu.chunk(2, dim=-1), limit)
+    ref = moe_ops.clamped_swiglu(*gu.chunk(2, dim=-1), limit)
     (rdgu,) = torch.autograd.grad(ref, gu, dact)
     assert act.dtype == dgu.dtype == torch.bfloat16
     assert_ulps(act, ref, "act vs torch")
@@ -181,7 +177,7 @@ def test_swiglu_valid_rows(tm):
     act = tm.clamped_swiglu_fused(gu, 2.0, valid_rows=n)
     (dgu,) = torch.autograd.grad(act, gu, torch.ones(10, 16))
     assert torch.equal(act[7:], torch.zeros(3, 16)) and torch.equal(dgu[7:], torch.zeros(3, 32))
-    ref = moe.clamped_swiglu(*gu[:7].chunk(2, dim=-1), 2.0)
+    ref = moe_ops.clamped_swiglu(*gu[:7].chunk(2, dim=-1), 2.0)
     assert_rel(act[:7], ref, 1e-6, "valid rows")
 
 
@@ -202,7 +198,8 @@ def test_combine(tm, dtype):
     g = torch.Generator().manual_seed(3)
     tokens, k, num_experts, hidden = 9, 3, 5, 40
     idx, w = routing(tokens, num_experts, k, seed=4)
-    _, token_of_row, _, row_w, token_rows = tm.routing_metadata(idx, w, num_experts)
+    _, token_of_row, _, row_w = moe_ops.routing_metadata(idx, w, num_experts)
+    token_rows = tm.rows_by_token(token_of_row, k)
     rows = torch.randn(tokens * k, hidden, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(tokens, hidden, generator=g).to(dtype)
     out = tm.weighted_combine_fused(rows, row_w, token_rows, token_of_row, out_dtype=dtype)
@@ -230,7 +227,8 @@ def test_combine_valid_rows(tm):
     a grouped GEMM) neither reaches the output nor the gradients, and they get zero gradients."""
     tokens, k, num_experts, hidden = 6, 2, 4, 24
     idx, w = routing(tokens, num_experts, k, seed=5, sentinel_rows=((1, 1), (4, 0)))
-    _, token_of_row, offsets, row_w, token_rows = tm.routing_metadata(idx, w, num_experts)
+    _, token_of_row, offsets, row_w = moe_ops.routing_metadata(idx, w, num_experts)
+    token_rows = tm.rows_by_token(token_of_row, k)
     assert int(offsets[-1]) == tokens * k - 2
     rows = torch.randn(tokens * k, hidden, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
@@ -254,8 +252,8 @@ def test_experts_fp32(tm, hidden, inter):
     (measured vs torch <= 3.5e-7, vs float64 <= 4.4e-7)."""
     limit = 1.5  # activations of the (0.5-scaled) gate/up reach past it: clamps active
     x, idx, w, gate_up, down, grad = experts_inputs(11, hidden, inter, 6, 3, torch.float32)
-    out, grads = run_experts(tm.fused_experts_forward, x, idx, w, gate_up, down, grad, limit)
-    ref, ref_grads = run_experts(moe.grouped_experts_forward, x, idx, w, gate_up, down, grad, limit, backend="torch")
+    out, grads = run_experts(tm.experts_forward_fused, x, idx, w, gate_up, down, grad, limit)
+    ref, ref_grads = run_experts(moe_ops.experts_forward_torch, x, idx, w, gate_up, down, grad, limit)
     assert_rel(out, ref, 1e-6, "out vs torch")
     for name, a, b in zip(("dx", "dweights", "dgate_up", "ddown"), grads, ref_grads):
         assert_rel(a, b, 1e-6, f"{name} vs torch")
@@ -281,8 +279,8 @@ def test_experts_bf16(tm, limit):
     element's gradient on or off (measured 3.2e-2 for d(tokens) at limit 1.5, identical for the torch path).
     """
     x, idx, w, gate_up, down, grad = experts_inputs(13, 32, 16, 6, 3, torch.bfloat16, seed=7)
-    out, grads = run_experts(tm.fused_experts_forward, x, idx, w, gate_up, down, grad, limit)
-    ref, ref_grads = run_experts(moe.grouped_experts_forward, x, idx, w, gate_up, down, grad, limit, backend="torch")
+    out, grads = run_experts(tm.experts_forward_fused, x, idx, w, gate_up, down, grad, limit)
+    ref, ref_grads = run_experts(moe_ops.experts_forward_torch, x, idx, w, gate_up, down, grad, limit)
     assert out.dtype == torch.bfloat16 and grads[1].dtype == torch.float32
     assert_ulps(out, ref, "out vs torch")
     for name, a, b in zip(("dx", "dgate_up", "ddown"), (grads[0], grads[2], grads[3]),
@@ -308,9 +306,8 @@ def test_experts_sentinels_and_odd_sizes(tm):
     x, idx, w, gate_up, down, grad = experts_inputs(7, 10, 6, 4, 2, torch.float32, seed=9,
                                                     sentinel_rows=((0, 1), (3, 0), (3, 1), (5, 0)))
     kw = dict(drop_out_of_range=True)
-    out, grads = run_experts(tm.fused_experts_forward, x, idx, w, gate_up, down, grad, limit, **kw)
-    ref, ref_grads = run_experts(moe.grouped_experts_forward, x, idx, w, gate_up, down, grad, limit, backend="torch",
-                                 **kw)
+    out, grads = run_experts(tm.experts_forward_fused, x, idx, w, gate_up, down, grad, limit, **kw)
+    ref, ref_grads = run_experts(moe_ops.experts_forward_torch, x, idx, w, gate_up, down, grad, limit, **kw)
     assert torch.equal(out[3], torch.zeros(10)) and torch.equal(grads[0][3], torch.zeros(10))
     assert grads[1][0, 1] == 0 and grads[1][5, 0] == 0
     assert_rel(out, ref, 1e-6, "out vs torch")
@@ -319,24 +316,24 @@ def test_experts_sentinels_and_odd_sizes(tm):
     out64 = experts_f64(x, idx, w, gate_up, down, limit, 4)
     assert_rel(out, out64, 1e-5, "out vs float64")
     # empty batch
-    empty = tm.fused_experts_forward(x[:0], idx[:0], w[:0], gate_up, down, limit)
+    empty = tm.experts_forward_fused(x[:0], idx[:0], w[:0], gate_up, down, limit)
     assert empty.shape == (0, 10)
 
 
 @pytest.mark.interpreter
 def test_entry_point_routes_to_fused(tm, monkeypatch):
-    """grouped_experts_forward (and so Glm53FlashExperts) runs fused_experts_forward when the dispatcher answers
+    """grouped_experts_forward (and so Glm53FlashExperts) runs experts_forward_fused when the dispatcher answers
     "fused" (forced here: on CPU it never does), with every argument passed through."""
     monkeypatch.setattr(moe, "choose_backend", lambda *a, **k: "fused")
     calls = []
-    original = tm.fused_experts_forward
-    monkeypatch.setattr(tm, "fused_experts_forward", lambda **kw: calls.append(sorted(kw)) or original(**kw))
+    original = tm.experts_forward_fused
+    monkeypatch.setattr(tm, "experts_forward_fused", lambda **kw: calls.append(sorted(kw)) or original(**kw))
     x, idx, w, gate_up, down, _ = experts_inputs(5, 32, 16, 4, 2, torch.float32, seed=11)
     out = moe.grouped_experts_forward(x, idx, w, gate_up, down, 1.0, backend="fused")
     assert calls == [sorted(["hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj",
                              "swiglu_limit", "drop_out_of_range"])]
     monkeypatch.undo()
-    assert_rel(out, moe.grouped_experts_forward(x, idx, w, gate_up, down, 1.0, backend="torch"), 1e-6, "out")
+    assert_rel(out, moe_ops.experts_forward_torch(x, idx, w, gate_up, down, 1.0), 1e-6, "out")
 
 
 @pytest.mark.interpreter
@@ -354,24 +351,40 @@ def test_errors(tm):
         tm.clamped_swiglu_fused(gu, 1.0, valid_rows=torch.tensor([2]))
     x, idx, w, gate_up, down, _ = experts_inputs(3, 32, 16, 4, 2, torch.float32)
     with pytest.raises(ValueError, match="do not fit hidden size"):
-        tm.fused_experts_forward(x[:, :16], idx, w, gate_up, down, 1.0)
+        tm.experts_forward_fused(x[:, :16], idx, w, gate_up, down, 1.0)
     with pytest.raises(ValueError, match="twice"):
-        tm.fused_experts_forward(x, idx, w, gate_up[:, :30], down, 1.0)
+        tm.experts_forward_fused(x, idx, w, gate_up[:, :30], down, 1.0)
     with pytest.raises(ValueError, match="dtypes differ"):
-        tm.fused_experts_forward(x, idx, w, gate_up, down.bfloat16(), 1.0)
+        tm.experts_forward_fused(x, idx, w, gate_up, down.bfloat16(), 1.0)
     with pytest.raises(ValueError, match=r"\[T, k\]"):
-        tm.routing_metadata(idx, w[:, :1], 4)
+        moe_ops.routing_metadata(idx, w[:, :1], 4)
+    with pytest.raises(ValueError, match="rows per token"):
+        tm.rows_by_token(torch.zeros(5, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="row_weights"):
         tm.weighted_combine_fused(torch.randn(6, 8), torch.randn(5), idx, torch.zeros(6, dtype=torch.long),
                                   out_dtype=torch.float32)
 
 
+def test_rows_by_token():
+    """Each token's rows in increasing order (= increasing expert id), from the expert-sorted rows (torch only)."""
+    from glm53flash_hf import moe_fused
+
+    idx, w = routing(7, 6, 3, seed=12, sentinel_rows=((2, 1),))
+    sorted_ids, token_of_row, _, _ = moe_ops.routing_metadata(idx, w, 6)
+    token_rows = moe_fused.rows_by_token(token_of_row, 3)
+    assert token_rows.dtype == torch.int32 and token_rows.shape == (7, 3)
+    for t in range(7):
+        rows = token_rows[t].long()
+        assert torch.equal(token_of_row[rows], torch.full((3,), t)) and bool((rows.diff() > 0).all())
+        assert torch.equal(sorted_ids[rows], idx[t].sort().values)
+
+
 # ------------------------------------------------------------------------------------------------------------ dispatch
 def test_dispatch_never_fused_on_cpu():
     """CPU tensors get the torch path even with triton installed; the probe names the reason."""
-    from glm53flash_hf import triton_moe
+    from glm53flash_hf import moe_fused
 
     x, gate_up, down, w = torch.zeros(2, 32), torch.zeros(4, 32, 32), torch.zeros(4, 32, 16), torch.zeros(2, 2)
     assert dispatch.choose_backend("moe", "auto", x, gate_up, down, w) == "torch"
-    assert triton_moe.fused_moe_available(x, gate_up, down, w) == (False, "the tensors are not on a CUDA device")
-    assert triton_moe.fused_moe_available() == (False, "no tensors given")
+    assert moe_fused.fused_moe_available(x, gate_up, down, w) == (False, "the tensors are not on a CUDA device")
+    assert moe_fused.fused_moe_available() == (False, "no tensors given")

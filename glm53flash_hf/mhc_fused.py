@@ -1,63 +1,63 @@
 """Fused Triton kernels for the mHC sites of GLM-5.3-Flash (``hc_pre`` and ``hc_post``) with custom autograd.
 
-Our own kernels (no code copied from liger-kernel, xtuner or TileKernels; those were read for facts only). The maths is
-exactly that of the torch path in :mod:`glm53flash_hf.mhc` (the oracle of ``tests/test_triton_mhc.py``), which equals
-transformers' ``Glm5NextTextHyperConnection`` and the ``hc_post`` lines of ``Glm5NextTextDecoderLayer.forward``
-(model-spec §7, kernels.md §3).
+Our own kernels. The maths is exactly that of the torch path in :mod:`glm53flash_hf.mhc_ops` (the oracle of
+``tests/test_mhc_fused.py``), which equals transformers' ``Glm5NextTextHyperConnection`` and the ``hc_post`` lines of
+``Glm5NextTextDecoderLayer.forward`` (``transformers/models/glm5_next/modeling_glm5_next.py``).
 
 What is fused
 -------------
-:func:`hc_post_fused` — fully fused, forward and backward, one kernel each:
+:func:`hc_post_fused` -- fully fused, forward and backward, one kernel each:
 
 * forward ``out[t, h, :] = rd(rd(rd(post[t, h]) * y[t]) + rd(sum_i rd(comb[t, i, h]) * residual[t, i]))`` where
   ``rd`` rounds to the activation dtype (the reference's ``post.to(dtype)``, ``comb.to(dtype)``, its bf16 product and
-  its bf16 matmul output); products and the 4-term sum in fp32. Reads ``y`` and each residual stream once per token.
+  its bf16 matmul output); products and the N-term sum in fp32. Reads ``y`` and each residual stream once per token.
 * backward (one program per token, looping over ``D``): ``dy = sum_h rd(post_h) * g_h``,
   ``dresidual_i = sum_h rd(comb[i, h]) * g_h`` (both accumulated in fp32, rounded once to the activation dtype),
   ``dpost_h = sum_d g_h * y`` and ``dcomb[i, h] = sum_d residual_i * g_h`` accumulated and returned in fp32 (the
   reference rounds these two to the activation dtype before casting to fp32, so in bf16 ours are the more exact).
   Reads ``g``, ``y`` and the residual streams once.
 
-:func:`hc_pre_fused` — a hybrid:
+:func:`hc_pre_fused` -- a hybrid:
 
-* fused (Triton): the per-token reductions over the ``N*D`` streams — ``proj = x @ fn^T`` (fp32 ``ieee``
+* fused (Triton): the per-token reductions over the ``N*D`` streams -- ``proj = x @ fn^T`` (fp32 ``ieee``
   accumulation, no TF32) and ``sumsq = sum(x^2)`` in one pass over ``X``; the collapse
   ``collapsed = sum_n pre_n * X_n`` (fp32, rounded once) in a second pass. Backward: ``dpre = sum_d dcollapsed * X_n``
   (one pass), ``dX = dproj @ fn + 2 * dsumsq * x + pre (x) dcollapsed`` written once (one pass), and
   ``dfn = dproj^T @ x`` reduced over tokens in fp32 (one pass). ``X`` is read 2 times forward, 3 times backward.
-* not fused (torch, differentiated by torch autograd): everything on the tiny ``[T, (2+N)*N]`` / ``[T, N, N]``
-  tensors — ``mixes = proj * rsqrt(sumsq / (N*D) + norm_eps)``, the sigmoids, ``torch.softmax`` and all Sinkhorn
-  iterations (the op sequence of :func:`glm53flash_hf.mhc.sinkhorn_normalize`, shared with the torch path through
-  ``glm53flash_hf.mhc._mix_weights``). Backward recomputes this small graph from the saved ``proj``/``sumsq`` and
-  differentiates through every Sinkhorn step — no quantity the reference differentiates is treated as constant.
+* not fused (torch, differentiated by torch autograd): everything on the small ``[T, (2+N)*N]`` / ``[T, N, N]``
+  tensors -- :func:`glm53flash_hf.mhc_ops.mix_weights` (RMS factor, sigmoids, ``torch.softmax`` and every Sinkhorn
+  round), the same function as the torch path's. Backward recomputes this small graph from the saved
+  ``proj``/``sumsq`` and differentiates through every Sinkhorn step: no quantity the reference differentiates is
+  treated as constant.
 
 Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for tests), activations in fp32/bf16/fp16, ``fn`` in
 any of those, any ``N`` and ``D`` (blocks are masked). Inputs are made contiguous (a no-op in the model). Selection
 happens in :func:`glm53flash_hf.dispatch.choose_backend` through :func:`fused_mhc_available`; CPU tensors never reach
-these functions in normal use.
-
-``triton`` is imported lazily-safe: this module imports without it (``TRITON_AVAILABLE`` is then False and the fused
-functions raise ``RuntimeError``).
+these functions in normal use. Without triton this module still imports (:func:`fused_mhc_available` says so and the
+fused functions raise ``RuntimeError``).
 """
 
 from __future__ import annotations
 
 import torch
 
-try:  # optional dependency: the package must import without triton (remote-code check_imports exempts try-imports)
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised on installs without triton
-    triton = None
-    tl = None
-    TRITON_AVAILABLE = False
-
 from .dispatch import local_tensor
-from .mhc import _mix_weights, check_hc_pre_args
+from .mhc_ops import check_hc_post_args, check_hc_pre_args, mix_weights
+from .triton_utils import (
+    SUPPORTED_DTYPES,
+    TL_DTYPES,
+    TRITON_AVAILABLE,
+    check_device,
+    check_dtype,
+    next_power_of_2,
+    probe_tensors,
+    require_triton,
+    round_to,
+    tl,
+    triton,
+)
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["fused_mhc_available", "hc_post_fused", "hc_pre_fused"]
 
 
 def fused_mhc_available(*tensors: torch.Tensor) -> tuple[bool, str]:
@@ -72,16 +72,9 @@ def fused_mhc_available(*tensors: torch.Tensor) -> tuple[bool, str]:
         not on CUDA, an unsupported dtype (fp32/bf16/fp16 only), an activation that is not 4-D ``[B, S, N, D]`` or, for
         ``hc_post``, ``y`` and ``residual`` of different dtypes (the torch path handles those).
     """
-    if not TRITON_AVAILABLE:
-        return False, "triton is not installed"
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if not tensors:
-        return False, "no tensors given"
-    if not all(t.is_cuda for t in tensors):
-        return False, "the tensors are not on a CUDA device"
-    bad = sorted({str(t.dtype) for t in tensors if t.dtype not in SUPPORTED_DTYPES})
-    if bad:
-        return False, f"unsupported dtype(s) {bad} (fused mHC supports float32, bfloat16, float16)"
+    tensors, reason = probe_tensors("mHC", tensors)
+    if reason:
+        return False, reason
     if len(tensors) >= 2 and tensors[0].dim() == 3 and tensors[1].dim() == 4:  # hc_post(y, residual, ...)
         if tensors[0].dtype != tensors[1].dtype:
             return False, f"y ({tensors[0].dtype}) and residual ({tensors[1].dtype}) dtypes differ"
@@ -90,37 +83,8 @@ def fused_mhc_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-def _require_triton() -> None:
-    if not TRITON_AVAILABLE:
-        raise RuntimeError("glm53flash_hf.triton_mhc needs triton (pip install triton); use the torch path instead")
-
-
-def _p2(x: int, lo: int = 1) -> int:
-    return max(lo, 1 << max(0, int(x) - 1).bit_length())
-
-
-_TL_DTYPES = {}
-if TRITON_AVAILABLE:
-    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 # ============================================================================================================ kernels
 if TRITON_AVAILABLE:
-
-    @triton.jit
-    def _rd(x, DT: tl.constexpr):
-        """fp32 -> nearest DT value (ties to even), returned as fp32. bf16 by integer rounding on the bits, because
-        Triton's interpreter truncates in ``.to(tl.bfloat16)`` while GPUs round to nearest even; this gives one
-        rounding on both. ``x`` may be loaded in any float dtype (cast to fp32 first). A NaN becomes a quiet NaN (the
-        GPU's NaN pattern 0x7FFFFFFF would otherwise round to 0x80000000, -0.0; a NaN with only low payload bits would
-        become inf in a later bf16 cast)."""
-        x = x.to(tl.float32)
-        if DT == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            return tl.where(x != x, bits | 0x7FC00000, rounded).to(tl.float32, bitcast=True)
-        else:
-            return x.to(DT).to(tl.float32)
 
     @triton.jit
     def _hc_post_fwd_kernel(
@@ -135,14 +99,14 @@ if TRITON_AVAILABLE:
         h = tl.arange(0, NP)
         hm = h < N
         y = tl.load(y_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
-        post = _rd(tl.load(post_ptr + t * N + h, mask=hm, other=0.0), DT)
+        post = round_to(tl.load(post_ptr + t * N + h, mask=hm, other=0.0), DT)
         mixed = tl.zeros((NP, BD), dtype=tl.float32)
         for i in tl.static_range(N):
             r = tl.load(res_ptr + (t * N + i) * D + d, mask=dm, other=0.0).to(tl.float32)
-            c = _rd(tl.load(comb_ptr + (t * N + i) * N + h, mask=hm, other=0.0), DT)  # comb[t, i, :]
+            c = round_to(tl.load(comb_ptr + (t * N + i) * N + h, mask=hm, other=0.0), DT)  # comb[t, i, :]
             mixed += c[:, None] * r[None, :]
-        expanded = _rd(post[:, None] * y[None, :], DT)
-        out = _rd(_rd(mixed, DT) + expanded, DT).to(DT)
+        expanded = round_to(post[:, None] * y[None, :], DT)
+        out = round_to(round_to(mixed, DT) + expanded, DT).to(DT)
         tl.store(out_ptr + (t * N + h[:, None]) * D + d[None, :], out, mask=hm[:, None] & dm[None, :])
 
     @triton.jit
@@ -156,7 +120,7 @@ if TRITON_AVAILABLE:
         t = tl.program_id(0).to(tl.int64)
         rows = tl.arange(0, NP)
         rm = rows < N
-        post = _rd(tl.load(post_ptr + t * N + rows, mask=rm, other=0.0), DT)
+        post = round_to(tl.load(post_ptr + t * N + rows, mask=rm, other=0.0), DT)
         dpost = tl.zeros((NP,), dtype=tl.float32)
         dcomb = tl.zeros((NP, NP), dtype=tl.float32)  # [i, h]
         for d0 in range(0, D, BD):
@@ -169,14 +133,14 @@ if TRITON_AVAILABLE:
             dy = tl.zeros((BD,), dtype=tl.float32)
             for hh in tl.static_range(N):
                 g = tl.load(g_ptr + (t * N + hh) * D + d, mask=dm, other=0.0).to(tl.float32)
-                ccol = _rd(tl.load(comb_ptr + (t * N + rows) * N + hh, mask=rm, other=0.0), DT)
+                ccol = round_to(tl.load(comb_ptr + (t * N + rows) * N + hh, mask=rm, other=0.0), DT)
                 ph = tl.sum(tl.where(rows == hh, post, 0.0), axis=0)
                 dres += ccol[:, None] * g[None, :]
                 dy += ph * g
                 dpost += tl.where(rows == hh, tl.sum(g * y, axis=0), 0.0)
                 dcomb += tl.where(rows[None, :] == hh, tl.sum(res * g[None, :], axis=1)[:, None], 0.0)
-            tl.store(dy_ptr + t * D + d, _rd(dy, DT).to(DT), mask=dm)
-            tl.store(dres_ptr + (t * N + rows[:, None]) * D + d[None, :], _rd(dres, DT).to(DT), mask=m2)
+            tl.store(dy_ptr + t * D + d, round_to(dy, DT).to(DT), mask=dm)
+            tl.store(dres_ptr + (t * N + rows[:, None]) * D + d[None, :], round_to(dres, DT).to(DT), mask=m2)
         tl.store(dpost_ptr + t * N + rows, dpost, mask=rm)
         tl.store(dcomb_ptr + (t * N + rows[:, None]) * N + rows[None, :], dcomb, mask=rm[:, None] & rm[None, :])
 
@@ -216,7 +180,7 @@ if TRITON_AVAILABLE:
         for n in tl.static_range(N):
             p = tl.load(pre_ptr + t * N + n).to(tl.float32)
             acc += p * tl.load(x_ptr + (t * N + n) * D + d, mask=dm, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * D + d, _rd(acc, DT).to(DT), mask=dm)
+        tl.store(out_ptr + t * D + d, round_to(acc, DT).to(DT), mask=dm)
 
     @triton.jit
     def _hc_dpre_kernel(
@@ -266,7 +230,7 @@ if TRITON_AVAILABLE:
             p = tl.load(pre_ptr + t * N + n, mask=tm, other=0.0)
             dc = tl.load(dc_ptr + t[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             acc += p[:, None] * dc
-        tl.store(dx_ptr + (t[:, None] * N + n) * D + d[None, :], _rd(acc, DT).to(DT), mask=m2)
+        tl.store(dx_ptr + (t[:, None] * N + n) * D + d[None, :], round_to(acc, DT).to(DT), mask=m2)
 
     @triton.jit
     def _hc_pre_dfn_kernel(
@@ -275,10 +239,10 @@ if TRITON_AVAILABLE:
         M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     ):
         # dfn[j, k] = sum_t dproj[t, j] x[t, k] (fp32), one program per block of BK columns, loops over tokens
-        k = tl.program_id(0).to(tl.int64) * BK + tl.arange(0, BK)
-        km = k < K
         j = tl.arange(0, MP)
         jm = j < M
+        k = tl.program_id(0).to(tl.int64) * BK + tl.arange(0, BK)
+        km = k < K
         acc = tl.zeros((MP, BK), dtype=tl.float32)
         for t0 in range(0, T, BT):
             t = (t0 + tl.arange(0, BT)).to(tl.int64)
@@ -291,7 +255,7 @@ if TRITON_AVAILABLE:
 
 # ============================================================================================================ hc_post
 def _post_blocks(dim: int) -> tuple[int, int]:
-    return min(_p2(dim, 16), 1024), min(_p2(dim, 16), 512)  # forward BD, backward BD
+    return min(next_power_of_2(dim, 16), 1024), min(next_power_of_2(dim, 16), 512)  # forward BD, backward BD
 
 
 class _HcPostFunction(torch.autograd.Function):
@@ -306,7 +270,7 @@ class _HcPostFunction(torch.autograd.Function):
         if t > 0 and d > 0:
             _hc_post_fwd_kernel[(t, triton.cdiv(d, bd_fwd))](
                 y_c, res_c, post_c, comb_c, out, d,
-                N=n, NP=_p2(n), BD=bd_fwd, DT=_TL_DTYPES[residual.dtype],
+                N=n, NP=next_power_of_2(n), BD=bd_fwd, DT=TL_DTYPES[residual.dtype],
             )
         ctx.save_for_backward(y_c, res_c, post_c, comb_c)
         return out
@@ -325,7 +289,7 @@ class _HcPostFunction(torch.autograd.Function):
         if t > 0:
             _hc_post_bwd_kernel[(t,)](
                 g, y, res, post, comb, dy, dres, dpost, dcomb, d,
-                N=n, NP=_p2(n), BD=bd_bwd, DT=_TL_DTYPES[res.dtype],
+                N=n, NP=next_power_of_2(n), BD=bd_bwd, DT=TL_DTYPES[res.dtype],
             )
         return dy, dres, dpost.to(post.dtype), dcomb.to(comb.dtype)
 
@@ -333,8 +297,8 @@ class _HcPostFunction(torch.autograd.Function):
 def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Fused ``hc_post``: ``out[..., h, :] = rd(post_h) * y + sum_i rd(comb[..., i, h]) * residual_i``.
 
-    Same maths and rounding as :func:`glm53flash_hf.mhc.hc_post` (``rd`` = cast to the activation dtype; see the
-    module docstring). Differentiable in all four inputs (custom backward kernel).
+    Same maths and rounding as :func:`glm53flash_hf.mhc_ops.hc_post_torch` (``rd`` = cast to the activation dtype;
+    see the module docstring). Differentiable in all four inputs (custom backward kernel).
 
     Args:
         y: ``[B, S, D]`` sub-block output, same dtype as ``residual`` (fp32, bf16 or fp16).
@@ -349,15 +313,9 @@ def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
         RuntimeError: triton is not installed.
         ValueError: shapes that do not fit, unsupported or mismatched activation dtypes.
     """
-    _require_triton()
-    if residual.dim() != 4:
-        raise ValueError(f"residual must be [B, S, N, D]; got shape {tuple(residual.shape)}")
-    b, s, n, d = residual.shape
-    if tuple(y.shape) != (b, s, d) or tuple(post.shape) != (b, s, n) or tuple(comb.shape) != (b, s, n, n):
-        raise ValueError(
-            f"hc_post shapes do not fit residual [B,S,N,D]={tuple(residual.shape)}: y {tuple(y.shape)}, "
-            f"post {tuple(post.shape)}, comb {tuple(comb.shape)}"
-        )
+    require_triton("glm53flash_hf.mhc_fused")
+    check_hc_post_args(y, residual, post, comb)
+    check_device("residual", residual)
     if residual.dtype not in SUPPORTED_DTYPES or y.dtype != residual.dtype:
         raise ValueError(f"fused hc_post needs y and residual of one dtype in fp32/bf16/fp16; got {y.dtype}, "
                          f"{residual.dtype}")
@@ -367,16 +325,17 @@ def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 # ============================================================================================================= hc_pre
 def _pre_blocks(t: int, k: int, d: int) -> tuple[int, int, int]:
     """(BT tokens per program, BK columns of N*D, BD features) for the hc_pre kernels."""
-    bt = min(32, _p2(t, 16))
-    bk = min(128, _p2(k, 16))
-    bd = min(256, _p2(d, 16))
+    bt = min(32, next_power_of_2(t, 16))
+    bk = min(128, next_power_of_2(k, 16))
+    bd = min(256, next_power_of_2(d, 16))
     return bt, bk, bd
 
 
-def _small_graph(proj, sumsq, base, scale, n, k, sinkhorn_iters, hc_eps, norm_eps):
-    """torch part of hc_pre on ``[T, M]``: RMS scale, sigmoids, softmax, Sinkhorn (same ops as the torch path)."""
-    mixes = proj * torch.rsqrt(sumsq.unsqueeze(-1) / k + norm_eps)
-    return _mix_weights(mixes, base, scale, n=n, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
+def _small_graph(proj, sumsq, base, scale, n, k, cfg):
+    """The torch part of hc_pre on ``[T, M]`` (:func:`~glm53flash_hf.mhc_ops.mix_weights`, the torch path's ops)."""
+    sinkhorn_iters, hc_eps, norm_eps = cfg
+    return mix_weights(proj, sumsq.unsqueeze(-1) / k, base, scale, n=n, sinkhorn_iters=sinkhorn_iters,
+                       hc_eps=hc_eps, norm_eps=norm_eps)
 
 
 class _HcPreFunction(torch.autograd.Function):
@@ -384,38 +343,37 @@ class _HcPreFunction(torch.autograd.Function):
     def forward(ctx, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
         b, s, n, d = x.shape
         t, k, m = b * s, n * d, fn.shape[0]
+        ctx.cfg = (sinkhorn_iters, hc_eps, norm_eps)
         x_c, fn_c = x.contiguous(), fn.contiguous()
         bt, bk, bd = _pre_blocks(t, k, d)
-        mp = _p2(m, 16)
+        mp = next_power_of_2(m, 16)
         proj = torch.empty(t, m, dtype=torch.float32, device=x.device)
         sumsq = torch.empty(t, dtype=torch.float32, device=x.device)
         if t > 0:
             _hc_pre_reduce_kernel[(triton.cdiv(t, bt),)](x_c, fn_c, proj, sumsq, t, k, M=m, MP=mp, BT=bt, BK=bk)
         with torch.no_grad():
-            pre, post, comb = _small_graph(proj, sumsq, base, scale, n, k, sinkhorn_iters, hc_eps, norm_eps)
+            pre, post, comb = _small_graph(proj, sumsq, base, scale, n, k, ctx.cfg)
         pre = pre.contiguous()
         collapsed = torch.empty(b, s, d, dtype=x.dtype, device=x.device)
         if t > 0 and d > 0:
             _hc_collapse_kernel[(t, triton.cdiv(d, bd))](x_c, pre, collapsed, d, N=n, BD=bd,
-                                                         DT=_TL_DTYPES[x.dtype])
+                                                         DT=TL_DTYPES[x.dtype])
         ctx.save_for_backward(x_c, fn_c, base, scale, proj, sumsq)
-        ctx.cfg = (sinkhorn_iters, hc_eps, norm_eps)
         return post.view(b, s, n), comb.view(b, s, n, n), collapsed
 
     @staticmethod
     def backward(ctx, dpost, dcomb, dcollapsed):
         x, fn, base, scale, proj, sumsq = ctx.saved_tensors
-        sinkhorn_iters, hc_eps, norm_eps = ctx.cfg
         b, s, n, d = x.shape
         t, k, m = b * s, n * d, fn.shape[0]
         bt, bk, bd = _pre_blocks(t, k, d)
-        mp = _p2(m, 16)
+        mp = next_power_of_2(m, 16)
         dc = dcollapsed.contiguous() if dcollapsed is not None else None
 
         dpre = None
         if dc is not None and t > 0:  # pass 1 over X
             dpre = torch.empty(t, n, dtype=torch.float32, device=x.device)
-            _hc_dpre_kernel[(t,)](x, dc, dpre, d, N=n, NP=_p2(n), BD=bd)
+            _hc_dpre_kernel[(t,)](x, dc, dpre, d, N=n, NP=next_power_of_2(n), BD=bd)
 
         # the small [T, M] graph, recomputed and differentiated by torch autograd (every Sinkhorn step)
         need_base, need_scale = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
@@ -424,7 +382,7 @@ class _HcPreFunction(torch.autograd.Function):
             sumsq_r = sumsq.detach().requires_grad_(True)
             base_r = base.detach().requires_grad_(need_base)
             scale_r = scale.detach().requires_grad_(need_scale)
-            pre, post, comb = _small_graph(proj_r, sumsq_r, base_r, scale_r, n, k, sinkhorn_iters, hc_eps, norm_eps)
+            pre, post, comb = _small_graph(proj_r, sumsq_r, base_r, scale_r, n, k, ctx.cfg)
             outs, grads = [], []
             for o, g in ((pre, dpre), (post, dpost), (comb, dcomb)):
                 if g is not None:
@@ -448,7 +406,7 @@ class _HcPreFunction(torch.autograd.Function):
                 pre_c = pre.detach().contiguous()
                 _hc_pre_dx_kernel[(triton.cdiv(t, bt), n, triton.cdiv(d, bd))](
                     x, fn, dproj, dsumsq, pre_c, dc if dc is not None else dproj, dx, t, d,
-                    N=n, M=m, MP=mp, BT=bt, BD=bd, HAS_DC=dc is not None, DT=_TL_DTYPES[x.dtype],
+                    N=n, M=m, MP=mp, BT=bt, BD=bd, HAS_DC=dc is not None, DT=TL_DTYPES[x.dtype],
                 )
         if ctx.needs_input_grad[1]:  # pass 3 over X: dfn reduced over tokens in fp32
             dfn32 = torch.zeros(m, k, dtype=torch.float32, device=x.device)
@@ -470,7 +428,8 @@ def hc_pre_fused(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused ``hc_pre`` (hybrid: Triton reductions over the streams, torch for the tiny Sinkhorn part).
 
-    Same maths as :func:`glm53flash_hf.mhc.hc_pre`; what is fused and what is not is listed in the module docstring.
+    Same maths as :func:`glm53flash_hf.mhc_ops.hc_pre_torch`; what is fused and what is not is listed in the module
+    docstring.
 
     Args:
         hidden_streams: ``X [B, S, N, D]`` in fp32/bf16/fp16.
@@ -485,13 +444,12 @@ def hc_pre_fused(
         RuntimeError: triton is not installed.
         ValueError: wrong ranks/shapes, unsupported dtypes, ``sinkhorn_iters < 1``; a sharded DTensor parameter.
     """
-    _require_triton()
+    require_triton("glm53flash_hf.mhc_fused")
     # Parameters may arrive as DTensors (FSDP2/TP): replicated ones are unwrapped (differentiably), sharded ones raise.
     fn, base, scale = (local_tensor(t, f"hc {name}") for t, name in ((fn, "fn"), (base, "base"), (scale, "scale")))
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
-    if hidden_streams.dtype not in SUPPORTED_DTYPES or fn.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"fused hc_pre supports fp32/bf16/fp16; got X {hidden_streams.dtype}, fn {fn.dtype}")
+    check_device("hidden_streams", hidden_streams)
+    check_dtype("hidden_streams", hidden_streams)
+    check_dtype("fn", fn)
     return _HcPreFunction.apply(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
-
-__all__ = ["SUPPORTED_DTYPES", "TRITON_AVAILABLE", "fused_mhc_available", "hc_post_fused", "hc_pre_fused"]
