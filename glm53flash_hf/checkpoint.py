@@ -1,8 +1,9 @@
 """Checkpoint layout: conversions between the published GLM-5.3-Flash keys and our modules, strict loading.
 
-The published layout (the GLM-5.3-Flash release's safetensors index) stores per-expert weights ``mlp.experts.{i}.{gate,up,down}_proj.weight``,
-three KDA convolutions ``self_attn.{q,k,v}_conv1d.weight``, the forget gate at ``self_attn.{f_a_proj,f_b_proj,
-A_log,dt_bias}`` and the mHC parameters as ``hc_{attn,ffn}_{fn,base,scale}``, under ``model.language_model.``.
+The published layout (the GLM-5.3-Flash release's safetensors index) stores per-expert weights
+``mlp.experts.{i}.{gate,up,down}_proj.weight``, three KDA convolutions ``self_attn.{q,k,v}_conv1d.weight``, the
+forget gate at ``self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}`` and the mHC parameters as
+``hc_{attn,ffn}_{fn,base,scale}``, under ``model.language_model.``.
 In memory (as in transformers' ``glm5_next``) experts are fused 3-D tensors, the convolutions one fused
 ``conv1d``, the forget gate a ``forget_gate`` submodule and mHC ``attn_hc`` / ``ffn_hc`` modules.
 

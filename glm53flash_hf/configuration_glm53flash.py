@@ -69,7 +69,8 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
     kernels (`str | dict`, defaults to ``"auto"``):
         Implementation per operator family, see the module docstring.
     mtp_depth (`int`, defaults to 1):
-        Number D of logical MTP depths applied with the one (shared) MTP layer during training (DeepSeek-V3 technical report §2.2).
+        Number D of logical MTP depths applied with the one (shared) MTP layer during training (DeepSeek-V3
+        technical report §2.2).
     mtp_loss_weight (`float`, defaults to 0.1):
         Weight of the MTP loss (mean over depths) added to ``loss``; 0 turns the MTP objective off.
 
@@ -103,7 +104,9 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {name}={value!r}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
-            raise ValueError(f"swiglu_limit must be positive (or None for no clamp); got swiglu_limit={self.swiglu_limit}")
+            raise ValueError(
+                f"swiglu_limit must be positive (or None for no clamp); got swiglu_limit={self.swiglu_limit}"
+            )
         for name, allowed in (
             ("layer_types", LAYER_TYPES),
             ("mlp_layer_types", MLP_LAYER_TYPES),
@@ -133,12 +136,15 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
                     f"indexer_types[{i - 1}]={self.indexer_types[i - 1] if i else None!r}"
                 )
         if self.n_routed_experts % self.n_group != 0:
-            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+            raise ValueError(
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})"
+            )
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}]; got topk_group={self.topk_group}")
         if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
             raise ValueError(
-                f"n_group={self.n_group} leaves fewer than 2 experts per group (n_routed_experts={self.n_routed_experts})"
+                f"n_group={self.n_group} leaves fewer than 2 experts per group "
+                f"(n_routed_experts={self.n_routed_experts})"
             )
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(
@@ -154,7 +160,9 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
             raise ValueError(f"linear_lower_bound must be negative or None; got {self.linear_lower_bound}")
         if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (clamped SwiGLU, KDA conv); got hidden_act={self.hidden_act!r}")
+            raise ValueError(
+                f"hidden_act must be 'silu' (clamped SwiGLU, KDA conv); got hidden_act={self.hidden_act!r}"
+            )
         super().validate_architecture()
 
 

@@ -81,7 +81,9 @@ def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
         return "fused"
     if requested == "fused" and (family, reason) not in _warned:
         _warned.add((family, reason))
-        warnings.warn(f"kernels[{family!r}]='fused' was requested but cannot run: {reason}; using the torch path")
+        warnings.warn(
+            f"kernels[{family!r}]='fused' was requested but cannot run: {reason}; using the torch path", stacklevel=3
+        )
     return "torch"
 
 

@@ -1,6 +1,6 @@
 """GLM-5.3-Flash text model for glm53flash-hf.
 
-Data path (``shared/reference/model-spec.md`` §3; ``DESIGN.md``)::
+Data path (as transformers' ``models/glm5_next/modeling_glm5_next.py``)::
 
     input_ids ─ embed_tokens ─ expand to hc_mult streams X [B,S,N,D]
       for each main layer:
@@ -69,7 +69,7 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
     ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, cache_context=None)`` returns
     ``(hidden_states [B,S,N,D], topk_indices or None)``; the indices are returned when the next layer is a
     ``shared`` indexer layer. ``cache`` / ``cache_context`` (generation) go to the token mixer.
-    Source: transformers ``Glm5NextTextDecoderLayer``; mHC as in model-spec §7.
+    Source: transformers ``Glm5NextTextDecoderLayer``; mHC: DeepSeek, "mHC: Manifold-Constrained Hyper-Connections".
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -124,14 +124,15 @@ class Glm53FlashSharedHead(nn.Module):
 
 
 class Glm53FlashMTPLayer(GradientCheckpointingLayer):
-    """Multi-token-prediction layer (model-spec §9), stored at ``layers.{num_hidden_layers + i}``.
+    """Multi-token-prediction layer (DeepSeek-V3 technical report §2.2), at ``layers.{num_hidden_layers + i}``.
 
     ``x = eh_proj([enorm(embed(t + k)), hnorm(h)])`` (embedding first), then a plain pre-norm residual block
     with its own DSA attention (full indexer) and MoE (no mHC), then ``shared_head.norm``.
 
     ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout)`` → ``(out [B,S,D], h [B,S,D])``: ``out`` is
     normalised by ``shared_head.norm`` (feed to ``lm_head``), ``h`` is the block output before it (the next
-    depth's ``hidden_states``). The caller rolls ``inputs_embeds`` per document (:meth:`Glm53FlashTextModel.mtp_forward`).
+    depth's ``hidden_states``). The caller rolls ``inputs_embeds`` per document
+    (:meth:`Glm53FlashTextModel.mtp_forward`).
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -286,7 +287,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         cache=None,
         mtp_depth: int = 0,
         **kwargs,
-    ) -> "Glm53FlashTextModelOutput":
+    ) -> Glm53FlashTextModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         cache = cache if cache is not None else past_key_values
@@ -365,7 +366,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """The MTP block at ``depth`` logical depths sharing the first MTP layer (model-spec §9).
+        """The MTP block at ``depth`` logical depths sharing the first MTP layer (DeepSeek-V3 §2.2).
 
         Depth ``k``: ``E_k`` = ``embed_tokens(ids rolled by -k)`` (tails: token 0) or, when ``inputs_embeds`` are
         given (VL: never re-embedded), the embeddings rolled by ``-k`` (tails: zeros), rolls per document
@@ -428,7 +429,7 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
     return config.mtp_depth
 
 
-def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> "Glm53FlashCausalLMOutputWithPast":
+def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Glm53FlashCausalLMOutputWithPast:
     """Logits of the kept positions and transformers' ``ForCausalLMLoss`` (shifted; summed and divided by
     ``num_items_in_batch`` when the Trainer passes it) — shared by the text-only and the VL heads.
 
@@ -584,9 +585,9 @@ def placeholder_masks(
 
     After the processor's expansion images and videos both use ``<|image|>`` (``config.image_token_id``); a
     placeholder belongs to a video when it sits inside a ``<|begin_of_video|> … <|end_of_video|>`` span
-    (model-spec §12). ``mm_token_type_ids`` (1 image, 2 video, 0 text), when given, is the authoritative signal
-    and is used as is. Without ``input_ids`` the tokens are recognised by comparing ``inputs_embeds`` with the
-    embeddings of the special tokens (as transformers does).
+    (as transformers' ``Glm5NextModel.get_placeholder_mask``). ``mm_token_type_ids`` (1 image, 2 video, 0 text),
+    when given, is the authoritative signal and is used as is. Without ``input_ids`` the tokens are recognised by
+    comparing ``inputs_embeds`` with the embeddings of the special tokens (as transformers does).
     """
     if mm_token_type_ids is not None:
         if input_ids is not None:
@@ -644,7 +645,8 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         self.language_model.embed_tokens = value
 
     def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor) -> torch.Tensor:
-        """Merged image features ``[sum_i t_i*h_i*w_i / merge^2, text hidden]`` for ``pixel_values`` ``[patches, C*T*P*P]``."""
+        """Merged image features ``[sum_i t_i*h_i*w_i / merge^2, text hidden]`` for ``pixel_values``
+        ``[patches, C*T*P*P]``."""
         out = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
         return out.pooler_output
 

@@ -40,7 +40,9 @@ def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> tor
     if shift < 0:
         raise ValueError(f"doc_roll shift must be >= 0; got {shift}")
     if tuple(x.shape[:2]) != (layout.batch_size, layout.seq_len):
-        raise ValueError(f"doc_roll expects x of shape [{layout.batch_size}, {layout.seq_len}, ...]; got {tuple(x.shape)}")
+        raise ValueError(
+            f"doc_roll expects x of shape [{layout.batch_size}, {layout.seq_len}, ...]; got {tuple(x.shape)}"
+        )
     if shift == 0:
         return x
     seg_len = layout.segment_lengths()[layout.seq_idx]  # [B, S]

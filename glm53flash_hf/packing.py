@@ -62,7 +62,9 @@ def _as_2d(name: str, value: torch.Tensor, batch_size: int, seq_len: int) -> tor
     if value.dim() == 1:
         value = value.unsqueeze(0)
     if value.dim() != 2 or value.shape[-1] != seq_len or value.shape[0] not in (1, batch_size):
-        raise ValueError(f"{name} must have shape [{batch_size}, {seq_len}] (or [1, {seq_len}]); got {tuple(value.shape)}")
+        raise ValueError(
+            f"{name} must have shape [{batch_size}, {seq_len}] (or [1, {seq_len}]); got {tuple(value.shape)}"
+        )
     return value.expand(batch_size, seq_len)
 
 

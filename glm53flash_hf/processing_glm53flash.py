@@ -12,9 +12,9 @@
   backend (see its docstring for why it exists and how it relates to transformers' ``Glm5NextVideoProcessor``);
 * the GLM-5.3 chat template, ``chat_template.jinja`` next to this file.
 
-Placeholder expansion follows transformers 5.24's ``Glm5NextProcessor``
-(``models/glm5_next/processing_glm5_next.py``, the reference; ``tests/test_processing.py`` compares the two on the same inputs):
-only the inner marker is expanded, the begin/end wrappers stay.
+Placeholder expansion follows transformers 5.24's ``Glm5NextProcessor`` (``models/glm5_next/processing_glm5_next.py``,
+the reference; ``tests/test_processing.py`` compares the two on the same inputs): only the inner marker is expanded,
+the begin/end wrappers stay.
 
 * ``<|image|>`` -> ``<|image|>`` x (t*h*w / merge^2) for the image's ``image_grid_thw`` row.
 * ``<|video|>`` -> for each tubelet (``temporal_patch_size`` frames): ``<|begin_of_image|>`` +
@@ -625,7 +625,8 @@ class Glm53FlashProcessor(ProcessorMixin):
             saved_type = video_config.get("video_processor_type")
             if saved_type not in (None, Glm53FlashVideoProcessor.__name__):
                 raise ValueError(
-                    f"{pretrained_model_name_or_path}: processor_config.json names video_processor_type={saved_type!r}; "
+                    f"{pretrained_model_name_or_path}: processor_config.json names "
+                    f"video_processor_type={saved_type!r}; "
                     f"Glm53FlashProcessor loads only {Glm53FlashVideoProcessor.__name__}"
                 )
             config = {k: v for k, v in video_config.items() if k not in ("video_processor_type", "auto_map")}

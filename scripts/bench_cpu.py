@@ -93,7 +93,9 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int) -> dict:
     if impl == "hf":
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
-        model = Glm5NextForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        model = Glm5NextForConditionalGeneration.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager"
+        )
     else:
         from glm53flash_hf import Glm53FlashForCausalLM
 
@@ -146,10 +148,11 @@ def main() -> int:
                     continue
                 res = json.loads(proc.stdout.strip().splitlines()[-1])
                 results[(impl, seq_len)] = res
-                print(f"  {impl:4s} S={seq_len:5d}: {res['time_s']:.3f} s  peak +{res['peak_mib']:.0f} MiB  loss {res['loss']:.5f}",
-                      flush=True)
+                print(f"  {impl:4s} S={seq_len:5d}: {res['time_s']:.3f} s  peak +{res['peak_mib']:.0f} MiB  "
+                      f"loss {res['loss']:.5f}", flush=True)
 
-    print("\n| S | transformers fwd+bwd (s) | ours (s) | speed-up | transformers peak (MiB) | ours peak (MiB) | memory ratio |")
+    print("\n| S | transformers fwd+bwd (s) | ours (s) | speed-up | transformers peak (MiB) | ours peak (MiB) "
+          "| memory ratio |")
     print("|---|---|---|---|---|---|---|")
     for seq_len in args.seqlens:
         hf, ours = results.get(("hf", seq_len)), results.get(("ours", seq_len))

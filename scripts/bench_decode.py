@@ -72,7 +72,9 @@ def worker(impl: str, folder: str, prompt_len: int, new_tokens: int) -> dict:
     if impl == "hf":
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
-        model = Glm5NextForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        model = Glm5NextForConditionalGeneration.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager"
+        )
     else:
         from glm53flash_hf import Glm53FlashForCausalLM
 
@@ -140,7 +142,8 @@ def main() -> int:
                 runs[impl].append(res)
                 print(
                     f"  {impl:4s}: prefill {res['prefill_s']:.2f} s, decode {res['tok_per_s']:.1f} tok/s, cache "
-                    f"+{res['cache_bytes_per_token']:.0f} B/token, decode peak +{res['decode_peak_growth_mib']:.0f} MiB",
+                    f"+{res['cache_bytes_per_token']:.0f} B/token, "
+                    f"decode peak +{res['decode_peak_growth_mib']:.0f} MiB",
                     flush=True,
                 )
 
@@ -153,17 +156,21 @@ def main() -> int:
               f"median of {len(runs['hf'])} / {len(runs['ours'])} runs")
         print("| | transformers | ours | ratio |")
         print("|---|---|---|---|")
-        print(f"| prefill (s) | {hf['prefill_s']:.2f} | {ours['prefill_s']:.2f} | {hf['prefill_s'] / ours['prefill_s']:.1f}x |")
+        print(f"| prefill (s) | {hf['prefill_s']:.2f} | {ours['prefill_s']:.2f} | "
+              f"{hf['prefill_s'] / ours['prefill_s']:.1f}x |")
         print(f"| decode (tokens/s) | {hf['tok_per_s']:.1f} | {ours['tok_per_s']:.1f} | "
               f"{ours['tok_per_s'] / hf['tok_per_s']:.1f}x |")
         best_hf = max(r["tok_per_s"] for r in runs["hf"])
         best_ours = max(r["tok_per_s"] for r in runs["ours"])
         print(f"| decode, best run (tokens/s) | {best_hf:.1f} | {best_ours:.1f} | {best_ours / best_hf:.1f}x |")
         print(f"| cache per generated token (bytes) | {hf['cache_bytes_per_token']:.0f} | "
-              f"{ours['cache_bytes_per_token']:.0f} | {ours['cache_bytes_per_token'] / hf['cache_bytes_per_token']:.2f} |")
+              f"{ours['cache_bytes_per_token']:.0f} | "
+              f"{ours['cache_bytes_per_token'] / hf['cache_bytes_per_token']:.2f} |")
         print(f"| cache after the prompt (MiB) | {hf['cache_bytes_prompt'] / 2**20:.2f} | "
-              f"{ours['cache_bytes_prompt'] / 2**20:.2f} | {ours['cache_bytes_prompt'] / hf['cache_bytes_prompt']:.2f} |")
-        print(f"| decode peak RSS growth (MiB) | {hf['decode_peak_growth_mib']:.0f} | {ours['decode_peak_growth_mib']:.0f} | |")
+              f"{ours['cache_bytes_prompt'] / 2**20:.2f} | "
+              f"{ours['cache_bytes_prompt'] / hf['cache_bytes_prompt']:.2f} |")
+        print(f"| decode peak RSS growth (MiB) | {hf['decode_peak_growth_mib']:.0f} | "
+              f"{ours['decode_peak_growth_mib']:.0f} | |")
         print("\nall runs, decode tokens/s: transformers " + ", ".join(f"{r['tok_per_s']:.1f}" for r in runs["hf"])
               + "; ours " + ", ".join(f"{r['tok_per_s']:.1f}" for r in runs["ours"]))
         print(f"same greedy tokens: {same}/{args.new}")

@@ -65,12 +65,12 @@ import torch  # noqa: E402
 _FLA_HIDDEN = "fla" not in sys.modules
 if _FLA_HIDDEN:
     sys.modules["fla"] = None
+from gpu_modules import RELEASE_TEXT, TINY_TEXT, randomize_, to_model_dtypes_  # noqa: E402
 from transformers.models.glm5_next import modeling_glm5_next as hf  # noqa: E402
 
 from glm53flash_hf import dispatch, dsa, kda, mhc, moe  # noqa: E402
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig  # noqa: E402
 from glm53flash_hf.packing import build_document_layout  # noqa: E402
-from gpu_modules import RELEASE_TEXT, TINY_TEXT, randomize_, to_model_dtypes_  # noqa: E402
 
 if _FLA_HIDDEN:
     del sys.modules["fla"]

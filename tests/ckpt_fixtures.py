@@ -16,11 +16,11 @@ import shutil
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny import randomize_
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
-from glm53flash_hf.tools.fp8 import fp8_keys_of, fp8_quantization_config, quantize_fp8_blockwise
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
-from tiny import randomize_
+from glm53flash_hf.tools.fp8 import fp8_keys_of, fp8_quantization_config, quantize_fp8_blockwise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(ROOT, "configuration", "tiny.json")

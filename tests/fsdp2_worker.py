@@ -32,8 +32,8 @@ DOCS = [(10, 14), (24,), (7, 9, 8), (16, 8)]
 def make_model(seed: int = 0):
     """The tiny causal LM in fp32 (MTP layer included; the loss adds 0.1 * mtp_loss)."""
     from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
-    from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
     from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+    from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
 
     torch.manual_seed(seed)
     return Glm53FlashForCausalLM(Glm53FlashConfig.from_json_file(DEFAULT_CONFIG)).float().train()

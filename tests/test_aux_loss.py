@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny import hf_reference, ours_from_hf_folder, rel_err
 
 

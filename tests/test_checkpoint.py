@@ -20,7 +20,6 @@ import re
 
 import pytest
 import torch
-
 from ckpt_fixtures import (
     CANONICAL_TEXT,
     VARIANTS,
@@ -34,8 +33,9 @@ from ckpt_fixtures import (
     tiny_config,
     write_variant,
 )
-from glm53flash_hf.tools.fp8 import dequantize_fp8_blockwise
+
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM, Glm53FlashTextModel
+from glm53flash_hf.tools.fp8 import dequantize_fp8_blockwise
 
 MTP = 6  # tiny.json: num_hidden_layers 6, one MTP layer at layers.6
 
@@ -362,8 +362,8 @@ def test_checkpoint_without_mtp_layer_explains_the_fix(tmp_path):
     """transformers' built-in class drops the MTP layer on save but keeps num_nextn_predict_layers in the config."""
     from tiny import hf_reference
 
-    from glm53flash_hf.tools.export import export
     from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+    from glm53flash_hf.tools.export import export
 
     hf = hf_reference(seed=3, text_overrides={"num_nextn_predict_layers": 1})
     hf.save_pretrained(tmp_path / "builtin")

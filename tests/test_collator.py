@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import rel_err
 
 from glm53flash_hf.train.collator import Glm53FlashPackingCollator
-from tiny import rel_err
 
 TOPICS = ["assert", "break", "continue", "pass", "global", "lambda"]
 
@@ -113,6 +113,7 @@ def test_text_rows_equal_samples_alone_logits_and_loss(tiny):
 
 def test_vl_rows_equal_samples_alone(tiny):
     from pydoc_data.topics import topics
+
     from transformers import AutoModelForImageTextToText
 
     folder, processor = tiny

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,6 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-
 from ckpt_fixtures import (
     CANONICAL_TEXT,
     ROOT,
@@ -31,9 +29,10 @@ from ckpt_fixtures import (
     tiny_config,
     write_variant,
 )
+
+from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 from glm53flash_hf.tools import crop
 from glm53flash_hf.tools.fp8 import dequantize_fp8_blockwise
-from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 
 H, N = 6, 3  # tiny.json: 6 main layers (+ MTP at layers.6); crops keep 3
 EXTRA_FILES = {

@@ -220,8 +220,8 @@ def test_lora_adapter_reproduces_merged_folder(lora_run, tiny):
 
 
 def test_full_finetune_saves_full_weights(tiny, tmp_path):
-    """``--full`` (through the glm53flash-finetune console script, no MTP, 2 steps without warm-up): full weights in the folder, no
-    adapter, no MTP loss logged, and every weight kind moved (attention, experts, vision tower)."""
+    """``--full`` (through the glm53flash-finetune console script, no MTP, 2 steps without warm-up): full weights in
+    the folder, no adapter, no MTP loss logged, and every weight kind moved (attention, experts, vision tower)."""
     from safetensors import safe_open
 
     out = str(tmp_path / "out")

@@ -1,6 +1,7 @@
 """FSDP2: ``glm53flash_hf.train.distributed`` and ``configuration/accelerate_fsdp2.yaml``.
 
-accelerate 1.15 silently drops FSDP on CPU (``--cpu`` runs one process, ``MULTI_CPU`` ignores the plugin: DDP), so the distributed test does not go through ``accelerate launch``: two processes
+accelerate 1.15 silently drops FSDP on CPU (``--cpu`` runs one process, ``MULTI_CPU`` ignores the plugin: DDP), so
+the distributed test does not go through ``accelerate launch``: two processes
 (``torch.multiprocessing``, gloo, ``tests/fsdp2_worker.py``) shard the tiny model with raw ``fully_shard``
 (:func:`glm53flash_hf.train.distributed.apply_fsdp2`), and the accelerate path is exercised by calling accelerate's own
 ``fsdp2_prepare_model`` with the plugin the yaml's environment builds. Sharding is proven, not assumed: every block
@@ -35,10 +36,10 @@ import os
 import socket
 import time
 
+import fsdp2_worker
 import pytest
 import torch
 
-import fsdp2_worker
 from glm53flash_hf.train.distributed import (
     apply_fsdp2,
     fp32_kept_parameter_names,

@@ -17,9 +17,8 @@ import os
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig, StaticCache
-
 from tiny import randomize_, rel_err
+from transformers import DynamicCache, GenerationConfig, StaticCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4

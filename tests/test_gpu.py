@@ -52,15 +52,14 @@ import os
 import sys
 import warnings
 
+import gpu_modules
 import pytest
 import torch
+from gpu_modules import TINY_TEXT, randomize_, to_model_dtypes_
 
 from glm53flash_hf import dispatch, mhc
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
 from glm53flash_hf.packing import build_document_layout
-
-import gpu_modules
-from gpu_modules import TINY_TEXT, randomize_, to_model_dtypes_
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"

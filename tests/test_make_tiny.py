@@ -13,11 +13,11 @@ import sys
 
 import pytest
 import torch
+from tiny import read_checkpoint_tensors
 
+from glm53flash_hf.modeling_glm53flash import AUTO_MAP
 from glm53flash_hf.tools.fp8 import FP8_DTYPE, dequantize_fp8_blockwise, fp8_keys_of, fp8_quantization_config
 from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, SPECIAL_TOKENS, TEXT_TAG_TOKENS, main, make_tiny
-from glm53flash_hf.modeling_glm53flash import AUTO_MAP
-from tiny import read_checkpoint_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = "model.language_model.layers."

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ckpt_fixtures import tiny_config
 from tiny import randomize_, rel_err
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import hf_reference, ours_from_hf_folder, rel_err
 
 from glm53flash_hf.packing import build_document_layout, layout_from_kwargs
-from tiny import hf_reference, ours_from_hf_folder, rel_err
 
 LENGTHS = [23, 1, 37, 9]
 

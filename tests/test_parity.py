@@ -12,7 +12,6 @@ import logging
 
 import pytest
 import torch
-
 from tiny import hf_reference, ours_from_hf_folder, rel_err
 
 TOL = 1e-4
@@ -78,8 +77,9 @@ def test_weights_loaded_file_to_file(pair):
 
 def test_vision_tensors_skipped_in_one_line(pair, caplog):
     _, _, folder = pair
-    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 
     hf_logging.set_verbosity_info()
     try:

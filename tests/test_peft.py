@@ -12,8 +12,8 @@ import torch
 peft = pytest.importorskip("peft")
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig  # noqa: E402
-from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, make_tiny  # noqa: E402
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM  # noqa: E402
+from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, make_tiny  # noqa: E402
 from glm53flash_hf.train.trainer import EXPERT_TARGET_PARAMETERS, default_lora_config  # noqa: E402
 
 
@@ -80,7 +80,9 @@ def test_identity_at_init_and_wrapping(lora):
     n_sparse = sum(1 for n in _experts_modules(model))
     assert n_sparse == 6
     assert sum(1 for n in names if ".experts." in n) == n_sparse * 2 * 2
-    for leaf in ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_proj", "v_proj", "o_proj", "gate_proj", "shared_experts.down_proj"):
+    leaves = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_proj", "v_proj", "o_proj", "gate_proj",
+              "shared_experts.down_proj")
+    for leaf in leaves:
         assert any(f"{leaf}.lora_A" in n for n in names), leaf
     assert not any("visual" in n for n in names)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

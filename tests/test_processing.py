@@ -22,8 +22,14 @@ import warnings
 
 import numpy as np
 import pytest
+import skimage
 import torch
 from PIL import Image
+from skimage import data as skdata
+from transformers import PreTrainedTokenizerFast
+from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+from transformers.models.glm5_next.processing_glm5_next import Glm5NextProcessor
+from transformers.video_utils import VideoMetadata
 
 from glm53flash_hf.processing_glm53flash import (
     CHAT_TEMPLATE_FILE,
@@ -31,13 +37,6 @@ from glm53flash_hf.processing_glm53flash import (
     Glm53FlashVideoProcessor,
     load_chat_template,
 )
-
-import skimage
-from skimage import data as skdata
-from transformers import PreTrainedTokenizerFast
-from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-from transformers.models.glm5_next.processing_glm5_next import Glm5NextProcessor
-from transformers.video_utils import VideoMetadata
 
 GIF = os.path.join(os.path.dirname(skimage.__file__), "data", "no_time_for_that_tiny.gif")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,11 +18,12 @@ import textwrap
 
 import pytest
 import torch
-
-from glm53flash_hf.tools.export import export, main as export_main, remote_code_files
-from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, make_tiny
-from glm53flash_hf.modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
 from tiny import randomize_, read_checkpoint_tensors, rel_err
+
+from glm53flash_hf.modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
+from glm53flash_hf.tools.export import export, remote_code_files
+from glm53flash_hf.tools.export import main as export_main
+from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, make_tiny
 
 TOL = 1e-4
 TEXT = "The if statement is used for conditional execution: if x > 0: print(x) else: pass"

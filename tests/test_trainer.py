@@ -8,8 +8,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
-from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
 from glm53flash_hf.train.trainer import AuxLossFreeBalancingCallback, find_routers
 
 SEQ = 12

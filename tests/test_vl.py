@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny import hf_reference, rel_err
 
 IMG, BOI, EOI, BOV, EOV = 200, 201, 202, 203, 204
@@ -171,8 +170,8 @@ def test_vl_save_writes_the_published_layout(tmp_path):
 
     from safetensors.torch import load_file
 
-    from glm53flash_hf.tools.make_tiny import make_tiny
     from glm53flash_hf.modeling_glm53flash import Glm53FlashForConditionalGeneration
+    from glm53flash_hf.tools.make_tiny import make_tiny
 
     def tensors(folder):
         out = {}
