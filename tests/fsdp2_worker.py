@@ -1,10 +1,11 @@
 """Workers and the single-process reference for tests/test_fsdp2.py (2 processes, gloo, CPU).
 
-Everything here is deterministic: the tiny model (``glm53flash_hf/tiny_config.json``, ``torch.manual_seed``), three
-fixed global batches of packed rows and AdamW. :func:`reference_run` trains the unsharded model on the whole global
-batches in one process; :func:`worker` (started twice by ``torch.multiprocessing``) trains the FSDP2-sharded model,
-each rank on its half of the rows, checks what the test asserts and writes its findings to ``result_<rank>.pt``
-(exceptions are written there too, then re-raised so the launcher stops the other rank).
+Everything here is deterministic: the tiny model (``glm53flash_hf/tools/tiny_config.json``, ``torch.manual_seed``),
+three fixed global batches of packed rows and AdamW. :func:`reference_run` trains the unsharded model on the whole
+global batches in one process; :func:`worker` (started twice by ``torch.multiprocessing``) trains the FSDP2-sharded
+model, each rank on its half of the rows, checks what the test asserts and writes its findings to
+``result_<rank>.pt`` (exceptions are written there too, then re-raised so the launcher stops the other rank).
+
 
 Loss normalisation: every forward passes ``num_items_in_batch`` = the number of supervised labels of the *global*
 batch, so the (main + MTP) loss is a sum over tokens divided by one global constant; the global loss is then the sum

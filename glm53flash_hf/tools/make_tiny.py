@@ -16,7 +16,7 @@ release download:
 
 Token layout: the BPE vocabulary fills ids ``0 .. P-1`` where ``P`` is the config's ``pad_token_id``
 (2000 for ``configuration/tiny.json``); the special tokens follow in the order of
-:data:`glm53flash_hf.make_tiny.SPECIAL_TOKENS`, so
+:data:`glm53flash_hf.tools.make_tiny.SPECIAL_TOKENS`, so
 ``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``, ``<|observation|>`` = ``P+9`` (the three EOS ids, as in
 the release), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` = ``P+16``, ``<|video|>`` = ``P+17``.
 ``<think>`` .. ``</arg_value>`` are added tokens that decode as text (kept by ``skip_special_tokens``, for
@@ -28,9 +28,9 @@ Everything is deterministic given ``--seed``: two runs write byte-identical file
 initialisation (the model's ``_init_weights``) under ``torch.manual_seed(seed)``; the vision tower uses
 ``seed + 1``. Nothing is downloaded.
 
-``--fp8`` stores the tensors the FP8 release quantizes (:func:`glm53flash_hf.fp8.fp8_keys_of`) as block-scaled
+``--fp8`` stores the tensors the FP8 release quantizes (:func:`glm53flash_hf.tools.fp8.fp8_keys_of`) as block-scaled
 ``float8_e4m3fn`` plus ``<key>_scale_inv`` (fp32, 128x128 blocks) and writes
-:func:`glm53flash_hf.fp8.fp8_quantization_config` into ``config.json``.
+:func:`glm53flash_hf.tools.fp8.fp8_quantization_config` into ``config.json``.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def check_token_ids(config, tokenizer) -> None:
             if value != expected:
                 raise ValueError(
                     f"{name}.{field}={value!r} does not match the tokenizer ({token!r} -> {expected!r}); the special "
-                    f"tokens start at pad_token_id and follow glm53flash_hf.make_tiny.SPECIAL_TOKENS"
+                    f"tokens start at pad_token_id and follow glm53flash_hf.tools.make_tiny.SPECIAL_TOKENS"
                 )
 
 
