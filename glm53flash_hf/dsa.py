@@ -289,7 +289,9 @@ class Glm53FlashIndexer(nn.Module):
         key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
 
         out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
-        num_pools = total // kp  # upper bound on complete pools of any row
+        # upper bound on complete pools of any row; under torch.compile the cache capacity (static, while the past
+        # length is a tensor value), the pools beyond a row's own count are never selectable (hi)
+        num_pools = (cap if torch.compiler.is_compiling() else total) // kp
         select_pools = min(self.index_topk // kp, num_pools)
         if select_pools > 0:
             pool_keys_t = key_cols[:, :num_pools].transpose(1, 2)  # [B, Dk, P] view of the cached pool keys

@@ -42,8 +42,20 @@ sizes are fixed by :func:`_blocks` (no autotuner). Memory is ``O(S * W)`` for th
 the fp32 ``dlatent`` buffer: nothing scales with ``S * S_kv``. ``dlatent`` is accumulated with fp32 atomics, so its
 fp32 summation order (and its last bits) may vary between GPU runs.
 
-This module imports without triton (:mod:`.triton_utils`): :func:`fused_dsa_available` then says so and
-:func:`sparse_mla_fused` raises ``RuntimeError``.
+Custom ops
+----------
+The kernels run inside custom ops of the namespace ``glm53flash`` (registered at import by
+:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; listed in :data:`OPS`), with fake
+implementations, so ``torch.compile(fullgraph=True)`` traces :func:`sparse_mla_fused` without a graph break:
+
+* ``sparse_mla_fwd(q_abs, latent, indices, scale, block_h, block_w) -> (out, lse)``; its autograd formula saves the
+  inputs, ``out`` and ``lse`` and calls
+* ``sparse_mla_bwd(q_abs, latent, indices, out, lse, grad_out, grad_lse, scale, block_h, block_w, need_dq,
+  need_dlatent) -> (dq, dlatent)``: ``grad_lse`` ``None`` when ``lse`` gets no gradient; a gradient that is not needed
+  comes back as an empty tensor (the formula returns ``None`` for it).
+
+This module imports without triton (:mod:`.triton_utils`): :func:`fused_dsa_available` then says so,
+:func:`sparse_mla_fused` raises ``RuntimeError`` and no op is registered.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ import math
 import torch
 
 from .dsa_ops import check_sparse_mla_args
+from .graph_ops import define_op
 from .triton_utils import (
     TL_DTYPES,
     TRITON_AVAILABLE,
@@ -258,67 +271,110 @@ if TRITON_AVAILABLE:
             tl.store(dq_ptr + offs, _cast(dq * scale, DT_Q), mask=qm)
 
 
-# ========================================================================================================== autograd
+# ======================================================================================================= custom ops
+# The kernels run inside torch.library custom ops (namespace glm53flash, registered at import by
+# graph_ops.define_op): glm53flash::sparse_mla_fwd with its fake and autograd formula, and
+# glm53flash::sparse_mla_bwd, so torch.compile(fullgraph=True) traces sparse_mla_fused without a graph break.
 def _as_index_tensor(indices: torch.Tensor) -> torch.Tensor:
     if indices.dtype not in (torch.int32, torch.int64):
         indices = indices.to(torch.int64)
     return indices.contiguous()
 
 
-class _SparseMlaFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_abs, latent, indices, scale, block_h, block_w):
-        batch, seq_len, heads, dim = q_abs.shape
-        kv_len, width = latent.shape[1], indices.shape[2]
-        q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), _as_index_tensor(indices)
-        lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
-        if not lowp and lat_c.dtype != torch.float32:  # mixed dtypes: run the pure fp32 variant (one upcast)
-            lat_c = lat_c.float()
-        # fp32 tiles at half the budget: the fp32 (FMA, no tensor cores) dot over K = Dl holds twice the registers
-        bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _FWD_TILE if lowp else _FWD_TILE // 2)
-        out = torch.empty_like(q_c)
-        lse = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q_c.device)
-        if lse.numel() > 0:
-            _sparse_mla_fwd_kernel[(batch * seq_len, triton.cdiv(heads, bh))](
-                q_ptr=q_c, lat_ptr=lat_c, idx_ptr=idx_c, out_ptr=out, lse_ptr=lse,
-                S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
-                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=interpreting(), DT_OUT=TL_DTYPES[q_c.dtype], num_warps=warps,
-            )
-        ctx.save_for_backward(q_c, lat_c, idx_c, out, lse)
-        ctx.latent_dtype = latent.dtype  # lat_c may be an fp32 upcast (mixed dtypes): the gradient keeps the input's
-        ctx.cfg = (scale, block_h, block_w, lowp)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, latent, indices, out, lse = ctx.saved_tensors
-        scale, block_h, block_w, lowp = ctx.cfg
-        need_dq, need_dlat = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        batch, seq_len, heads, dim = q.shape
-        bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _BWD_TILE)
-        kv_len, width = latent.shape[1], indices.shape[2]
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        grad_out = grad_out.to(out.dtype).contiguous()
-        has_dlse = grad_lse is not None
-        dlse = grad_lse.to(torch.float32).contiguous() if has_dlse else lse
-        dq = torch.empty_like(q) if need_dq else None
-        dlat32 = torch.zeros(latent.shape, dtype=torch.float32, device=latent.device) if need_dlat else None
-        if (need_dq or need_dlat) and q.numel() > 0:
-            _sparse_mla_bwd_kernel[(batch * seq_len, triton.cdiv(heads, bh))](
-                q_ptr=q, lat_ptr=latent, idx_ptr=indices, out_ptr=out, dout_ptr=grad_out, lse_ptr=lse,
-                dlse_ptr=dlse, dq_ptr=dq if need_dq else q, dlat_ptr=dlat32 if need_dlat else lse,
-                S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
-                BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=interpreting(), DT_Q=TL_DTYPES[q.dtype],
-                HAS_DLSE=has_dlse, NEED_DQ=need_dq, NEED_DLAT=need_dlat, num_warps=warps,
-            )
-        elif need_dq:
-            dq.zero_()
-        dlat = dlat32.to(ctx.latent_dtype) if need_dlat else None
-        return dq, dlat, None, None, None, None
+def _kernel_inputs(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor):
+    """``(q, latent, indices, lowp)`` as the kernels read them: contiguous, int32/int64 ids, and for mixed dtypes
+    the latent upcast to fp32 (the pure fp32 variant); ``lowp``: ``q_abs`` and ``latent`` share a 16-bit dtype."""
+    q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), _as_index_tensor(indices)
+    lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
+    if not lowp and lat_c.dtype != torch.float32:  # mixed dtypes: run the pure fp32 variant (one upcast)
+        lat_c = lat_c.float()
+    return q_c, lat_c, idx_c, lowp
 
 
+def _sparse_mla_fwd_impl(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
+                         block_h: int | None, block_w: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seq_len, heads, dim = q_abs.shape
+    kv_len, width = latent.shape[1], indices.shape[2]
+    q_c, lat_c, idx_c, lowp = _kernel_inputs(q_abs, latent, indices)
+    # fp32 tiles at half the budget: the fp32 (FMA, no tensor cores) dot over K = Dl holds twice the registers
+    bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _FWD_TILE if lowp else _FWD_TILE // 2)
+    out = torch.empty_like(q_c)
+    lse = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q_c.device)
+    if lse.numel() > 0:
+        _sparse_mla_fwd_kernel[(batch * seq_len, triton.cdiv(heads, bh))](
+            q_ptr=q_c, lat_ptr=lat_c, idx_ptr=idx_c, out_ptr=out, lse_ptr=lse,
+            S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
+            BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=interpreting(), DT_OUT=TL_DTYPES[q_c.dtype], num_warps=warps,
+        )
+    return out, lse
+
+
+def _sparse_mla_fwd_fake(q_abs, latent, indices, scale, block_h, block_w):
+    return q_abs.new_empty(q_abs.shape), q_abs.new_empty(q_abs.shape[:3], dtype=torch.float32)
+
+
+def _sparse_mla_bwd_impl(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None, scale: float,
+                         block_h: int | None, block_w: int | None, need_dq: bool, need_dlatent: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    q, lat, idx, lowp = _kernel_inputs(q_abs, latent, indices)
+    batch, seq_len, heads, dim = q.shape
+    bh, bw, bd, warps = _blocks(heads, dim, block_h, block_w, _BWD_TILE)
+    kv_len, width = lat.shape[1], idx.shape[2]
+    out, lse = out.contiguous(), lse.contiguous()
+    grad_out = grad_out.to(out.dtype).contiguous()
+    has_dlse = grad_lse is not None
+    dlse = grad_lse.to(torch.float32).contiguous() if has_dlse else lse
+    dq = torch.empty_like(q) if need_dq else q.new_empty(0)
+    dlat32 = torch.zeros(lat.shape, dtype=torch.float32, device=lat.device) if need_dlatent else None
+    if (need_dq or need_dlatent) and q.numel() > 0:
+        _sparse_mla_bwd_kernel[(batch * seq_len, triton.cdiv(heads, bh))](
+            q_ptr=q, lat_ptr=lat, idx_ptr=idx, out_ptr=out, dout_ptr=grad_out, lse_ptr=lse,
+            dlse_ptr=dlse, dq_ptr=dq if need_dq else q, dlat_ptr=dlat32 if need_dlatent else lse,
+            S=seq_len, S_KV=kv_len, H=heads, W=width, DL=dim, scale=scale,
+            BH=bh, BW=bw, BD=bd, LOWP=lowp, UPCAST=interpreting(), DT_Q=TL_DTYPES[q.dtype],
+            HAS_DLSE=has_dlse, NEED_DQ=need_dq, NEED_DLAT=need_dlatent, num_warps=warps,
+        )
+    elif need_dq:
+        dq.zero_()
+    # the latent gradient in the input's dtype (lat may be an fp32 upcast of a 16-bit latent: mixed dtypes)
+    dlat = dlat32.to(latent.dtype) if need_dlatent else q.new_empty(0)
+    return dq, dlat
+
+
+def _sparse_mla_bwd_fake(q_abs, latent, indices, out, lse, grad_out, grad_lse, scale, block_h, block_w, need_dq,
+                         need_dlatent):
+    return (q_abs.new_empty(q_abs.shape) if need_dq else q_abs.new_empty(0),
+            latent.new_empty(latent.shape) if need_dlatent else q_abs.new_empty(0))
+
+
+def _sparse_mla_setup(ctx, inputs, output):
+    q_abs, latent, indices, scale, block_h, block_w = inputs
+    ctx.save_for_backward(q_abs, latent, indices, *output)
+    ctx.cfg = (scale, block_h, block_w)
+    ctx.set_materialize_grads(False)
+
+
+def _sparse_mla_backward(ctx, grad_out, grad_lse):
+    q_abs, latent, indices, out, lse = ctx.saved_tensors
+    need_dq, need_dlat = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dq or need_dlat):
+        return None, None, None, None, None, None
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dlat = _SPARSE_MLA_BWD(q_abs, latent, indices, out, lse, grad_out, grad_lse, *ctx.cfg, need_dq, need_dlat)
+    return (dq if need_dq else None), (dlat if need_dlat else None), None, None, None, None
+
+
+OPS: dict = {}  # op name -> op (also torch.ops.glm53flash.<name>); empty without triton
+if TRITON_AVAILABLE:
+    _SPARSE_MLA_BWD = define_op("sparse_mla_bwd", _sparse_mla_bwd_impl, _sparse_mla_bwd_fake)
+    _SPARSE_MLA_FWD = define_op("sparse_mla_fwd", _sparse_mla_fwd_impl, _sparse_mla_fwd_fake,
+                                backward=_sparse_mla_backward, setup_context=_sparse_mla_setup)
+    OPS.update(sparse_mla_fwd=_SPARSE_MLA_FWD, sparse_mla_bwd=_SPARSE_MLA_BWD)
+
+
+# ====================================================================================================== public API
 def sparse_mla_fused(
     q_abs: torch.Tensor,
     latent: torch.Tensor,
@@ -337,7 +393,8 @@ def sparse_mla_fused(
     counted twice, as in the torch path). A query without a valid id gets ``out = 0``, ``lse = -inf`` and zero
     gradients. Differentiable in ``q_abs`` and ``latent`` through ``out`` and ``lse`` (the kernels of the module
     docstring: FlashAttention-2's backward specialised to one shared KV head and gathered keys, as in FlashMLA /
-    TileLang's DeepSeek-V3.2 sparse MLA).
+    TileLang's DeepSeek-V3.2 sparse MLA), through the custom ops ``glm53flash::sparse_mla_fwd`` /
+    ``sparse_mla_bwd`` (module docstring).
 
     Args:
         q_abs: ``[B, S, H, Dl]`` absorbed queries (``q_nope @ W_kc``), fp32/bf16/fp16, ``Dl <= MAX_LATENT_DIM``.
@@ -365,4 +422,4 @@ def sparse_mla_fused(
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite; got scale={scale}")
     _blocks(q_abs.shape[2], q_abs.shape[3], block_h, block_w, _FWD_TILE)  # validate the block sizes before autograd
-    return _SparseMlaFunction.apply(q_abs, latent, indices, scale, block_h, block_w)
+    return _SPARSE_MLA_FWD(q_abs, latent, indices, scale, block_h, block_w)

@@ -91,6 +91,14 @@ def _sparse_mla_chunk(
     return out, lse
 
 
+def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
+    """``(start, end)`` query ranges of at most ``chunk`` queries covering ``[0, seq_len)``; under ``torch.compile``
+    one range (a chunk count that depends on the sequence length would specialise the graph to that length)."""
+    if torch.compiler.is_compiling():
+        return [(0, seq_len)]
+    return [(start, min(seq_len, start + chunk)) for start in range(0, seq_len, chunk)]
+
+
 def sparse_mla_torch(
     q_abs: torch.Tensor,
     latent: torch.Tensor,
@@ -123,7 +131,7 @@ def sparse_mla_torch(
         indices: integer ``[B, S, W]`` row-local token ids into ``latent`` (int32 or int64), ``-1`` = invalid.
         scale: softmax scale (``qk_head_dim ** -0.5``; GLM-5.3 has no rope part, so ``qk_nope_head_dim ** -0.5``).
         query_chunk: queries per chunk; ``None`` picks one so that ``B * chunk * W * (Dl + H)`` stays under
-            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``.
+            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``. Under ``torch.compile`` all queries are one chunk.
 
     Returns:
         ``(out_lat, lse)``: ``out_lat`` ``[B, S, H, Dl]`` in ``q_abs.dtype``; ``lse`` ``[B, S, H]`` natural-log
@@ -149,8 +157,7 @@ def sparse_mla_torch(
 
     use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
     outs, lses = [], []
-    for start in range(0, seq_len, query_chunk):
-        end = min(seq_len, start + query_chunk)
+    for start, end in _query_chunks(seq_len, query_chunk):
         args = (q_abs[:, start:end], latent, indices[:, start:end], scale)
         if use_checkpoint:
             out, lse = checkpoint(_sparse_mla_chunk, *args, use_reentrant=False, preserve_rng_state=False)
@@ -245,7 +252,9 @@ def select_top_pools(
         select_pools: pools kept per query (``>= 1``).
         kp: tokens per pool.
         offset: row position of query 0 (the cached length; 0 without a cache). A query at row position ``r``
-            sees at most ``(r + 1) // kp`` pools, so each chunk scores only the pools it can see.
+            sees at most ``(r + 1) // kp`` pools, so each chunk scores only the pools it can see (eagerly; under
+            ``torch.compile``, where ``offset`` may be a tensor value, all queries are one chunk scoring all ``P``
+            pools, so the score buffer is ``[B, S, Hi, P]``).
         max_score_elements: element budget of the score buffer.
 
     Returns:
@@ -258,11 +267,10 @@ def select_top_pools(
     out = torch.full((batch, seq_len, select_pools * kp), -1, dtype=torch.int32, device=device)
     chunk = max(1, int(max_score_elements) // max(1, batch * n_heads * num_pools))
     slot_offsets = torch.arange(kp, device=device) - (kp - 1)
-    for start in range(0, seq_len, chunk):
-        end = min(seq_len, start + chunk)
+    for start, end in _query_chunks(seq_len, chunk):
         size = end - start
         # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
-        pools_here = min(num_pools, (offset + end) // kp)
+        pools_here = num_pools if torch.compiler.is_compiling() else min(num_pools, (offset + end) // kp)
         if pools_here == 0:
             continue
         qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)

@@ -102,8 +102,9 @@ def build_cache_context(
 
     Raises:
         ValueError: packed documents with a cache; a mask that is not 2-D or does not cover ``past + S``
-            tokens; padding after a real token (checked on multi-token calls only, so a decode step costs no
-            host sync).
+            tokens; padding after a real token (checked on multi-token eager calls only, so a decode step costs no
+            host sync). Under ``torch.compile`` the past length is ``attention_mask.shape[1] - S`` when a mask is
+            given (nothing reads the cache's length tensor) and the data checks are skipped.
     """
     for key in _PACKING_KWARGS:
         if kwargs.get(key) is not None:
@@ -111,7 +112,11 @@ def build_cache_context(
                 f"a generation cache cannot be used with packed documents ({key} given): call the model with "
                 "use_cache=False for packed batches, or generate one document per row (left padding)"
             )
-    past = cache_seq_length(cache)
+    if torch.compiler.is_compiling() and attention_mask is not None and attention_mask.dim() == 2:
+        # a traced graph reads no tensor value: the mask covers past + S tokens (what generate passes)
+        past = attention_mask.shape[1] - seq_len
+    else:
+        past = cache_seq_length(cache)
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
@@ -129,7 +134,7 @@ def build_cache_context(
     else:
         valid_full = torch.ones(batch_size, past + seq_len, dtype=torch.bool, device=device)
     total = past + seq_len
-    if seq_len > 1:
+    if seq_len > 1 and not torch.compiler.is_compiling():  # checks that read the data: eager only
         if bool((valid_full[:, :-1] & ~valid_full[:, 1:]).any()):
             raise ValueError(
                 "a generation cache supports left padding only (each row: padding, then one document); the "

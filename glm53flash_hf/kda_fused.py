@@ -1,5 +1,5 @@
-"""The fused KDA path: fla-core's Triton kernels (``chunk_kda``, ``causal_conv1d``, ``rms_norm_gated``,
-``fused_recurrent_kda``), called directly with checked keyword arguments.
+"""The fused KDA path: fla-core's Triton kernels (the chunked KDA core of ``chunk_kda``, ``causal_conv1d``,
+``rms_norm_gated``, ``fused_recurrent_kda``) as ``torch.library`` custom ops, called with checked keyword arguments.
 
 Same maths as the torch path in :mod:`glm53flash_hf.kda_ops` (the oracle of ``tests/test_kda_fused.py``), which equals
 transformers' ``Glm5NextTextLinearAttention`` (``models/glm5_next/modeling_glm5_next.py``; Kimi Linear,
@@ -11,36 +11,58 @@ What runs where (one call of the KDA layer bound by :func:`bind_layer_fused`):
 
 * the projections ``q_proj``/``k_proj``/``v_proj``, ``f_a_proj``/``f_b_proj``, ``b_proj``, ``g_a_proj``/``g_b_proj`` and
   ``o_proj``: torch ``nn.Linear`` (cuBLAS), as in the torch path;
-* the short convolution + SiLU over ``[q|k|v]``: fla ``causal_conv1d`` (Triton, varlen through ``cu_seqlens``, the
+* the short convolution + SiLU over ``[q|k|v]``: fla's causal convolution (Triton, varlen through ``cu_seqlens``, the
   cached conv state as its initial state);
-* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: one fla ``chunk_kda`` call with
+* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: fla's chunked KDA with
   ``use_gate_in_kernel=True`` (``g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, or
-  ``-exp(A_log) * softplus(g_raw + dt_bias)`` without a lower bound), ``use_beta_sigmoid_in_kernel=True``,
-  ``use_qk_l2norm_in_kernel=True``, ``safe_gate=True`` when the lower bound is in fla's safe range ``[-5, 0)``
-  (GLM's -5 is), fp32 state, ``cu_seqlens`` for packed documents. Gradients flow to ``A_log`` and ``dt_bias``
-  from the kernel;
+  ``-exp(A_log) * softplus(g_raw + dt_bias)`` without a lower bound), the beta sigmoid and the q/k l2-norm in fla's
+  kernels, ``safe_gate=True`` when the lower bound is in fla's safe range ``[-5, 0)`` (GLM's -5 is), fp32 state,
+  ``cu_seqlens`` for packed documents. Gradients flow to ``A_log`` and ``dt_bias`` from the kernel;
 * a cached decode step without gradients: fla ``fused_recurrent_kda`` with the same in-kernel gate, beta and l2-norm
   (:func:`fused_recurrent_step`; the kernel has no autograd, so it refuses inputs that require grad while grad mode
   is on instead of silently returning a result without ``grad_fn``);
-* the gated RMSNorm of the output: fla ``rms_norm_gated(activation="sigmoid")`` with the module's own weight.
+* the gated RMSNorm of the output: fla's ``rms_norm_gated(activation="sigmoid")`` kernels with the module's own
+  weight.
 
 Entry points used by :func:`glm53flash_hf.kda.kda_chunk` / :func:`~glm53flash_hf.kda.kda_conv` when the dispatcher
 answers ``"fused"``: :func:`chunk_kda_fused` (activated gate and beta, the contract of ``chunk_kda_torch``) and
 :func:`causal_conv1d_fused` (the contract of ``causal_conv1d_torch``).
 
+**Custom ops.** fla's entry points are autograd Functions around autotuned Triton launches, and ``chunk_kda`` is
+wrapped in ``torch.compiler.disable`` (a graph break under ``torch.compile``). Each kernel call here is a custom op in
+the namespace ``glm53flash`` (:func:`glm53flash_hf.graph_ops.define_op`, registered at import), listed in
+:data:`OPS`:
+
+* ``fla_chunk_kda_fwd`` / ``fla_chunk_kda_bwd``, ``fla_causal_conv1d_fwd`` / ``fla_causal_conv1d_bwd``,
+  ``fla_rms_norm_gated_fwd`` / ``fla_rms_norm_gated_bwd``: forward and backward ops whose bodies are those of fla's
+  ``ChunkKDAFunction``, ``CausalConv1dFunction`` and ``LayerNormGatedFunction`` (fla's ``l2norm_fwd``/``l2norm_bwd``,
+  ``fused_beta_sigmoid_fwd``/``_bwd``, ``chunk_kda_fwd``/``chunk_kda_bwd``, ``causal_conv1d_fwd``/``_bwd``,
+  ``layer_norm_gated_fwd``/``_bwd``, ``prepare_chunk_indices``), called with the arguments those Functions pass, so
+  results equal fla's entry points bit for bit (``tests/test_kda_fused.py`` compares them). What the Functions save
+  for backward (the normalised q/k and their reciprocal norms, the activated beta, the gate's chunk cumsum,
+  ``Aqk``/``Akk``, the chunk indices of the documents) are extra non-differentiable outputs of the forward op; the
+  autograd formula (``register_autograd``) passes them to the backward op. ``Aqk`` is fla's buffer as its kernels
+  leave it: only the blocks they read back are written. Missing tensors are empty tensors in the op signatures
+  (custom ops return no ``None``);
+* ``fla_fused_recurrent_kda``: the inference-only kernel; its autograd formula raises.
+
+Each op has a fake implementation (output shapes from the input shapes; the chunk-index output of packed documents
+has a data-dependent length), so ``torch.compile(fullgraph=True)`` traces these functions without a graph break. The
+checks that read the document boundaries (``cu_seqlens``: one host sync) run inside the ops, so a compiled graph does
+not read them; every other check runs in the Python functions before the op.
+
 **Argument guard.** Every fla function is called through :func:`call_checked`: all arguments by keyword, each checked
-against the installed function's signature (computed once per function). fla's entry points take ``**kwargs`` and
+against the installed function's signature (computed once per function). Some fla functions take ``**kwargs`` and
 ignore what they do not read: fla 0.4.2's ``chunk_kda`` took ``A_log``/``dt_bias`` that way and trained a wrong
 gate without any error. A keyword that is not a named parameter raises ``TypeError`` naming the function and the
-argument; the only exceptions are names listed in :data:`KWARGS_READ` (``chunk_kda`` reads ``A_log``, ``dt_bias``,
-``chunk_size`` from ``**kwargs`` in 0.6.0), and those are accepted only if the installed function's source visibly
-reads them from its ``**kwargs`` (so an fla that drops them is caught too).
+argument; the only exceptions are names listed in :data:`KWARGS_READ` for a function, and those are accepted only if
+the installed function's source visibly reads them from its ``**kwargs`` (so an fla that drops them is caught too).
 
 **Selection.** :func:`fused_kda_available` is the probe behind ``dispatch.choose_backend("kda", ...)``: CUDA tensors
 (CPU tensors only under ``TRITON_INTERPRET=1``, for the interpreter tests), float32/bfloat16/float16, head dim in
 ``[16, 256]`` (fla asserts ``K <= 256``; below 16 fla 0.4.2 silently dropped gradients), fla importable. The choice
 depends on the tensors only, never on ``module.training`` or grad mode, so an activation-checkpoint recompute runs
-the same kernels as the forward it replays (an uncached forward always uses ``chunk_kda``, never the no-grad
+the same kernels as the forward it replays (an uncached forward always uses the chunked kernels, never the no-grad
 recurrent kernel).
 
 **Precision.** fla computes the gate, the state and its dot products in fp32 (TF32 on GPUs unless disabled), in base
@@ -49,9 +71,10 @@ recurrent kernel).
 (``tests/test_kda_fused.py`` states the bounds).
 
 **Imports.** fla is imported lazily inside ``try`` blocks (transformers' remote-code ``check_imports`` ignores those),
-only when a fused function runs: importing this module never imports fla or triton, and CPU runs never reach this
-module outside the interpreter tests. (transformers' own ``glm5_next`` modeling module, which the configuration
-imports, binds fla at import when fla-core is installed; that is outside this package.)
+only when a kernel runs: importing this module never imports fla (it imports :mod:`.triton_utils`, which imports
+triton when installed), and CPU runs never reach this module outside the interpreter tests. (transformers' own
+``glm5_next`` modeling module, which the configuration imports, binds fla at import when fla-core is installed; that
+is outside this package.)
 
 **Parameters** handed to kernels pass through :func:`glm53flash_hf.dispatch.local_tensor` (replicated DTensors are
 unwrapped, sharded ones raise naming the parameter).
@@ -59,8 +82,10 @@ unwrapped, sharded ones raise naming the parameter).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import math
 import os
 import re
 from types import SimpleNamespace
@@ -68,6 +93,7 @@ from types import SimpleNamespace
 import torch
 
 from .dispatch import local_tensor
+from .graph_ops import define_op
 from .kda_ops import LayerOps, check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
 
 __all__ = [
@@ -81,6 +107,7 @@ __all__ = [
     "rms_norm_gated_fused",
     "fused_recurrent_step",
     "bind_layer_fused",
+    "OPS",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,9 +116,10 @@ MAX_HEAD_DIM = 256  # asserted by fla's chunk_kda
 FLA_CHUNK_SIZES = (32, 64)
 SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
 
-# fla function name -> keywords it reads from its **kwargs (fla-core 0.6.0, fla/ops/kda/chunk.py: kwargs.get("A_log"),
-# kwargs.get("dt_bias"), kwargs.pop("chunk_size", 64)). Accepted only where the installed source reads them.
-KWARGS_READ: dict[str, tuple[str, ...]] = {"chunk_kda": ("A_log", "dt_bias", "chunk_size")}
+# fla function name -> keywords it reads from its **kwargs, accepted only where the installed source reads them. Empty:
+# every keyword passed to fla-core 0.6.0's functions here is a named parameter (chunk_kda_bwd and fused_recurrent_kda
+# also take **kwargs, which would swallow a renamed keyword: the guard refuses it).
+KWARGS_READ: dict[str, tuple[str, ...]] = {}
 
 _ACCEPTED: dict = {}  # function object -> frozenset of accepted keywords
 
@@ -102,25 +130,44 @@ def _load_fla() -> SimpleNamespace:
     """Import fla-core's entry points once. Raises ``ImportError`` (with the cause) when fla cannot be imported."""
     try:
         import fla
-        from fla.modules.causal_conv1d import causal_conv1d
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd, causal_conv1d_fwd
+        from fla.modules.norm.fused_norm_gate import layer_norm_gated_bwd, layer_norm_gated_fwd
+        from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+        from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
+        from fla.ops.kda import fused_recurrent_kda
+        from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+        from fla.ops.utils.index import prepare_chunk_indices
     except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
         raise ImportError(
             f"fla-core cannot be imported ({type(exc).__name__}: {exc}); pip install fla-core==0.6.0"
         ) from exc
     return SimpleNamespace(
         version=getattr(fla, "__version__", "unknown"),
-        chunk_kda=chunk_kda,
+        l2norm_fwd=l2norm_fwd,
+        l2norm_bwd=l2norm_bwd,
+        fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
+        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd,
+        prepare_chunk_indices=prepare_chunk_indices,
+        chunk_kda_fwd=chunk_kda_fwd,
+        chunk_kda_bwd=chunk_kda_bwd,
+        causal_conv1d_fwd=causal_conv1d_fwd,
+        causal_conv1d_bwd=causal_conv1d_bwd,
+        layer_norm_gated_fwd=layer_norm_gated_fwd,
+        layer_norm_gated_bwd=layer_norm_gated_bwd,
         fused_recurrent_kda=fused_recurrent_kda,
-        causal_conv1d=causal_conv1d,
-        rms_norm_gated=rms_norm_gated,
     )
 
 
 def _fla() -> SimpleNamespace:
-    """fla's functions (a namespace with ``version``, ``chunk_kda``, ``fused_recurrent_kda``, ``causal_conv1d``,
-    ``rms_norm_gated``). Tests replace this function to inject fakes."""
+    """fla's functions: a namespace with ``version`` and the fla-core 0.6.0 functions of the same names
+    (``fla.modules.norm.l2norm``: ``l2norm_fwd``, ``l2norm_bwd``; ``fla.ops.common.gate``:
+    ``fused_beta_sigmoid_fwd``, ``fused_beta_sigmoid_bwd``; ``fla.ops.utils.index.prepare_chunk_indices``;
+    ``fla.ops.kda.chunk_fwd.chunk_kda_fwd``; ``fla.ops.kda.chunk_bwd.chunk_kda_bwd``;
+    ``fla.modules.causal_conv1d.ops``: ``causal_conv1d_fwd``, ``causal_conv1d_bwd``;
+    ``fla.modules.norm.fused_norm_gate``: ``layer_norm_gated_fwd``, ``layer_norm_gated_bwd``;
+    ``fla.ops.kda.fused_recurrent_kda``). The op bodies look it up at every call; tests replace it to inject
+    fakes."""
     return _load_fla()
 
 
@@ -215,7 +262,7 @@ def call_checked(fn, name: str, **kwargs):
 
     Args:
         fn: the fla function.
-        name: its fla name (``"chunk_kda"``, ...), used for :data:`KWARGS_READ` and messages.
+        name: its fla name (``"chunk_kda_fwd"``, ...), used for :data:`KWARGS_READ` and messages.
         kwargs: the arguments.
 
     Returns:
@@ -244,14 +291,6 @@ def _check_head_dim(k: int, v: int) -> None:
             raise ValueError(f"fused KDA needs head dim {name} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got {name}={d}")
 
 
-def _varlen(cu_seqlens: torch.Tensor | None, cu_host: list[int] | None):
-    """``(cu_seqlens long on device, host copy)`` for fla from the validated boundaries (whose check made the one
-    host sync; fla's chunk-index preparation then needs no second one), or ``(None, None)``."""
-    if cu_seqlens is None:
-        return None, None
-    return cu_seqlens.to(torch.long), torch.tensor(cu_host, dtype=torch.long)
-
-
 def _safe_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and SAFE_GATE_RANGE[0] <= lower_bound < SAFE_GATE_RANGE[1]
 
@@ -263,6 +302,494 @@ def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: in
         raise ValueError(f"dt_bias must be [H*K={H * K}]; got shape {tuple(dt_bias.shape)}")
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
+
+
+def _device(t: torch.Tensor):
+    """The CUDA device context of ``t`` (Triton launches on the current device), a null context on CPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """The placeholder an op returns for an output that does not exist (custom ops return no ``None``)."""
+    return like.new_empty(0)
+
+
+def _or_none(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
+    return t if exists else None
+
+
+def _chunk_indices(fla, cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
+    """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2] long)`` for the validated boundaries
+    ``cu_host`` (whose check made the one host sync), or three ``None``."""
+    if cu_seqlens is None:
+        return None, None, None
+    cu = cu_seqlens.to(torch.long)
+    cu_cpu = torch.tensor(cu_host, dtype=torch.long)
+    return cu, cu_cpu, call_checked(fla.prepare_chunk_indices, "prepare_chunk_indices", cu_seqlens=cu,
+                                    chunk_size=chunk_size, cu_seqlens_cpu=cu_cpu)
+
+
+def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Fake of the chunk-index output: ``[NT, 2]`` long with a data-dependent ``NT``, ``[0, 2]`` without documents."""
+    rows = 0 if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
+    return like.new_empty((rows, 2), dtype=torch.long)
+
+
+# ======================================================================================================= custom ops
+# Every fla kernel runs inside a torch.library custom op (namespace glm53flash, see graph_ops.define_op): fla's
+# entry points are autograd Functions (chunk_kda is also wrapped in torch.compiler.disable) that torch.compile cannot
+# trace. Each trainable call is a forward op and a backward op whose bodies are the bodies of fla's own autograd
+# Functions (ChunkKDAFunction, CausalConv1dFunction, LayerNormGatedFunction in fla-core 0.6.0): the same fla
+# functions, called with the same arguments, so the results are those of fla's entry points bit for bit. The forward
+# ops also return what fla's Functions save for backward (the residuals) as extra, non-differentiable outputs.
+
+# ---------------------------------------------------------------------------------------------------------- chunk_kda
+def _chunk_fwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    safe_gate: bool,
+    lower_bound: float | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, H, K = q.shape
+    cu_host = None
+    if cu_seqlens is not None:  # the checks that read the boundaries run here: a traced graph cannot read data
+        cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]")
+        check_state(initial_state, len(cu_host) - 1, H, K, v.shape[-1])
+    fla = _fla()
+    with _device(q):
+        q, k, v, g, beta, A_log, dt_bias, initial_state = map(
+            _contiguous, (q, k, v, g, beta, A_log, dt_bias, initial_state))
+        cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, chunk_size)
+        q_rstd = k_rstd = None
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=q)
+            k, k_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=k)
+        beta_act = beta
+        if use_beta_sigmoid_in_kernel:
+            beta_act = call_checked(fla.fused_beta_sigmoid_fwd, "fused_beta_sigmoid_fwd", x=beta, scale=1.0)
+        o, final, g_cumsum, Aqk, Akk = call_checked(
+            fla.chunk_kda_fwd,
+            "chunk_kda_fwd",
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta_act,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            state_v_first=False,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+            chunk_indices=indices,
+            chunk_size=chunk_size,
+            safe_gate=safe_gate,
+            lower_bound=lower_bound,
+            use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            disable_recompute=False,
+            return_intermediate_states=False,
+            cp_context=None,
+            use_graph=False,
+            chunk_offsets=None,
+        )[:5]
+    l2 = use_qk_l2norm_in_kernel
+    return (
+        o.type_as(q),
+        final if final is not None else _empty(q),
+        q if l2 else _empty(q),
+        q_rstd if l2 else _empty(q),
+        k if l2 else _empty(q),
+        k_rstd if l2 else _empty(q),
+        beta_act if use_beta_sigmoid_in_kernel else _empty(q),
+        g_cumsum if g_cumsum is not None else _empty(q),
+        Aqk,
+        Akk,
+        indices if indices is not None else q.new_empty((0, 2), dtype=torch.long),
+    )
+
+
+def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+                    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
+                    chunk_size):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = torch.float32
+    l2 = use_qk_l2norm_in_kernel
+    return (
+        q.new_empty((B, T, H, V)),  # o
+        q.new_empty((n, H, K, V), dtype=f32) if output_final_state else _empty(q),  # final state
+        q.new_empty(q.shape) if l2 else _empty(q),  # l2-normalised q
+        q.new_empty((B, T, H), dtype=f32) if l2 else _empty(q),  # its reciprocal norms
+        k.new_empty(k.shape) if l2 else _empty(q),
+        k.new_empty((B, T, H), dtype=f32) if l2 else _empty(q),
+        beta.new_empty(beta.shape, dtype=f32) if use_beta_sigmoid_in_kernel else _empty(q),  # sigmoid(beta)
+        g.new_empty(g.shape, dtype=f32) if not use_gate_in_kernel else _empty(q),  # the gate's chunk-local cumsum
+        k.new_empty((B, T, H, chunk_size)),  # Aqk
+        k.new_empty((B, T, H, chunk_size)),  # Akk
+        _indices_fake(q, cu_seqlens),
+    )
+
+
+def _chunk_bwd_impl(
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    q_normed: torch.Tensor,
+    q_rstd: torch.Tensor,
+    k_normed: torch.Tensor,
+    k_rstd: torch.Tensor,
+    beta_act: torch.Tensor,
+    g_cumsum: torch.Tensor,
+    Aqk: torch.Tensor,
+    Akk: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    safe_gate: bool,
+    lower_bound: float | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    fla = _fla()
+    l2 = use_qk_l2norm_in_kernel
+    with _device(q):
+        qk_q = q_normed if l2 else q.contiguous()
+        qk_k = k_normed if l2 else k.contiguous()
+        g_in, A_log_in, dt_bias_in, h0 = map(_contiguous, (g, A_log, dt_bias, initial_state))
+        dq, dk, dv, db, dg, dh0, dA, dbias = call_checked(
+            fla.chunk_kda_bwd,
+            "chunk_kda_bwd",
+            q=qk_q,
+            k=qk_k,
+            v=v.contiguous(),
+            beta=beta_act if use_beta_sigmoid_in_kernel else beta.contiguous(),
+            Aqk=Aqk,
+            Akk=Akk,
+            scale=scale,
+            initial_state=h0,
+            do=do.contiguous(),
+            dht=_contiguous(dht),
+            g=None if use_gate_in_kernel else g_cumsum,
+            g_org=g_in if use_gate_in_kernel else None,
+            state_v_first=False,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+            chunk_indices=chunk_indices if cu_seqlens is not None else None,
+            chunk_size=chunk_size,
+            safe_gate=safe_gate,
+            lower_bound=lower_bound,
+            use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log_in,
+            dt_bias=dt_bias_in,
+            disable_recompute=False,
+            cp_context=None,
+            use_graph=False,
+            chunk_offsets=None,
+        )
+        if l2:
+            dq = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=q_normed, rstd=q_rstd, dy=dq)
+            dk = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=k_normed, rstd=k_rstd, dy=dk)
+        if use_beta_sigmoid_in_kernel:
+            db = call_checked(fla.fused_beta_sigmoid_bwd, "fused_beta_sigmoid_bwd", x=beta.contiguous(), dy=db,
+                              scale=1.0)
+    return (dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), dA if dA is not None else _empty(q),
+            dbias if dbias is not None else _empty(q), dh0 if dh0 is not None else _empty(q))
+
+
+def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), _empty(q) if A_log is None else A_log.new_empty(A_log.shape),
+            _empty(q) if dt_bias is None else dt_bias.new_empty(dt_bias.shape),
+            _empty(q) if initial_state is None else initial_state.new_empty(initial_state.shape))
+
+
+_CHUNK_FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate",
+                "lower_bound", "chunk_size")
+
+
+def _chunk_setup(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state, *flags = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *output[2:])
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.scale, ctx.output_final_state, ctx.flags = scale, output_final_state, dict(zip(_CHUNK_FLAGS, flags))
+
+
+def _chunk_backward(ctx, do, dht, *_):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    dht = dht if ctx.output_final_state else None
+    dq, dk, dv, dg, db, dA, dbias, dh0 = _CHUNK_BWD(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                                                    cu_seqlens, *residuals, ctx.scale, **ctx.flags)
+    return (dq, dk, dv, dg, db, _or_none(dA, A_log is not None), _or_none(dbias, dt_bias is not None),
+            _or_none(dh0, initial_state is not None)) + (None,) * 9
+
+
+_CHUNK_BWD = define_op("fla_chunk_kda_bwd", _chunk_bwd_impl, _chunk_bwd_fake)
+_CHUNK_FWD = define_op("fla_chunk_kda_fwd", _chunk_fwd_impl, _chunk_fwd_fake, backward=_chunk_backward,
+                       setup_context=_chunk_setup)
+
+
+# ----------------------------------------------------------------------------------------------------- causal_conv1d
+_CONV_CHUNK = 64  # fla's CausalConv1dFunction default chunk size
+
+
+def _conv_fwd_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    activation: str | None,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cu_host = None
+    if cu_seqlens is not None:  # reads the boundaries (one host sync); the shape checks ran in the caller
+        cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
+    fla = _fla()
+    with _device(x):
+        weight, initial_state = weight.contiguous(), _contiguous(initial_state)
+        cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, _CONV_CHUNK)
+        y, final = call_checked(
+            fla.causal_conv1d_fwd,
+            "causal_conv1d_fwd",
+            x=x,
+            weight=weight,
+            bias=None,
+            residual=None,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            activation=activation,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+            chunk_indices=indices,
+            chunk_size=_CONV_CHUNK,
+        )
+    return (y, final if final is not None else _empty(x),
+            indices if indices is not None else x.new_empty((0, 2), dtype=torch.long))
+
+
+def _conv_fwd_fake(x, weight, initial_state, cu_seqlens, activation, output_final_state):
+    n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else _empty(x)
+    return x.new_empty(x.shape), final, _indices_fake(x, cu_seqlens)
+
+
+def _conv_bwd_impl(
+    dy: torch.Tensor,
+    dht: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    chunk_indices: torch.Tensor,
+    activation: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fla = _fla()
+    with _device(x):
+        dx, dw, _, _, dh0 = call_checked(
+            fla.causal_conv1d_bwd,
+            "causal_conv1d_bwd",
+            x=x,
+            dy=dy,
+            dht=_contiguous(dht),
+            weight=weight.contiguous(),
+            bias=None,
+            residual=None,
+            initial_state=_contiguous(initial_state),
+            activation=activation,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+            chunk_indices=chunk_indices if cu_seqlens is not None else None,
+            chunk_size=_CONV_CHUNK,
+        )
+    return dx, dw, dh0 if dh0 is not None else _empty(x)
+
+
+def _conv_bwd_fake(dy, dht, x, weight, initial_state, cu_seqlens, chunk_indices, activation):
+    return (torch.empty_like(x), weight.new_empty(weight.shape),
+            _empty(x) if initial_state is None else initial_state.new_empty(initial_state.shape))
+
+
+def _conv_setup(ctx, inputs, output):
+    x, weight, initial_state, cu_seqlens, activation, output_final_state = inputs
+    ctx.save_for_backward(x, weight, initial_state, cu_seqlens, output[2])
+    ctx.mark_non_differentiable(output[2])
+    ctx.activation, ctx.output_final_state = activation, output_final_state
+
+
+def _conv_backward(ctx, dy, dht, _):
+    x, weight, initial_state, cu_seqlens, indices = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    dx, dw, dh0 = _CONV_BWD(dy, dht if ctx.output_final_state else None, x, weight, initial_state, cu_seqlens,
+                            indices, ctx.activation)
+    return dx, dw, _or_none(dh0, initial_state is not None), None, None, None
+
+
+_CONV_BWD = define_op("fla_causal_conv1d_bwd", _conv_bwd_impl, _conv_bwd_fake)
+_CONV_FWD = define_op("fla_causal_conv1d_fwd", _conv_fwd_impl, _conv_fwd_fake, backward=_conv_backward,
+                      setup_context=_conv_setup)
+
+
+# ---------------------------------------------------------------------------------------------------- rms_norm_gated
+def _norm_fwd_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    fla = _fla()
+    dim = x.shape[-1]
+    with _device(x):
+        y, _, rstd, _ = call_checked(
+            fla.layer_norm_gated_fwd,
+            "layer_norm_gated_fwd",
+            x=x.contiguous().reshape(-1, dim),
+            g=gate.contiguous().reshape(-1, dim),
+            weight=weight.contiguous(),
+            bias=None,
+            activation="sigmoid",
+            eps=eps,
+            residual=None,
+            residual_dtype=None,
+            is_rms_norm=True,
+        )
+    return y.reshape(x.shape), rstd
+
+
+def _norm_fwd_fake(x, gate, weight, eps):
+    return x.new_empty(x.shape), x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
+
+
+def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fla = _fla()
+    dim = x.shape[-1]
+    with _device(x):
+        dx, dg, dw, _, _ = call_checked(
+            fla.layer_norm_gated_bwd,
+            "layer_norm_gated_bwd",
+            dy=dy.contiguous().reshape(-1, dim),
+            x=x.contiguous().reshape(-1, dim),
+            g=gate.contiguous().reshape(-1, dim),
+            weight=weight.contiguous(),
+            bias=None,
+            activation="sigmoid",
+            eps=eps,
+            mean=None,
+            rstd=rstd,
+            dresidual=None,
+            has_residual=False,
+            is_rms_norm=True,
+            x_dtype=x.dtype,
+        )
+    return dx.reshape(x.shape), dg.reshape(gate.shape), dw
+
+
+def _norm_bwd_fake(dy, x, gate, weight, rstd, eps):
+    return x.new_empty(x.shape), x.new_empty(gate.shape), weight.new_empty(weight.shape)
+
+
+def _norm_setup(ctx, inputs, output):
+    x, gate, weight, eps = inputs
+    ctx.save_for_backward(x, gate, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.eps = eps
+
+
+def _norm_backward(ctx, dy, _):
+    x, gate, weight, rstd = ctx.saved_tensors
+    dx, dg, dw = _NORM_BWD(dy, x, gate, weight, rstd, ctx.eps)
+    return dx, dg, dw, None
+
+
+_NORM_BWD = define_op("fla_rms_norm_gated_bwd", _norm_bwd_impl, _norm_bwd_fake)
+_NORM_FWD = define_op("fla_rms_norm_gated_fwd", _norm_fwd_impl, _norm_fwd_fake, backward=_norm_backward,
+                      setup_context=_norm_setup)
+
+
+# ----------------------------------------------------------------------------------------------- fused_recurrent_kda
+def _recurrent_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float | None,
+    lower_bound: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fla = _fla()
+    return tuple(call_checked(
+        fla.fused_recurrent_kda,
+        "fused_recurrent_kda",
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=lower_bound,
+        state_v_first=False,
+    ))
+
+
+def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):
+    B, _, H, K = q.shape
+    return v.new_empty(v.shape), q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
+
+
+def _recurrent_backward(ctx, *grads):
+    raise RuntimeError("fla's fused_recurrent_kda has no backward (inference only); use the chunked path "
+                       "(chunk_kda_gate_in_kernel) for training")
+
+
+_RECURRENT = define_op("fla_fused_recurrent_kda", _recurrent_impl, _recurrent_fake, backward=_recurrent_backward)
+
+# op name -> op, for tests and tools (torch.ops.glm53flash.<name> as well)
+OPS = {
+    "fla_chunk_kda_fwd": _CHUNK_FWD,
+    "fla_chunk_kda_bwd": _CHUNK_BWD,
+    "fla_causal_conv1d_fwd": _CONV_FWD,
+    "fla_causal_conv1d_bwd": _CONV_BWD,
+    "fla_rms_norm_gated_fwd": _NORM_FWD,
+    "fla_rms_norm_gated_bwd": _NORM_BWD,
+    "fla_fused_recurrent_kda": _RECURRENT,
+}
 
 
 # ============================================================================================== kernels, one by one
@@ -281,7 +808,8 @@ def chunk_kda_fused(
     use_qk_l2norm_in_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA with an *activated* gate and beta: the contract of :func:`glm53flash_hf.kda_ops.chunk_kda_torch`, run
-    by fla's ``chunk_kda`` (``use_gate_in_kernel=False``, ``safe_gate=False``: the gate's bound is unknown here).
+    by fla's chunked kernels (``use_gate_in_kernel=False``, ``safe_gate=False``: the gate's bound is unknown here)
+    through the custom ops ``glm53flash::fla_chunk_kda_fwd`` / ``fla_chunk_kda_bwd``.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log decay (``<= 0``); beta: ``[B, T, H]``
@@ -290,7 +818,8 @@ def chunk_kda_fused(
         initial_state: optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else ``B``), K-first; cast to
             fp32 (fla requires fp32).
         output_final_state: also return the fp32 state after every document.
-        cu_seqlens: optional integer ``[N + 1]`` document boundaries (requires ``B == 1``).
+        cu_seqlens: optional integer ``[N + 1]`` document boundaries (requires ``B == 1``); validated inside the op
+            (one host sync), so a compiled graph does not read them.
         chunk_size: 32 or 64 (fla's choices; the maths does not depend on it).
         use_qk_l2norm_in_kernel: l2-normalise q and k in the kernel.
 
@@ -308,45 +837,38 @@ def chunk_kda_fused(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=False,
         use_beta_sigmoid_in_kernel=False,
-        safe_gate=False,
     )
 
 
 def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None, **flags):
-    """The checks and the fla ``chunk_kda`` call shared by :func:`chunk_kda_fused` and
-    :func:`chunk_kda_gate_in_kernel`. ``gate``: ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel;
-    ``flags``: the kernel's ``use_*`` / ``safe_gate`` switches."""
+    """The checks and the op call shared by :func:`chunk_kda_fused` and :func:`chunk_kda_gate_in_kernel`. ``gate``:
+    ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel; ``flags``: the kernel's ``use_*`` switches."""
     check_core_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_head_dim(K, V)
+    A_log = dt_bias = lower_bound = None
     if gate is not None:
         A_log, dt_bias, lower_bound = gate
         _check_gate_params(A_log, dt_bias, H, K, lower_bound)
-        flags.update(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=_safe_gate(lower_bound))
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
-    cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]") if cu_seqlens is not None else None
-    check_state(initial_state, B if cu_host is None else len(cu_host) - 1, H, K, V)
-    cu, cu_cpu = _varlen(cu_seqlens, cu_host)
-    fla = _fla()
-    return call_checked(
-        fla.chunk_kda,
-        "chunk_kda",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state.float() if initial_state is not None else None,
-        output_final_state=output_final_state,
-        **flags,
-        state_v_first=False,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu_cpu,
-        chunk_size=chunk_size,
-    )
+    if cu_seqlens is None:  # with documents, the op checks the state against the boundaries it reads
+        check_state(initial_state, B, H, K, V)
+    o, final = _CHUNK_FWD(
+        q, k, v, g, beta, A_log, dt_bias,
+        initial_state.float() if initial_state is not None else None,
+        cu_seqlens,
+        float(K**-0.5 if scale is None else scale),
+        output_final_state,
+        flags["use_qk_l2norm_in_kernel"],
+        flags["use_gate_in_kernel"],
+        flags["use_beta_sigmoid_in_kernel"],
+        _safe_gate(lower_bound) if gate is not None else False,
+        lower_bound,
+        chunk_size,
+    )[:2]
+    return o, final if output_final_state else None
 
 
 def chunk_kda_gate_in_kernel(
@@ -365,7 +887,8 @@ def chunk_kda_gate_in_kernel(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GLM's KDA core in one fla ``chunk_kda`` call: forget gate, beta sigmoid, q/k l2-norm and the chunked delta rule.
+    """GLM's KDA core in one call of fla's chunked kernels: forget gate, beta sigmoid, q/k l2-norm and the chunked delta
+    rule (``glm53flash::fla_chunk_kda_fwd`` / ``fla_chunk_kda_bwd``).
 
     Equals ``chunk_kda_torch(q, k, v, forget_gate(...), sigmoid(beta_logits))`` with the gate of
     :class:`glm53flash_hf.kda.Glm53FlashForgetGate`: ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``
@@ -406,13 +929,14 @@ def causal_conv1d_fused(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Depthwise causal convolution (+SiLU) by fla's Triton ``causal_conv1d``: the contract of
-    :func:`glm53flash_hf.kda_ops.causal_conv1d_torch`.
+    """Depthwise causal convolution (+SiLU) by fla's Triton convolution kernels (``glm53flash::fla_causal_conv1d_fwd``
+    / ``fla_causal_conv1d_bwd``): the contract of :func:`glm53flash_hf.kda_ops.causal_conv1d_torch`.
 
     Args:
         x: ``[B, T, D]`` time-major (strided views accepted).
         weight: ``[D, W]`` (``conv1d.weight[:, 0, :]``); a replicated DTensor is unwrapped.
         cu_seqlens: optional integer ``[N + 1]`` (requires ``B == 1``); the convolution restarts at every boundary.
+            Validated inside the op (one host sync).
         activation: ``"silu"``/``"swish"`` or None.
         initial_state: optional ``[N, D, W]``, the last ``W`` inputs before each document (oldest first).
         output_final_state: also return the last ``W`` inputs of every document, ``[N, D, W]`` in x's dtype.
@@ -426,26 +950,17 @@ def causal_conv1d_fused(
         TypeError / ImportError: as :func:`chunk_kda_fused`.
     """
     weight = local_tensor(weight, "conv1d.weight")
-    cu, cu_cpu = _varlen(cu_seqlens, check_conv_inputs(x, weight, activation, initial_state, cu_seqlens))
-    fla = _fla()
-    return call_checked(
-        fla.causal_conv1d,
-        "causal_conv1d",
-        x=x,
-        weight=weight,
-        bias=None,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        activation=activation,
-        backend="triton",
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu_cpu,
-    )
+    if cu_seqlens is None:  # with documents, the op runs these checks with the boundaries it reads
+        check_conv_inputs(x, weight, activation, initial_state, None)
+    y, final, _ = _CONV_FWD(x, weight, initial_state, cu_seqlens, activation, output_final_state)
+    return y, final if output_final_state else None
 
 
 def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` by fla's ``rms_norm_gated(activation="sigmoid")``:
-    the maths of :class:`glm53flash_hf.kda.Glm53FlashRMSNormGated` (and fla's ``FusedRMSNormGated``).
+    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` by fla's gated-norm kernels
+    (``glm53flash::fla_rms_norm_gated_fwd`` / ``fla_rms_norm_gated_bwd``, the kernels of
+    ``rms_norm_gated(activation="sigmoid")``): the maths of :class:`glm53flash_hf.kda.Glm53FlashRMSNormGated` (and
+    fla's ``FusedRMSNormGated``).
 
     Args:
         x: ``[..., K]``; gate: same shape; weight: ``[K]`` (a replicated DTensor is unwrapped); eps: variance epsilon.
@@ -461,10 +976,7 @@ def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}; got {tuple(gate.shape)}")
     if tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}]; got shape {tuple(weight.shape)}")
-    fla = _fla()
-    return call_checked(
-        fla.rms_norm_gated, "rms_norm_gated", x=x, g=gate, weight=weight, bias=None, activation="sigmoid", eps=eps
-    )
+    return _NORM_FWD(x, gate, weight, float(eps))[0]
 
 
 def fused_recurrent_step(
@@ -480,7 +992,8 @@ def fused_recurrent_step(
     *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
+    """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda`` (``glm53flash::fla_fused_recurrent_kda``), gate,
+    beta sigmoid and q/k l2-norm in the kernel.
 
     The core of a cached decode step without gradients (:func:`bind_layer_fused`): ``o, new_state =
     fused_recurrent_step(q, k, v, forget_gate.f_b_proj(forget_gate.f_a_proj(x)).view(B, S, H, K), b_proj(x),
@@ -523,27 +1036,8 @@ def fused_recurrent_step(
     check_state(state, B, H, K, V)
     if state is not None and state.dtype != torch.float32:
         raise ValueError(f"state must be float32 (the recurrent cache is fp32); got dtype {state.dtype}")
-    fla = _fla()
-    o, final = call_checked(
-        fla.fused_recurrent_kda,
-        "fused_recurrent_kda",
-        q=q,
-        k=k,
-        v=v,
-        g=g_raw,
-        beta=beta_logits,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=scale,
-        initial_state=state,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        lower_bound=lower_bound,
-        state_v_first=False,
-    )
-    return o, final
+    return _RECURRENT(q, k, v, g_raw, beta_logits, A_log, dt_bias, state,
+                      None if scale is None else float(scale), lower_bound)
 
 
 # ============================================================================================================ the layer

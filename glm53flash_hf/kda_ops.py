@@ -4,7 +4,10 @@ recurrent delta rule, and the argument checks shared with the fused path.
 This is the torch path of the KDA family: the oracle of the fused kernels (:mod:`glm53flash_hf.kda_fused`), the
 path of CPU tensors and of every call whose backend choice is ``"torch"`` (training, prefill, and cached decoding,
 where a step is :func:`causal_conv1d_torch` and :func:`recurrent_kda_torch` on one token with the cached states).
-The modules that call these functions are in :mod:`glm53flash_hf.kda`. Leaf module: it imports torch only.
+The modules that call these functions are in :mod:`glm53flash_hf.kda`. Leaf module: it imports torch and
+:mod:`.graph_ops` only. Under ``torch.compile`` the convolution and the chunked core run as the custom ops
+``glm53flash::kda_causal_conv1d`` and ``glm53flash::kda_chunk`` (:func:`.graph_ops.recompute_op`): their packed
+layouts are planned from the document boundaries on the host.
 
 Maths (Kimi Linear, arXiv:2510.26692 §3; transformers ``models/glm5_next/modeling_glm5_next.py``:
 ``causal_conv1d_fn``, ``causal_conv1d_update``, ``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``;
@@ -30,6 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .graph_ops import in_graph, recompute_op
 
 __all__ = [
     "LayerOps",
@@ -254,6 +259,10 @@ def causal_conv1d_torch(
     documents and no ``[T, D, W]`` temporary (the ``W`` shifted multiply-adds alternative would save ``W`` masked
     copies of ``x`` for the weight gradient).
     """
+    if in_graph():
+        y, final = _CONV_OP(x, weight, initial_state, cu_seqlens, activation=activation,
+                            output_final_state=output_final_state)
+        return y, final if output_final_state else None
     cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
     B, T, D = x.shape
     W = weight.shape[1]
@@ -536,6 +545,11 @@ def chunk_kda_torch(
     V = v.shape[-1]
     C = chunk_size
     out_dtype = q.dtype
+    if in_graph():
+        o, final = _CHUNK_OP(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+                             output_final_state=output_final_state, chunk_size=chunk_size,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o, final if output_final_state else None
     cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]") if cu_seqlens is not None else None
     n_docs = len(cu_host) - 1 if cu_host is not None else B
     check_state(initial_state, n_docs, H, K, V)
@@ -709,3 +723,46 @@ def recurrent_kda_torch(
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     return o.to(out_dtype), (state if output_final_state else None)
 
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The packed regions as custom ops (torch.compile)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _conv_fake(x, weight, initial_state, cu_seqlens, *, activation, output_final_state):
+    n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = x.new_empty(n, x.shape[2], weight.shape[1]) if output_final_state else x.new_empty(0)
+    return x.new_empty(x.shape), final
+
+
+def _chunk_fake(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, chunk_size,
+                use_qk_l2norm_in_kernel):
+    B, T, H, K = q.shape
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = q.new_empty(n, H, K, v.shape[-1], dtype=torch.float32) if output_final_state else q.new_empty(0)
+    return q.new_empty(B, T, H, v.shape[-1]), final
+
+
+_CONV_OP = recompute_op(
+    "kda_causal_conv1d",
+    lambda x, weight, initial_state, cu_seqlens, **kw: causal_conv1d_torch(
+        x, weight, initial_state=initial_state, cu_seqlens=cu_seqlens, **kw
+    ),
+    tensor_args=[("x", False), ("weight", False), ("initial_state", True), ("cu_seqlens", True)],
+    static_args=[("activation", "str?"), ("output_final_state", "bool")],
+    num_outputs=2,
+    fake=_conv_fake,
+)
+
+_CHUNK_OP = recompute_op(
+    "kda_chunk",
+    lambda q, k, v, g, beta, initial_state, cu_seqlens, **kw: chunk_kda_torch(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, **kw
+    ),
+    tensor_args=[("q", False), ("k", False), ("v", False), ("g", False), ("beta", False), ("initial_state", True),
+                 ("cu_seqlens", True)],
+    static_args=[("scale", "float?"), ("output_final_state", "bool"), ("chunk_size", "int"),
+                 ("use_qk_l2norm_in_kernel", "bool")],
+    num_outputs=2,
+    fake=_chunk_fake,
+)

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the mHC sites of GLM-5.3-Flash (``hc_pre`` and ``hc_post``) with custom autograd.
+"""Fused Triton kernels for the mHC sites of GLM-5.3-Flash (``hc_pre`` and ``hc_post``) as ``torch.library`` custom
+ops with registered fakes and autograd formulas.
 
 Our own kernels. The maths is exactly that of the torch path in :mod:`glm53flash_hf.mhc_ops` (the oracle of
 ``tests/test_mhc_fused.py``), which equals transformers' ``Glm5NextTextHyperConnection`` and the ``hc_post`` lines of
@@ -30,6 +31,22 @@ What is fused
   ``proj``/``sumsq`` and differentiates through every Sinkhorn step: no quantity the reference differentiates is
   treated as constant.
 
+Custom ops
+----------
+Every kernel launch runs inside a custom op of the namespace ``glm53flash`` (registered at import by
+:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; listed in :data:`OPS`), each with a fake
+implementation (output shapes and dtypes), so ``torch.compile(fullgraph=True)`` traces the public functions without a
+graph break:
+
+* ``hc_post_fwd(y, residual, post, comb) -> out``; autograd formula: ``hc_post_bwd(grad, y, residual, post, comb) ->
+  (dy, dresidual, dpost fp32, dcomb fp32)``, then ``dpost``/``dcomb`` cast to the dtypes of ``post``/``comb``.
+* ``hc_pre_fwd(X, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps) -> (post, comb, collapsed, proj, sumsq)``: the
+  reduction kernel, the small torch graph and the collapse kernel; ``proj`` ``[T, M]`` and ``sumsq`` ``[T]`` (fp32)
+  are non-differentiable outputs kept for the backward. Its autograd formula runs ``hc_pre_dpre(X, dcollapsed) ->
+  dpre`` (pass 1), the small graph's recomputation and its torch autograd (traced by ``torch.compile`` as ordinary
+  torch ops), ``hc_pre_dx(X, fn, dproj, dsumsq, pre, dcollapsed) -> dX`` (pass 2) and ``hc_pre_dfn(X, dproj) -> dfn``
+  fp32 (pass 3), cast to ``fn``'s dtype.
+
 Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for tests), activations in fp32/bf16/fp16, ``fn`` in
 any of those, any ``N`` and ``D`` (blocks are masked). Inputs are made contiguous (a no-op in the model). Selection
 happens in :func:`glm53flash_hf.dispatch.choose_backend` through :func:`fused_mhc_available`; CPU tensors never reach
@@ -42,6 +59,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import local_tensor
+from .graph_ops import define_op
 from .mhc_ops import check_hc_post_args, check_hc_pre_args, mix_weights
 from .triton_utils import (
     SUPPORTED_DTYPES,
@@ -253,52 +271,239 @@ if TRITON_AVAILABLE:
         tl.store(dfn_ptr + j[:, None] * K + k[None, :], acc, mask=jm[:, None] & km[None, :])
 
 
-# ============================================================================================================ hc_post
+# ======================================================================================================= custom ops
+# Every kernel launch below runs inside a torch.library custom op (namespace glm53flash, registered at import by
+# graph_ops.define_op), each with a fake (the outputs' shapes and dtypes) and, for the forward ops, its autograd
+# formula, so torch.compile(fullgraph=True) traces hc_pre_fused / hc_post_fused without a graph break.
+
+# ------------------------------------------------------------------------------------------------------------ hc_post
 def _post_blocks(dim: int) -> tuple[int, int]:
     return min(next_power_of_2(dim, 16), 1024), min(next_power_of_2(dim, 16), 512)  # forward BD, backward BD
 
 
-class _HcPostFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, residual, post, comb):
-        b, s, n, d = residual.shape
-        t = b * s
-        y_c, res_c = y.contiguous(), residual.contiguous()
-        post_c, comb_c = post.contiguous(), comb.contiguous()
-        out = torch.empty_like(res_c)
-        bd_fwd, _ = _post_blocks(d)
-        if t > 0 and d > 0:
-            _hc_post_fwd_kernel[(t, triton.cdiv(d, bd_fwd))](
-                y_c, res_c, post_c, comb_c, out, d,
-                N=n, NP=next_power_of_2(n), BD=bd_fwd, DT=TL_DTYPES[residual.dtype],
-            )
-        ctx.save_for_backward(y_c, res_c, post_c, comb_c)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        y, res, post, comb = ctx.saved_tensors
-        b, s, n, d = res.shape
-        t = b * s
-        g = grad_out.contiguous()
-        dy = torch.empty_like(y)
-        dres = torch.empty_like(res)
-        dpost = torch.empty(post.shape, dtype=torch.float32, device=post.device)
-        dcomb = torch.empty(comb.shape, dtype=torch.float32, device=comb.device)
-        _, bd_bwd = _post_blocks(d)
-        if t > 0:
-            _hc_post_bwd_kernel[(t,)](
-                g, y, res, post, comb, dy, dres, dpost, dcomb, d,
-                N=n, NP=next_power_of_2(n), BD=bd_bwd, DT=TL_DTYPES[res.dtype],
-            )
-        return dy, dres, dpost.to(post.dtype), dcomb.to(comb.dtype)
+def _hc_post_fwd_impl(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                      ) -> torch.Tensor:
+    b, s, n, d = residual.shape
+    t = b * s
+    y_c, res_c = y.contiguous(), residual.contiguous()
+    post_c, comb_c = post.contiguous(), comb.contiguous()
+    out = torch.empty_like(res_c)
+    bd_fwd, _ = _post_blocks(d)
+    if t > 0 and d > 0:
+        _hc_post_fwd_kernel[(t, triton.cdiv(d, bd_fwd))](
+            y_ptr=y_c, res_ptr=res_c, post_ptr=post_c, comb_ptr=comb_c, out_ptr=out, D=d,
+            N=n, NP=next_power_of_2(n), BD=bd_fwd, DT=TL_DTYPES[residual.dtype],
+        )
+    return out
 
 
+def _hc_post_fwd_fake(y, residual, post, comb):
+    return residual.new_empty(residual.shape)
+
+
+def _hc_post_bwd_impl(grad: torch.Tensor, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                      comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, s, n, d = residual.shape
+    t = b * s
+    y, res, post, comb, g = (x.contiguous() for x in (y, residual, post, comb, grad))
+    dy = torch.empty_like(y)
+    dres = torch.empty_like(res)
+    dpost = torch.empty(post.shape, dtype=torch.float32, device=post.device)
+    dcomb = torch.empty(comb.shape, dtype=torch.float32, device=comb.device)
+    _, bd_bwd = _post_blocks(d)
+    if t > 0:
+        _hc_post_bwd_kernel[(t,)](
+            g_ptr=g, y_ptr=y, res_ptr=res, post_ptr=post, comb_ptr=comb,
+            dy_ptr=dy, dres_ptr=dres, dpost_ptr=dpost, dcomb_ptr=dcomb, D=d,
+            N=n, NP=next_power_of_2(n), BD=bd_bwd, DT=TL_DTYPES[res.dtype],
+        )
+    return dy, dres, dpost, dcomb
+
+
+def _hc_post_bwd_fake(grad, y, residual, post, comb):
+    f32 = torch.float32
+    return (y.new_empty(y.shape), residual.new_empty(residual.shape), post.new_empty(post.shape, dtype=f32),
+            comb.new_empty(comb.shape, dtype=f32))
+
+
+def _hc_post_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _hc_post_backward(ctx, grad):
+    y, residual, post, comb = ctx.saved_tensors
+    dy, dres, dpost, dcomb = _HC_POST_BWD(grad, y, residual, post, comb)
+    return dy, dres, dpost.to(post.dtype), dcomb.to(comb.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------- hc_pre
+def _pre_blocks(t: int, k: int, d: int) -> tuple[int, int, int]:
+    """(BT tokens per program, BK columns of N*D, BD features) for the hc_pre kernels."""
+    bt = min(32, next_power_of_2(t, 16))
+    bk = min(128, next_power_of_2(k, 16))
+    bd = min(256, next_power_of_2(d, 16))
+    return bt, bk, bd
+
+
+def _small_graph(proj, sumsq, base, scale, n, k, cfg):
+    """The torch part of hc_pre on ``[T, M]`` (:func:`~glm53flash_hf.mhc_ops.mix_weights`, the torch path's ops)."""
+    sinkhorn_iters, hc_eps, norm_eps = cfg
+    return mix_weights(proj, sumsq.unsqueeze(-1) / k, base, scale, n=n, sinkhorn_iters=sinkhorn_iters,
+                       hc_eps=hc_eps, norm_eps=norm_eps)
+
+
+def _hc_pre_fwd_impl(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     sinkhorn_iters: int, hc_eps: float, norm_eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, s, n, d = x.shape
+    t, k, m = b * s, n * d, fn.shape[0]
+    x_c, fn_c = x.contiguous(), fn.contiguous()
+    bt, bk, bd = _pre_blocks(t, k, d)
+    proj = torch.empty(t, m, dtype=torch.float32, device=x.device)
+    sumsq = torch.empty(t, dtype=torch.float32, device=x.device)
+    if t > 0:
+        _hc_pre_reduce_kernel[(triton.cdiv(t, bt),)](
+            x_ptr=x_c, fn_ptr=fn_c, proj_ptr=proj, sumsq_ptr=sumsq, T=t, K=k,
+            M=m, MP=next_power_of_2(m, 16), BT=bt, BK=bk,
+        )
+    with torch.no_grad():
+        pre, post, comb = _small_graph(proj, sumsq, base, scale, n, k, (sinkhorn_iters, hc_eps, norm_eps))
+    pre = pre.contiguous()
+    collapsed = torch.empty(b, s, d, dtype=x.dtype, device=x.device)
+    if t > 0 and d > 0:
+        _hc_collapse_kernel[(t, triton.cdiv(d, bd))](
+            x_ptr=x_c, pre_ptr=pre, out_ptr=collapsed, D=d, N=n, BD=bd, DT=TL_DTYPES[x.dtype],
+        )
+    return post.reshape(b, s, n).contiguous(), comb.reshape(b, s, n, n).contiguous(), collapsed, proj, sumsq
+
+
+def _hc_pre_fwd_fake(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+    b, s, n, d = x.shape
+    proj = x.new_empty((b * s, fn.shape[0]), dtype=torch.float32)
+    sumsq = x.new_empty((b * s,), dtype=torch.float32)
+    _, post, comb = _small_graph(proj, sumsq, base, scale, n, n * d, (sinkhorn_iters, hc_eps, norm_eps))
+    return (post.new_empty((b, s, n)), comb.new_empty((b, s, n, n)), x.new_empty((b, s, d)), proj, sumsq)
+
+
+def _hc_pre_dpre_impl(x: torch.Tensor, dcollapsed: torch.Tensor) -> torch.Tensor:
+    b, s, n, d = x.shape
+    t = b * s
+    x_c, dc = x.contiguous(), dcollapsed.contiguous()
+    dpre = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    if t > 0:
+        _hc_dpre_kernel[(t,)](x_ptr=x_c, dc_ptr=dc, dpre_ptr=dpre, D=d, N=n, NP=next_power_of_2(n),
+                              BD=_pre_blocks(t, n * d, d)[2])
+    return dpre
+
+
+def _hc_pre_dpre_fake(x, dcollapsed):
+    b, s, n, _ = x.shape
+    return x.new_empty((b * s, n), dtype=torch.float32)
+
+
+def _hc_pre_dx_impl(x: torch.Tensor, fn: torch.Tensor, dproj: torch.Tensor, dsumsq: torch.Tensor, pre: torch.Tensor,
+                    dcollapsed: torch.Tensor | None) -> torch.Tensor:
+    b, s, n, d = x.shape
+    t, m = b * s, fn.shape[0]
+    bt, _, bd = _pre_blocks(t, n * d, d)
+    x_c, fn_c, dproj, dsumsq, pre = (v.contiguous() for v in (x, fn, dproj, dsumsq, pre))
+    dc = dcollapsed.contiguous() if dcollapsed is not None else None
+    dx = torch.empty_like(x_c)
+    if t > 0 and d > 0:
+        _hc_pre_dx_kernel[(triton.cdiv(t, bt), n, triton.cdiv(d, bd))](
+            x_ptr=x_c, fn_ptr=fn_c, dproj_ptr=dproj, dsumsq_ptr=dsumsq, pre_ptr=pre,
+            dc_ptr=dc if dc is not None else dproj, dx_ptr=dx, T=t, D=d,
+            N=n, M=m, MP=next_power_of_2(m, 16), BT=bt, BD=bd, HAS_DC=dc is not None, DT=TL_DTYPES[x.dtype],
+        )
+    return dx
+
+
+def _hc_pre_dx_fake(x, fn, dproj, dsumsq, pre, dcollapsed):
+    return x.new_empty(x.shape)
+
+
+def _hc_pre_dfn_impl(x: torch.Tensor, dproj: torch.Tensor) -> torch.Tensor:
+    b, s, n, d = x.shape
+    t, k, m = b * s, n * d, dproj.shape[1]
+    bt, bk, _ = _pre_blocks(t, k, d)
+    x_c, dproj = x.contiguous(), dproj.contiguous()
+    dfn = torch.zeros(m, k, dtype=torch.float32, device=x.device)
+    if t > 0 and k > 0:
+        _hc_pre_dfn_kernel[(triton.cdiv(k, bk),)](
+            x_ptr=x_c, dproj_ptr=dproj, dfn_ptr=dfn, T=t, K=k, M=m, MP=next_power_of_2(m, 16), BT=bt, BK=bk,
+        )
+    return dfn
+
+
+def _hc_pre_dfn_fake(x, dproj):
+    _, _, n, d = x.shape
+    return x.new_empty((dproj.shape[1], n * d), dtype=torch.float32)
+
+
+def _hc_pre_setup(ctx, inputs, output):
+    x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps = inputs
+    proj, sumsq = output[3], output[4]
+    ctx.save_for_backward(x, fn, base, scale, proj, sumsq)
+    ctx.mark_non_differentiable(proj, sumsq)
+    ctx.cfg = (sinkhorn_iters, hc_eps, norm_eps)
+
+
+def _hc_pre_backward(ctx, dpost, dcomb, dcollapsed, _dproj, _dsumsq):
+    """Pass 1 over X (``dpre``, a kernel), the small ``[T, M]`` graph recomputed from the saved ``proj``/``sumsq``
+    and differentiated by torch autograd (every Sinkhorn step), then passes 2 (``dX``) and 3 (``dfn``) over X."""
+    x, fn, base, scale, proj, sumsq = ctx.saved_tensors
+    n, d = x.shape[2], x.shape[3]
+    k = n * d
+    dpre = _HC_PRE_DPRE(x, dcollapsed) if dcollapsed is not None else None
+    need_base, need_scale = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+    with torch.enable_grad():
+        proj_r = proj.detach().requires_grad_(True)
+        sumsq_r = sumsq.detach().requires_grad_(True)
+        base_r = base.detach().requires_grad_(need_base)
+        scale_r = scale.detach().requires_grad_(need_scale)
+        pre, post, comb = _small_graph(proj_r, sumsq_r, base_r, scale_r, n, k, ctx.cfg)
+        outs, grads = [], []
+        for o, g in ((pre, dpre), (post, dpost), (comb, dcomb)):
+            if g is not None:
+                outs.append(o)
+                grads.append(g.reshape(o.shape).to(o.dtype))
+        inputs = [proj_r, sumsq_r] + ([base_r] if need_base else []) + ([scale_r] if need_scale else [])
+        if outs:
+            got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        else:
+            got = [None] * len(inputs)
+    got = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, got)]
+    dproj, dsumsq = got[0], got[1]
+    rest = got[2:]
+    dbase = rest.pop(0) if need_base else None
+    dscale = rest.pop(0) if need_scale else None
+    dx = _HC_PRE_DX(x, fn, dproj, dsumsq, pre.detach(), dcollapsed) if ctx.needs_input_grad[0] else None
+    dfn = _HC_PRE_DFN(x, dproj).to(fn.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dfn, dbase, dscale, None, None, None
+
+
+# op name -> op (also torch.ops.glm53flash.<name>); empty without triton
+OPS: dict = {}
+if TRITON_AVAILABLE:
+    _HC_POST_BWD = define_op("hc_post_bwd", _hc_post_bwd_impl, _hc_post_bwd_fake)
+    _HC_POST_FWD = define_op("hc_post_fwd", _hc_post_fwd_impl, _hc_post_fwd_fake, backward=_hc_post_backward,
+                             setup_context=_hc_post_setup)
+    _HC_PRE_DPRE = define_op("hc_pre_dpre", _hc_pre_dpre_impl, _hc_pre_dpre_fake)
+    _HC_PRE_DX = define_op("hc_pre_dx", _hc_pre_dx_impl, _hc_pre_dx_fake)
+    _HC_PRE_DFN = define_op("hc_pre_dfn", _hc_pre_dfn_impl, _hc_pre_dfn_fake)
+    _HC_PRE_FWD = define_op("hc_pre_fwd", _hc_pre_fwd_impl, _hc_pre_fwd_fake, backward=_hc_pre_backward,
+                            setup_context=_hc_pre_setup)
+    OPS.update(hc_post_fwd=_HC_POST_FWD, hc_post_bwd=_HC_POST_BWD, hc_pre_fwd=_HC_PRE_FWD, hc_pre_dpre=_HC_PRE_DPRE,
+               hc_pre_dx=_HC_PRE_DX, hc_pre_dfn=_HC_PRE_DFN)
+
+
+# ====================================================================================================== public API
 def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Fused ``hc_post``: ``out[..., h, :] = rd(post_h) * y + sum_i rd(comb[..., i, h]) * residual_i``.
 
     Same maths and rounding as :func:`glm53flash_hf.mhc_ops.hc_post_torch` (``rd`` = cast to the activation dtype;
-    see the module docstring). Differentiable in all four inputs (custom backward kernel).
+    see the module docstring). Differentiable in all four inputs (backward kernel). Runs the custom op
+    ``glm53flash::hc_post_fwd`` (module docstring).
 
     Args:
         y: ``[B, S, D]`` sub-block output, same dtype as ``residual`` (fp32, bf16 or fp16).
@@ -319,101 +524,7 @@ def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
     if residual.dtype not in SUPPORTED_DTYPES or y.dtype != residual.dtype:
         raise ValueError(f"fused hc_post needs y and residual of one dtype in fp32/bf16/fp16; got {y.dtype}, "
                          f"{residual.dtype}")
-    return _HcPostFunction.apply(y, residual, post, comb)
-
-
-# ============================================================================================================= hc_pre
-def _pre_blocks(t: int, k: int, d: int) -> tuple[int, int, int]:
-    """(BT tokens per program, BK columns of N*D, BD features) for the hc_pre kernels."""
-    bt = min(32, next_power_of_2(t, 16))
-    bk = min(128, next_power_of_2(k, 16))
-    bd = min(256, next_power_of_2(d, 16))
-    return bt, bk, bd
-
-
-def _small_graph(proj, sumsq, base, scale, n, k, cfg):
-    """The torch part of hc_pre on ``[T, M]`` (:func:`~glm53flash_hf.mhc_ops.mix_weights`, the torch path's ops)."""
-    sinkhorn_iters, hc_eps, norm_eps = cfg
-    return mix_weights(proj, sumsq.unsqueeze(-1) / k, base, scale, n=n, sinkhorn_iters=sinkhorn_iters,
-                       hc_eps=hc_eps, norm_eps=norm_eps)
-
-
-class _HcPreFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
-        b, s, n, d = x.shape
-        t, k, m = b * s, n * d, fn.shape[0]
-        ctx.cfg = (sinkhorn_iters, hc_eps, norm_eps)
-        x_c, fn_c = x.contiguous(), fn.contiguous()
-        bt, bk, bd = _pre_blocks(t, k, d)
-        mp = next_power_of_2(m, 16)
-        proj = torch.empty(t, m, dtype=torch.float32, device=x.device)
-        sumsq = torch.empty(t, dtype=torch.float32, device=x.device)
-        if t > 0:
-            _hc_pre_reduce_kernel[(triton.cdiv(t, bt),)](x_c, fn_c, proj, sumsq, t, k, M=m, MP=mp, BT=bt, BK=bk)
-        with torch.no_grad():
-            pre, post, comb = _small_graph(proj, sumsq, base, scale, n, k, ctx.cfg)
-        pre = pre.contiguous()
-        collapsed = torch.empty(b, s, d, dtype=x.dtype, device=x.device)
-        if t > 0 and d > 0:
-            _hc_collapse_kernel[(t, triton.cdiv(d, bd))](x_c, pre, collapsed, d, N=n, BD=bd,
-                                                         DT=TL_DTYPES[x.dtype])
-        ctx.save_for_backward(x_c, fn_c, base, scale, proj, sumsq)
-        return post.view(b, s, n), comb.view(b, s, n, n), collapsed
-
-    @staticmethod
-    def backward(ctx, dpost, dcomb, dcollapsed):
-        x, fn, base, scale, proj, sumsq = ctx.saved_tensors
-        b, s, n, d = x.shape
-        t, k, m = b * s, n * d, fn.shape[0]
-        bt, bk, bd = _pre_blocks(t, k, d)
-        mp = next_power_of_2(m, 16)
-        dc = dcollapsed.contiguous() if dcollapsed is not None else None
-
-        dpre = None
-        if dc is not None and t > 0:  # pass 1 over X
-            dpre = torch.empty(t, n, dtype=torch.float32, device=x.device)
-            _hc_dpre_kernel[(t,)](x, dc, dpre, d, N=n, NP=next_power_of_2(n), BD=bd)
-
-        # the small [T, M] graph, recomputed and differentiated by torch autograd (every Sinkhorn step)
-        need_base, need_scale = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        with torch.enable_grad():
-            proj_r = proj.detach().requires_grad_(True)
-            sumsq_r = sumsq.detach().requires_grad_(True)
-            base_r = base.detach().requires_grad_(need_base)
-            scale_r = scale.detach().requires_grad_(need_scale)
-            pre, post, comb = _small_graph(proj_r, sumsq_r, base_r, scale_r, n, k, ctx.cfg)
-            outs, grads = [], []
-            for o, g in ((pre, dpre), (post, dpost), (comb, dcomb)):
-                if g is not None:
-                    outs.append(o)
-                    grads.append(g.reshape(o.shape).to(o.dtype))
-            inputs = [proj_r, sumsq_r] + ([base_r] if need_base else []) + ([scale_r] if need_scale else [])
-            if outs:
-                got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
-            else:
-                got = [None] * len(inputs)
-        got = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, got)]
-        dproj, dsumsq = got[0].contiguous(), got[1].contiguous()
-        rest = got[2:]
-        dbase = rest.pop(0) if need_base else None
-        dscale = rest.pop(0) if need_scale else None
-
-        dx = dfn = None
-        if ctx.needs_input_grad[0]:  # pass 2 over X: dX written once
-            dx = torch.empty_like(x)
-            if t > 0 and d > 0:
-                pre_c = pre.detach().contiguous()
-                _hc_pre_dx_kernel[(triton.cdiv(t, bt), n, triton.cdiv(d, bd))](
-                    x, fn, dproj, dsumsq, pre_c, dc if dc is not None else dproj, dx, t, d,
-                    N=n, M=m, MP=mp, BT=bt, BD=bd, HAS_DC=dc is not None, DT=TL_DTYPES[x.dtype],
-                )
-        if ctx.needs_input_grad[1]:  # pass 3 over X: dfn reduced over tokens in fp32
-            dfn32 = torch.zeros(m, k, dtype=torch.float32, device=x.device)
-            if t > 0 and k > 0:
-                _hc_pre_dfn_kernel[(triton.cdiv(k, bk),)](x, dproj, dfn32, t, k, M=m, MP=mp, BT=bt, BK=bk)
-            dfn = dfn32.to(fn.dtype)
-        return dx, dfn, dbase, dscale, None, None, None
+    return _HC_POST_FWD(y, residual, post, comb)
 
 
 def hc_pre_fused(
@@ -438,7 +549,7 @@ def hc_pre_fused(
 
     Returns:
         ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)``, differentiable in
-        ``X``, ``fn``, ``base`` and ``scale``.
+        ``X``, ``fn``, ``base`` and ``scale`` (the custom op ``glm53flash::hc_pre_fwd``, module docstring).
 
     Raises:
         RuntimeError: triton is not installed.
@@ -451,5 +562,7 @@ def hc_pre_fused(
     check_device("hidden_streams", hidden_streams)
     check_dtype("hidden_streams", hidden_streams)
     check_dtype("fn", fn)
-    return _HcPreFunction.apply(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    post, comb, collapsed, _, _ = _HC_PRE_FWD(hidden_streams, fn, base, scale, int(sinkhorn_iters),
+                                              float(hc_eps), float(norm_eps))
+    return post, comb, collapsed
 

@@ -39,6 +39,7 @@ from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
+from .graph_ops import in_graph, module_op, module_parameters, register_module
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
@@ -592,7 +593,7 @@ def placeholder_masks(
     if mm_token_type_ids is not None:
         if input_ids is not None:
             marked, placeholder = mm_token_type_ids != 0, input_ids == config.image_token_id
-            if not torch.equal(marked, placeholder):
+            if not in_graph() and not torch.equal(marked, placeholder):  # a traced graph cannot raise on data
                 raise ValueError(
                     f"mm_token_type_ids marks {int(marked.sum())} tokens as image/video but input_ids holds "
                     f"{int(placeholder.sum())} <|image|> placeholders (image_token_id={config.image_token_id}) at "
@@ -616,6 +617,16 @@ def placeholder_masks(
     return placeholder & ~in_video, placeholder & in_video
 
 
+def _vision_fake(visual, pixel_values, grid_thw):
+    merge = visual.config.spatial_merge_size
+    return pixel_values.new_empty(pixel_values.shape[0] // (merge * merge), visual.config.out_hidden_size)
+
+
+_VISION_OP = module_op(
+    "vision_tower", lambda visual, x, grid: visual(x, grid_thw=grid).pooler_output, fake=_vision_fake
+)
+
+
 class Glm53FlashModel(Glm53FlashPreTrainedModel):
     """GLM-5.3-Flash vision-language base model: transformers' glm5_next vision tower (reused as is) and our text
     model (``model.visual.*`` / ``model.language_model.*``, the published layout).
@@ -635,6 +646,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     def __init__(self, config: Glm53FlashConfig):
         super().__init__(config)
         self.visual = Glm5NextVisionModel._from_config(config.vision_config)
+        self._vision_key = register_module(self.visual)  # eagerly: a traced graph cannot register it
         self.language_model = Glm53FlashTextModel._from_config(config.text_config)
         self.post_init()
 
@@ -644,24 +656,30 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     def set_input_embeddings(self, value):
         self.language_model.embed_tokens = value
 
+    def _vision_tower(self, pixel_values: torch.Tensor, grid_thw: torch.LongTensor) -> torch.Tensor:
+        """``visual(pixel_values, grid_thw).pooler_output``. Under ``torch.compile`` the tower runs as the custom op
+        ``glm53flash::vision_tower`` (its attention splits the patches per image on the host)."""
+        pixel_values = pixel_values.to(self.visual.dtype)
+        if not in_graph():
+            return self.visual(pixel_values, grid_thw=grid_thw).pooler_output
+        return _VISION_OP(pixel_values, grid_thw, module_parameters(self.visual), self._vision_key)
+
     def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor) -> torch.Tensor:
         """Merged image features ``[sum_i t_i*h_i*w_i / merge^2, text hidden]`` for ``pixel_values``
         ``[patches, C*T*P*P]``."""
-        out = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
-        return out.pooler_output
+        return self._vision_tower(pixel_values, image_grid_thw)
 
     def get_video_features(self, pixel_values_videos: torch.Tensor, video_grid_thw: torch.LongTensor) -> torch.Tensor:
         """Merged video features; each temporal slice (tubelet) is its own attention sequence, as the reference:
         ``video_grid_thw`` rows ``[t, h, w]`` become ``t`` rows ``[1, h, w]``."""
         hw = torch.repeat_interleave(video_grid_thw[:, 1:], video_grid_thw[:, 0], dim=0)
         grid = torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
-        out = self.visual(pixel_values_videos.to(self.visual.dtype), grid_thw=grid)
-        return out.pooler_output
+        return self._vision_tower(pixel_values_videos, grid)
 
     @staticmethod
     def _splice(inputs_embeds, mask, features, what: str):
-        n_tokens = int(mask.sum())
-        if n_tokens != features.shape[0]:
+        n_tokens = None if in_graph() else int(mask.sum())  # checked eagerly; a traced graph cannot raise on data
+        if n_tokens is not None and n_tokens != features.shape[0]:
             raise ValueError(
                 f"{what} placeholders and features do not match: {n_tokens} {what} placeholder tokens in the input, "
                 f"{features.shape[0]} {what} feature rows from the vision tower"
@@ -702,8 +720,9 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
                     raise ValueError("pixel_values_videos needs video_grid_thw")
                 video_features = self.get_video_features(pixel_values_videos, video_grid_thw)
                 inputs_embeds = self._splice(inputs_embeds, video_mask, video_features, "video")
-        if input_ids is not None and kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
-            # A full (uncached) forward must get features for every placeholder it holds.
+        uncached = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
+        if input_ids is not None and uncached and not in_graph():
+            # A full (uncached) forward must get features for every placeholder it holds (checked eagerly).
             image_mask, video_mask = placeholder_masks(input_ids, mm_token_type_ids, self.config)
             for mask, given, what in ((image_mask, pixel_values, "pixel_values"), (video_mask, pixel_values_videos,
                                                                                     "pixel_values_videos")):

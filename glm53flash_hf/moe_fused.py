@@ -1,5 +1,5 @@
-"""Fused MoE pieces for GLM-5.3-Flash's routed experts: Triton clamped-SwiGLU and weighted-combine kernels with
-custom autograd, around torch's grouped GEMM.
+"""Fused MoE pieces for GLM-5.3-Flash's routed experts: Triton clamped-SwiGLU and weighted-combine kernels as
+``torch.library`` custom ops with registered fakes and autograd formulas, around torch's grouped GEMM.
 
 Our own kernels. The maths and the rounding are those of the torch path
 :func:`glm53flash_hf.moe_ops.experts_forward_torch` (the oracle of ``tests/test_moe_fused.py``), itself equal to
@@ -40,6 +40,17 @@ Expert-parallel sentinels (ids ``>= E`` with ``drop_out_of_range=True``) sort to
 group offset are treated as absent by both kernels (zero activation, zero contribution, zero gradients), so the
 grouped GEMMs' unwritten rows are never read.
 
+Custom ops (namespace ``glm53flash``, registered at import by :func:`glm53flash_hf.graph_ops.define_op` when
+triton is installed; listed in :data:`OPS`; each with a fake implementation, so ``torch.compile(fullgraph=True)``
+traces :func:`experts_forward_fused` without a graph break):
+
+* ``clamped_swiglu_fwd(gate_up, valid_rows, limit) -> act``; autograd formula:
+  ``clamped_swiglu_bwd(gate_up, dact, valid_rows, limit) -> dgate_up``.
+* ``weighted_combine_fwd(rows, row_weights, token_rows, token_of_row, valid_rows, out_dtype) -> out``
+  (``token_of_row`` is saved for the backward); autograd formula:
+  ``weighted_combine_bwd(grad, rows, row_weights, token_of_row, valid_rows) -> (drows, dweights fp32)``, ``dweights``
+  cast to the dtype of ``row_weights``.
+
 Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for the tests), activations and weights in fp32,
 bf16 or fp16 (one dtype for both weights), any ``H``/``I`` (blocks are masked). Routing weights are used in fp32.
 Without triton this module still imports (:func:`fused_moe_available` says so and the fused functions raise
@@ -51,6 +62,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import local_tensor
+from .graph_ops import define_op
 from .moe_ops import check_experts_args, grouped_mm, routing_metadata
 from .triton_utils import (
     SUPPORTED_DTYPES,
@@ -239,82 +251,138 @@ def _limits(limit: float | None, dtype: torch.dtype) -> tuple[bool, float, float
     return True, float(limit), float(torch.tensor(float(limit), dtype=torch.float32).to(dtype).item())
 
 
-class _ClampedSwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up, limit, nvalid):
-        rows, two_i = gate_up.shape
-        inter = two_i // 2
-        has_limit, lim, lim_value = _limits(limit, gate_up.dtype)
-        act = torch.empty(rows, inter, device=gate_up.device, dtype=gate_up.dtype)
-        if rows and inter:
-            block_r, block_c = _swiglu_blocks(inter)
-            grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
-            _swiglu_fwd_kernel[grid](
-                gu_ptr=gate_up, act_ptr=act, nvalid_ptr=nvalid,
-                n_rows=rows, inter=inter, stride_gu=gate_up.stride(0), stride_act=act.stride(0),
-                limit=lim, limit_value=lim_value,
-                HAS_LIMIT=has_limit, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c,
-            )
-        ctx.save_for_backward(gate_up, nvalid)
-        ctx.limit = limit
-        return act
-
-    @staticmethod
-    def backward(ctx, dact):
-        gate_up, nvalid = ctx.saved_tensors
-        rows, two_i = gate_up.shape
-        inter = two_i // 2
-        dact = dact.to(gate_up.dtype)
-        if dact.stride(-1) != 1:
-            dact = dact.contiguous()
-        has_limit, lim, lim_value = _limits(ctx.limit, gate_up.dtype)
-        dgu = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-        if rows and inter:
-            block_r, block_c = _swiglu_blocks(inter)
-            grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
-            _swiglu_bwd_kernel[grid](
-                gu_ptr=gate_up, dact_ptr=dact, dgu_ptr=dgu, nvalid_ptr=nvalid,
-                n_rows=rows, inter=inter, stride_gu=gate_up.stride(0), stride_dact=dact.stride(0),
-                stride_dgu=dgu.stride(0), limit=lim, limit_value=lim_value,
-                HAS_LIMIT=has_limit, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c,
-            )
-        return dgu, None, None
+# ======================================================================================================= custom ops
+# The kernels run inside torch.library custom ops (namespace glm53flash, registered at import by
+# graph_ops.define_op), each forward op with its fake and autograd formula, so torch.compile(fullgraph=True)
+# traces experts_forward_fused without a graph break.
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has unit stride (what the kernels index), else a contiguous copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-class _WeightedCombine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, row_weights, token_rows, token_of_row, nvalid, out_dtype):
-        num_tokens, k = token_rows.shape
-        hidden = rows.shape[1]
-        w32 = row_weights.to(torch.float32).contiguous()
-        out = torch.empty(num_tokens, hidden, device=rows.device, dtype=out_dtype)
-        if num_tokens and hidden:
-            block_h = min(1024, next_power_of_2(hidden, 16))
-            _combine_fwd_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-                rows_ptr=rows, w_ptr=w32, order_ptr=token_rows, nvalid_ptr=nvalid, out_ptr=out,
-                hidden=hidden, stride_rows=rows.stride(0), stride_out=out.stride(0),
-                K=k, OUT_DT=TL_DTYPES[out_dtype], BLOCK_H=block_h,
-            )
-        ctx.save_for_backward(rows, w32, token_of_row, nvalid)
-        ctx.weight_dtype = row_weights.dtype
-        return out
+def _swiglu_fwd_impl(gate_up: torch.Tensor, valid_rows: torch.Tensor, limit: float | None) -> torch.Tensor:
+    gate_up = _unit_last_stride(gate_up)
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    has_limit, lim, lim_value = _limits(limit, gate_up.dtype)
+    act = torch.empty(rows, inter, device=gate_up.device, dtype=gate_up.dtype)
+    if rows and inter:
+        block_r, block_c = _swiglu_blocks(inter)
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
+        _swiglu_fwd_kernel[grid](
+            gu_ptr=gate_up, act_ptr=act, nvalid_ptr=valid_rows,
+            n_rows=rows, inter=inter, stride_gu=gate_up.stride(0), stride_act=act.stride(0),
+            limit=lim, limit_value=lim_value,
+            HAS_LIMIT=has_limit, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c,
+        )
+    return act
 
-    @staticmethod
-    def backward(ctx, grad):
-        rows, w32, token_of_row, nvalid = ctx.saved_tensors
-        num_rows, hidden = rows.shape
-        if grad.stride(-1) != 1:
-            grad = grad.contiguous()
-        drows = torch.empty(num_rows, hidden, device=rows.device, dtype=rows.dtype)
-        dw = torch.empty(num_rows, device=rows.device, dtype=torch.float32)
-        if num_rows and hidden:
-            block_h = min(1024, next_power_of_2(hidden, 16))
-            _combine_bwd_kernel[(num_rows,)](
-                g_ptr=grad, rows_ptr=rows, w_ptr=w32, token_ptr=token_of_row, nvalid_ptr=nvalid,
-                drows_ptr=drows, dw_ptr=dw, hidden=hidden, stride_g=grad.stride(0), stride_rows=rows.stride(0),
-                stride_drows=drows.stride(0), ROW_DT=TL_DTYPES[rows.dtype], BLOCK_H=block_h,
-            )
-        return drows, dw.to(ctx.weight_dtype), None, None, None, None
+
+def _swiglu_fwd_fake(gate_up, valid_rows, limit):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+def _swiglu_bwd_impl(gate_up: torch.Tensor, dact: torch.Tensor, valid_rows: torch.Tensor, limit: float | None
+                     ) -> torch.Tensor:
+    gate_up = _unit_last_stride(gate_up)
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    dact = _unit_last_stride(dact.to(gate_up.dtype))
+    has_limit, lim, lim_value = _limits(limit, gate_up.dtype)
+    dgu = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    if rows and inter:
+        block_r, block_c = _swiglu_blocks(inter)
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
+        _swiglu_bwd_kernel[grid](
+            gu_ptr=gate_up, dact_ptr=dact, dgu_ptr=dgu, nvalid_ptr=valid_rows,
+            n_rows=rows, inter=inter, stride_gu=gate_up.stride(0), stride_dact=dact.stride(0),
+            stride_dgu=dgu.stride(0), limit=lim, limit_value=lim_value,
+            HAS_LIMIT=has_limit, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c,
+        )
+    return dgu
+
+
+def _swiglu_bwd_fake(gate_up, dact, valid_rows, limit):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    gate_up, valid_rows, limit = inputs
+    ctx.save_for_backward(gate_up, valid_rows)
+    ctx.limit = limit
+
+
+def _swiglu_backward(ctx, dact):
+    gate_up, valid_rows = ctx.saved_tensors
+    return _SWIGLU_BWD(gate_up, dact, valid_rows, ctx.limit), None, None
+
+
+def _combine_fwd_impl(rows: torch.Tensor, row_weights: torch.Tensor, token_rows: torch.Tensor,
+                      token_of_row: torch.Tensor, valid_rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The forward kernel; ``token_of_row`` is not read here (the autograd formula saves it for the backward)."""
+    rows = _unit_last_stride(rows)
+    num_tokens, k = token_rows.shape
+    hidden = rows.shape[1]
+    w32 = row_weights.to(torch.float32).contiguous()
+    token_rows = token_rows.contiguous()
+    out = torch.empty(num_tokens, hidden, device=rows.device, dtype=out_dtype)
+    if num_tokens and hidden:
+        block_h = min(1024, next_power_of_2(hidden, 16))
+        _combine_fwd_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            rows_ptr=rows, w_ptr=w32, order_ptr=token_rows, nvalid_ptr=valid_rows, out_ptr=out,
+            hidden=hidden, stride_rows=rows.stride(0), stride_out=out.stride(0),
+            K=k, OUT_DT=TL_DTYPES[out_dtype], BLOCK_H=block_h,
+        )
+    return out
+
+
+def _combine_fwd_fake(rows, row_weights, token_rows, token_of_row, valid_rows, out_dtype):
+    return rows.new_empty((token_rows.shape[0], rows.shape[1]), dtype=out_dtype)
+
+
+def _combine_bwd_impl(grad: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor, token_of_row: torch.Tensor,
+                      valid_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, grad = _unit_last_stride(rows), _unit_last_stride(grad)
+    num_rows, hidden = rows.shape
+    w32 = row_weights.to(torch.float32).contiguous()
+    token_of_row = token_of_row.contiguous()
+    drows = torch.empty(num_rows, hidden, device=rows.device, dtype=rows.dtype)
+    dw = torch.empty(num_rows, device=rows.device, dtype=torch.float32)
+    if num_rows and hidden:
+        block_h = min(1024, next_power_of_2(hidden, 16))
+        _combine_bwd_kernel[(num_rows,)](
+            g_ptr=grad, rows_ptr=rows, w_ptr=w32, token_ptr=token_of_row, nvalid_ptr=valid_rows,
+            drows_ptr=drows, dw_ptr=dw, hidden=hidden, stride_g=grad.stride(0), stride_rows=rows.stride(0),
+            stride_drows=drows.stride(0), ROW_DT=TL_DTYPES[rows.dtype], BLOCK_H=block_h,
+        )
+    return drows, dw
+
+
+def _combine_bwd_fake(grad, rows, row_weights, token_of_row, valid_rows):
+    return rows.new_empty(rows.shape), rows.new_empty((rows.shape[0],), dtype=torch.float32)
+
+
+def _combine_setup(ctx, inputs, output):
+    rows, row_weights, token_rows, token_of_row, valid_rows, out_dtype = inputs
+    ctx.save_for_backward(rows, row_weights, token_of_row, valid_rows)
+
+
+def _combine_backward(ctx, grad):
+    rows, row_weights, token_of_row, valid_rows = ctx.saved_tensors
+    drows, dw = _COMBINE_BWD(grad, rows, row_weights, token_of_row, valid_rows)
+    return drows, dw.to(row_weights.dtype), None, None, None, None
+
+
+OPS: dict = {}  # op name -> op (also torch.ops.glm53flash.<name>); empty without triton
+if TRITON_AVAILABLE:
+    _SWIGLU_BWD = define_op("clamped_swiglu_bwd", _swiglu_bwd_impl, _swiglu_bwd_fake)
+    _SWIGLU_FWD = define_op("clamped_swiglu_fwd", _swiglu_fwd_impl, _swiglu_fwd_fake, backward=_swiglu_backward,
+                            setup_context=_swiglu_setup)
+    _COMBINE_BWD = define_op("weighted_combine_bwd", _combine_bwd_impl, _combine_bwd_fake)
+    _COMBINE_FWD = define_op("weighted_combine_fwd", _combine_fwd_impl, _combine_fwd_fake,
+                             backward=_combine_backward, setup_context=_combine_setup)
+    OPS.update(clamped_swiglu_fwd=_SWIGLU_FWD, clamped_swiglu_bwd=_SWIGLU_BWD, weighted_combine_fwd=_COMBINE_FWD,
+               weighted_combine_bwd=_COMBINE_BWD)
 
 
 # ====================================================================================================== public API
@@ -335,7 +403,8 @@ def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_ro
             gradient; their input is never read). ``None``: all rows.
 
     Returns:
-        ``[S, I]`` in ``gate_up.dtype``, differentiable w.r.t. ``gate_up``.
+        ``[S, I]`` in ``gate_up.dtype``, differentiable w.r.t. ``gate_up`` (the custom op
+        ``glm53flash::clamped_swiglu_fwd``).
 
     Raises:
         RuntimeError: triton is not installed.
@@ -352,7 +421,7 @@ def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_ro
     if limit is not None and not float(limit) >= 0:
         raise ValueError(f"limit must be None or >= 0; got limit={limit}")
     valid_rows = _valid_rows(valid_rows, gate_up.shape[0], gate_up.device)
-    return _ClampedSwiGLU.apply(gate_up, limit, valid_rows)
+    return _SWIGLU_FWD(gate_up, valid_rows, None if limit is None else float(limit))
 
 
 def weighted_combine_fused(
@@ -380,7 +449,8 @@ def weighted_combine_fused(
 
     Returns:
         ``[T, H]`` in ``out_dtype``, differentiable w.r.t. ``rows`` and ``row_weights`` (``drows`` in ``rows.dtype``,
-        ``dw`` accumulated in fp32 and cast to ``row_weights.dtype``).
+        ``dw`` accumulated in fp32 and cast to ``row_weights.dtype``; the custom op
+        ``glm53flash::weighted_combine_fwd``).
 
     Raises:
         RuntimeError: triton is not installed.
@@ -410,8 +480,7 @@ def weighted_combine_fused(
     if rows.shape[1] and rows.stride(1) != 1:
         raise ValueError(f"rows must have unit stride in its last dim; got strides {rows.stride()}")
     valid_rows = _valid_rows(valid_rows, num_rows, rows.device)
-    return _WeightedCombine.apply(rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows,
-                                  out_dtype)
+    return _COMBINE_FWD(rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows, out_dtype)
 
 
 def rows_by_token(token_of_row: torch.Tensor, top_k: int) -> torch.Tensor:

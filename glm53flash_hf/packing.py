@@ -16,7 +16,7 @@ Conventions (the same as fla's varlen kernels):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,26 +28,46 @@ class DocumentLayout:
     Attributes:
         batch_size, seq_len: ``B`` and ``S``.
         valid: bool ``[B, S]``, False on padding tokens.
+        starts: bool ``[B, S]``, True on the first token of every segment.
         doc_start: long ``[B, S]``, row index of the first token of the token's segment.
         local_pos: long ``[B, S]``, position of the token inside its segment (0-based).
         seq_idx: long ``[B, S]``, global segment index (index into ``cu_seqlens``).
-        cu_seqlens: long ``[N + 1]``, segment boundaries over the flattened ``B * S`` tokens.
-        segment_valid: bool ``[N]``, False for padding segments.
-        max_seqlen: longest segment, in tokens (a Python int).
         trivial: True when every row is one valid segment (no packing, no padding): layers may take
-            their plain batched path.
+            their plain batched path. Decided from the arguments alone when none describes a layout, and under
+            ``torch.compile`` (False there whenever one is given, without reading the data).
+
+    ``cu_seqlens`` (long ``[N + 1]``, segment boundaries over the flattened ``B * S`` tokens) and ``segment_valid``
+    (bool ``[N]``, False for padding segments) have a data-dependent size ``N``; they are computed on first use, so
+    a forward that needs only the per-token tensors (a cached decode step) never computes them.
     """
 
     batch_size: int
     seq_len: int
     valid: torch.Tensor
+    starts: torch.Tensor
     doc_start: torch.Tensor
     local_pos: torch.Tensor
     seq_idx: torch.Tensor
-    cu_seqlens: torch.Tensor
-    segment_valid: torch.Tensor
-    max_seqlen: int
     trivial: bool
+
+    _segments: tuple | None = field(default=None, repr=False, compare=False)  # (cu_seqlens, segment_valid), lazily
+
+    def _segment_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._segments is None:
+            start_positions = torch.nonzero(self.starts.reshape(-1)).flatten()
+            end = torch.tensor([self.batch_size * self.seq_len], device=self.starts.device, dtype=torch.long)
+            self._segments = (torch.cat([start_positions, end]), self.valid.reshape(-1)[start_positions])
+        return self._segments
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Long ``[N + 1]``: segment boundaries over the flattened ``B * S`` tokens."""
+        return self._segment_tensors()[0]
+
+    @property
+    def segment_valid(self) -> torch.Tensor:
+        """Bool ``[N]``: False for padding segments."""
+        return self._segment_tensors()[1]
 
     @property
     def num_segments(self) -> int:
@@ -66,6 +86,23 @@ def _as_2d(name: str, value: torch.Tensor, batch_size: int, seq_len: int) -> tor
             f"{name} must have shape [{batch_size}, {seq_len}] (or [1, {seq_len}]); got {tuple(value.shape)}"
         )
     return value.expand(batch_size, seq_len)
+
+
+def _check_cu_seqlens_values(cu: torch.Tensor, total: int) -> None:
+    """Raise ``ValueError`` unless ``cu`` goes from 0 to ``total`` with positive document lengths (reads the values,
+    so the compiled graph skips it: a traced graph cannot raise on data)."""
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at batch*seq = {total}; got {cu.tolist()[:8]}"
+            f"{'...' if cu.numel() > 8 else ''} (last {int(cu[-1]) if cu.numel() else 'none'})"
+        )
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths <= 0).any()):
+        bad = int(torch.nonzero(lengths <= 0)[0, 0])
+        raise ValueError(
+            f"cu_seqlens describes an empty or negative-length document at index {bad} "
+            f"(cu_seqlens[{bad}]={int(cu[bad])}, cu_seqlens[{bad + 1}]={int(cu[bad + 1])})"
+        )
 
 
 def build_document_layout(
@@ -98,6 +135,7 @@ def build_document_layout(
             sequence from 0 to ``B * S``, or it describes an empty document (two equal entries).
     """
     total = batch_size * seq_len
+    statically_trivial = all(x is None for x in (attention_mask, position_ids, cu_seqlens, seq_idx))
     arange = torch.arange(seq_len, device=device)
     starts = torch.zeros(batch_size, seq_len, dtype=torch.bool, device=device)
     starts[:, 0] = True
@@ -123,43 +161,28 @@ def build_document_layout(
 
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=device, dtype=torch.long).flatten()
-        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
-            raise ValueError(
-                f"cu_seqlens must start at 0 and end at batch*seq = {total}; got {cu.tolist()[:8]}"
-                f"{'...' if cu.numel() > 8 else ''} (last {int(cu[-1]) if cu.numel() else 'none'})"
-            )
-        lengths = cu[1:] - cu[:-1]
-        if bool((lengths <= 0).any()):
-            bad = int(torch.nonzero(lengths <= 0)[0, 0])
-            raise ValueError(
-                f"cu_seqlens describes an empty or negative-length document at index {bad} "
-                f"(cu_seqlens[{bad}]={int(cu[bad])}, cu_seqlens[{bad + 1}]={int(cu[bad + 1])})"
-            )
+        if cu.numel() < 2 or not torch.compiler.is_compiling():
+            _check_cu_seqlens_values(cu, total)
         flat = starts.view(-1)
         flat[cu[:-1]] = True
 
     flat_starts = starts.reshape(-1)
-    start_positions = torch.nonzero(flat_starts).flatten()
-    cu_full = torch.cat([start_positions, torch.tensor([total], device=device, dtype=torch.long)])
-    seq_idx = (torch.cumsum(flat_starts.long(), 0) - 1).view(batch_size, seq_len)
+    seg_idx = (torch.cumsum(flat_starts.long(), 0) - 1).view(batch_size, seq_len)
     doc_start = torch.cummax(torch.where(starts, arange.expand(batch_size, -1), torch.zeros_like(arange)), dim=1).values
-    local_pos = arange.unsqueeze(0) - doc_start
-    segment_valid = valid.reshape(-1)[start_positions]
-    lengths = cu_full[1:] - cu_full[:-1]
-    max_seqlen = int(lengths.max()) if lengths.numel() else 0
-    trivial = bool(start_positions.numel() == batch_size and bool(valid.all()))
-    return DocumentLayout(
+    layout = DocumentLayout(
         batch_size=batch_size,
         seq_len=seq_len,
         valid=valid,
+        starts=starts,
         doc_start=doc_start,
-        local_pos=local_pos,
-        seq_idx=seq_idx,
-        cu_seqlens=cu_full,
-        segment_valid=segment_valid,
-        max_seqlen=max_seqlen,
-        trivial=trivial,
+        local_pos=arange.unsqueeze(0) - doc_start,
+        seq_idx=seg_idx,
+        trivial=statically_trivial,
     )
+    if not statically_trivial and not torch.compiler.is_compiling():
+        # eager: read the data (a trivial batch given with an all-ones mask takes the batched paths)
+        layout.trivial = bool(layout.num_segments == batch_size and bool(valid.all()))
+    return layout
 
 
 def layout_from_kwargs(
@@ -181,7 +204,12 @@ def layout_from_kwargs(
     """
     cu = kwargs.get("cu_seq_lens_q")
     cu2 = kwargs.get("cu_seqlens")
-    if cu is not None and cu2 is not None and not torch.equal(cu.long().cpu(), cu2.long().cpu()):
+    if (
+        cu is not None
+        and cu2 is not None
+        and not torch.compiler.is_compiling()
+        and not torch.equal(cu.long().cpu(), cu2.long().cpu())
+    ):
         raise ValueError("cu_seq_lens_q and cu_seqlens were both given and differ")
     return build_document_layout(
         batch_size,

@@ -1,5 +1,6 @@
 """What the Triton kernel modules (``mhc_fused``, ``dsa_fused``, ``moe_fused``) share: the optional ``triton``
-import, the dtypes they accept, the common part of their availability probes and small launch helpers.
+import, the dtypes they accept, the common part of their availability probes and small launch helpers. Their
+``torch.library`` custom ops are registered with :func:`glm53flash_hf.graph_ops.define_op`.
 
 ``triton`` is an optional dependency: this module imports without it (``TRITON_AVAILABLE`` is then False,
 :func:`probe_tensors` reports it and :func:`require_triton` raises ``RuntimeError``). transformers' remote-code
@@ -43,6 +44,8 @@ __all__ = [
     "tl",
     "triton",
 ]
+
+
 
 
 def interpreting() -> bool:

@@ -440,6 +440,52 @@ def test_module_fused_matches_torch(td, monkeypatch):
     print("module fused vs torch: worst relative error", worst)
 
 
+# ---------------------------------------------------------------------------------------------- custom ops, compile
+OPCHECK_PASSED = {name: "SUCCESS" for name in ("test_schema", "test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_dynamic")}
+
+
+def opcheck(op, *args):
+    """``torch.library.opcheck`` with its default tests (schema, autograd registration, fake tensor,
+    aot_dispatch_dynamic), which raises on a failure; asserts that all four ran."""
+    assert torch.library.opcheck(op, args) == OPCHECK_PASSED
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_sparse_mla(td, dtype):
+    """glm53flash::sparse_mla_fwd (differentiable in q_abs and latent through out and lse; its autograd formula calls
+    sparse_mla_bwd) and sparse_mla_bwd with and without an lse gradient, one and both input gradients."""
+    q, lat, g_out, g_lse, gen = inputs(1, 4, 2, 16, 5, dtype, seed=30)
+    idx = random_ids(1, 4, 3, 5, gen)
+    opcheck(td.OPS["sparse_mla_fwd"], q, lat, idx, 0.5, None, None)
+    q, lat = q.detach(), lat.detach()
+    out, lse = td.OPS["sparse_mla_fwd"](q, lat, idx, 0.5, None, 16)
+    for grad_lse, need in ((g_lse, (True, True)), (None, (True, False)), (g_lse, (False, True))):
+        opcheck(td.OPS["sparse_mla_bwd"], q, lat, idx, out, lse, g_out, grad_lse, 0.5, None, 16, *need)
+
+
+@pytest.mark.interpreter
+def test_compile_fullgraph_equals_eager(td):
+    """``torch.compile(fullgraph=True)`` (inductor) of a torch op -> sparse_mla_fused: no graph break, and the compiled
+    function equals the eager one bit for bit: out, lse and the gradients of q_abs and latent through both (the
+    kernels run inside the ops; the torch op around them is one exact product by a power of two)."""
+    q, lat, g_out, g_lse, gen = inputs(1, 5, 3, 16, 6, torch.float32, seed=31)
+    idx = random_ids(1, 5, 4, 6, gen)
+
+    def attend(q, lat):
+        return td.sparse_mla_fused(q * 0.5, lat, idx, 0.25)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    results = []
+    for fn in (attend, compiled):
+        out, lse = fn(q, lat)
+        results.append((out.detach(), lse.detach(), *torch.autograd.grad((out, lse), (q, lat), (g_out, g_lse))))
+    for name, a, b in zip(("out", "lse", "dq", "dlatent"), *results):
+        assert torch.equal(a, b), name
+
+
 # --------------------------------------------------------------------------------------------- dispatch (no kernels)
 def test_fused_on_cpu_warns_once_and_falls_back(monkeypatch):
     """``backend="fused"`` with CPU tensors: one warning naming the reason (however many calls), and exactly the

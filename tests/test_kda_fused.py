@@ -462,6 +462,198 @@ def test_fused_recurrent_step_matches_torch(fla_interp, lower_bound):
     print("max rel err", max(log.values()), log)
 
 
+# ------------------------------------------------------------------------------------------ custom ops, compile
+OPCHECK_PASSED = {name: "SUCCESS" for name in ("test_schema", "test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_dynamic")}
+
+
+def opcheck(op, *args):
+    """``torch.library.opcheck`` with its default tests (schema, autograd registration, fake tensor,
+    aot_dispatch_dynamic), which raises on a failure; asserts that all four ran."""
+    assert torch.library.opcheck(op, args) == OPCHECK_PASSED
+
+
+def core_inputs(seed, T=20, H=1, K=16, requires_grad=True):
+    """Random ``q, k, v, g, beta`` (``[1, T, H, K]``, beta ``[1, T, H]``) and the generator, for the op tests."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g = (torch.randn(1, T, H, K, generator=gen) for _ in range(4))
+    beta = torch.randn(1, T, H, generator=gen)
+    tensors = [q, k, v, g, beta]
+    return [t.requires_grad_(requires_grad) for t in tensors], gen
+
+
+class _ZeroFilledEmpty:
+    """``torch`` for one fla module, with ``empty`` returning zeros (test-only, see test_opcheck_chunk_kda)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.zeros(*args, **kwargs)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", ["gate-in-kernel", "packed"])
+def test_opcheck_chunk_kda(fla_interp, monkeypatch, case):
+    """glm53flash::fla_chunk_kda_fwd (differentiable; its autograd formula calls fla_chunk_kda_bwd) and
+    fla_chunk_kda_bwd on that forward's residuals. ``gate-in-kernel``: the layer's flags (gate, beta sigmoid and
+    l2-norm in the kernel, bound -5 with safe_gate), an initial state and the final state; ``packed``: activated gate
+    and beta (chunk_kda_fused's flags), two documents (chunk indices of data-dependent length), final states.
+
+    fla allocates the residual ``Aqk`` with ``torch.empty`` and writes only the blocks its kernels read back (the
+    causal lower part of each chunk); opcheck compares every output of two runs, so the test makes that allocation
+    zero-filled (in ``fla.ops.kda.chunk_intra`` only, for this test)."""
+    import fla.ops.kda.chunk_intra as chunk_intra
+
+    monkeypatch.setattr(chunk_intra, "torch", _ZeroFilledEmpty())
+    (q, k, v, g, beta), gen = core_inputs(50)
+    H, K = q.shape[2], q.shape[3]
+    if case == "gate-in-kernel":
+        A_log = torch.randn(H, generator=gen).requires_grad_()
+        dt_bias = torch.randn(H * K, generator=gen).requires_grad_()
+        h0 = torch.randn(1, H, K, K, generator=gen).requires_grad_()
+        cu, flags = None, (True, True, True, True, -5.0, 32)
+    else:
+        with torch.no_grad():
+            g.copy_(-torch.sigmoid(g))
+            beta.copy_(torch.sigmoid(beta))
+        A_log = dt_bias = h0 = None
+        cu, flags = torch.tensor([0, 7, 20]), (True, False, False, False, None, 32)
+    op = fla_interp.OPS["fla_chunk_kda_fwd"]
+    args = (q, k, v, g, beta, A_log, dt_bias, h0, cu, K**-0.5, True, *flags)
+    opcheck(op, *args)
+    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+    o, final, *residuals = op(*detached)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
+    opcheck(fla_interp.OPS["fla_chunk_kda_bwd"], do, dht, *detached[:9], *residuals, K**-0.5, *flags)
+
+
+@pytest.mark.interpreter
+def test_opcheck_conv_norm_recurrent(fla_interp):
+    """glm53flash::fla_causal_conv1d_fwd / _bwd (two documents, initial and final states), fla_rms_norm_gated_fwd /
+    _bwd, and the inference-only fla_fused_recurrent_kda (inputs without grad)."""
+    gen = torch.Generator().manual_seed(51)
+    x = torch.randn(1, 20, 32, generator=gen).requires_grad_()
+    w = torch.randn(32, 4, generator=gen).requires_grad_()
+    c0 = torch.randn(2, 32, 4, generator=gen).requires_grad_()
+    cu = torch.tensor([0, 7, 20])
+    conv = fla_interp.OPS["fla_causal_conv1d_fwd"]
+    opcheck(conv, x, w, c0, cu, "silu", True)
+    y, _, indices = conv(x.detach(), w.detach(), c0.detach(), cu, "silu", True)
+    dy, dht = torch.randn(y.shape, generator=gen), torch.randn(c0.shape, generator=gen)
+    opcheck(fla_interp.OPS["fla_causal_conv1d_bwd"], dy, dht, x.detach(), w.detach(), c0.detach(), cu, indices, "silu")
+
+    xn, gate = (torch.randn(1, 6, 2, 16, generator=gen).requires_grad_() for _ in range(2))
+    weight = torch.rand(16, generator=gen).requires_grad_()
+    norm = fla_interp.OPS["fla_rms_norm_gated_fwd"]
+    opcheck(norm, xn, gate, weight, 1e-5)
+    _, rstd = norm(xn.detach(), gate.detach(), weight.detach(), 1e-5)
+    opcheck(fla_interp.OPS["fla_rms_norm_gated_bwd"], torch.randn(xn.shape, generator=gen), xn.detach(),
+            gate.detach(), weight.detach(), rstd, 1e-5)
+
+    q, k, v, g = (torch.randn(2, 1, 2, 16, generator=gen) for _ in range(4))
+    beta = torch.randn(2, 1, 2, generator=gen)
+    state = torch.randn(2, 2, 16, 16, generator=gen)
+    opcheck(fla_interp.OPS["fla_fused_recurrent_kda"], q, k, v, g, beta, torch.randn(2, generator=gen),
+            torch.randn(32, generator=gen), state, None, -5.0)
+
+
+@pytest.mark.interpreter
+def test_ops_equal_fla_entry_points(fla_interp):
+    """The op-based functions equal fla's own entry points (their autograd Functions) bit for bit, values and every
+    gradient: chunk_kda_gate_in_kernel vs ``fla.ops.kda.chunk_kda`` with the gate, beta sigmoid and l2-norm in the
+    kernel (bound -5, safe_gate, two packed documents, initial and final states), causal_conv1d_fused vs
+    ``fla.modules.causal_conv1d.causal_conv1d`` (two documents, initial and final states) and rms_norm_gated_fused vs
+    ``fla.modules.norm.fused_norm_gate.rms_norm_gated``."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.ops.kda import chunk_kda
+
+    (q, k, v, g, beta), gen = core_inputs(53, H=2)
+    A_log = torch.randn(2, generator=gen).requires_grad_()
+    dt_bias = torch.randn(32, generator=gen).requires_grad_()
+    h0 = torch.randn(2, 2, 16, 16, generator=gen).requires_grad_()
+    cu = torch.tensor([0, 7, 20])
+    leaves = (q, k, v, g, beta, A_log, dt_bias, h0)
+    do, dht = torch.randn(1, 20, 2, 16, generator=gen), torch.randn(2, 2, 16, 16, generator=gen)
+
+    def fla_core():
+        return chunk_kda(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=-5.0, cu_seqlens=cu, cu_seqlens_cpu=cu, A_log=A_log,
+                         dt_bias=dt_bias, chunk_size=32)
+
+    def ours_core():
+        return fla_interp.chunk_kda_gate_in_kernel(q, k, v, g, beta, A_log, dt_bias, -5.0, initial_state=h0,
+                                                   output_final_state=True, cu_seqlens=cu, chunk_size=32)
+
+    x = torch.randn(1, 20, 24, generator=gen).requires_grad_()
+    w = torch.randn(24, 4, generator=gen).requires_grad_()
+    c0 = torch.randn(2, 24, 4, generator=gen).requires_grad_()
+    dy, dct = torch.randn(1, 20, 24, generator=gen), torch.randn(2, 24, 4, generator=gen)
+    xn, gate = (torch.randn(1, 20, 2, 16, generator=gen).requires_grad_() for _ in range(2))
+    nw = torch.rand(16, generator=gen).requires_grad_()
+    cases = {
+        "chunk_kda": (fla_core, ours_core, leaves, (do, dht)),
+        "causal_conv1d": (
+            lambda: causal_conv1d(x=x, weight=w, initial_state=c0, output_final_state=True, activation="silu",
+                                  cu_seqlens=cu, cu_seqlens_cpu=cu),
+            lambda: fla_interp.causal_conv1d_fused(x, w, cu_seqlens=cu, initial_state=c0, output_final_state=True),
+            (x, w, c0), (dy, dct)),
+        "rms_norm_gated": (
+            lambda: (rms_norm_gated(x=xn, g=gate, weight=nw, bias=None, activation="sigmoid", eps=1e-5),),
+            lambda: (fla_interp.rms_norm_gated_fused(xn, gate, nw, 1e-5),),
+            (xn, gate, nw), (do,)),
+    }
+    for name, (theirs, ours, inputs, cotangents) in cases.items():
+        results = []
+        for fn in (theirs, ours):
+            outs = fn()
+            results.append([o.detach() for o in outs] + list(torch.autograd.grad(outs, inputs, cotangents)))
+        for i, (a, b) in enumerate(zip(*results)):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: result {i} differs"
+
+
+@pytest.mark.interpreter
+def test_compile_fullgraph_equals_eager(fla_interp):
+    """``torch.compile(fullgraph=True)`` (inductor) of the layer's fused core on two packed documents: fla's conv ->
+    split -> chunk_kda_gate_in_kernel (bound -5) -> the gated norm, with cu_seqlens (read inside the ops). No graph
+    break, and the compiled function equals the eager one bit for bit: output, final states and the gradients of
+    every input (the kernels run inside the ops; between them only views)."""
+    gen = torch.Generator().manual_seed(52)
+    H, K, T = 1, 16, 20
+    cu = torch.tensor([0, 7, 20])
+    x = torch.randn(1, T, 3 * H * K, generator=gen).requires_grad_()
+    w = (0.5 * torch.randn(3 * H * K, 4, generator=gen)).requires_grad_()
+    g_raw, gate = (torch.randn(1, T, H, K, generator=gen).requires_grad_() for _ in range(2))
+    beta_logits = torch.randn(1, T, H, generator=gen).requires_grad_()
+    A_log = torch.randn(H, generator=gen).requires_grad_()
+    dt_bias = torch.randn(H * K, generator=gen).requires_grad_()
+    norm_w = torch.rand(K, generator=gen).requires_grad_()
+    leaves = (x, w, g_raw, gate, beta_logits, A_log, dt_bias, norm_w)
+
+    def core(x, w, g_raw, gate, beta_logits, A_log, dt_bias, norm_w):
+        y, _ = fla_interp.causal_conv1d_fused(x, w, cu_seqlens=cu)
+        q, k, v = y.view(1, T, 3, H, K).unbind(2)
+        o, final = fla_interp.chunk_kda_gate_in_kernel(q, k, v, g_raw, beta_logits, A_log, dt_bias, -5.0,
+                                                       output_final_state=True, cu_seqlens=cu, chunk_size=32)
+        return fla_interp.rms_norm_gated_fused(o, gate, norm_w, 1e-5), final
+
+    torch._dynamo.reset()
+    compiled = torch.compile(core, fullgraph=True)
+    do = torch.randn(1, T, H, K, generator=gen)
+    dht = torch.randn(2, H, K, K, generator=gen)
+    results = []
+    for fn in (core, compiled):
+        out, final = fn(*leaves)
+        results.append((out.detach(), final.detach(), *torch.autograd.grad((out, final), leaves, (do, dht))))
+    names = ("out", "final state", "dx", "dconv_weight", "dg_raw", "dgate", "dbeta_logits", "dA_log", "ddt_bias",
+             "dnorm_weight")
+    for name, a, b in zip(names, *results):
+        assert torch.equal(a, b), name
+
+
 # ========================================================================================== main process (no fla)
 class _ImportRecorder(importlib.abc.MetaPathFinder):
     """Records every attempt to import fla or glm53flash_hf.kda_fused (and lets the normal machinery go on)."""
@@ -583,9 +775,10 @@ def test_probe_reasons(monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
-def test_guard_rejects_keywords_the_function_would_ignore():
+def test_guard_rejects_keywords_the_function_would_ignore(monkeypatch):
     """call_checked raises TypeError naming the function and the argument for a keyword that is neither a named
-    parameter nor read from **kwargs; kwargs names are accepted only where the source reads them."""
+    parameter nor read from **kwargs; kwargs names (listed in KWARGS_READ) are accepted only where the source reads
+    them."""
     from glm53flash_hf import kda_fused
 
     def no_safe_gate(q, k, *, scale=None):
@@ -595,56 +788,75 @@ def test_guard_rejects_keywords_the_function_would_ignore():
     with pytest.raises(TypeError, match=r"no_safe_gate.*\['safe_gate'\]"):
         kda_fused.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, safe_gate=True)
 
-    def chunk_kda(q, **kwargs):  # reads A_log and chunk_size from **kwargs, swallows the rest (as fla does)
+    def chunk_kda(q, **kwargs):  # reads A_log and chunk_size from **kwargs, swallows the rest (as fla's does)
         return kwargs.get("A_log"), kwargs.pop("chunk_size", 64)
 
+    monkeypatch.setitem(kda_fused.KWARGS_READ, "chunk_kda", ("A_log", "dt_bias", "chunk_size"))
     assert kda_fused.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, chunk_size=32) == (3, 32)
     with pytest.raises(TypeError, match=r"chunk_kda.*\['dt_bias'\]"):
         kda_fused.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, dt_bias=4)
 
 
 def _fake_fla(record):
-    """fla-core 0.6.0's four signatures (no bodies): each records its keywords."""
+    """fla-core 0.6.0's signatures of the functions kda_fused calls (no kernels): each appends its keywords to
+    ``record[name]`` and returns new zero tensors of the real outputs' shapes."""
 
-    def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                  allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
-                  return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                  cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
-        A_log, dt_bias, chunk_size = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.pop("chunk_size", 64)
-        record["chunk_kda"] = dict(locals())
-        return v, None
+    def log(name, arguments):
+        record.setdefault(name, []).append(arguments)
+
+    def l2norm_fwd(x, eps=1e-6, output_dtype=None):
+        log("l2norm_fwd", dict(locals()))
+        return torch.zeros_like(x), torch.zeros(x.shape[:-1])
+
+    def fused_beta_sigmoid_fwd(x, scale=1.0):
+        log("fused_beta_sigmoid_fwd", dict(locals()))
+        return torch.zeros_like(x, dtype=torch.float32)
+
+    def prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None):
+        log("prepare_chunk_indices", dict(locals()))
+        return torch.zeros(4, 2, dtype=torch.long)
+
+    def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first=False,
+                      cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64, safe_gate=False,
+                      lower_bound=None, use_gate_in_kernel=False, A_log=None, dt_bias=None, disable_recompute=False,
+                      return_intermediate_states=False, cp_context=None, use_graph=False, chunk_offsets=None):
+        log("chunk_kda_fwd", dict(locals()))
+        A = torch.zeros(*k.shape[:3], chunk_size)
+        return torch.zeros_like(v), None, None, A, A.clone(), None, None, None, None, None, None, initial_state
 
     def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                             output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                             state_v_first=False, cu_seqlens=None, **kwargs):
-        record["fused_recurrent_kda"] = dict(locals())
-        return v, initial_state
+        log("fused_recurrent_kda", dict(locals()))
+        return torch.zeros_like(v), torch.zeros(*q.shape[:1], *q.shape[2:], v.shape[-1])
 
-    def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                      activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                      cp_context=None, **kwargs):
-        record["causal_conv1d"] = dict(locals())
-        return x, None
+    def causal_conv1d_fwd(x, weight, bias, residual, initial_state=None, output_final_state=False, activation=None,
+                          cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64,
+                          layout_fallback=False):
+        log("causal_conv1d_fwd", dict(locals()))
+        return torch.zeros(x.shape), None
 
-    def rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False, residual_in_fp32=False,
-                       eps=1e-6):
-        record["rms_norm_gated"] = dict(locals())
-        return x
+    def layer_norm_gated_fwd(x, g, weight, bias, activation="swish", eps=1e-5, residual=None, out_dtype=None,
+                             residual_dtype=None, is_rms_norm=False):
+        log("layer_norm_gated_fwd", dict(locals()))
+        return torch.zeros_like(x), None, torch.zeros(x.shape[0]), x
 
-    return SimpleNamespace(version="fake", chunk_kda=chunk_kda, fused_recurrent_kda=fused_recurrent_kda,
-                           causal_conv1d=causal_conv1d, rms_norm_gated=rms_norm_gated)
+    return SimpleNamespace(version="fake", l2norm_fwd=l2norm_fwd, fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
+                           prepare_chunk_indices=prepare_chunk_indices, chunk_kda_fwd=chunk_kda_fwd,
+                           fused_recurrent_kda=fused_recurrent_kda, causal_conv1d_fwd=causal_conv1d_fwd,
+                           layer_norm_gated_fwd=layer_norm_gated_fwd)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
 @pytest.mark.parametrize("lower_bound,safe", [(-5.0, True), (-8.0, False), (None, False)])
 def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
-    """With fla replaced by fakes of its 0.6.0 signatures: the layer's fused path and fused_recurrent_step hand fla
-    the gate parameters, the lower bound, safe_gate (only for bounds in [-5, 0)), the in-kernel flags, the packed
-    documents' cu_seqlens (device and host copies) and the norm's weight and eps; every call passes the guard.
-    Every parameter handed to a kernel goes through ``dispatch.local_tensor`` (DTensor unwrapping; its own behaviour
-    is tested in tests/test_dispatch.py) under a name that identifies it."""
+    """With fla replaced by fakes of its 0.6.0 signatures: the layer's fused path (through the custom ops) and
+    fused_recurrent_step hand fla the gate parameters, the lower bound, safe_gate (only for bounds in [-5, 0)), the
+    in-kernel gate flag, q and k to the l2-norm and the beta logits to the sigmoid (chunked path) or the in-kernel
+    flags (recurrent kernel), the packed documents' cu_seqlens (device and host copies) and the norm's weight and eps;
+    every call passes the guard. Every parameter handed to a kernel goes through ``dispatch.local_tensor`` (DTensor
+    unwrapping; its own behaviour is tested in tests/test_dispatch.py) under a name that identifies it."""
     from glm53flash_hf import kda_fused
 
     record = {}
@@ -659,26 +871,32 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     assert out.shape == x.shape
     for param in ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight", "o_norm.weight"):
         assert f"KDA layer 0 {param}" in unwrapped, (param, unwrapped)
-    c = record["chunk_kda"]
+    (c,) = record["chunk_kda_fwd"]
     assert c["A_log"] is layer.forget_gate.A_log and c["dt_bias"] is layer.forget_gate.dt_bias
     assert c["lower_bound"] == lower_bound and c["safe_gate"] is safe
-    assert c["use_gate_in_kernel"] and c["use_beta_sigmoid_in_kernel"] and c["use_qk_l2norm_in_kernel"]
+    assert c["use_gate_in_kernel"] and c["disable_recompute"] is False and c["cp_context"] is None
     assert c["state_v_first"] is False and c["g"].shape == (1, 64, 2, 16) and c["beta"].shape == (1, 64, 2)
+    assert [a["x"].shape for a in record["l2norm_fwd"]] == [(1, 64, 2, 16)] * 2  # q and k
+    (sig,) = record["fused_beta_sigmoid_fwd"]
+    assert sig["x"].shape == (1, 64, 2) and sig["scale"] == 1.0
     assert torch.equal(c["cu_seqlens"], layout.cu_seqlens)
     assert c["cu_seqlens_cpu"].tolist() == layout.cu_seqlens.tolist()
-    conv = record["causal_conv1d"]
-    assert conv["activation"] == "silu" and conv["backend"] == "triton" and conv["bias"] is None
+    assert c["chunk_indices"] is not None and c["chunk_size"] == 64
+    (conv,) = record["causal_conv1d_fwd"]
+    assert conv["activation"] == "silu" and conv["bias"] is None and conv["residual"] is None
     assert torch.equal(conv["weight"], layer.conv1d.weight[:, 0, :])
-    assert torch.equal(conv["cu_seqlens"], layout.cu_seqlens)
-    norm = record["rms_norm_gated"]
-    assert norm["weight"] is layer.o_norm.weight and norm["activation"] == "sigmoid"
+    assert torch.equal(conv["cu_seqlens"], layout.cu_seqlens) and conv["chunk_indices"] is not None
+    assert {a["cu_seqlens"].data_ptr() for a in record["prepare_chunk_indices"]} == {layout.cu_seqlens.data_ptr()}
+    (norm,) = record["layer_norm_gated_fwd"]
+    assert torch.equal(norm["weight"], layer.o_norm.weight) and norm["activation"] == "sigmoid"
+    assert norm["is_rms_norm"] is True and norm["bias"] is None
     assert norm["eps"] == layer.o_norm.variance_epsilon
     with torch.no_grad():
         q = torch.zeros(2, 1, 2, 16)
         kda_fused.fused_recurrent_step(q, q, q, q, torch.zeros(2, 1, 2), layer.forget_gate.A_log,
                                      layer.forget_gate.dt_bias, lower_bound, torch.zeros(2, 2, 16, 16))
     assert "forget_gate.A_log" in unwrapped and "forget_gate.dt_bias" in unwrapped
-    r = record["fused_recurrent_kda"]
+    (r,) = record["fused_recurrent_kda"]
     assert r["use_gate_in_kernel"] and r["use_beta_sigmoid_in_kernel"] and r["use_qk_l2norm_in_kernel"]
     assert r["lower_bound"] == lower_bound and r["output_final_state"] and r["state_v_first"] is False
 
@@ -686,29 +904,32 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
 def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
     """An fla whose functions lack parameters we pass (fla 0.4.2's chunk_kda had no A_log/dt_bias/lower_bound and
-    swallowed them in **kwargs) makes every wrapper raise TypeError naming the function, before any kernel runs."""
+    swallowed them in **kwargs) makes every wrapper raise TypeError naming the function, before that function is
+    called."""
     from glm53flash_hf import kda_fused
 
-    def old_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    def old_chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None,
+                          chunk_size=64, **kwargs):
         raise AssertionError("must not be called")
 
     def narrow(x, **kwargs):
         raise AssertionError("must not be called")
 
-    fake = SimpleNamespace(version="0.4.2", chunk_kda=old_chunk_kda, fused_recurrent_kda=narrow, causal_conv1d=narrow,
-                           rms_norm_gated=narrow)
+    working = _fake_fla({})
+    fake = SimpleNamespace(version="0.4.2", l2norm_fwd=working.l2norm_fwd,
+                           fused_beta_sigmoid_fwd=working.fused_beta_sigmoid_fwd, chunk_kda_fwd=old_chunk_kda_fwd,
+                           fused_recurrent_kda=narrow, causal_conv1d_fwd=narrow, layer_norm_gated_fwd=narrow)
     monkeypatch.setattr(kda_fused, "_fla", lambda: fake)
     q = torch.zeros(1, 4, 2, 16)
     beta = torch.zeros(1, 4, 2)
     A_log, dt_bias = torch.zeros(2), torch.zeros(32)
-    with pytest.raises(TypeError, match=r"chunk_kda.*A_log"):
+    with pytest.raises(TypeError, match=r"chunk_kda_fwd.*A_log"):
         kda_fused.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias, -5.0)
-    with pytest.raises(TypeError, match=r"chunk_kda.*use_gate_in_kernel"):
+    with pytest.raises(TypeError, match=r"chunk_kda_fwd.*use_gate_in_kernel"):
         kda_fused.chunk_kda_fused(q, q, q, q, beta)
-    with pytest.raises(TypeError, match=r"causal_conv1d.*weight"):
+    with pytest.raises(TypeError, match=r"causal_conv1d_fwd.*weight"):
         kda_fused.causal_conv1d_fused(torch.zeros(1, 4, 8), torch.zeros(8, 4))
-    with pytest.raises(TypeError, match=r"rms_norm_gated.*'g'"):
+    with pytest.raises(TypeError, match=r"layer_norm_gated_fwd.*'g'"):
         kda_fused.rms_norm_gated_fused(q, q, torch.ones(16), 1e-5)
     with torch.no_grad(), pytest.raises(TypeError, match=r"fused_recurrent_kda.*A_log"):
         kda_fused.fused_recurrent_step(q[:, :1], q[:, :1], q[:, :1], q[:, :1], beta[:, :1], A_log, dt_bias, -5.0, None)
