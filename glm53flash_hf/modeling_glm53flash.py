@@ -176,6 +176,7 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     config_class = Glm53FlashConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
+    _can_compile_fullgraph = True  # training forward/backward and static-cache decoding (tests/test_compile.py)
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False

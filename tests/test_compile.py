@@ -85,6 +85,7 @@ def _text_batch(batch=2, seq=40, seed=1):
 
 
 def test_compiled_text_equals_eager():
+    assert Glm53FlashForCausalLM._can_compile_fullgraph and Glm53FlashForConditionalGeneration._can_compile_fullgraph
     _assert_compiled_equals_eager(_model(), _text_batch(), dynamic=False)
 
 
