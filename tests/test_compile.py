@@ -68,7 +68,7 @@ def _assert_compiled_equals_eager(model, batch, **compile_kwargs):
     assert ref_out.mtp_loss is not None and out.mtp_loss is not None
     assert rel_err(out.loss, ref_out.loss) < TOL, (out.loss, ref_out.loss)
     assert rel_err(out.mtp_loss, ref_out.mtp_loss) < TOL
-    assert got.keys() == ref.keys() and len(ref) > 100
+    assert got.keys() == ref.keys() and len(ref) > 80  # all but the frozen indexers
     _assert_grads_close(got, ref)
     return out
 
