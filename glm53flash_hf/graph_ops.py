@@ -11,6 +11,9 @@ registers such a function as an opaque custom op with
   checkpointing). A custom op's implementation runs below the autograd dispatch keys; the backward turns them back
   on for the recomputation (:func:`_autograd_recording`).
 
+:func:`module_op` does the same for a module called as a whole (transformers' vision tower, whose attention
+splits the patches per image on the host), differentiable with respect to its input and parameters.
+
 The op runs the very same function as the eager path, so compiled and eager results agree; the eager model calls
 the function directly (:func:`in_graph` tells which). Sources: ``torch.library.custom_op``,
 ``torch.library.register_fake``, ``torch.library.register_autograd`` (PyTorch "Custom Python operators" guide).

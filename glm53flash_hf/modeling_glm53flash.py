@@ -319,6 +319,10 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
                 **kwargs,
             )
+            if not layout.trivial:
+                # the packed layers read the segment boundaries: build them here, not first inside a
+                # (checkpointed) layer, where the lazy build would be a side effect on an outside object
+                layout.segment_tensors()
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )

@@ -52,7 +52,8 @@ class DocumentLayout:
 
     _segments: tuple | None = field(default=None, repr=False, compare=False)  # (cu_seqlens, segment_valid), lazily
 
-    def _segment_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def segment_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cu_seqlens, segment_valid)``, computed on the first call and kept."""
         if self._segments is None:
             start_positions = torch.nonzero(self.starts.reshape(-1)).flatten()
             end = torch.tensor([self.batch_size * self.seq_len], device=self.starts.device, dtype=torch.long)
@@ -62,12 +63,12 @@ class DocumentLayout:
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """Long ``[N + 1]``: segment boundaries over the flattened ``B * S`` tokens."""
-        return self._segment_tensors()[0]
+        return self.segment_tensors()[0]
 
     @property
     def segment_valid(self) -> torch.Tensor:
         """Bool ``[N]``: False for padding segments."""
-        return self._segment_tensors()[1]
+        return self.segment_tensors()[1]
 
     @property
     def num_segments(self) -> int:
