@@ -112,8 +112,14 @@ def build_cache_context(
                 f"a generation cache cannot be used with packed documents ({key} given): call the model with "
                 "use_cache=False for packed batches, or generate one document per row (left padding)"
             )
-    if torch.compiler.is_compiling() and attention_mask is not None and attention_mask.dim() == 2:
-        # a traced graph reads no tensor value: the mask covers past + S tokens (what generate passes)
+    if torch.compiler.is_compiling():
+        # a traced graph reads no tensor value (a static cache keeps its length in one): the mask covers past + S
+        if attention_mask is None or attention_mask.dim() != 2:
+            raise ValueError(
+                "under torch.compile a cached forward needs the 2-D attention_mask [B, past + S] (pass "
+                "attention_mask to generate); got "
+                + ("None" if attention_mask is None else f"shape {tuple(attention_mask.shape)}")
+            )
         past = attention_mask.shape[1] - seq_len
     else:
         past = cache_seq_length(cache)
