@@ -51,7 +51,8 @@ class CacheContext:
     """What the cached layers of one forward share (built by :func:`build_cache_context`).
 
     Attributes:
-        past: tokens already in the cache (a Python int).
+        past: tokens already in the cache: a Python int, or, in a traced (``torch.compile``) call without an
+            attention mask, a long 0-d tensor (a static cache's length; no tensor value is read while tracing).
         seq_len: tokens in this call, ``S``.
         valid: bool ``[B, S]``, False on padding tokens of this call.
         first: long ``[B]``, row position of the row's first real token over ``past + S`` tokens (``past + S``
@@ -61,7 +62,7 @@ class CacheContext:
             left padding).
     """
 
-    past: int
+    past: int | torch.Tensor
     seq_len: int
     valid: torch.Tensor
     first: torch.Tensor
@@ -78,6 +79,25 @@ def cache_seq_length(cache: Cache) -> int:
     if not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
         return 0
     return int(cache.get_seq_length())
+
+
+def _unpadded_context(cache: Cache, batch_size: int, seq_len: int, device: torch.device) -> CacheContext:
+    """The context of a traced cached forward without padding: ``past`` is a long 0-d tensor (the first attention
+    layer's length, cloned), every token is real and every row's document starts at 0."""
+    layer = next((lay for lay in cache.layers if isinstance(lay, CacheLayerMixin)), None)
+    past = cache.get_seq_length() if layer is not None else 0
+    past = past.clone() if isinstance(past, torch.Tensor) else torch.tensor(past, device=device)
+    past = past.to(device=device, dtype=torch.long)
+    positions = torch.arange(seq_len, device=device) + past
+    first = torch.zeros(batch_size, dtype=torch.long, device=device)
+    return CacheContext(
+        past=past,
+        seq_len=seq_len,
+        valid=torch.ones(batch_size, seq_len, dtype=torch.bool, device=device),
+        first=first,
+        positions=positions,
+        local_pos=positions.unsqueeze(0).expand(batch_size, seq_len),
+    )
 
 
 def build_cache_context(
@@ -104,7 +124,8 @@ def build_cache_context(
         ValueError: packed documents with a cache; a mask that is not 2-D or does not cover ``past + S``
             tokens; padding after a real token (checked on multi-token eager calls only, so a decode step costs no
             host sync). Under ``torch.compile`` the past length is ``attention_mask.shape[1] - S`` when a mask is
-            given (nothing reads the cache's length tensor) and the data checks are skipped.
+            given, and otherwise the cache's length tensor (``StaticCache``; every token is then real, which is
+            what ``generate`` means when it drops an all-ones mask); the data checks are skipped.
     """
     for key in _PACKING_KWARGS:
         if kwargs.get(key) is not None:
@@ -113,14 +134,18 @@ def build_cache_context(
                 "use_cache=False for packed batches, or generate one document per row (left padding)"
             )
     if torch.compiler.is_compiling():
-        # a traced graph reads no tensor value (a static cache keeps its length in one): the mask covers past + S
-        if attention_mask is None or attention_mask.dim() != 2:
-            raise ValueError(
-                "under torch.compile a cached forward needs the 2-D attention_mask [B, past + S] (pass "
-                "attention_mask to generate); got "
-                + ("None" if attention_mask is None else f"shape {tuple(attention_mask.shape)}")
-            )
-        past = attention_mask.shape[1] - seq_len
+        # a traced graph reads no tensor value: the past length is the mask's width, or (no mask, so no padding) the
+        # cache's own length tensor (``StaticCache`` keeps one), taken as a tensor and cloned before the layers
+        # advance it in place
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    "under torch.compile a cached forward needs a 2-D attention_mask [B, past + S]; got shape "
+                    f"{tuple(attention_mask.shape)}"
+                )
+            past = attention_mask.shape[1] - seq_len
+        else:
+            return _unpadded_context(cache, batch_size, seq_len, device)
     else:
         past = cache_seq_length(cache)
     if attention_mask is not None:

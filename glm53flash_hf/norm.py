@@ -1,7 +1,9 @@
 """Normalisation layers shared by the GLM-5.3-Flash modules.
 
 Source: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextRMSNorm``); the maths is the
-T5/Llama RMSNorm: normalise in fp32, cast back to the input dtype, then multiply by the weight.
+T5/Llama RMSNorm: normalise in fp32 and scale by the weight. The reference casts the normalised value to the input
+dtype before the weight multiplies it; here the product is formed in fp32 and rounded once (equal in fp32, one
+bf16 rounding fewer in bf16).
 """
 
 import torch
@@ -9,14 +11,15 @@ from torch import nn
 
 
 class Glm53FlashRMSNorm(nn.Module):
-    """RMSNorm ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``.
+    """RMSNorm ``(weight * x / sqrt(mean(x^2) + eps)).to(promote(weight.dtype, x.dtype))``, computed in fp32.
 
     Args:
         hidden_size: size of the last dimension.
         eps: variance epsilon (``config.rms_norm_eps``, 1e-5 in the release).
 
     Shapes: ``x`` ``[..., hidden_size]`` of any float dtype; returns the same shape, in
-    ``promote(weight.dtype, x.dtype)`` exactly like the reference (fp32 weight x bf16 input gives fp32).
+    ``promote(weight.dtype, x.dtype)`` like the reference (fp32 weight x bf16 input gives fp32). In fp32 the result
+    equals the reference's; for a bf16 input and weight it is rounded once instead of twice.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -29,7 +32,8 @@ class Glm53FlashRMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        out_dtype = torch.promote_types(self.weight.dtype, input_dtype)
+        return (self.weight.float() * hidden_states).to(out_dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

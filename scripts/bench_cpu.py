@@ -1,16 +1,29 @@
 #!/usr/bin/env python
-"""CPU benchmark: glm53flash-hf vs transformers' built-in glm5_next, same weights, forward+backward.
+"""CPU benchmark: glm53flash-hf vs transformers' built-in glm5_next, same weights, forward+backward, eager and compiled.
 
 Wide tiny config: hidden 256, 4 layers (3 KDA + 1 DSA), 8 routed experts, index_kpool 4, index_topk 256, fp32.
 The reference (``Glm5NextForConditionalGeneration``, eager attention) writes the weights with ``save_pretrained``
-and both models load that folder. Each (implementation, sequence length) runs in its own process so the peak
-resident memory (``ru_maxrss``) of one run is not hidden by another; the reported memory is that peak minus the
-resident memory just before the first forward (model, inputs and libraries excluded).
+and both models load that folder. Implementations: ``hf`` and ``ours`` (eager), ``hf-compiled`` and
+``ours-compiled`` (``torch.compile(model, dynamic=False)``, inductor; ours with ``fullgraph=True``, the built-in
+with graph breaks allowed). A compiled run's first step compiles and is reported apart (``compile_s``); the timed
+steps follow it.
+
+Each (implementation, sequence length) runs in its own process, so the peak resident memory (``ru_maxrss``) of one
+run is not hidden by another; the reported memory is that peak minus the resident memory just before the first
+forward (model, inputs and libraries excluded; a compiled run's peak includes compiling). A worker's address space
+is capped (``--mem-gib``, default 20 on a 24 GiB machine), so a run that needs more fails with an allocation error
+and is reported as OOM instead of swapping; a worker still running after ``--timeout`` seconds is reported as a
+timeout, and an implementation that failed at one length is not run at the longer ones.
+
+MFU-style figure: the model FLOPs of one step are the matrix-multiply FLOPs of one eager forward of ours
+(``torch.utils.flop_counter.FlopCounterMode``, no activation recompute) times 3 (forward + backward); the script
+divides them by the step time and by this machine's fp32 GEMM throughput, measured in the same run
+(``torch.mm`` of two 2048x2048 fp32 matrices with the benchmark's thread count).
 
 Usage::
 
-    python scripts/bench_cpu.py                      # S = 512 2048 8192, prints a table with ratios
-    python scripts/bench_cpu.py --seqlens 512 --repeats 1
+    python scripts/bench_cpu.py                      # S = 2048 8192 32768, all four implementations
+    python scripts/bench_cpu.py --seqlens 512 --repeats 1 --impls hf ours
 """
 
 from __future__ import annotations
@@ -72,7 +85,9 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
 
 
-def make_weights(folder: str) -> None:
+def make_weights(folder: str, **text_overrides) -> None:
+    """Random weights of the wide tiny config (``WIDE_TEXT`` updated by ``text_overrides``), saved by transformers'
+    ``Glm5NextForConditionalGeneration`` into ``folder``."""
     import torch
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
@@ -81,36 +96,79 @@ def make_weights(folder: str) -> None:
     from tiny import randomize_
 
     torch.manual_seed(0)
-    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=WIDE_TEXT, vision_config=TINY_VISION))
+    model = Glm5NextForConditionalGeneration(
+        Glm5NextConfig(text_config={**WIDE_TEXT, **text_overrides}, vision_config=TINY_VISION)
+    )
     randomize_(model, seed=0, std=0.04)
     model.save_pretrained(folder)
 
 
-def worker(impl: str, folder: str, seq_len: int, repeats: int) -> dict:
+IMPLS = ("hf", "ours", "hf-compiled", "ours-compiled")
+
+
+def gemm_flops_per_s(threads: int, n: int = 2048, repeats: int = 10) -> float:
+    """fp32 ``torch.mm`` throughput of this machine (FLOP/s) for two ``[n, n]`` matrices, best of ``repeats``."""
     import torch
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    if impl == "hf":
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def load(impl: str, folder: str):
+    import torch
+
+    if impl.startswith("hf"):
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
-        model = Glm5NextForConditionalGeneration.from_pretrained(
+        return Glm5NextForConditionalGeneration.from_pretrained(
             folder, dtype=torch.float32, attn_implementation="eager"
         )
-    else:
-        from glm53flash_hf import Glm53FlashForCausalLM
+    from glm53flash_hf import Glm53FlashForCausalLM
 
-        model = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.train()
+    return Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float) -> dict:
+    if mem_gib > 0:
+        limit = int(mem_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model = load(impl, folder).train()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, seq_len), generator=gen)
+    call = model
+    if impl.endswith("-compiled"):
+        call = torch.compile(model, fullgraph=impl.startswith("ours"), dynamic=False)
 
     def step():
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out = call(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         return out.loss.item()
 
+    flops = None
+    if impl == "ours":
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            model(input_ids=ids, labels=ids, use_cache=False)
+        flops = 3 * counter.get_total_flops()
+
     base = _rss_kib()
+    compile_s = None
+    if impl.endswith("-compiled"):
+        t0 = time.perf_counter()
+        step()
+        compile_s = time.perf_counter() - t0
     times = []
     loss = None
     for _ in range(repeats):
@@ -119,50 +177,107 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int) -> dict:
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"impl": impl, "seq_len": seq_len, "time_s": statistics.median(times), "times": times,
-            "peak_mib": (peak - base) / 1024, "loss": loss}
+            "compile_s": compile_s, "peak_mib": (peak - base) / 1024, "loss": loss, "model_flops": flops}
+
+
+def run_worker(impl: str, folder: str, seq_len: int, args) -> dict:
+    """One worker process; a failed run comes back as ``{"failed": "OOM" | "timeout" | "error"}``."""
+    cmd = [sys.executable, __file__, "--repeats", str(args.repeats), "--mem-gib", str(args.mem_gib), "--worker",
+           impl, folder, str(seq_len)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "seq_len": seq_len, "failed": "timeout"}
+    if proc.returncode != 0:
+        err = proc.stderr[-3000:]
+        oom = proc.returncode == -9 or any(
+            m in err for m in ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
+        )
+        print(f"  {impl} S={seq_len} failed (rc {proc.returncode}):\n{err[-1200:]}", file=sys.stderr)
+        return {"impl": impl, "seq_len": seq_len, "failed": "OOM" if oom else "error"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _cell(res, key, fmt):
+    if res is None:
+        return "-"
+    if "failed" in res:
+        return res["failed"]
+    return fmt.format(res[key]) if res.get(key) is not None else "-"
+
+
+def _ratio(a, b):
+    """``a / b`` of two runs' times as ``N.Nx``, or ``-`` when either is missing or failed."""
+    if not a or not b or "failed" in a or "failed" in b:
+        return "-"
+    return f"{a['time_s'] / b['time_s']:.1f}x"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 32768], help="sequence lengths")
     parser.add_argument("--repeats", type=int, default=2, help="timed forward+backward steps per run (median)")
-    parser.add_argument("--impls", nargs="+", default=["hf", "ours"], choices=["hf", "ours"])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--mem-gib", type=float, default=20.0, help="address-space cap per worker (GiB; 0: none)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker before it is stopped")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "FOLDER", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         impl, folder, seq_len = args.worker
-        print(json.dumps(worker(impl, folder, int(seq_len), args.repeats)))
+        print(json.dumps(worker(impl, folder, int(seq_len), args.repeats, args.mem_gib)))
         return 0
 
+    threads = int(os.environ.get("BENCH_THREADS", "2"))
+    peak_flops = gemm_flops_per_s(threads)
+    print(f"fp32 GEMM throughput (2048^2 torch.mm, {threads} threads): {peak_flops / 1e9:.1f} GFLOP/s", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         make_weights(folder)
         for seq_len in args.seqlens:
             for impl in args.impls:
-                cmd = [sys.executable, __file__, "--repeats", str(args.repeats), "--worker", impl, folder, str(seq_len)]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    print(f"{impl} S={seq_len} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                    results[(impl, seq_len)] = None
-                    continue
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                shorter = [r for (i, s), r in results.items() if i == impl and s < seq_len and "failed" in r]
+                if shorter:  # a run that failed at a shorter length (OOM, timeout) is not retried at a longer one
+                    res = {"impl": impl, "seq_len": seq_len, "failed": f"{shorter[-1]['failed']} (at a shorter S)"}
+                else:
+                    res = run_worker(impl, folder, seq_len, args)
                 results[(impl, seq_len)] = res
-                print(f"  {impl:4s} S={seq_len:5d}: {res['time_s']:.3f} s  peak +{res['peak_mib']:.0f} MiB  "
-                      f"loss {res['loss']:.5f}", flush=True)
+                if "failed" in res:
+                    print(f"  {impl:13s} S={seq_len:5d}: {res['failed']}", flush=True)
+                    continue
+                extra = f"  compile {res['compile_s']:.1f} s" if res.get("compile_s") is not None else ""
+                print(f"  {impl:13s} S={seq_len:5d}: {res['time_s']:.3f} s  peak +{res['peak_mib']:.0f} MiB  "
+                      f"loss {res['loss']:.5f}{extra}", flush=True)
 
-    print("\n| S | transformers fwd+bwd (s) | ours (s) | speed-up | transformers peak (MiB) | ours peak (MiB) "
-          "| memory ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| S | transformers eager (s) | transformers compiled (s) | ours eager (s) | ours compiled (s) "
+          "| ours eager vs transformers eager | ours compiled vs ours eager | ours compiled vs transformers compiled "
+          "| transformers peak (MiB) | ours peak (MiB) | ours compiled peak (MiB) | ours MFU eager / compiled |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seq_len in args.seqlens:
-        hf, ours = results.get(("hf", seq_len)), results.get(("ours", seq_len))
-        if not hf or not ours:
-            continue
-        print(f"| {seq_len} | {hf['time_s']:.3f} | {ours['time_s']:.3f} | {hf['time_s'] / ours['time_s']:.1f}x | "
-              f"{hf['peak_mib']:.0f} | {ours['peak_mib']:.0f} | {ours['peak_mib'] / max(hf['peak_mib'], 1e-9):.2f} |")
+        hf, hfc = results.get(("hf", seq_len)), results.get(("hf-compiled", seq_len))
+        ours, oursc = results.get(("ours", seq_len)), results.get(("ours-compiled", seq_len))
+        mfu = "-"
+        if ours and "failed" not in ours and ours.get("model_flops"):
+            eager = ours["model_flops"] / ours["time_s"] / peak_flops
+            comp = "-"
+            if oursc and "failed" not in oursc:
+                comp = f"{ours['model_flops'] / oursc['time_s'] / peak_flops:.1%}"
+            mfu = f"{eager:.1%} / {comp}"
+        print(f"| {seq_len} | {_cell(hf, 'time_s', '{:.3f}')} | {_cell(hfc, 'time_s', '{:.3f}')} | "
+              f"{_cell(ours, 'time_s', '{:.3f}')} | {_cell(oursc, 'time_s', '{:.3f}')} | {_ratio(hf, ours)} | "
+              f"{_ratio(ours, oursc)} | {_ratio(hfc, oursc)} | {_cell(hf, 'peak_mib', '{:.0f}')} | "
+              f"{_cell(ours, 'peak_mib', '{:.0f}')} | {_cell(oursc, 'peak_mib', '{:.0f}')} | {mfu} |")
+    print("\nmodel FLOPs per step (ours, 3x one forward's matmul FLOPs): "
+          + ", ".join(f"S={s}: {r['model_flops'] / 1e9:.1f} GFLOP" for (i, s), r in results.items()
+                      if i == "ours" and r and r.get("model_flops")))
+    print("compile time of the first step (s): "
+          + ", ".join(f"{i} S={s}: {r['compile_s']:.0f}" for (i, s), r in results.items()
+                      if r and r.get("compile_s") is not None))
+    print("losses: " + ", ".join(f"{i} S={s}: {r['loss']:.5f}" for (i, s), r in results.items()
+                                 if r and r.get("loss") is not None))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([v for v in results.values() if v], f, indent=1)
+            json.dump({"gemm_flops_per_s": peak_flops, "runs": list(results.values())}, f, indent=1)
     return 0
 
 

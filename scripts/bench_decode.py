@@ -1,27 +1,30 @@
 #!/usr/bin/env python
-"""CPU decode benchmark: glm53flash-hf vs transformers' built-in glm5_next, same weights, cached greedy decoding.
+"""CPU decode benchmark: glm53flash-hf vs transformers' built-in glm5_next, same weights, greedy ``generate``.
 
 Config: ``bench_cpu.py``'s wide tiny model (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts, ``index_kpool`` 4,
 ``index_topk`` 256, fp32). transformers' ``Glm5NextForConditionalGeneration`` (eager attention) writes the weights;
-both implementations load that folder. Each implementation runs in its own process:
+both implementations load that folder. Four implementations, each run in its own process:
 
-1. prefill: one forward over a random prompt (default 2048 tokens) into a fresh ``DynamicCache(config=...)``;
-2. decode: ``--new`` greedy steps (default 64), one token per forward, the cache carried over (the loop
-   ``generate`` runs, without its logits processors).
+- ``hf`` / ``ours``: ``generate(do_sample=False)`` with transformers' default ``DynamicCache``, eager;
+- ``hf-compiled`` / ``ours-compiled``: ``generate(cache_implementation="static", compile_config=...)``, i.e.
+  transformers' own automatic compilation of the decoding step (the prefill runs eagerly; ``CompileConfig`` with
+  ``mode="default"``, ``dynamic=False``, ``fullgraph=True`` for ours and ``False`` for the built-in;
+  ``_compile_all_devices`` set, since transformers compiles by itself only on accelerators). A first ``generate``
+  of the same shapes compiles and is not timed.
 
-Reported: prefill seconds, decode tokens/s, cache bytes per generated token (growth of every tensor the cache
-holds, divided by the new tokens), peak resident memory growth during decode (``ru_maxrss``, so only a lower
-bound when the prefill peak is higher), and whether the two implementations pick the same tokens.
+A ``generate`` streamer records the time of every generated token; the per-token decode time is the mean gap
+between consecutive tokens after the first (the first token comes out of the prefill). The series runs over the
+prompt lengths of ``--prompts`` (default 1024 4096 16384) with ``--new`` new tokens (default 32).
 
-Each implementation runs ``--repeats`` times (default 3), interleaved (transformers, ours, transformers, ours, ...),
-each time in a fresh process; the table shows the median run of each (by decode tokens/s), the best run of each,
-and the line under it every run, because a shared 2-core machine's speed drifts by tens of percent within a minute
-(the best run is the least disturbed one).
+Each implementation runs ``--repeats`` times per prompt length (default 1), interleaved, each time in a fresh
+process; the table shows the median run, and the line under it every run, because a shared 2-core machine's speed
+drifts by tens of percent within a minute. A worker's address space is capped (``--mem-gib``), and one still running
+after ``--timeout`` seconds is stopped; both are reported in the table.
 
 Usage::
 
-    python scripts/bench_decode.py                   # prompt 2048, 64 new tokens
-    python scripts/bench_decode.py --prompt 512 --new 16
+    python scripts/bench_decode.py                              # prompts 1024 4096 16384, 32 new tokens
+    python scripts/bench_decode.py --prompts 512 --new 16 --impls hf ours
 """
 
 from __future__ import annotations
@@ -46,137 +49,187 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_cpu import WIDE_TEXT, make_weights  # noqa: E402  (same weights as the training benchmark)
 
+IMPLS = ("hf", "ours", "hf-compiled", "ours-compiled")
 
-def cache_bytes(cache) -> int:
-    """Bytes of every tensor held by a transformers cache (keys, values, indexer state, conv and recurrent states)."""
+
+class TokenTimes:
+    """A ``generate`` streamer that records ``time.perf_counter()`` at every call after the prompt's."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def load(impl: str, folder: str):
     import torch
 
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "indexer_keys"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-        for name in ("conv_states", "recurrent_states"):
-            for t in (getattr(layer, name, None) or {}).values():
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
-
-
-def worker(impl: str, folder: str, prompt_len: int, new_tokens: int) -> dict:
-    import torch
-    from transformers import DynamicCache
-
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    if impl == "hf":
+    if impl.startswith("hf"):
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
-        model = Glm5NextForConditionalGeneration.from_pretrained(
+        return Glm5NextForConditionalGeneration.from_pretrained(
             folder, dtype=torch.float32, attn_implementation="eager"
         )
-    else:
-        from glm53flash_hf import Glm53FlashForCausalLM
+    from glm53flash_hf import Glm53FlashForCausalLM
 
-        model = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
+    return Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def worker(impl: str, folder: str, prompt_len: int, new_tokens: int, mem_gib: float) -> dict:
+    if mem_gib > 0:
+        limit = int(mem_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import torch
+    from transformers import CompileConfig
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model = load(impl, folder).eval()
+    model.generation_config.eos_token_id = None  # random weights: never stop early
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, prompt_len), generator=gen)
-    cache = DynamicCache(config=model.config)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
+    compile_s = None
+    if impl.endswith("-compiled"):
+        config = CompileConfig(fullgraph=impl.startswith("ours"), dynamic=False, mode="default")
+        config._compile_all_devices = True
+        kwargs.update(cache_implementation="static", compile_config=config)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model.generate(ids, **kwargs)
+            compile_s = time.perf_counter() - t0
+    streamer = TokenTimes()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with torch.no_grad():
         t0 = time.perf_counter()
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
-        prefill_s = time.perf_counter() - t0
-        bytes_prefill = cache_bytes(cache)
-        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        tokens = []
-        t0 = time.perf_counter()
-        for _ in range(new_tokens):
-            tok = logits.argmax(-1, keepdim=True)
-            tokens.append(int(tok))
-            logits = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1]
-        decode_s = time.perf_counter() - t0
+        out = model.generate(ids, streamer=streamer, **kwargs)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    gaps = [b - a for a, b in zip(streamer.times, streamer.times[1:])]
     return {
         "impl": impl,
         "prompt": prompt_len,
         "new": new_tokens,
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "tok_per_s": new_tokens / decode_s,
-        "cache_bytes_per_token": (cache_bytes(cache) - bytes_prefill) / new_tokens,
-        "cache_bytes_prompt": bytes_prefill,
-        "decode_peak_growth_mib": (rss_after - rss_before) / 1024,
-        "tokens": tokens,
+        "prefill_s": streamer.times[0] - t0,
+        "ms_per_token": 1e3 * sum(gaps) / len(gaps),
+        "tok_per_s": len(gaps) / sum(gaps),
+        "compile_s": compile_s,
+        "peak_growth_mib": (rss_after - rss_before) / 1024,
+        "tokens": out[0, prompt_len:].tolist(),
     }
+
+
+def run_worker(impl: str, folder: str, prompt_len: int, args) -> dict:
+    """One worker process; a failed run comes back as ``{"failed": "OOM" | "timeout" | "error"}``."""
+    cmd = [sys.executable, __file__, "--new", str(args.new), "--mem-gib", str(args.mem_gib), "--worker", impl, folder,
+           str(prompt_len)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "prompt": prompt_len, "failed": "timeout"}
+    if proc.returncode != 0:
+        err = proc.stderr[-3000:]
+        oom = proc.returncode == -9 or any(
+            m in err for m in ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
+        )
+        print(f"  {impl} prompt {prompt_len} failed (rc {proc.returncode}):\n{err[-1200:]}", file=sys.stderr)
+        return {"impl": impl, "prompt": prompt_len, "failed": "OOM" if oom else "error"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _ms(res) -> str:
+    if res is None:
+        return "-"
+    return res["failed"] if "failed" in res else f"{res['ms_per_token']:.2f}"
+
+
+def _ratio(slow, fast) -> str:
+    """Per-token time of ``slow`` over ``fast`` as ``N.Nx``, or ``-`` when either is missing or failed."""
+    if not slow or not fast or "failed" in slow or "failed" in fast:
+        return "-"
+    return f"{slow['ms_per_token'] / fast['ms_per_token']:.1f}x"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
-    parser.add_argument("--new", type=int, default=64, help="generated tokens")
-    parser.add_argument("--impls", nargs="+", default=["hf", "ours"], choices=["hf", "ours"])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per implementation (median reported)")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[1024, 4096, 16384], help="prompt lengths")
+    parser.add_argument("--new", type=int, default=32, help="generated tokens (at least 2)")
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per implementation and prompt (median)")
+    parser.add_argument("--mem-gib", type=float, default=20.0, help="address-space cap per worker (GiB; 0: none)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker before it is stopped")
     parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument("--worker", nargs=2, metavar=("IMPL", "FOLDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, metavar=("IMPL", "FOLDER", "PROMPT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.new < 2:
+        parser.error(f"--new must be >= 2 (the per-token time is measured between generated tokens); got {args.new}")
     if args.worker:
-        impl, folder = args.worker
-        print(json.dumps(worker(impl, folder, args.prompt, args.new)))
+        impl, folder, prompt_len = args.worker
+        print(json.dumps(worker(impl, folder, int(prompt_len), args.new, args.mem_gib)))
         return 0
-
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1; got {args.repeats}")
-    runs: dict[str, list[dict]] = {impl: [] for impl in args.impls}
+
+    runs: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as folder:
         make_weights(folder)
-        for _ in range(args.repeats):
-            for impl in args.impls:
-                cmd = [sys.executable, __file__, "--prompt", str(args.prompt), "--new", str(args.new), "--worker",
-                       impl, folder]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    print(f"{impl} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                    continue
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
-                runs[impl].append(res)
-                print(
-                    f"  {impl:4s}: prefill {res['prefill_s']:.2f} s, decode {res['tok_per_s']:.1f} tok/s, cache "
-                    f"+{res['cache_bytes_per_token']:.0f} B/token, "
-                    f"decode peak +{res['decode_peak_growth_mib']:.0f} MiB",
-                    flush=True,
-                )
+        for prompt_len in args.prompts:
+            for _ in range(args.repeats):
+                for impl in args.impls:
+                    res = run_worker(impl, folder, prompt_len, args)
+                    runs.setdefault((impl, prompt_len), []).append(res)
+                    if "failed" in res:
+                        print(f"  {impl:13s} prompt {prompt_len:5d}: {res['failed']}", flush=True)
+                        continue
+                    extra = f", compile run {res['compile_s']:.0f} s" if res["compile_s"] is not None else ""
+                    print(f"  {impl:13s} prompt {prompt_len:5d}: prefill {res['prefill_s']:.2f} s, decode "
+                          f"{res['ms_per_token']:.2f} ms/token ({res['tok_per_s']:.1f} tokens/s){extra}", flush=True)
 
-    # the median run of each implementation (by decode speed)
-    results = {impl: sorted(rs, key=lambda r: r["tok_per_s"])[(len(rs) - 1) // 2] for impl, rs in runs.items() if rs}
-    hf, ours = results.get("hf"), results.get("ours")
-    if hf and ours:
-        same = sum(a == b for a, b in zip(hf["tokens"], ours["tokens"]))
-        print(f"\nprompt {args.prompt}, {args.new} new tokens, fp32, {os.environ.get('BENCH_THREADS', '2')} threads, "
-              f"median of {len(runs['hf'])} / {len(runs['ours'])} runs")
-        print("| | transformers | ours | ratio |")
-        print("|---|---|---|---|")
-        print(f"| prefill (s) | {hf['prefill_s']:.2f} | {ours['prefill_s']:.2f} | "
-              f"{hf['prefill_s'] / ours['prefill_s']:.1f}x |")
-        print(f"| decode (tokens/s) | {hf['tok_per_s']:.1f} | {ours['tok_per_s']:.1f} | "
-              f"{ours['tok_per_s'] / hf['tok_per_s']:.1f}x |")
-        best_hf = max(r["tok_per_s"] for r in runs["hf"])
-        best_ours = max(r["tok_per_s"] for r in runs["ours"])
-        print(f"| decode, best run (tokens/s) | {best_hf:.1f} | {best_ours:.1f} | {best_ours / best_hf:.1f}x |")
-        print(f"| cache per generated token (bytes) | {hf['cache_bytes_per_token']:.0f} | "
-              f"{ours['cache_bytes_per_token']:.0f} | "
-              f"{ours['cache_bytes_per_token'] / hf['cache_bytes_per_token']:.2f} |")
-        print(f"| cache after the prompt (MiB) | {hf['cache_bytes_prompt'] / 2**20:.2f} | "
-              f"{ours['cache_bytes_prompt'] / 2**20:.2f} | "
-              f"{ours['cache_bytes_prompt'] / hf['cache_bytes_prompt']:.2f} |")
-        print(f"| decode peak RSS growth (MiB) | {hf['decode_peak_growth_mib']:.0f} | "
-              f"{ours['decode_peak_growth_mib']:.0f} | |")
-        print("\nall runs, decode tokens/s: transformers " + ", ".join(f"{r['tok_per_s']:.1f}" for r in runs["hf"])
-              + "; ours " + ", ".join(f"{r['tok_per_s']:.1f}" for r in runs["ours"]))
-        print(f"same greedy tokens: {same}/{args.new}")
+    def median(key):
+        rs = [r for r in runs.get(key, []) if "failed" not in r]
+        if not rs:
+            return runs[key][0] if runs.get(key) else None
+        return sorted(rs, key=lambda r: r["ms_per_token"])[(len(rs) - 1) // 2]
+
+    results = {key: median(key) for key in runs}
+    print(f"\n{args.new} new tokens, fp32, {os.environ.get('BENCH_THREADS', '2')} threads, batch 1, median of "
+          f"{args.repeats} run(s); decode time per token (ms)")
+    print("| prompt | transformers eager | transformers compiled | ours eager | ours compiled "
+          "| ours eager vs transformers eager | ours compiled vs transformers compiled | ours compiled vs ours eager "
+          "| prefill transformers / ours (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p in args.prompts:
+        hf, hfc, ours, oursc = (results.get((i, p)) for i in IMPLS)
+        pre = "-"
+        if hf and ours and "failed" not in hf and "failed" not in ours:
+            pre = f"{hf['prefill_s']:.2f} / {ours['prefill_s']:.2f}"
+        print(f"| {p} | {_ms(hf)} | {_ms(hfc)} | {_ms(ours)} | {_ms(oursc)} | {_ratio(hf, ours)} | "
+              f"{_ratio(hfc, oursc)} | {_ratio(ours, oursc)} | {pre} |")
+    first, last = args.prompts[0], args.prompts[-1]
+    for impl in IMPLS:
+        a, b = results.get((impl, first)), results.get((impl, last))
+        if a and b and "failed" not in a and "failed" not in b:
+            print(f"{impl}: per-token time at prompt {last} / at {first}: {b['ms_per_token'] / a['ms_per_token']:.2f}")
+    for p in args.prompts:
+        done = {i: results.get((i, p)) for i in IMPLS}
+        done = {i: r for i, r in done.items() if r and "failed" not in r}
+        if len(done) > 1:
+            ref_impl, ref = next(iter(done.items()))
+            same = ", ".join(f"{i} {sum(x == y for x, y in zip(r['tokens'], ref['tokens']))}/{args.new}"
+                             for i, r in done.items() if i != ref_impl)
+            print(f"prompt {p}: same greedy tokens as {ref_impl}: {same}")
+    print("all runs, ms/token: " + "; ".join(
+        f"{i} {p}: " + " ".join(_ms(r) for r in rs) for (i, p), rs in runs.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({impl: rs for impl, rs in runs.items()}, f, indent=1)
+            json.dump([r for rs in runs.values() for r in rs], f, indent=1)
     return 0
 
 

@@ -147,17 +147,18 @@ def test_dynamic_lengths_compile_once():
         assert counter.frame_count == frames, f"recompiled for S={seq}: {counter.frame_count} frames, was {frames}"
 
 
-@pytest.mark.parametrize("left_padded", [True])
+@pytest.mark.parametrize("left_padded", [True, False])
 def test_compiled_static_cache_generate_equals_eager(left_padded):
     """``generate(cache_implementation="static")`` with the forward compiled (``fullgraph=True``; on CPU
-    transformers does not compile by itself) gives the eager model's greedy tokens on a left-padded batch (the
-    compiled cached forward needs the attention mask, which generate passes for it)."""
+    transformers does not compile by itself) gives the eager model's greedy tokens, on a left-padded batch (generate
+    passes the mask: the past length is its width) and on an unpadded prompt (generate drops the all-ones mask: the
+    past length is the static cache's length tensor)."""
     model = _model().eval()
     model.generation_config.eos_token_id = None  # random weights: never stop early
     model.generation_config.pad_token_id = 2000
     gen = torch.Generator().manual_seed(6)
     ids = torch.randint(1, 2000, (2 if left_padded else 1, 13), generator=gen)
-    mask = torch.ones_like(ids)  # a compiled cached forward reads the past length from the mask's width
+    mask = torch.ones_like(ids)
     if left_padded:
         mask[1, :5] = 0
         ids[1, :5] = 2000
