@@ -39,6 +39,7 @@ from .dsa_ops import (
     tail_token_ids,
 )
 from .norm import Glm53FlashRMSNorm
+from .offload import call_onloaded, is_offload_hooked
 from .packing import DocumentLayout, build_document_layout
 
 __all__ = [
@@ -383,12 +384,13 @@ class Glm53FlashAttention(nn.Module):
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
         """Effective ``kv_b_proj`` weight ``[H * (qk_nope + v_head_dim), kv_lora_rank]`` for the absorbed form.
 
-        A plain ``nn.Linear`` gives its ``weight``. A wrapped module (e.g. a PEFT LoRA layer) is applied to the
+        A plain ``nn.Linear`` gives its ``weight``. A wrapped module (e.g. a PEFT LoRA layer) or one whose weight
+        accelerate offloads (``device_map`` loading: the weight holds data only inside its forward) is applied to the
         identity, ``W_eff = kv_b_proj(I)^T``, so its adapters take part in forward and backward exactly as if the
         module were called on the latents (``like`` gives the identity's device and dtype).
         """
         proj = self.kv_b_proj
-        if type(proj) is nn.Linear:
+        if type(proj) is nn.Linear and not is_offload_hooked(proj):
             return proj.weight
         eye = torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)
         return proj(eye).transpose(0, 1)
@@ -459,7 +461,9 @@ class Glm53FlashAttention(nn.Module):
             latent = keys[:, 0]  # [B, L, Dl]: cached + new latents (static cache: L = max_cache_len)
         if self.indexer is not None:
             if cache is not None:
-                topk_indices = self.indexer.forward_cached(hidden_states, q_resid, cache, cache_context)
+                topk_indices = call_onloaded(
+                    (self.indexer,), lambda: self.indexer.forward_cached(hidden_states, q_resid, cache, cache_context)
+                )
             else:
                 topk_indices = self.indexer(hidden_states, q_resid, layout)
         else:

@@ -26,6 +26,7 @@ from transformers import initialization as init
 from .dispatch import choose_backend, requested_backend
 from .generation_cache import check_cache
 from .kda_ops import LayerOps, causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
+from .offload import call_onloaded
 from .packing import DocumentLayout
 
 __all__ = [
@@ -233,10 +234,13 @@ class Glm53FlashLinearAttention(nn.Module):
         if choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused":
             from .kda_fused import bind_layer_fused
 
-            return bind_layer_fused(self, hidden_states, decode)
+            return call_onloaded(
+                (self.conv1d, self.forget_gate, self.o_norm), lambda: bind_layer_fused(self, hidden_states, decode)
+            )
+        conv_weight = call_onloaded((self.conv1d,), lambda: self.conv1d.weight[:, 0, :])
         return LayerOps(
             gate=lambda x: (self.forget_gate(x), torch.sigmoid(self.b_proj(x).float())),
-            conv=functools.partial(causal_conv1d_torch, weight=self.conv1d.weight[:, 0, :], activation=self.activation),
+            conv=functools.partial(causal_conv1d_torch, weight=conv_weight, activation=self.activation),
             core=recurrent_kda_torch if decode else chunk_kda_torch,
             norm=self.o_norm,
         )
