@@ -598,6 +598,7 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
 
     After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
     ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;
+    ``output_loading_info=True`` counts as all three: the caller gets the keys in the returned dict, and the warning;
     transformers itself would raise a ``RuntimeError`` without the key names for a shape mismatch, so we load with
     ``ignore_mismatched_sizes=True`` and raise ours). The model's ``_weight_conversions`` become the full
     registered list so ``save_pretrained`` writes the canonical layout whatever prefix variant (or caller's
@@ -608,10 +609,11 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     Returns:
         the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
     """
-    allow_missing = kwargs.pop("allow_missing_keys", False)
-    allow_unexpected = kwargs.pop("allow_unexpected_keys", False)
-    allow_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
     want_info = kwargs.pop("output_loading_info", False)
+    # a caller who asks for the loading info gets the key report there (and a warning), as transformers reports it
+    allow_missing = kwargs.pop("allow_missing_keys", False) or want_info
+    allow_unexpected = kwargs.pop("allow_unexpected_keys", False) or want_info
+    allow_mismatched = kwargs.pop("ignore_mismatched_sizes", False) or want_info
     ckpt = inspect_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
     if ckpt is not None and ckpt.is_fp8 and kwargs.get("quantization_config") is None:
         _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs)

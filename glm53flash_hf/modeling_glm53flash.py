@@ -29,10 +29,11 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.generic import accepts_precomputed_kwargs
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
@@ -216,7 +217,8 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
 
         Accepts the key-prefix variants of :mod:`.checkpoint` and FP8 checkpoints (dequantized on load). Missing,
         unexpected or shape-mismatched keys raise ``ValueError`` listing them, unless ``allow_missing_keys=True`` /
-        ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns); a corrupt or
+        ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns), or
+        ``output_loading_info=True`` (then they are in the returned ``loading_info``, and warned); a corrupt or
         truncated shard raises ``ValueError`` naming the file. A text-only class skips the vision tower's tensors
         of a multimodal checkpoint and says so in one info line. ``save_pretrained`` then writes the canonical
         layout whatever variant was read.
@@ -277,6 +279,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -413,10 +416,14 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
 @dataclass
 class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     """``MoeCausalLMOutputWithPast`` plus ``mtp_loss`` (unweighted mean over depths; ``loss`` holds
-    ``main + mtp_loss_weight * mtp_loss``) and ``mtp_logits`` (one ``[B,S,V]`` per depth) when MTP ran."""
+    ``main + mtp_loss_weight * mtp_loss``) and ``mtp_logits`` (one ``[B,S,V]`` per depth) when MTP ran, and (VL
+    model) the vision tower's ``image_outputs`` / ``video_outputs`` (``BaseModelOutputWithPooling``, as
+    transformers' ``Glm5NextForConditionalGeneration``) when it ran."""
 
     mtp_loss: torch.FloatTensor | None = None
     mtp_logits: tuple[torch.FloatTensor, ...] | None = None
+    image_outputs: object | None = None
+    video_outputs: object | None = None
 
 
 def _mtp_depth_for(head_model, labels, kwargs) -> int:
@@ -476,6 +483,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     return Glm53FlashCausalLMOutputWithPast(
         loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None),
         mtp_loss=mtp_value, mtp_logits=mtp_logits, aux_loss=aux_loss, router_logits=router_logits,
+        image_outputs=getattr(outputs, "image_outputs", None), video_outputs=getattr(outputs, "video_outputs", None),
     )
 
 
@@ -534,6 +542,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     accepts_loss_kwargs = True
     _keys_to_ignore_on_load_unexpected = list(VISION_KEY_PATTERNS)
     _skips_vision_tower = True
@@ -546,6 +555,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -669,17 +679,52 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             return self.visual(pixel_values, grid_thw=grid_thw).pooler_output
         return _VISION_OP(pixel_values, grid_thw, module_parameters(self.visual), self._vision_key)
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor) -> torch.Tensor:
-        """Merged image features ``[sum_i t_i*h_i*w_i / merge^2, text hidden]`` for ``pixel_values``
-        ``[patches, C*T*P*P]``."""
-        return self._vision_tower(pixel_values, image_grid_thw)
-
-    def get_video_features(self, pixel_values_videos: torch.Tensor, video_grid_thw: torch.LongTensor) -> torch.Tensor:
-        """Merged video features; each temporal slice (tubelet) is its own attention sequence, as the reference:
-        ``video_grid_thw`` rows ``[t, h, w]`` become ``t`` rows ``[1, h, w]``."""
+    @staticmethod
+    def _frames_grid(video_grid_thw: torch.LongTensor) -> torch.LongTensor:
+        """``video_grid_thw`` rows ``[t, h, w]`` as ``t`` rows ``[1, h, w]``: each temporal slice (tubelet) of a video
+        is its own attention sequence in the tower, as the reference."""
         hw = torch.repeat_interleave(video_grid_thw[:, 1:], video_grid_thw[:, 0], dim=0)
-        grid = torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
-        return self._vision_tower(pixel_values_videos, grid)
+        return torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
+
+    def _tower_outputs(self, pixel_values, grid_thw, split_grid_thw, **kwargs):
+        outputs = self.visual(pixel_values.to(self.visual.dtype), grid_thw=grid_thw, **kwargs)
+        split_sizes = (split_grid_thw.prod(-1) // self.visual.spatial_merge_size**2).tolist()
+        outputs.pooler_output = torch.split(outputs.pooler_output, split_sizes)
+        return outputs
+
+    @accepts_precomputed_kwargs(modality="image")
+    @can_return_tuple
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor | None = None, **kwargs
+    ) -> tuple | BaseModelOutputWithPooling:
+        """The vision tower's output for ``pixel_values`` ``[patches, C*T*P*P]`` and ``image_grid_thw`` ``[images, 3]``:
+        transformers' ``BaseModelOutputWithPooling`` whose ``pooler_output`` is a tuple of one merged feature tensor
+        ``[t*h*w / merge^2, text hidden]`` per image (``last_hidden_state``, ``hidden_states``, ``attentions`` of
+        the tower as ``Glm5NextVisionModel`` returns them). Keyword arguments (``output_hidden_states``,
+        ``output_attentions``, ``return_dict``) go to the tower. Same contract as
+        ``Glm5NextModel.get_image_features``."""
+        return self._tower_outputs(pixel_values, image_grid_thw, image_grid_thw, **kwargs)
+
+    @accepts_precomputed_kwargs(modality="video")
+    @can_return_tuple
+    def get_video_features(
+        self, pixel_values_videos: torch.Tensor, video_grid_thw: torch.LongTensor | None = None, **kwargs
+    ) -> tuple | BaseModelOutputWithPooling:
+        """As :meth:`get_image_features` for videos (``video_grid_thw`` ``[videos, 3]``): the tower sees each temporal
+        slice as its own sequence; ``pooler_output`` holds one tensor per video. Same contract as
+        ``Glm5NextModel.get_video_features``."""
+        return self._tower_outputs(pixel_values_videos, self._frames_grid(video_grid_thw), video_grid_thw, **kwargs)
+
+    def _tower(self, features_fn, pixel_values, grid_thw, tower_grid_thw, tower_kwargs):
+        """``(outputs, merged features [N, text hidden])`` of the vision tower: eagerly ``features_fn``'s
+        ``BaseModelOutputWithPooling`` (its per-item ``pooler_output`` concatenated for splicing); under
+        ``torch.compile`` the custom op's merged features, wrapped as ``BaseModelOutputWithPooling(pooler_output=
+        features)`` (one tensor: a traced graph cannot split by host sizes)."""
+        if in_graph():
+            features = self._vision_tower(pixel_values, tower_grid_thw)
+            return BaseModelOutputWithPooling(pooler_output=features), features
+        outputs = features_fn(pixel_values, grid_thw, return_dict=True, **tower_kwargs)
+        return outputs, torch.cat(outputs.pooler_output, dim=0)
 
     @staticmethod
     def _splice(inputs_embeds, mask, features, what: str):
@@ -691,6 +736,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             )
         return inputs_embeds.masked_scatter(mask[..., None], features.to(inputs_embeds.dtype))
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -710,20 +756,28 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
-        image_features = video_features = None
+        image_outputs = video_outputs = None
         if pixel_values is not None or pixel_values_videos is not None:
             image_mask, video_mask = placeholder_masks(
                 input_ids, mm_token_type_ids, self.config, inputs_embeds, self.get_input_embeddings()
             )
+            tower_kwargs = {k: kwargs[k] for k in ("output_hidden_states", "output_attentions") if k in kwargs}
+            if output_hidden_states is not None:
+                tower_kwargs["output_hidden_states"] = output_hidden_states
             if pixel_values is not None:
                 if image_grid_thw is None:
                     raise ValueError("pixel_values needs image_grid_thw")
-                image_features = self.get_image_features(pixel_values, image_grid_thw)
+                image_outputs, image_features = self._tower(
+                    self.get_image_features, pixel_values, image_grid_thw, image_grid_thw, tower_kwargs
+                )
                 inputs_embeds = self._splice(inputs_embeds, image_mask, image_features, "image")
             if pixel_values_videos is not None:
                 if video_grid_thw is None:
                     raise ValueError("pixel_values_videos needs video_grid_thw")
-                video_features = self.get_video_features(pixel_values_videos, video_grid_thw)
+                video_outputs, video_features = self._tower(
+                    self.get_video_features, pixel_values_videos, video_grid_thw,
+                    self._frames_grid(video_grid_thw), tower_kwargs,
+                )  # fmt: skip
                 inputs_embeds = self._splice(inputs_embeds, video_mask, video_features, "video")
         uncached = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
         if input_ids is not None and uncached and not in_graph():
@@ -752,8 +806,8 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             mtp_hidden_states=outputs.mtp_hidden_states,
             document_layout=outputs.document_layout,
             router_logits=outputs.router_logits,
-            image_outputs=image_features,
-            video_outputs=video_features,
+            image_outputs=image_outputs,
+            video_outputs=video_outputs,
         )
 
 
@@ -767,6 +821,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     accepts_loss_kwargs = True
     _no_split_modules = ["Glm53FlashDecoderLayer", "Glm53FlashMTPLayer", "Glm5NextVisionBlock"]
 
@@ -778,6 +833,15 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.post_init()
 
+    def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+        """:meth:`Glm53FlashModel.get_image_features` (transformers' ``BaseModelOutputWithPooling``)."""
+        return self.model.get_image_features(pixel_values, image_grid_thw, **kwargs)
+
+    def get_video_features(self, pixel_values_videos, video_grid_thw=None, **kwargs):
+        """:meth:`Glm53FlashModel.get_video_features` (transformers' ``BaseModelOutputWithPooling``)."""
+        return self.model.get_video_features(pixel_values_videos, video_grid_thw, **kwargs)
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
