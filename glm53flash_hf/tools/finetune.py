@@ -28,9 +28,9 @@ several GPUs: the Trainer shards the model, only the main process saves, reloads
 configuration/accelerate_ep2.yaml -m glm53flash_hf.tools.finetune --full --ep 2`` shards the routed experts over
 ``N`` ranks (a ``(world / N, N)`` mesh ``("dp", "ep")``, tokens exchanged by all-to-all) and FSDP2-shards the rest
 over all ranks (:mod:`glm53flash_hf.train.expert_parallel`); the model arrives at the Trainer already sharded, so
-accelerate neither wraps it in DDP nor shards it again. Not yet with LoRA (the expert adapters are trained
-correctly under EP, but gathering them into one adapter folder is not written) and without gradient clipping (the
-global norm of the expert shards needs a sum over the ep group that the Trainer does not do).
+accelerate neither wraps it in DDP nor shards it again; gradients are clipped by the global norm of
+:func:`glm53flash_hf.train.expert_parallel.clip_grad_norm_ep`. Not yet with LoRA (the expert adapters are trained
+correctly under EP, but gathering them into one adapter folder is not written).
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ def training_arguments(args, out: str, dtype):
         lr_scheduler_type="linear",
         warmup_steps=args.warmup_steps,
         weight_decay=0.0,
-        max_grad_norm=1.0 if args.ep == 1 else 0.0,
+        max_grad_norm=1.0,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -456,6 +456,15 @@ def build_trainer(job: Job, processor, model, dataset):
         data_collator=Glm53FlashPackingCollator(max_length=args.max_length, pad_token_id=pad),
     )
     trainer.remove_callback(ProgressCallback)
+    if job.ep_plan is not None:
+        # the global norm over every rank's experts (transformers' mixed-mesh norm sees only this rank's experts);
+        # Trainer._clip_grad_norm / _get_grad_norm are its per-step hooks (transformers 5.24)
+        from ..train.expert_parallel import clip_grad_norm_ep
+
+        plan = job.ep_plan
+        trainer._clip_grad_norm = lambda model: clip_grad_norm_ep(model, plan, trainer.args.max_grad_norm)
+        trainer._get_grad_norm = lambda model, grad_norm=None: float(
+            grad_norm if grad_norm is not None else clip_grad_norm_ep(model, plan, float("inf")))
     if trainer.is_fsdp_enabled and job.training_args.bf16:
         # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC
         # base/scale, router) for the forward: give them their own fp32 units first

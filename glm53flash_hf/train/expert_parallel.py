@@ -356,6 +356,55 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
     return fsdp_plan
 
 
+@torch.no_grad()
+def clip_grad_norm_ep(model: nn.Module, plan: ExpertParallelPlan, max_norm: float) -> torch.Tensor:
+    """Global gradient 2-norm of the whole (unsharded) model under EP, and clipping to ``max_norm``; collective.
+
+    Every element of every logical parameter is counted once: a rank adds the squares of its local gradient (FSDP
+    shard, or replicated tensor divided by its number of replicas) in fp64, then one all-reduce over all ranks. Call
+    it after the gradients are reduced (after ``backward`` under FSDP2, after :func:`reduce_gradients` when
+    replicated). transformers' Trainer's mixed-mesh norm (one ``full_tensor`` norm per mesh) would see only this
+    rank's experts on the ``dp`` mesh, so ranks of different ep index would clip by different norms.
+
+    Args:
+        model, plan: as after :func:`apply_fsdp2_ep` / :func:`replicate_reduction_groups`.
+        max_norm: clip threshold; ``inf`` or ``<= 0`` only measures.
+
+    Returns:
+        fp32 scalar: the norm before clipping, the same on every rank.
+
+    Raises:
+        ValueError: a gradient DTensor with a ``Replicate`` placement (not a layout this module makes).
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    sq = torch.zeros((), dtype=torch.float64)
+    grads = []
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        grads.append(g)
+        if isinstance(g, DTensor):
+            if any(isinstance(pl, Replicate) for pl in g.placements):
+                raise ValueError(f"clip_grad_norm_ep: gradient of {name} has placements {g.placements}; "
+                                 "expected Shard placements only")
+            local, copies = g.to_local(), 1
+        else:
+            local, copies = g, len(plan.reduction_groups.get(name) or plan.replica_ranks(name))
+        sq += local.detach().double().square().sum().cpu() / copies
+    if plan.world_size > 1:
+        sq = sq.to(grads[0].device if grads else "cpu")
+        dist.all_reduce(sq, group=plan.group(plan.all_ranks))
+    norm = sq.sqrt().float().cpu()
+    if 0 < max_norm < float("inf"):
+        coef = min(1.0, float(max_norm) / (norm.item() + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return norm
+
+
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -513,6 +562,7 @@ __all__ = [
     "apply_expert_parallel",
     "apply_fsdp2_ep",
     "check_reduction_groups",
+    "clip_grad_norm_ep",
     "find_moe_blocks",
     "gather_full_state_dict",
     "load_sharded_checkpoint_ep",
