@@ -166,6 +166,8 @@ def _train(variant: str, mode: str, mesh, ref: dict, rank: int, world: int, out:
                     p.copy_(_expert_slice(name, full, plan, p.shape) if plan.is_expert_parameter(name) else full)
     if mode == "fsdp":
         ep.apply_fsdp2_ep(model, plan)
+    elif mode == "fsdp_bf16":
+        ep.apply_fsdp2_ep(model, plan, param_dtype=torch.bfloat16)
     else:
         ep.replicate_reduction_groups(model, plan)
     balance = AuxLossFreeBalancingCallback(BIAS_SPEED)
