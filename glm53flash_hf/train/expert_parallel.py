@@ -26,6 +26,7 @@ Layout (mesh ``init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))``
   :func:`check_reduction_groups` refuses any parameter whose reduction group is not exactly its replica group
   (xtuner PR #2156: parameters left on an EP-only "Replicate" submesh were averaged over too few ranks and drifted,
   5.19e-4 after three SGD steps).
+* Gradient clipping: :func:`clip_grad_norm_ep` (every element counted once over all ranks; one all-reduce).
 * Aux-loss-free bias: :class:`glm53flash_hf.train.trainer.AuxLossFreeBalancingCallback` all-reduces the loads over
   the default (whole) group before its update, so the bias (a buffer, replicated) stays identical everywhere.
 
@@ -45,6 +46,10 @@ unsharded model class's ``save_pretrained`` on rank 0 (per-expert keys, :mod:`gl
 is ``from_pretrained`` then :func:`apply_expert_parallel` again. :func:`save_sharded_checkpoint_ep` /
 :func:`load_sharded_checkpoint_ep` write DCP folders where each expert tensor (and its optimizer state) is a DTensor
 of the global shape over the ``ep`` mesh (replicas on other ``dp`` rows are deduplicated by DCP).
+
+Tested (``tests/test_expert_parallel.py``, CPU, gloo, 4 processes, dp 2 x ep 2 and ep 4, replicated and FSDP2,
+balanced / all rows to one rank / LoRA on the experts): three fp32 SGD steps leave every parameter bit-identical
+over its replica group and within 1.2e-7 of the 1-process run (losses 1.9e-6, biases bit-equal).
 
 Sources: transformers ``distributed/expert_parallel.py`` (``AllToAllEP``, ``MoEParamShard``), xtuner PR #2156,
 DeepSeek-V3 (§3.2 dispatch/combine), GShard (all-to-all dispatch), torch ``fully_shard``
