@@ -328,6 +328,11 @@ def worker(rank: int, world: int, port: int, tmpdir: str, ref_path: str, dp: int
                 _checkpoint(model, plan, ref, mode, mesh, rank, world, tmpdir, ckpt, res)
             else:
                 _compare(model, plan, ref[variant], balance, res)
+            if variant == "lora":
+                from glm53flash_hf.train.expert_parallel import save_adapter_ep
+
+                res["adapter_dir"] = os.path.join(tmpdir, f"adapter_{mode}")
+                save_adapter_ep(model, plan, res["adapter_dir"])
             out[f"{variant}/{mode}"] = res
             del model, opt
         dist.barrier()

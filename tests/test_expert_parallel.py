@@ -143,6 +143,25 @@ def test_lora_adapter_slices_belong_to_own_experts(runs):
         assert res[key]["ref_param_diff"][0] < TOL
 
 
+def test_lora_adapter_saved_in_one_process_layout(runs):
+    """``save_adapter_ep`` gathers every rank's expert adapter slices into the 1-process layout: the folder loads
+    with ``PeftModel.from_pretrained`` on the unsharded base and its adapters equal the 1-process trained ones."""
+    import peft
+
+    mesh, ref, results = runs
+    for variant, mode in SCENARIOS[mesh]:
+        if variant != "lora":
+            continue
+        folder = results[0][f"lora/{mode}"]["adapter_dir"]
+        loaded = peft.PeftModel.from_pretrained(ep_worker.make_model("lora"), folder)
+        params = dict(loaded.named_parameters())
+        expect = ref["lora"]["params"]
+        lora_keys = [k for k in expect if "lora_" in k]
+        assert any(".mlp.experts." in k for k in lora_keys)
+        worst = max((params[k].detach() - expect[k]).abs().max().item() for k in lora_keys)
+        assert worst < TOL, (mode, worst)
+
+
 def test_setup_check_refuses_wrong_reduction_groups(runs):
     mesh, _, results = runs
     for rank, res in enumerate(results):

@@ -24,13 +24,13 @@ It prints the first and last loss, the trained tokens per second, the wall time 
 ``accelerate launch --config_file configuration/accelerate_fsdp2.yaml -m glm53flash_hf.tools.finetune ...`` runs it on
 several GPUs: the Trainer shards the model, only the main process saves, reloads and prints.
 
-``--ep N`` (with ``--full``) trains with expert parallelism: ``accelerate launch --config_file
-configuration/accelerate_ep2.yaml -m glm53flash_hf.tools.finetune --full --ep 2`` shards the routed experts over
+``--ep N`` trains with expert parallelism: ``accelerate launch --config_file
+configuration/accelerate_ep2.yaml -m glm53flash_hf.tools.finetune --ep 2`` shards the routed experts over
 ``N`` ranks (a ``(world / N, N)`` mesh ``("dp", "ep")``, tokens exchanged by all-to-all) and FSDP2-shards the rest
 over all ranks (:mod:`glm53flash_hf.train.expert_parallel`); the model arrives at the Trainer already sharded, so
 accelerate neither wraps it in DDP nor shards it again; gradients are clipped by the global norm of
-:func:`glm53flash_hf.train.expert_parallel.clip_grad_norm_ep`. Not yet with LoRA (the expert adapters are trained
-correctly under EP, but gathering them into one adapter folder is not written).
+:func:`glm53flash_hf.train.expert_parallel.clip_grad_norm_ep`. With LoRA each rank trains the adapter slices of its
+own experts; ``save_adapter_ep`` gathers them into the 1-process adapter layout.
 """
 
 from __future__ import annotations
@@ -256,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "one GPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the LoRA init")
     parser.add_argument("--ep", type=int, default=1,
-                        help="expert-parallel size: shard the routed experts over this many ranks (with --full, "
-                             "under accelerate launch --config_file configuration/accelerate_ep2.yaml; "
+                        help="expert-parallel size: shard the routed experts over this many ranks (under "
+                             "accelerate launch --config_file configuration/accelerate_ep2.yaml; "
                              "default: %(default)s, no EP)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer after training")
     parser.add_argument("--no-reload", action="store_true", help="skip the fresh-process reload and generation")
@@ -275,8 +275,6 @@ def _check_args(parser, args) -> None:
         parser.error(f"--lr must be > 0; got {args.lr}")
     if args.ep < 1:
         parser.error(f"--ep must be >= 1; got {args.ep}")
-    if args.ep > 1 and not args.full:
-        parser.error(f"--ep {args.ep} needs --full (saving LoRA adapters of EP-sharded experts is not implemented)")
     if args.ep > 1 and _fsdp_launch():
         parser.error("--ep builds its own FSDP2 layout: launch with configuration/accelerate_ep2.yaml, not an FSDP "
                      "accelerate config")
@@ -512,7 +510,12 @@ def save(job: Job, trainer, processor):
         saved_model = trainer.model if trainer.accelerator.num_processes == 1 else None
     else:
         adapter_dir = os.path.join(job.out, ADAPTER_DIR)
-        _save_trained(trainer, adapter_dir, job.main_process)
+        if job.ep_plan is not None:
+            from ..train.expert_parallel import save_adapter_ep
+
+            save_adapter_ep(trainer.model, job.ep_plan, adapter_dir)  # every rank's expert slices, 1-process layout
+        else:
+            _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype)
             saved_model.save_pretrained(job.out)

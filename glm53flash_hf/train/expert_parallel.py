@@ -137,6 +137,7 @@ class ExpertParallelPlan:
 
     Attributes:
         mesh: the ``DeviceMesh`` (dims ``("dp", "ep")``); flat_mesh: its flattened 1-D mesh (all ranks).
+        num_experts: the global routed-expert count ``E`` (the same in every block).
         dp_size, ep_size, dp_rank, ep_rank: sizes and this rank's coordinates.
         moe_modules: qualified names of the MoE blocks whose experts are sharded.
         all_ranks: global ranks of the mesh. dp_ranks: ranks with this rank's ep index (an expert's replicas).
@@ -156,6 +157,7 @@ class ExpertParallelPlan:
     ep_ranks: list[int] = field(default_factory=list)
     reduction_groups: dict[str, list[int]] = field(default_factory=dict)
     flat_mesh: object = None
+    num_experts: int = 0
     _groups: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -245,6 +247,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
             local = nn.Parameter(full.detach()[lo : lo + n_local].clone(), requires_grad=full.requires_grad)
             setattr(experts, attr, local)
         experts.num_experts, experts.expert_offset, experts.num_global_experts = n_local, lo, num_experts
+        plan.num_experts = num_experts
         moe.expert_parallel = ExpertDispatcher(num_experts, ep_size, ep_rank, mesh["ep"].get_group())
     return plan
 
@@ -443,6 +446,45 @@ def gather_full_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[s
     return out
 
 
+def _gather_expert_adapter(name: str, t: torch.Tensor, plan: ExpertParallelPlan) -> torch.Tensor:
+    """All-gather one expert LoRA factor over the ep group into the 1-process layout: ``lora_A [E_local * r, in]``
+    rows concatenated; ``lora_B [out, r * E_local]`` columns interleaved back (PEFT's ``(out, r, E)`` view,
+    ``peft/tuners/lora/layer.py`` ``ParamWrapper.get_delta_weight``)."""
+    parts = [torch.empty_like(t) for _ in range(plan.ep_size)]
+    dist.all_gather(parts, t.contiguous(), group=plan.group(plan.ep_ranks))
+    if "lora_B" not in name:
+        return torch.cat(parts)
+    n_local = plan.num_experts // plan.ep_size
+    out_f, cols = t.shape
+    r = cols // n_local
+    return torch.cat([q.view(out_f, r, n_local) for q in parts], dim=2).reshape(out_f, r * n_local * plan.ep_size)
+
+
+def gather_adapter_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[str, torch.Tensor]:
+    """The PEFT model's adapter tensors (keys containing ``lora_`` or ``modules_to_save``) in the 1-process layout,
+    on every rank (collective): FSDP DTensors gathered, each expert adapter factor all-gathered over the ep group
+    (:func:`_gather_expert_adapter`), so rank ``i``'s slices land at its experts' positions."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if "lora_" not in name and "modules_to_save" not in name:
+            continue
+        t = _full_local(t).detach()
+        if plan.ep_size > 1 and plan.is_expert_parameter(name) and "lora_" in name:
+            t = _gather_expert_adapter(name, t, plan)
+        out[name] = t
+    return out
+
+
+def save_adapter_ep(model: nn.Module, plan: ExpertParallelPlan, save_directory) -> None:
+    """``PeftModel.save_pretrained`` of an EP-trained adapter (collective): :func:`gather_adapter_state_dict`, then
+    rank 0 writes it with PEFT (``state_dict=``), the layout a 1-process run writes; load it with
+    ``PeftModel.from_pretrained`` on the unsharded base model."""
+    full = gather_adapter_state_dict(model, plan)
+    if dist.get_rank() == plan.all_ranks[0]:
+        model.save_pretrained(os.fspath(save_directory), state_dict=full)
+    dist.barrier()
+
+
 def _unsharded_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
 
@@ -569,11 +611,13 @@ __all__ = [
     "check_reduction_groups",
     "clip_grad_norm_ep",
     "find_moe_blocks",
+    "gather_adapter_state_dict",
     "gather_full_state_dict",
     "load_sharded_checkpoint_ep",
     "reduce_gradients",
     "reduction_ranks",
     "replicate_reduction_groups",
+    "save_adapter_ep",
     "save_pretrained_ep",
     "save_sharded_checkpoint_ep",
 ]
