@@ -320,12 +320,12 @@ def worker(rank: int, world: int, port: int, tmpdir: str, ref_path: str, dp: int
                 out["planted"] = res
                 continue
             res = {}
-            ckpt = os.path.join(tmpdir, f"dcp_{mode}") if variant == "checkpoint" else None
-            base = "normal" if variant == "checkpoint" else variant
+            ckpt = os.path.join(tmpdir, f"dcp_{variant}_{mode}") if variant.startswith("checkpoint") else None
+            base = {"checkpoint": "normal", "checkpoint_lora": "lora"}.get(variant, variant)
             model, plan, opt, balance = _train(base, mode, mesh, ref, rank, world, res,
                                                momentum=MOMENTUM if ckpt else 0.0, ckpt_dir=ckpt)
-            if variant == "checkpoint":
-                _checkpoint(model, plan, ref, mode, mesh, rank, world, tmpdir, ckpt, res)
+            if variant.startswith("checkpoint"):
+                _checkpoint(model, plan, ref, mode, mesh, rank, world, tmpdir, ckpt, res, base)
             else:
                 _compare(model, plan, ref[variant], balance, res)
             if variant == "lora":
@@ -344,26 +344,31 @@ def worker(rank: int, world: int, port: int, tmpdir: str, ref_path: str, dp: int
     dist.destroy_process_group()
 
 
-def _checkpoint(model, plan, ref, mode, mesh, rank, world, tmpdir, ckpt, res) -> None:
-    """DCP resume (momentum SGD: expert optimizer state too) and save_pretrained under EP."""
+def _checkpoint(model, plan, ref, mode, mesh, rank, world, tmpdir, ckpt, res, base="normal") -> None:
+    """DCP resume (momentum SGD: expert optimizer state too) and, for the base model, save_pretrained under EP.
+    ``base == "lora"``: the resumed model is a fresh LoRA model (other adapter init), expert adapters in the DCP."""
     import torch.distributed as dist
 
     from glm53flash_hf.train import expert_parallel as ep
 
     # resume: fresh weights (seed 1), fresh optimizer, load the pre-step-3 checkpoint, take step 3
-    fresh = make_model("normal", seed=1)
+    fresh = make_model(base, seed=1)
     fplan = ep.apply_expert_parallel(fresh, mesh)
+    if base == "lora":
+        fresh = lora(fresh, seed=2)
     if mode == "fsdp":
         ep.apply_fsdp2_ep(fresh, fplan)
     else:
         ep.replicate_reduction_groups(fresh, fplan)
-    opt = torch.optim.SGD(fresh.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = torch.optim.SGD([p for p in fresh.parameters() if p.requires_grad], lr=LR, momentum=MOMENTUM)
     ep.load_sharded_checkpoint_ep(ckpt, fresh, fplan, opt)
     batch = global_batch(STEPS)
     loss = fresh(**rows_of(batch, rank, world), num_items_in_batch=num_items(batch)).loss
     total = loss.detach().clone()
     dist.all_reduce(total)
     res["resumed_loss"] = total.item()
+    if base != "normal":
+        return
     # save_pretrained under EP (the momentum run's trained weights), then load and shard again
     folder = os.path.join(tmpdir, f"pretrained_{mode}")
     ep.save_pretrained_ep(model, plan, folder, max_shard_size="200KB")
