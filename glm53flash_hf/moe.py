@@ -249,6 +249,12 @@ class Glm53FlashMoE(nn.Module):
 
     Forward: ``h [B, S, H]`` (any leading shape) -> same shape and dtype; with ``return_router_logits=True``
     returns ``(out, router_logits fp32 [B*S, E])`` for a load-balancing loss. Nothing is stored on the module.
+
+    Expert parallelism: ``expert_parallel`` is ``None`` (every expert on this rank). Training code sets it
+    (:func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel`) to a callable
+    ``(experts, hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` that dispatches the tokens to
+    the ranks holding their experts, runs ``experts`` (this rank's slice, possibly wrapped by PEFT) on the rows it
+    receives and combines the results; the router, the shared expert and the rest of the block are unchanged.
     """
 
     def __init__(self, config):
@@ -259,11 +265,16 @@ class Glm53FlashMoE(nn.Module):
         self.shared_experts = Glm53FlashMLP(
             config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts
         )
+        self.expert_parallel = None
 
     def forward(self, hidden_states: torch.Tensor, return_router_logits: bool = False):
         shape = hidden_states.shape
         router_logits, topk_weights, topk_indices = self.gate(hidden_states)
-        routed = self.experts(hidden_states.reshape(-1, shape[-1]), topk_indices, topk_weights).view(shape)
+        tokens = hidden_states.reshape(-1, shape[-1])
+        if self.expert_parallel is None:
+            routed = self.experts(tokens, topk_indices, topk_weights).view(shape)
+        else:
+            routed = self.expert_parallel(self.experts, tokens, topk_indices, topk_weights).view(shape)
         out = routed + self.shared_experts(hidden_states)
         if return_router_logits:
             return out, router_logits

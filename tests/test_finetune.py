@@ -143,7 +143,8 @@ def test_cli_rejects_bad_arguments(capsys):
                           (["--held-out", "nope"], "'nope' is not a pydoc_data.topics topic"),
                           (["--max-steps", "0"], "--max-steps must be >= 1"),
                           (["--lr", "-1"], "--lr must be > 0"),
-                          (["--no-media", "--samples", "0"], "--samples must be >= 1")):
+                          (["--no-media", "--samples", "0"], "--samples must be >= 1"),
+                          (["--ep", "0"], "--ep must be >= 1")):
         with pytest.raises(SystemExit) as exit_info:
             finetune.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv

@@ -23,6 +23,14 @@ It prints the first and last loss, the trained tokens per second, the wall time 
 ``--model PATH`` fine-tunes another checkpoint (a folder in the published layout or a Hub id).
 ``accelerate launch --config_file configuration/accelerate_fsdp2.yaml -m glm53flash_hf.tools.finetune ...`` runs it on
 several GPUs: the Trainer shards the model, only the main process saves, reloads and prints.
+
+``--ep N`` trains with expert parallelism: ``accelerate launch --config_file
+configuration/accelerate_ep2.yaml -m glm53flash_hf.tools.finetune --ep 2`` shards the routed experts over
+``N`` ranks (a ``(world / N, N)`` mesh ``("dp", "ep")``, tokens exchanged by all-to-all) and FSDP2-shards the rest
+over all ranks (:mod:`glm53flash_hf.train.expert_parallel`); the model arrives at the Trainer already sharded, so
+accelerate neither wraps it in DDP nor shards it again; gradients are clipped by the global norm of
+:func:`glm53flash_hf.train.expert_parallel.clip_grad_norm_ep`. With LoRA each rank trains the adapter slices of its
+own experts; ``save_adapter_ep`` gathers them into the 1-process adapter layout.
 """
 
 from __future__ import annotations
@@ -247,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype for training and saving (auto: float32 on CPU and under FSDP, bfloat16 on "
                              "one GPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the LoRA init")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size: shard the routed experts over this many ranks (under "
+                             "accelerate launch --config_file configuration/accelerate_ep2.yaml; "
+                             "default: %(default)s, no EP)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer after training")
     parser.add_argument("--no-reload", action="store_true", help="skip the fresh-process reload and generation")
     return parser
@@ -261,6 +273,11 @@ def _check_args(parser, args) -> None:
         parser.error(f"--samples must be >= 1 (or >= 0 with media); got {args.samples}")
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0; got {args.lr}")
+    if args.ep < 1:
+        parser.error(f"--ep must be >= 1; got {args.ep}")
+    if args.ep > 1 and _fsdp_launch():
+        parser.error("--ep builds its own FSDP2 layout: launch with configuration/accelerate_ep2.yaml, not an FSDP "
+                     "accelerate config")
     if args.warmup_steps < 0 or args.balance_speed < 0:
         parser.error("--warmup-steps and --balance-speed must be >= 0")
     try:
@@ -282,6 +299,7 @@ class Job:
         training_args: the ``transformers.TrainingArguments`` of the run.
         main_process: whether this is process 0 (it alone prints, saves and verifies).
         model_path: the checkpoint trained (absolute when it is a folder); set by :func:`prepare`.
+        ep_plan: the :class:`glm53flash_hf.train.expert_parallel.ExpertParallelPlan` under ``--ep N > 1``.
     """
 
     args: argparse.Namespace
@@ -290,6 +308,7 @@ class Job:
     training_args: object
     main_process: bool
     model_path: str = ""
+    ep_plan: object = None
 
     def say(self, *parts) -> None:
         """Print on the main process only."""
@@ -323,7 +342,7 @@ def training_arguments(args, out: str, dtype):
         seed=args.seed,
         data_seed=args.seed,
         bf16=torch.cuda.is_available() and (dtype == torch.bfloat16 or (
-            _fsdp_launch() and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16")),
+            (_fsdp_launch() or args.ep > 1) and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16")),
         dataloader_pin_memory=torch.cuda.is_available(),
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
@@ -345,6 +364,11 @@ def prepare(job: Job):
     job.model_path = os.path.abspath(model_path) if os.path.isdir(model_path) else model_path
     processor = load_processor(job.model_path)
     model = load_model(job.model_path, job.dtype)
+    if args.ep > 1:
+        job.ep_plan = shard_experts(model, args.ep)
+        job.say(f"expert parallelism: mesh (dp={job.ep_plan.dp_size}, ep={job.ep_plan.ep_size}), "
+                f"{len(job.ep_plan.moe_modules)} MoE blocks, rank {job.ep_plan.ep_rank} of the ep group holds experts "
+                f"[{job.ep_plan.ep_rank} * E/{args.ep}, ...)")
     dataset = build_sft_dataset(processor, args.samples, args.held_out, args.seed, args.max_length,
                                 args.answer_chars, media=not args.no_media)
     n_tokens = sum(len(e["input_ids"]) for e in dataset)
@@ -356,6 +380,30 @@ def prepare(job: Job):
             f"image/video samples from scikit-image; {n_tokens} tokens, {n_trained} trained (answers only); "
             f"held out: {explain_prompt(args.held_out)!r}")
     return processor, model, dataset
+
+
+def shard_experts(model, ep: int):
+    """``--ep``: a ``(world / ep, ep)`` mesh ``("dp", "ep")`` over the launched processes and
+    :func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel` on ``model``. Returns the plan.
+
+    Raises:
+        ValueError: no process group (run under ``accelerate launch`` / ``torchrun``), or a world size not divisible
+            by ``ep`` (naming both).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..train.expert_parallel import apply_expert_parallel
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"--ep {ep} needs several processes: run under accelerate launch (or torchrun)")
+    world = dist.get_world_size()
+    if world % ep:
+        raise ValueError(f"--ep must divide the number of processes; got ep={ep}, world size {world}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    return apply_expert_parallel(model, mesh)
 
 
 def build_trainer(job: Job, processor, model, dataset):
@@ -390,6 +438,13 @@ def build_trainer(job: Job, processor, model, dataset):
     job.say(f"training: {mode}, {trainable / 1e6:.3f} M trainable parameters, lr {job.training_args.learning_rate:g}, "
             f"{args.max_steps} steps x {args.batch_size} samples packed into rows of <= {args.max_length} tokens, "
             "MTP loss " + (f"on (weight {text_config.mtp_loss_weight:g})" if mtp else "off"))
+    if job.ep_plan is not None:
+        from ..train.expert_parallel import apply_fsdp2_ep
+
+        # experts on the dp mesh, the rest on all ranks, every reduction group checked; the Trainer then leaves the
+        # model as it is (no DDP wrap, no second sharding)
+        apply_fsdp2_ep(model, job.ep_plan, param_dtype=torch.bfloat16 if job.training_args.bf16 else None)
+        model._is_distributed_loading_by_transformers = True  # transformers reads it through the property
     callbacks = [ProgressWithLossCallback(), LossLogCallback(os.path.join(job.out, LOSS_LOG))]
     if args.balance_speed > 0:
         callbacks.append(AuxLossFreeBalancingCallback(speed=args.balance_speed))
@@ -399,6 +454,15 @@ def build_trainer(job: Job, processor, model, dataset):
         data_collator=Glm53FlashPackingCollator(max_length=args.max_length, pad_token_id=pad),
     )
     trainer.remove_callback(ProgressCallback)
+    if job.ep_plan is not None:
+        # the global norm over every rank's experts (transformers' mixed-mesh norm sees only this rank's experts);
+        # Trainer._clip_grad_norm / _get_grad_norm are its per-step hooks (transformers 5.24)
+        from ..train.expert_parallel import clip_grad_norm_ep
+
+        plan = job.ep_plan
+        trainer._clip_grad_norm = lambda model: clip_grad_norm_ep(model, plan, trainer.args.max_grad_norm)
+        trainer._get_grad_norm = lambda model, grad_norm=None: float(
+            grad_norm if grad_norm is not None else clip_grad_norm_ep(model, plan, float("inf")))
     if trainer.is_fsdp_enabled and job.training_args.bf16:
         # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC
         # base/scale, router) for the forward: give them their own fp32 units first
@@ -437,11 +501,21 @@ def save(job: Job, trainer, processor):
 
             job.say(f"removing the adapter of an earlier LoRA run: {stale}")
             shutil.rmtree(stale)
-        _save_trained(trainer, job.out, job.main_process)
+        if job.ep_plan is not None:
+            from ..train.expert_parallel import save_pretrained_ep
+
+            save_pretrained_ep(trainer.model, job.ep_plan, job.out)
+        else:
+            _save_trained(trainer, job.out, job.main_process)
         saved_model = trainer.model if trainer.accelerator.num_processes == 1 else None
     else:
         adapter_dir = os.path.join(job.out, ADAPTER_DIR)
-        _save_trained(trainer, adapter_dir, job.main_process)
+        if job.ep_plan is not None:
+            from ..train.expert_parallel import save_adapter_ep
+
+            save_adapter_ep(trainer.model, job.ep_plan, adapter_dir)  # every rank's expert slices, 1-process layout
+        else:
+            _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype)
             saved_model.save_pretrained(job.out)
@@ -500,6 +574,10 @@ def main(argv=None) -> int:
     _check_args(parser, args)
     start = time.perf_counter()
     out, dtype = os.path.abspath(args.output_dir), _resolve_dtype(args.dtype)
+    if args.ep > 1 and args.dtype == "auto":
+        import torch
+
+        dtype = torch.float32  # fp32 masters: apply_fsdp2_ep's bf16 policy computes in bf16
     training_args = training_arguments(args, out, dtype)
     job = Job(args=args, out=out, dtype=dtype, training_args=training_args,
               main_process=training_args.process_index == 0)

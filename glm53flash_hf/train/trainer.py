@@ -116,12 +116,15 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """``{qualified name: router}`` for every MoE router in ``model`` (PEFT / DDP / FSDP wrappers included).
 
     Routers are recognised by class name, so a model loaded as remote code (a second copy of the class under
-    ``transformers_modules``) is found too; each must have an ``e_score_correction_bias`` buffer ``[E]``.
+    ``transformers_modules``) is found too, and along the class's MRO, so a router that is its own FSDP2 unit (class
+    ``FSDPGlm53FlashTopkRouter``, as :func:`glm53flash_hf.train.distributed.shard_fp32_kept_units` makes under a
+    bf16 policy) is found as well; each must have an ``e_score_correction_bias`` buffer ``[E]``.
     """
     return {
         name: module
         for name, module in model.named_modules()
-        if type(module).__name__ == ROUTER_CLASS_NAME and hasattr(module, "e_score_correction_bias")
+        if any(c.__name__ == ROUTER_CLASS_NAME for c in type(module).__mro__)
+        and hasattr(module, "e_score_correction_bias")
     }
 
 
