@@ -233,8 +233,11 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
 
     ``forward(input_ids [B,S] | inputs_embeds [B,S,D], attention_mask [B,S]?, position_ids [B,S]?,
     **packing_kwargs)`` → ``MoeModelOutputWithPast`` with ``last_hidden_state`` = ``norm(mean_streams(X))``
-    ``[B,S,D]``; ``hidden_states`` (when ``output_hidden_states``) holds the stream tensors ``[B,S,N,D]`` after
-    the embedding expansion and after each layer.
+    ``[B,S,D]``; ``hidden_states`` (when ``output_hidden_states``), as transformers' glm5_next: the stream tensors
+    ``[B,S,N,D]`` after the embedding expansion and after each layer but the last, then ``last_hidden_state``
+    ``[B,S,D]`` (the final norm's output); a list of indices for ``output_hidden_states`` keeps those entries (the
+    others ``None``), as transformers' output capture. ``output_attentions=True`` gives ``attentions = ()``, as the
+    built-in (neither KDA nor the sparse DSA path forms attention weights).
 
     Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``), ``seq_idx`` (``[B,S]``), see
     :func:`.packing.layout_from_kwargs`.
@@ -329,6 +332,9 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        output_attentions = kwargs.pop("output_attentions", None)
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
         hidden_states = hc_expand(inputs_embeds, self.config.hc_mult)
         all_hidden = (hidden_states,) if output_hidden_states else None
         topk_indices = None
@@ -354,17 +360,23 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         router_logits = tuple(router_logits) if output_router_logits else None
         h_pre = hc_head(hidden_states)
         hidden_states = self.norm(h_pre)
+        if output_hidden_states:  # as the built-in: the last layer's entry is the final norm's output
+            all_hidden = all_hidden[:-1] + (hidden_states,)
+            if isinstance(output_hidden_states, (list, tuple)):  # transformers' indices to keep (others None)
+                kept = {int(i) % len(all_hidden) for i in output_hidden_states}
+                all_hidden = tuple(h if i in kept else None for i, h in enumerate(all_hidden))
+        attentions = () if output_attentions else None  # as the built-in: no attention weights
         if not mtp_depth:
             return Glm53FlashTextModelOutput(
                 last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
-                document_layout=layout if output_router_logits else None,
+                document_layout=layout if output_router_logits else None, attentions=attentions,
             )
         mtp_hidden = self.mtp_forward(
             h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
         )
         return Glm53FlashTextModelOutput(
             last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, pre_norm_hidden_state=h_pre,
-            mtp_hidden_states=mtp_hidden, document_layout=layout, router_logits=router_logits,
+            mtp_hidden_states=mtp_hidden, document_layout=layout, router_logits=router_logits, attentions=attentions,
         )
 
     def mtp_forward(
@@ -482,6 +494,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
             loss = loss + head_model.config.get_text_config(decoder=True).router_aux_loss_coef * aux_loss
     return Glm53FlashCausalLMOutputWithPast(
         loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None),
+        attentions=getattr(outputs, "attentions", None),
         mtp_loss=mtp_value, mtp_logits=mtp_logits, aux_loss=aux_loss, router_logits=router_logits,
         image_outputs=getattr(outputs, "image_outputs", None), video_outputs=getattr(outputs, "video_outputs", None),
     )
@@ -802,6 +815,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             last_hidden_state=outputs.last_hidden_state,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             pre_norm_hidden_state=outputs.pre_norm_hidden_state,
             mtp_hidden_states=outputs.mtp_hidden_states,
             document_layout=outputs.document_layout,

@@ -148,6 +148,9 @@ _AS_BUILTIN = {
 
 class Glm53FlashCommonTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = (Glm53FlashModel, Glm53FlashForConditionalGeneration)
+    # the KPool indexer gets no gradient: its top-k selection is not differentiable and neither this model nor the
+    # built-in trains it with a loss of its own (set for the built-in's tester below as well)
+    test_all_params_have_gradient = False
 
     def setUp(self):
         self.model_tester = Glm53FlashModelTester(self)
@@ -164,6 +167,7 @@ class Glm53FlashCausalLMCommonTest(ModelTesterMixin, unittest.TestCase):
     """The text-only causal LM (no built-in counterpart) on the same tester without the image and video."""
 
     all_model_classes = (Glm53FlashForCausalLM,)
+    test_all_params_have_gradient = False
 
     def setUp(self):
         self.model_tester = Glm53FlashModelTester(self, text_only=True)
@@ -171,6 +175,12 @@ class Glm53FlashCausalLMCommonTest(ModelTesterMixin, unittest.TestCase):
     test_generation_tester_mixin_inheritance = _skip("test_generation_tester_mixin_inheritance", NO_GENERATION_MIXIN)
     test_multimodal_outputs_are_returned = _skip(
         "test_multimodal_outputs_are_returned", "text-only class: no vision tower (the config has a vision_config)"
+    )
+    test_reverse_loading_mapping = _skip(
+        "test_reverse_loading_mapping",
+        "the causal LM also loads the language_model.* layout of other exporters (a second source of its prefix "
+        "renaming, load-only by design: save_pretrained writes model.language_model.*), which the test requires to "
+        "come back from a save; there is no built-in causal LM to compare",
     )
     test_attention_outputs = _xfail("test_attention_outputs", _AS_BUILTIN["test_attention_outputs"])
     test_hidden_states_output = _xfail("test_hidden_states_output", _AS_BUILTIN["test_hidden_states_output"])
@@ -185,6 +195,7 @@ if os.environ.get("GLM53FLASH_HF_COMMON_BUILTIN") == "1":
 
     class Glm5NextBuiltinCommonTest(ModelTesterMixin, unittest.TestCase):
         all_model_classes = (Glm5NextModel, Glm5NextForConditionalGeneration)
+        test_all_params_have_gradient = False
 
         def setUp(self):
             self.model_tester = Glm53FlashModelTester(self, builtin=True)

@@ -20,6 +20,19 @@ from glm53flash_hf.packing import build_document_layout
 DOC_LENS = [5, 1, 7, 4]  # includes a 1-token document
 
 
+
+def _last_layer_streams(text_model, **inputs):
+    """The mHC streams ``[B, S, N, D]`` the last main layer returns (a forward hook; ``output_hidden_states`` ends
+    with the final norm's output instead, as transformers' glm5_next)."""
+    got = []
+    last = text_model.layers[text_model.config.num_hidden_layers - 1]
+    handle = last.register_forward_hook(lambda _m, _i, out: got.append(out[0]))
+    try:
+        text_model(**inputs)
+    finally:
+        handle.remove()
+    return got[-1]
+
 def _model(seed=0, **overrides) -> Glm53FlashForCausalLM:
     torch.manual_seed(seed)
     model = Glm53FlashForCausalLM(tiny_config(**overrides)).float()
@@ -103,7 +116,7 @@ def test_mtp_logits_match_naive_reference():
         off = 0
         for d in docs:
             n = len(d)
-            streams = tm(input_ids=d[None], output_hidden_states=True).hidden_states[-1]
+            streams = _last_layer_streams(tm, input_ids=d[None])
             h = streams.mean(dim=2)  # h_pre: mean over streams, before the final norm
             layout = build_document_layout(1, n, "cpu")
             for k in range(1, depth + 1):
@@ -166,7 +179,7 @@ def test_mtp_inputs_embeds_are_rolled_not_reembedded():
         emb = model.model.embed_tokens(d[None]) * 1.7  # not an embedding of any token
         out = model(inputs_embeds=emb, labels=d[None])
         tm, layer = model.model, model.model.layers[6]
-        h = tm(inputs_embeds=emb, output_hidden_states=True).hidden_states[-1].mean(dim=2)
+        h = _last_layer_streams(tm, inputs_embeds=emb).mean(dim=2)
         future = torch.cat([emb[:, 1:], torch.zeros_like(emb[:, :1])], 1)
         ref, _ = layer(future, h, build_document_layout(1, len(d), "cpu"))
         assert rel_err(out.mtp_logits[0], model.lm_head(ref)) < 1e-6
