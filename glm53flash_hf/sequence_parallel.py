@@ -27,8 +27,8 @@ What crosses the shard boundaries (everything else, mHC and MoE, is per token an
 * **MTP** (:meth:`SequenceParallelContext.doc_roll`) and the **loss** (:meth:`SequenceParallelContext.shift_labels`):
   the first token(s) / label(s) of the next rank are exchanged.
 
-The collectives are autograd-aware (``torch.distributed.nn.functional.all_gather``, whose backward sums the
-gradients of every rank's copy back onto its owner), so the backward's reverse pass (reverse state passing, the
+The collectives are autograd-aware (:class:`_AllGather`, whose backward sums the gradients of every rank's copy
+back onto its owner, a reduce-scatter), so the backward's reverse pass (reverse state passing, the
 reduce-scatter of the latent gradient) comes from autograd. Every rank must take part in every collective of the
 forward and of the backward: outputs a rank does not read are tied into its graph with a zero-weighted term
 (:func:`_anchor`), so each rank's backward reaches every gathered node.
@@ -56,11 +56,39 @@ __all__ = [
 ]
 
 
+class _AllGather(torch.autograd.Function):
+    """All-gather with the summed-gradient backward (a reduce-scatter).
+
+    ``torch.distributed.nn.functional.all_gather`` does the same but, off NCCL, its backward emulates the
+    reduce-scatter with ``scatter`` calls that pass group ranks where global ranks are expected (torch 2.13), which
+    fails on any sub-group (an ``sp`` dimension of a device mesh). Here: ``reduce_scatter_tensor`` on NCCL/XCCL; on
+    other backends (gloo) an ``all_reduce`` of the stacked gradients, of which each rank keeps its own slice (same
+    sums, ``W`` times the bytes of a reduce-scatter; gloo is the CPU test path)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group
+        rank = dist.get_rank(group)
+        stacked = torch.stack([g.contiguous() for g in grads])
+        if dist.get_backend(group) in (dist.Backend.NCCL, getattr(dist.Backend, "XCCL", "xccl")):
+            mine = torch.empty_like(stacked[rank])
+            dist.reduce_scatter_tensor(mine, stacked, group=group)
+            return mine, None
+        dist.all_reduce(stacked, group=group)
+        return stacked[rank].clone(), None
+
+
 def _gather_autograd(tensor: torch.Tensor, group) -> tuple[torch.Tensor, ...]:
     """All-gather with autograd (backward: each rank gets the sum of every rank's gradient of its copy)."""
-    from torch.distributed.nn.functional import all_gather
-
-    return tuple(all_gather(tensor.contiguous(), group=group))
+    return _AllGather.apply(tensor, group)
 
 
 def _gather_plain(tensor: torch.Tensor, group) -> list[torch.Tensor]:
