@@ -111,6 +111,26 @@ def test_sp2_x_fsdp2_equals_one_process(reference):
     print(f"SP2xFSDP2: loss {results[0]['losses']} vs {ref['losses'][0]}; grad {results[0]['grad_rel_err']}")
 
 
+def test_finetune_sp2_under_accelerate_launch(tmp_path):
+    """``glm53flash-finetune --sp 2`` under ``accelerate launch --config_file configuration/accelerate_sp2.yaml``
+    (2 CPU processes, gloo): trains 3 steps with every row split over the 2 ranks, saves, checks the merged model."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [accelerate, "launch", "--config_file", os.path.join(root, "configuration", "accelerate_sp2.yaml"),
+           "--main_process_port", str(_free_port()), "-m", "glm53flash_hf.tools.finetune", "--sp", "2",
+           "--max-steps", "3", "--samples", "6", "--batch-size", "2", "--max-length", "128", "--no-reload",
+           "--output-dir", str(tmp_path / "out")]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=WORKER_DEADLINE_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "sequence parallelism: 2 ranks per SP group" in proc.stdout
+    with open(tmp_path / "out" / "loss_log.jsonl") as f:
+        assert len(f.readlines()) == 3
+
+
 # ---------------------------------------------------------------------------------------------- op level
 
 

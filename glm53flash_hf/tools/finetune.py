@@ -23,6 +23,9 @@ It prints the first and last loss, the trained tokens per second, the wall time 
 ``--model PATH`` fine-tunes another checkpoint (a folder in the published layout or a Hub id).
 ``accelerate launch --config_file configuration/accelerate_fsdp2.yaml -m glm53flash_hf.tools.finetune ...`` runs it on
 several GPUs: the Trainer shards the model, only the main process saves, reloads and prints.
+``accelerate launch --config_file configuration/accelerate_sp2.yaml -m glm53flash_hf.tools.finetune --sp 2`` trains
+with sequence parallelism (:mod:`glm53flash_hf.sequence_parallel`): each row split contiguously over 2 ranks; text
+samples only (``--sp`` > 1 implies ``--no-media``).
 """
 
 from __future__ import annotations
@@ -246,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="weights dtype for training and saving (auto: float32 on CPU and under FSDP, bfloat16 on "
                              "one GPU)")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="sequence parallelism: ranks per SP group, each holding a contiguous 1/N of every row "
+                             "(needs a launch of a multiple of N processes; text samples only; default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the LoRA init")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer after training")
     parser.add_argument("--no-reload", action="store_true", help="skip the fresh-process reload and generation")
@@ -253,12 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser, args) -> None:
-    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "answer_chars", "max_new_tokens")
+    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "answer_chars", "max_new_tokens",
+                "sp")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.samples < 0 or (args.samples == 0 and args.no_media):
         parser.error(f"--samples must be >= 1 (or >= 0 with media); got {args.samples}")
+    if args.sp > 1:
+        args.no_media = True  # the vision tower is not sequence-parallel: text samples only
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0; got {args.lr}")
     if args.warmup_steps < 0 or args.balance_speed < 0:
@@ -397,7 +406,10 @@ def build_trainer(job: Job, processor, model, dataset):
     trainer = Glm53FlashTrainer(
         model=model, args=job.training_args, train_dataset=dataset, callbacks=callbacks, pad_token_id=pad, mtp=mtp,
         data_collator=Glm53FlashPackingCollator(max_length=args.max_length, pad_token_id=pad),
+        sequence_parallel_size=args.sp,
     )
+    if args.sp > 1:
+        job.say(f"sequence parallelism: {args.sp} ranks per SP group, mesh {trainer.sp_mesh}")
     trainer.remove_callback(ProgressCallback)
     if trainer.is_fsdp_enabled and job.training_args.bf16:
         # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC

@@ -300,18 +300,18 @@ class Glm53FlashTrainer(Trainer):
     * :attr:`trained_tokens`: positions that are not padding, counted per micro-batch as ``input_ids != pad`` or a
       trained target (the packing collator pads with ``pad`` ids and -100 labels; a trained ``<|endoftext|>`` equal
       to ``pad`` has a label);
-    * ``mtp=False`` passed to the model when ``mtp`` is off.
-
+    * ``mtp=False`` passed to the model when ``mtp`` is off;
     * sequence parallelism (the extension point; transformers' own context parallelism drives SDPA models only):
       with ``sp_mesh`` (a ``DeviceMesh`` with an ``"sp"`` dimension, e.g. ``init_device_mesh("cuda", (dp, sp),
       mesh_dim_names=("dp_shard", "sp"))``) or ``sequence_parallel_size=N`` (that mesh over all processes, ranks
-      ``[k N, (k + 1) N)`` one SP group), the model's SP group is set (``set_sequence_parallel``) and each
-      training step gathers the ``N`` micro-batches the data loader gave the group's ranks
-      (:func:`sp_micro_batches`) and runs them one after another, each rank on its contiguous shard of every row
+      ``[k N, (k + 1) N)`` one SP group), each training step sets the model's SP group (``set_sequence_parallel``;
+      unset again when the step ends, so evaluation and any other forward run unsharded), gathers the ``N``
+      micro-batches the data loader gave the group's ranks (:func:`sp_micro_batches`) and runs them one after
+      another, each rank on its contiguous shard of every row
       (:func:`glm53flash_hf.sequence_parallel.shard_sequence`); gradient sync happens on the last one. The data
       loader, ``num_items_in_batch`` (the Trainer's global count of this step's labels) and the Trainer's loss
       scaling stay as they are: every row is processed exactly once by its group, each rank holding ``1 / N`` of
-      it, so the gradients are those of plain data parallelism on the same rows. Evaluation runs unsharded.
+      it, so the gradients are those of plain data parallelism on the same rows.
 
     Args:
         pad_token_id: the tokenizer's padding id (int).
@@ -335,8 +335,6 @@ class Glm53FlashTrainer(Trainer):
             sp_mesh = sequence_parallel_mesh(sequence_parallel_size)
         self.sp_mesh = sp_mesh
         self.sp_group = sp_mesh["sp"].get_group() if sp_mesh is not None else None
-        if self.sp_group is not None:
-            _set_sp_group(self.model, self.sp_group)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids, labels = inputs["input_ids"], inputs["labels"]
@@ -349,21 +347,16 @@ class Glm53FlashTrainer(Trainer):
 
         world, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
         total = None
-        for j, batch in enumerate(sp_micro_batches(inputs, self.sp_group, self.pad_token_id)):
-            sync = contextlib.nullcontext() if j == world - 1 else self.accelerator.no_sync(model)
-            with sync:
-                loss = super().training_step(model, shard_sequence(batch, rank, world), num_items_in_batch)
-            total = loss if total is None else total + loss
-        return total
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if self.sp_group is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        _set_sp_group(model, None)
+        _set_sp_group(model, self.sp_group)  # only inside the training step: other forwards run unsharded
         try:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            for j, batch in enumerate(sp_micro_batches(inputs, self.sp_group, self.pad_token_id)):
+                sync = contextlib.nullcontext() if j == world - 1 else self.accelerator.no_sync(model)
+                with sync:
+                    loss = super().training_step(model, shard_sequence(batch, rank, world), num_items_in_batch)
+                total = loss if total is None else total + loss
         finally:
-            _set_sp_group(model, self.sp_group)
+            _set_sp_group(model, None)
+        return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.mtp:
