@@ -122,6 +122,8 @@ class SequenceParallelContext:
             local segment.
         first_tokens: long ``[T1]``: flattened local positions (over ``B * L``) of the tokens of the rows' first
             segments, row by row; ``first_cu``: long ``[B + 1]`` their boundaries.
+        rest_tokens, rest_cu: the same for all the other local segments (``[T - T1]``, ``[N - B + 1]``);
+            last_rest: long ``[B]``, index of each row's last segment among them (``-1`` for a single-segment row).
     """
 
     group: object
@@ -137,6 +139,9 @@ class SequenceParallelContext:
     last_seg: torch.Tensor
     first_tokens: torch.Tensor
     first_cu: torch.Tensor
+    rest_tokens: torch.Tensor
+    rest_cu: torch.Tensor
+    last_rest: torch.Tensor
 
     # ------------------------------------------------------------------------------------------------ generic
     def gather_sequence(self, x: torch.Tensor, grad: bool = True) -> torch.Tensor:
@@ -247,9 +252,13 @@ class SequenceParallelContext:
         (:func:`kda_boundary_transition`) = the transition of the first segment, kept only when that segment is
         the whole shard and continues a document (else 0: the state restarts inside the shard). After an
         all-gather of ``(A, B)`` every rank folds ``S_in(0) = 0``, ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}`` and
-        re-runs its first segments from ``S_in`` (zero where the shard starts a document). Other segments keep the
-        zero-state outputs. Three chunk-op calls in all (zero state over the shard, ``A`` over the first segments,
-        the first segments again from ``S_in``).
+        runs its first segments from ``S_in`` (zero where the shard starts a document); the other segments run
+        from a zero state, as without sequence parallelism.
+
+        Cost: the shard's tokens go through the chunk op once for the outputs; the first segments go through it
+        twice more (``A`` with ``v = 0`` and ``V = K``; ``B`` when the first segment is the row's last), both inside
+        ``torch.utils.checkpoint`` (their activations are recomputed in the backward, not kept), so the memory held
+        for the backward is that of one pass.
 
         Args:
             core: the chunk op (``chunk_kda_torch`` or the fused one: same contract).
@@ -259,12 +268,28 @@ class SequenceParallelContext:
         Returns:
             ``o`` ``[1, B*L, H, V]``.
         """
-        o, finals = core(q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=True)
-        b_local = finals.index_select(0, self.last_seg)  # [B, H, K, V]
-        ft = self.first_tokens
+        from torch.utils.checkpoint import checkpoint
+
+        ft, first_cu = self.first_tokens, self.first_cu
         q1, k1, v1, g1, beta1 = (t.index_select(1, ft) for t in (q, k, v, g, beta))
-        a_local = kda_boundary_transition(core, k1, g1, beta1, cu_seqlens=self.first_cu, like_q=q1)
+
+        def boundary(q1, k1, v1, g1, beta1):
+            a = kda_boundary_transition(core, k1, g1, beta1, cu_seqlens=first_cu, like_q=q1)
+            _, b = core(q1, k1, v1, g1, beta1, cu_seqlens=first_cu, output_final_state=True)
+            return a, b
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q1, k1, v1, g1, beta1)):
+            a_local, b_first = checkpoint(boundary, q1, k1, v1, g1, beta1, use_reentrant=False)
+        else:
+            a_local, b_first = boundary(q1, k1, v1, g1, beta1)
         a_local = a_local * (self.single & self.continues).to(a_local.dtype)[:, None, None, None]
+        o_rest = None
+        b_local = b_first
+        if self.rest_tokens.numel():
+            rest = [t.index_select(1, self.rest_tokens) for t in (q, k, v, g, beta)]
+            o_rest, finals = core(*rest, cu_seqlens=self.rest_cu, output_final_state=True)
+            b_rest = finals.index_select(0, self.last_rest.clamp_min(0))
+            b_local = torch.where(self.single[:, None, None, None], b_first, b_rest)
         grads = a_local.requires_grad or b_local.requires_grad
         gather = _gather_autograd if grads else _gather_plain
         a_all, b_all = gather(a_local, self.group), gather(b_local, self.group)
@@ -274,8 +299,11 @@ class SequenceParallelContext:
         state = torch.where(self.continues[:, None, None, None], state, torch.zeros_like(state))
         if grads:
             state = _anchor(state, tuple(a_all) + tuple(b_all))
-        o1, _ = core(q1, k1, v1, g1, beta1, initial_state=state, cu_seqlens=self.first_cu)
-        return o.index_copy(1, ft, o1.to(o.dtype))
+        o1, _ = core(q1, k1, v1, g1, beta1, initial_state=state, cu_seqlens=first_cu)
+        o = o1.new_zeros(v.shape).index_copy(1, ft, o1)
+        if o_rest is not None:
+            o = o.index_copy(1, self.rest_tokens, o_rest.to(o.dtype))
+        return o
 
 
 def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None = None, like_q=None) -> torch.Tensor:
@@ -403,10 +431,21 @@ def build_sp_layout(
     first_cu = torch.cat([first_len.new_zeros(1), torch.cumsum(first_len, 0)])
     first_tokens = torch.cat([torch.arange(int(n), device=device) + b * local_len for b, n in
                               enumerate(first_len.tolist())])
+    is_first = torch.zeros(cu.numel() - 1, dtype=torch.bool, device=device)
+    is_first[row_first] = True
+    rest_ids = torch.nonzero(~is_first).flatten()  # local segment ids of the other segments, in order
+    rest_len = (cu[1:] - cu[:-1])[rest_ids]
+    rest_cu = torch.cat([rest_len.new_zeros(1), torch.cumsum(rest_len, 0)])
+    token_first = torch.zeros(batch_size * local_len, dtype=torch.bool, device=device)
+    token_first[first_tokens] = True
+    rest_tokens = torch.nonzero(~token_first).flatten()
+    rank_in_rest = torch.cumsum((~is_first).long(), 0) - 1  # position of each segment among the rest
+    last_rest = torch.where(is_first[row_last], torch.full_like(row_last, -1), rank_in_rest[row_last])
     local.sequence_parallel = SequenceParallelContext(
         group=group, rank=rank, world=world, local_len=local_len, global_len=global_len, offset=offset,
         global_layout=glob, continues=continues, single=first_len == local_len, first_seg=row_first,
-        last_seg=row_last, first_tokens=first_tokens, first_cu=first_cu,
+        last_seg=row_last, first_tokens=first_tokens, first_cu=first_cu, rest_tokens=rest_tokens, rest_cu=rest_cu,
+        last_rest=last_rest,
     )
     return local
 
