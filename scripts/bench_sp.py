@@ -13,7 +13,8 @@
 2. Peak memory (``--measure``): ``WIDE_TEXT`` of ``scripts/bench_cpu.py`` (hidden 256, 3 KDA + 1 DSA layers, MoE,
    4 mHC streams), fp32, one packed row of ``--seq`` tokens (4 documents), forward + backward with per-layer
    activation checkpointing, SP = 1, 2, 4 processes on gloo. Peak = the process's peak RSS during the step minus
-   its RSS before it (Linux ``ru_maxrss``), the largest over the ranks.
+   its RSS before it (Linux ``ru_maxrss``; after a warm-up step on a short row, with the gradients allocated), the
+   largest over the ranks. RSS counts what glibc keeps from freed blocks, so this over-states the live peak.
 
 Usage::
 
@@ -101,12 +102,19 @@ def _worker(rank: int, world: int, port: int, seq: int, out_dir: str) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
         model.set_sequence_parallel(dist.group.WORLD)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, config.vocab_size, (1, seq), generator=g)
-    docs = [seq // 8, seq // 2, seq // 4, seq - seq // 8 - seq // 2 - seq // 4]
-    pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
-    batch = {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
-    local = shard_sequence(batch, rank, world) if world > 1 else batch
+    def row(n):
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(1, config.vocab_size, (1, n), generator=g)
+        docs = [n // 8, n // 2, n // 4, n - n // 8 - n // 2 - n // 4]
+        pos = torch.cat([torch.arange(d) for d in docs]).unsqueeze(0)
+        batch = {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+        return shard_sequence(batch, rank, world) if world > 1 else batch
+
+    # warm-up step on a short row: the first step's one-off allocations (thread pools, kernel caches) are not
+    # counted in the measured step's peak
+    model(**row(64 * world), num_items_in_batch=64 * world - 1).loss.backward()
+    model.zero_grad(set_to_none=False)  # the gradients stay allocated: the measured step does not count them
+    local = row(seq)
     before = _rss_bytes()
     start = time.perf_counter()
     loss = model(**local, num_items_in_batch=seq - 1).loss

@@ -144,6 +144,22 @@ def _sp_run(rank, world, ref, out):
     out["param_rel_err"] = _worst({n: p.detach() for n, p in model.named_parameters()}, ref["params"])
     out["update_rel_err"] = _worst({n: p.detach() - start[n] for n, p in model.named_parameters()}, ref["updates"])
 
+    # uneven shards are refused on every rank with the lengths named
+    batch = global_batch(1)
+    cut = 48 if rank == 0 else 40
+    try:
+        model(**{k: v[:, :cut] for k, v in batch.items()}, num_items_in_batch=10)
+        out["uneven_error"] = None
+    except ValueError as exc:
+        out["uneven_error"] = str(exc)
+    # the Trainer's data path: rank micro-batches of different lengths made equal (pad to a multiple of world)
+    from glm53flash_hf.train.trainer import sp_micro_batches
+
+    mine = {"input_ids": torch.full((1, 5 + 2 * rank), rank), "labels": torch.full((1, 5 + 2 * rank), rank),
+            "position_ids": torch.arange(5 + 2 * rank).unsqueeze(0), "cu_seq_lens_q": torch.tensor([0, 5 + 2 * rank])}
+    micro = sp_micro_batches(mine, group, pad_token_id=99, min_shard=1)
+    out["micro"] = [{k: v.tolist() for k, v in m.items()} for m in micro]
+
     # negative control: the KDA recurrence without state passing (each shard's first segment from a zero state)
     original = sp_mod.SequenceParallelContext.kda_core
     try:

@@ -51,7 +51,18 @@ def reference(tmp_path_factory):
     return tmpdir, path
 
 
+_RUNS: dict = {}
+
+
 def _launch(reference, mode: str, world: int, dp: int = 1) -> tuple[dict, list[dict]]:
+    """Run the workers once per ``(mode, world, dp)`` and module (later tests read the same results)."""
+    key = (reference[0], mode, world, dp)
+    if key not in _RUNS:
+        _RUNS[key] = _run_workers(reference, mode, world, dp)
+    return _RUNS[key]
+
+
+def _run_workers(reference, mode: str, world: int, dp: int) -> tuple[dict, list[dict]]:
     import torch.multiprocessing as mp
 
     tmpdir, ref_path = reference
@@ -99,6 +110,19 @@ def test_sp2_equals_one_process(reference):
 
 def test_sp4_equals_one_process(reference):
     _check_sp(reference, 4)
+
+
+def test_sp2_refuses_uneven_shards_and_pads_trainer_micro_batches(reference):
+    """Shards of 48 and 40 tokens raise ``ValueError`` naming both shapes on both ranks; the Trainer's
+    :func:`~glm53flash_hf.train.trainer.sp_micro_batches` pads the ranks' 5- and 7-token rows to 8 (a multiple of
+    2): pad ids, -100 labels, positions restarting at 0, ``cu_seq_lens_q`` dropped, rank order kept."""
+    _, results = _launch(reference, "sp", 2)
+    for res in results:
+        assert "per-rank shapes [(2, 48), (2, 40)]" in res["uneven_error"]
+        first, second = res["micro"]
+        assert first == {"input_ids": [[0] * 5 + [99] * 3], "labels": [[0] * 5 + [-100] * 3],
+                         "position_ids": [[0, 1, 2, 3, 4, 0, 1, 2]]}
+        assert second["input_ids"] == [[1] * 7 + [99]] and second["position_ids"] == [[0, 1, 2, 3, 4, 5, 6, 0]]
 
 
 def test_sp2_x_fsdp2_equals_one_process(reference):
