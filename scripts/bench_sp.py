@@ -15,6 +15,9 @@
    activation checkpointing, SP = 1, 2, 4 processes on gloo. Peak = the process's peak RSS during the step minus
    its RSS before it (Linux ``ru_maxrss``; after a warm-up step on a short row, with the gradients allocated), the
    largest over the ranks. RSS counts what glibc keeps from freed blocks, so this over-states the live peak.
+   The DSA layer's chunk budgets (indexer score buffer, sparse-MLA query chunk: ``1 << 26`` elements, 256 MiB fp32
+   each, by default) give a transient of about 1 GiB per rank whatever the sequence length; ``--budget`` (default
+   ``1 << 22``) sets them, equally for every SP size, so that the measurement shows the part SP divides.
 
 Usage::
 
@@ -82,7 +85,18 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _worker(rank: int, world: int, port: int, seq: int, out_dir: str) -> None:
+def _set_budgets(model, elements: int) -> None:
+    """The DSA buffers' element budgets, per module: the indexer's score buffer (``max_score_elements``) and the
+    sparse-MLA query chunk (``query_chunk`` from ``[chunk, W, kv_lora_rank + heads]``)."""
+    for module in model.modules():
+        if hasattr(module, "max_score_elements"):
+            module.max_score_elements = elements
+        if hasattr(module, "query_chunk") and hasattr(module, "kv_lora_rank"):
+            width = module.config.index_topk + module.config.index_kpool - 1
+            module.query_chunk = max(1, elements // (width * (module.kv_lora_rank + module.num_heads)))
+
+
+def _worker(rank: int, world: int, port: int, seq: int, out_dir: str, budget: int = 0) -> None:
     import torch
     import torch.distributed as dist
 
@@ -102,6 +116,9 @@ def _worker(rank: int, world: int, port: int, seq: int, out_dir: str) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
         model.set_sequence_parallel(dist.group.WORLD)
+    if budget:
+        _set_budgets(model, budget)
+
     def row(n):
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(1, config.vocab_size, (1, n), generator=g)
@@ -127,7 +144,7 @@ def _worker(rank: int, world: int, port: int, seq: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def measure(seq: int, worlds=(1, 2, 4)) -> None:
+def measure(seq: int, worlds=(1, 2, 4), budget: int = 0) -> None:
     import tempfile
 
     import torch.multiprocessing as mp
@@ -138,7 +155,7 @@ def measure(seq: int, worlds=(1, 2, 4)) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(world, port, seq, out_dir), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, port, seq, out_dir, budget), nprocs=world, start_method="spawn")
         rows = []
         for rank in range(world):
             with open(os.path.join(out_dir, f"mem_{world}_{rank}.txt")) as f:
@@ -157,14 +174,18 @@ def main(argv=None) -> int:
     parser.add_argument("--sp", type=int, default=8, help="SP ranks for the byte count")
     parser.add_argument("--measure", action="store_true", help="also measure peak memory (CPU, gloo)")
     parser.add_argument("--seq", type=int, default=32768, help="tokens of the measured row")
+    parser.add_argument("--budget", type=int, default=1 << 22,
+                        help="element budget of the DSA indexer score buffer and sparse-MLA query chunk, the same for "
+                             "every SP size (the default 1 << 26, 256 MiB fp32 buffers, is a per-rank constant that "
+                             "SP cannot divide; 0 keeps it; default: %(default)s)")
     args = parser.parse_args(argv)
     if args.tokens % args.sp or args.seq % 4:
         parser.error("--tokens must divide by --sp and --seq by 4")
     print_bytes(args.tokens, args.sp)
     if args.measure:
         print(f"peak memory, WIDE_TEXT of scripts/bench_cpu.py, fp32, one row of {args.seq} tokens, per-layer "
-              "checkpointing, gloo:")
-        measure(args.seq)
+              f"checkpointing, DSA budgets {args.budget or 'default'} elements, gloo:")
+        measure(args.seq, budget=args.budget)
     return 0
 
 
