@@ -185,36 +185,60 @@ class Glm53FlashIndexer(nn.Module):
                 f"q_resid must be [B={batch}, S={seq_len}, q_lora_rank={self.q_lora_rank}]; got {tuple(q_resid.shape)}"
             )
         layout = _check_layout(layout, batch, seq_len, hidden_states.device)
+        sp = getattr(layout, "sequence_parallel", None)
+        if sp is not None:
+            # sequence parallel: the keys are the whole group's tokens (global row positions), the queries this
+            # rank's shard at row offset sp.offset; gathered once per call (no gradient: the indexer is frozen)
+            glob = sp.global_layout
+            state = sp.gather_sequence(self._token_state(hidden_states), grad=False)
+            return self._pool_select(
+                hidden_states, q_resid, lambda: state, glob.valid.to(state.device), glob.local_pos.to(state.device),
+                offset=sp.offset,
+            )
+        return self._pool_select(
+            hidden_states, q_resid, lambda: self._token_state(hidden_states), layout.valid.to(hidden_states.device),
+            layout.local_pos.to(hidden_states.device), offset=0,
+        )
+
+    def _pool_select(self, hidden_states, q_resid, token_state, valid_kv, local_pos_kv, offset: int) -> torch.Tensor:
+        """Selection of the ``S`` queries of ``hidden_states`` sitting at row positions ``[offset, offset + S)`` of
+        key rows of length ``S_kv`` (``S_kv = S``, ``offset = 0`` without sequence parallelism).
+
+        ``token_state()`` gives the fp32 ``[B, S_kv, 2 * Dk]`` per-token state of the key rows (called only when a
+        pool can be selected); ``valid_kv`` / ``local_pos_kv`` ``[B, S_kv]`` their layout. Returns int32
+        ``[B, S, output_width]`` key-row positions (see :meth:`forward`)."""
+        batch, seq_len, _ = hidden_states.shape
         device = hidden_states.device
         kp = self.index_kpool
-
-        valid = layout.valid.to(device)
-        local_pos = layout.local_pos.to(device)
-        positions = torch.arange(seq_len, device=device)
+        kv_len = valid_kv.shape[1]
+        positions_kv = torch.arange(kv_len, device=device)
+        queries = slice(offset, offset + seq_len)
+        valid, local_pos, positions = valid_kv[:, queries], local_pos_kv[:, queries], positions_kv[queries]
         out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
 
         # ---- pools: complete groups of kp tokens of one document, identified by their last token ----------------
-        num_pools = seq_len // kp  # static upper bound on complete pools per row
+        num_pools = kv_len // kp  # static upper bound on complete pools per row
         select_pools = min(self.index_topk // kp, num_pools)
         if select_pools > 0:
-            is_end = valid & ((local_pos + 1) % kp == 0)  # last token of a complete pool
-            ends_upto = torch.cumsum(is_end.long(), dim=1)  # [B, S] complete pools of the row ending at <= t
+            is_end = valid_kv & ((local_pos_kv + 1) % kp == 0)  # last token of a complete pool
+            ends_upto = torch.cumsum(is_end.long(), dim=1)  # [B, S_kv] complete pools of the row ending at <= t
             # Row positions of the pool ends in order (pool id = rank among the row's ends); a sort keeps it
             # deterministic and sync-free. Absent pools (row has fewer than P) point at position 0, never selectable.
-            order_key = torch.where(is_end, positions, positions + seq_len)
+            order_key = torch.where(is_end, positions_kv, positions_kv + kv_len)
             pool_end = order_key.sort(dim=1).values[:, :num_pools]
-            pool_end = torch.where(pool_end < seq_len, pool_end, torch.zeros_like(pool_end))  # [B, P]
+            pool_end = torch.where(pool_end < kv_len, pool_end, torch.zeros_like(pool_end))  # [B, P]
 
             # Pool keys, once per forward (fp32).
             slots = (pool_end[:, :, None] - (kp - 1) + torch.arange(kp, device=device)).clamp_min(0)  # [B, P, kp]
-            pool_keys = kpool_pool_keys(self._token_state(hidden_states), slots, self.index_kpool_compress_ape)
+            pool_keys = kpool_pool_keys(token_state(), slots, self.index_kpool_compress_ape)
 
             # Selectable pools of query t: ids [hi - (local_pos + 1) // kp, hi) with hi = ends_upto[t].
-            hi = torch.where(valid, ends_upto, torch.zeros_like(ends_upto))
-            lo = torch.where(valid, ends_upto - (local_pos + 1) // kp, torch.zeros_like(ends_upto))
+            ends_q = ends_upto[:, queries]
+            hi = torch.where(valid, ends_q, torch.zeros_like(ends_q))
+            lo = torch.where(valid, ends_q - (local_pos + 1) // kp, torch.zeros_like(ends_q))
             pool_keys_t = pool_keys.transpose(1, 2).contiguous()  # [B, Dk, P]
             out[..., : select_pools * kp] = self._select(
-                hidden_states, q_resid, pool_keys_t, pool_end, lo, hi, select_pools, offset=0
+                hidden_states, q_resid, pool_keys_t, pool_end, lo, hi, select_pools, offset=offset
             )
         return self._finish(out, positions, local_pos, valid)
 
@@ -419,6 +443,11 @@ class Glm53FlashAttention(nn.Module):
             cache_context: the forward's :class:`~.generation_cache.CacheContext`; required with ``cache``.
             kwargs: ignored (``position_ids``, ``position_embeddings``, ... of the decoder layer; NoPE).
 
+        Sequence parallelism: with ``layout.sequence_parallel`` set (:mod:`.sequence_parallel`) the latent and the
+        indexer state are all-gathered over the group, the ids are global row positions and the local queries
+        attend over the global latents (memory and bytes moved:
+        :meth:`~.sequence_parallel.SequenceParallelContext.gather_sequence`).
+
         Returns:
             ``(attn_output [B, S, hidden_size], topk_indices)``; ``topk_indices`` is the int32 ``[B, S, W]`` selection
             when ``next_skip_topk`` (for the next, shared layer), else ``None``. Padding queries give zero attention
@@ -459,6 +488,11 @@ class Glm53FlashAttention(nn.Module):
         if cache is not None:
             keys, _ = cache.update(latent.unsqueeze(1), latent.new_zeros(batch, 1, seq_len, 0), self.layer_idx)
             latent = keys[:, 0]  # [B, L, Dl]: cached + new latents (static cache: L = max_cache_len)
+        sp = getattr(layout, "sequence_parallel", None) if cache is None else None
+        if sp is not None:
+            # sequence parallel: attend over the whole group's latents (global row positions); the all-gather's
+            # backward sums the latent gradients back onto their owners (SequenceParallelContext.gather_sequence)
+            latent = sp.gather_sequence(latent)
         if self.indexer is not None:
             if cache is not None:
                 topk_indices = call_onloaded(

@@ -274,6 +274,11 @@ class Glm53FlashLinearAttention(nn.Module):
                 which restarts a segment there.
             cache_context: unused here (accepted for a uniform layer signature).
 
+        Sequence parallelism: when ``layout.sequence_parallel`` is set (:mod:`.sequence_parallel`), the first
+        segment's conv history comes from the previous rank
+        (:meth:`~.sequence_parallel.SequenceParallelContext.kda_conv_initial_state`) and the recurrence passes its
+        state between ranks (:meth:`~.sequence_parallel.SequenceParallelContext.kda_core`).
+
         Returns:
             ``[B, S, D]`` in ``hidden_states``' dtype.
 
@@ -308,10 +313,19 @@ class Glm53FlashLinearAttention(nn.Module):
             beta = beta.reshape(1, B * S, H)
             varlen = {"cu_seqlens": layout.cu_seqlens}
         states = {"output_final_state": cache is not None}
+        sp = getattr(layout, "sequence_parallel", None)
+        if sp is not None:  # a sequence-parallel shard: conv history and recurrent state from the previous ranks
+            if cache is not None:
+                raise ValueError("sequence parallelism runs uncached forwards only; got a cache")
+            conv_state = sp.kda_conv_initial_state(mixed.view(B, S, self.conv_dim), self.conv_kernel_size,
+                                                   layout.num_segments)
         mixed, conv_final = ops.conv(mixed, initial_state=conv_state, **states, **varlen)
         b, t = mixed.shape[:2]
         q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
-        o, recurrent_final = ops.core(q, k, v, g, beta, initial_state=recurrent_state, **states, **varlen)
+        if sp is not None:
+            o, recurrent_final = sp.kda_core(ops.core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens), None
+        else:
+            o, recurrent_final = ops.core(q, k, v, g, beta, initial_state=recurrent_state, **states, **varlen)
         if cache is not None:
             # the final conv state holds exactly the last W inputs: stored as is, first call or continuation
             cache.update_conv_state(conv_final, self.layer_idx, conv_kernel_size=self.conv_kernel_size)

@@ -47,6 +47,7 @@ from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_we
 from .mtp import doc_roll, mtp_loss
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, layout_from_kwargs
+from .sequence_parallel import build_sp_layout, sp_loss_kwargs
 
 logger = logging.get_logger(__name__)
 
@@ -202,6 +203,21 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         init_mhc_weights(module, config)
         init_moe_weights(module, config)
 
+    def set_sequence_parallel(self, group=None) -> None:
+        """Turn sequence parallelism on (``group``: a ``torch.distributed`` process group, e.g.
+        ``mesh["sp"].get_group()``) or off (``None``, the default state) for every text model inside ``self``.
+
+        With a group, each rank's uncached forward takes this rank's contiguous shard ``[B, L]`` of the global rows
+        (ranks in order; :func:`.sequence_parallel.shard_sequence`), ``position_ids`` / ``attention_mask`` /
+        ``seq_idx`` sliced the same way (``cu_seq_lens_q`` / ``cu_seqlens``: the global boundaries), and ``labels``
+        sliced the same way (the causal shift is taken over the global rows). The loss is the shard's sum divided by
+        ``num_items_in_batch`` (pass the global count; when absent it is the group's total, all-reduced), so the
+        group's losses and gradients summed equal one device's. See :mod:`.sequence_parallel`.
+        """
+        for module in self.modules():
+            if isinstance(module, Glm53FlashTextModel):
+                module.sequence_parallel_group = group
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
         weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
@@ -274,6 +290,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         self.layers = nn.ModuleList(layers)
         self.norm = Glm53FlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
+        self.sequence_parallel_group = None  # set by set_sequence_parallel
         self.post_init()
 
     def get_input_embeddings(self):
@@ -316,10 +333,20 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         cache_context = None
         if cache is not None:
             check_cache(cache, type(self).__name__)
+            if self.sequence_parallel_group is not None:
+                raise ValueError(
+                    "sequence parallelism runs uncached forwards only; got a cache with sequence_parallel_group set "
+                    "(call set_sequence_parallel(None) before generating)"
+                )
             cache_context = build_cache_context(
                 cache, batch_size, seq_len, inputs_embeds.device, attention_mask, position_ids, **kwargs
             )
             layout = layout_from_kwargs(batch_size, seq_len, inputs_embeds.device, attention_mask=cache_context.valid)
+        elif self.sequence_parallel_group is not None:
+            layout = build_sp_layout(
+                self.sequence_parallel_group, batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask,
+                position_ids=position_ids, **kwargs,
+            )
         else:
             layout = layout_from_kwargs(
                 batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
@@ -369,7 +396,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         if not mtp_depth:
             return Glm53FlashTextModelOutput(
                 last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
-                document_layout=layout if output_router_logits else None, attentions=attentions,
+                document_layout=layout if output_router_logits or layout.sequence_parallel is not None else None,
+                attentions=attentions,
             )
         mtp_hidden = self.mtp_forward(
             h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
@@ -470,6 +498,9 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+        sp = getattr(getattr(outputs, "document_layout", None), "sequence_parallel", None)
+        if sp is not None:
+            loss_kwargs = sp_loss_kwargs(sp, labels, loss_kwargs)
         loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **loss_kwargs)
     mtp_value = mtp_logits = None
     mtp_hidden = getattr(outputs, "mtp_hidden_states", None)

@@ -34,11 +34,17 @@ def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> tor
     Returns:
         Tensor shaped and typed like ``x``.
 
+    With a sequence-parallel ``layout`` (``layout.sequence_parallel`` set) the roll crosses the shard boundary
+    inside a document (:meth:`.sequence_parallel.SequenceParallelContext.doc_roll`).
+
     Raises:
         ValueError: when ``shift`` is negative or ``x`` is not ``[B, S, ...]`` of the layout.
     """
     if shift < 0:
         raise ValueError(f"doc_roll shift must be >= 0; got {shift}")
+    sp = getattr(layout, "sequence_parallel", None)
+    if sp is not None:  # a sequence-parallel shard: the roll reads the next rank's first tokens
+        return sp.doc_roll(x, shift, fill)
     if tuple(x.shape[:2]) != (layout.batch_size, layout.seq_len):
         raise ValueError(
             f"doc_roll expects x of shape [{layout.batch_size}, {layout.seq_len}, ...]; got {tuple(x.shape)}"

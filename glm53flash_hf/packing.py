@@ -36,6 +36,9 @@ class DocumentLayout:
             their plain batched path. Decided from the arguments alone when none describes a layout, and under
             ``torch.compile`` (False there whenever one is given, without reading the data).
 
+    With sequence parallelism (:mod:`.sequence_parallel`) the layout describes this rank's shard (a segment starts
+    at its first token) and ``sequence_parallel`` holds the context the layers read; otherwise it is ``None``.
+
     ``cu_seqlens`` (long ``[N + 1]``, segment boundaries over the flattened ``B * S`` tokens) and ``segment_valid``
     (bool ``[N]``, False for padding segments) have a data-dependent size ``N``; they are computed on first use, so
     a forward that needs only the per-token tensors (a cached decode step) never computes them.
@@ -51,6 +54,8 @@ class DocumentLayout:
     trivial: bool
 
     _segments: tuple | None = field(default=None, repr=False, compare=False)  # (cu_seqlens, segment_valid), lazily
+    #: the :class:`~.sequence_parallel.SequenceParallelContext` of a sequence-parallel forward (``None``: off)
+    sequence_parallel: object | None = field(default=None, repr=False, compare=False)
 
     def segment_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cu_seqlens, segment_valid)``, computed on the first call and kept."""

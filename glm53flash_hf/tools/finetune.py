@@ -31,6 +31,10 @@ over all ranks (:mod:`glm53flash_hf.train.expert_parallel`); the model arrives a
 accelerate neither wraps it in DDP nor shards it again; gradients are clipped by the global norm of
 :func:`glm53flash_hf.train.expert_parallel.clip_grad_norm_ep`. With LoRA each rank trains the adapter slices of its
 own experts; ``save_adapter_ep`` gathers them into the 1-process adapter layout.
+
+``accelerate launch --config_file configuration/accelerate_sp2.yaml -m glm53flash_hf.tools.finetune --sp 2`` trains
+with sequence parallelism (:mod:`glm53flash_hf.sequence_parallel`): each row split contiguously over 2 ranks; text
+samples only (``--sp`` > 1 implies ``--no-media``).
 """
 
 from __future__ import annotations
@@ -254,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="weights dtype for training and saving (auto: float32 on CPU and under FSDP, bfloat16 on "
                              "one GPU)")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="sequence parallelism: ranks per SP group, each holding a contiguous 1/N of every row "
+                             "(needs a launch of a multiple of N processes; text samples only; default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the LoRA init")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel size: shard the routed experts over this many ranks (under "
@@ -265,16 +272,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser, args) -> None:
-    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "answer_chars", "max_new_tokens")
+    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "answer_chars", "max_new_tokens",
+                "sp")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.samples < 0 or (args.samples == 0 and args.no_media):
         parser.error(f"--samples must be >= 1 (or >= 0 with media); got {args.samples}")
+    if args.sp > 1:
+        args.no_media = True  # the vision tower is not sequence-parallel: text samples only
     if args.lr is not None and not args.lr > 0:
         parser.error(f"--lr must be > 0; got {args.lr}")
     if args.ep < 1:
         parser.error(f"--ep must be >= 1; got {args.ep}")
+    if args.ep > 1 and args.sp > 1:
+        parser.error(f"--ep and --sp cannot be combined yet; got --ep {args.ep} --sp {args.sp}")
     if args.ep > 1 and _fsdp_launch():
         parser.error("--ep builds its own FSDP2 layout: launch with configuration/accelerate_ep2.yaml, not an FSDP "
                      "accelerate config")
@@ -452,7 +464,10 @@ def build_trainer(job: Job, processor, model, dataset):
     trainer = Glm53FlashTrainer(
         model=model, args=job.training_args, train_dataset=dataset, callbacks=callbacks, pad_token_id=pad, mtp=mtp,
         data_collator=Glm53FlashPackingCollator(max_length=args.max_length, pad_token_id=pad),
+        sequence_parallel_size=args.sp,
     )
+    if args.sp > 1:
+        job.say(f"sequence parallelism: {args.sp} ranks per SP group, mesh {trainer.sp_mesh}")
     trainer.remove_callback(ProgressCallback)
     if job.ep_plan is not None:
         # the global norm over every rank's experts (transformers' mixed-mesh norm sees only this rank's experts);

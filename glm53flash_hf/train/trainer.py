@@ -2,7 +2,8 @@
 aux-loss-free expert-balancing callback and the job's progress / loss-log callbacks.
 
 * :class:`Glm53FlashTrainer` is ``transformers.Trainer`` plus the MTP loss in the logs, a count of the trained
-  (non-padding) tokens, and ``mtp=False`` passed to the model when the MTP loss is off.
+  (non-padding) tokens, ``mtp=False`` passed to the model when the MTP loss is off, and sequence parallelism
+  (``sp_mesh=`` / ``sequence_parallel_size=``, :func:`sp_micro_batches`).
 
 * :func:`default_lora_config` builds a ``peft.LoraConfig`` that adapts the attention projections (MLA and KDA),
   the dense / shared-expert MLP projections (``target_modules``, ``nn.Linear``) and the routed experts' 3-D weights
@@ -26,6 +27,7 @@ transformers ``TrainerCallback`` events (``on_train_begin`` / ``on_step_end`` / 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -219,6 +221,77 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         self.detach()
 
 
+#: row tensors of a text batch that :func:`sp_micro_batches` gathers, with the value their padding takes
+_SP_ROW_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "mm_token_type_ids", "seq_idx")
+_SP_DROPPED = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
+
+
+def sp_micro_batches(inputs: dict, group, pad_token_id: int, min_shard: int = 4) -> list[dict]:
+    """The ``W`` micro-batches of an SP group, made equal in shape: every rank's ``[B, S_r]`` text batch is
+    all-gathered, right-padded to a common length that is a multiple of ``W`` (and at least ``W * min_shard``), and
+    returned in rank order; each rank then processes micro-batch ``j`` as its contiguous shard
+    (:func:`glm53flash_hf.sequence_parallel.shard_sequence`), all ranks on the same ``j`` at once.
+
+    Padding: ``input_ids`` = ``pad_token_id``, ``labels`` -100, ``position_ids`` restarting at 0 (a segment of its
+    own), ``attention_mask`` 0, ``mm_token_type_ids`` / ``seq_idx`` 0 / a fresh index. ``cu_seq_lens_*`` /
+    ``max_length_*`` are dropped (the boundaries are carried by ``position_ids``, which the packing collator
+    restarts per sample; a batch without them gets an ``attention_mask``).
+
+    Raises:
+        ValueError: visual inputs (``pixel_values`` / ``pixel_values_videos``: the vision tower is not sharded), a
+            batch without ``input_ids``, or ranks with different batch sizes (names them).
+    """
+    import torch.distributed as dist
+
+    for key in ("pixel_values", "pixel_values_videos"):
+        if inputs.get(key) is not None:
+            raise ValueError(f"sequence parallelism trains text batches only; got {key}")
+    if "input_ids" not in inputs:
+        raise ValueError(f"sequence parallelism needs input_ids in the batch; got keys {sorted(inputs)}")
+    world = dist.get_world_size(group)
+    ids = inputs["input_ids"]
+    batch = {k: v for k, v in inputs.items() if k not in _SP_DROPPED}
+    if batch.get("position_ids") is None and batch.get("attention_mask") is None:
+        batch["attention_mask"] = torch.ones_like(ids)
+    shape = torch.tensor(list(ids.shape), device=ids.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)
+    rows = {int(t[0]) for t in shapes}
+    if len(rows) != 1:
+        raise ValueError(f"sequence parallelism needs the same batch size on the ranks of an SP group; got "
+                         f"{[int(t[0]) for t in shapes]}")
+    longest = max(int(t[1]) for t in shapes)
+    target = max(world * min_shard, -(-longest // world) * world)
+    pad_values = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0, "mm_token_type_ids": 0}
+    out = [dict() for _ in range(world)]
+    for key, value in batch.items():
+        if key not in _SP_ROW_KEYS or not isinstance(value, torch.Tensor):
+            for o in out:
+                o[key] = value
+            continue
+        extra = target - value.shape[1]
+        if key == "position_ids":
+            tail = torch.arange(extra, device=value.device, dtype=value.dtype).expand(value.shape[0], extra)
+        elif key == "seq_idx":
+            tail = (value.max() + 1).expand(value.shape[0], extra).to(value.dtype)
+        else:
+            tail = torch.full((value.shape[0], extra), pad_values[key], device=value.device, dtype=value.dtype)
+        value = torch.cat([value, tail], dim=1).contiguous()
+        parts = [torch.empty((value.shape[0], target), dtype=value.dtype, device=value.device) for _ in range(world)]
+        # every rank's own (unpadded) length differs: pad first, then gather the common shape
+        dist.all_gather(parts, value, group=group)
+        for o, part in zip(out, parts):
+            o[key] = part
+    return out
+
+
+def _set_sp_group(model, group) -> None:
+    """Set ``sequence_parallel_group`` on every GLM-5.3-Flash text model inside ``model`` (wrappers, PEFT)."""
+    for module in model.modules():
+        if hasattr(module, "sequence_parallel_group"):
+            module.sequence_parallel_group = group
+
+
 class Glm53FlashTrainer(Trainer):
     """``transformers.Trainer`` for GLM-5.3-Flash causal-LM / VL fine-tuning.
 
@@ -230,25 +303,63 @@ class Glm53FlashTrainer(Trainer):
     * :attr:`trained_tokens`: positions that are not padding, counted per micro-batch as ``input_ids != pad`` or a
       trained target (the packing collator pads with ``pad`` ids and -100 labels; a trained ``<|endoftext|>`` equal
       to ``pad`` has a label);
-    * ``mtp=False`` passed to the model when ``mtp`` is off.
+    * ``mtp=False`` passed to the model when ``mtp`` is off;
+    * sequence parallelism (the extension point; transformers' own context parallelism drives SDPA models only):
+      with ``sp_mesh`` (a ``DeviceMesh`` with an ``"sp"`` dimension, e.g. ``init_device_mesh("cuda", (dp, sp),
+      mesh_dim_names=("dp_shard", "sp"))``) or ``sequence_parallel_size=N`` (that mesh over all processes, ranks
+      ``[k N, (k + 1) N)`` one SP group), each training step sets the model's SP group (``set_sequence_parallel``;
+      unset again when the step ends, so evaluation and any other forward run unsharded), gathers the ``N``
+      micro-batches the data loader gave the group's ranks (:func:`sp_micro_batches`) and runs them one after
+      another, each rank on its contiguous shard of every row
+      (:func:`glm53flash_hf.sequence_parallel.shard_sequence`); gradient sync happens on the last one. The data
+      loader, ``num_items_in_batch`` (the Trainer's global count of this step's labels) and the Trainer's loss
+      scaling stay as they are: every row is processed exactly once by its group, each rank holding ``1 / N`` of
+      it, so the gradients are those of plain data parallelism on the same rows.
 
     Args:
         pad_token_id: the tokenizer's padding id (int).
         mtp: train with the model's MTP loss (``out.loss`` then includes ``mtp_loss_weight * mtp_loss``).
+        sp_mesh: optional ``DeviceMesh`` with an ``"sp"`` dimension; sequence_parallel_size: optional int (``1``:
+            off), builds the mesh when ``sp_mesh`` is not given.
         *args, **kwargs: ``transformers.Trainer``'s.
+
+    Raises:
+        ValueError: ``sequence_parallel_size`` does not divide the world size, or is > 1 without a process group.
     """
 
-    def __init__(self, *args, pad_token_id: int, mtp: bool = True, **kwargs):
+    def __init__(self, *args, pad_token_id: int, mtp: bool = True, sp_mesh=None, sequence_parallel_size: int = 1,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.pad_token_id = pad_token_id
         self.mtp = mtp
         self.trained_tokens = 0
         self._mtp_sum, self._mtp_logged_step = 0.0, 0
+        if sp_mesh is None and sequence_parallel_size > 1:
+            sp_mesh = sequence_parallel_mesh(sequence_parallel_size)
+        self.sp_mesh = sp_mesh
+        self.sp_group = sp_mesh["sp"].get_group() if sp_mesh is not None else None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids, labels = inputs["input_ids"], inputs["labels"]
         self.trained_tokens += int(((ids != self.pad_token_id) | (labels != IGNORE_INDEX)).sum())
-        return super().training_step(model, inputs, num_items_in_batch)
+        if self.sp_group is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        import torch.distributed as dist
+
+        from ..sequence_parallel import shard_sequence
+
+        world, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
+        total = None
+        _set_sp_group(model, self.sp_group)  # only inside the training step: other forwards run unsharded
+        try:
+            for j, batch in enumerate(sp_micro_batches(inputs, self.sp_group, self.pad_token_id)):
+                sync = contextlib.nullcontext() if j == world - 1 else self.accelerator.no_sync(model)
+                with sync:
+                    loss = super().training_step(model, shard_sequence(batch, rank, world), num_items_in_batch)
+                total = loss if total is None else total + loss
+        finally:
+            _set_sp_group(model, None)
+        return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.mtp:
@@ -270,6 +381,26 @@ class Glm53FlashTrainer(Trainer):
             logs["mtp_loss"] = round(self._mtp_sum / steps, 6)
             self._mtp_sum, self._mtp_logged_step = 0.0, self.state.global_step
         return super().log(logs, start_time)
+
+
+def sequence_parallel_mesh(sp: int, device_type: str | None = None):
+    """``init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))`` over the default
+    process group (``device_type``: ``"cuda"`` when available, else ``"cpu"``).
+
+    Raises:
+        ValueError: no process group is initialised, or ``sp`` does not divide the world size (names both).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"sequence_parallel_size={sp} needs an initialised process group (accelerate launch / "
+                         "torchrun); none is")
+    world = dist.get_world_size()
+    if sp < 1 or world % sp:
+        raise ValueError(f"sequence_parallel_size={sp} must divide the world size {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))
 
 
 class ProgressWithLossCallback(TrainerCallback):

@@ -1,0 +1,234 @@
+"""Workers and the single-process reference for tests/test_sequence_parallel.py (gloo, CPU).
+
+The tiny model (``configuration/tiny.json`` via ``ckpt_fixtures.tiny_config``, fp32, MTP on with weight 0.1) is
+trained on :func:`global_batch`: two packed rows of ``SEQ = 96`` tokens, position_ids restarting per document.
+
+* row 0 ``10, 14, 1, 5, 50, 16``: at SP=4 (shards of 24) a boundary exactly at the shard boundary 24, a 1-token
+  document right after it, boundaries inside shards, and the 50-token document 30..80 spans shards 1, 2 and 3;
+* row 1 ``20, 26, 2, 1, 21, 26``: a document ends exactly at 48 (the SP=2 and SP=4 boundary) and a 1-token document
+  starts there; the document 70..96 crosses 72 with only 2 of its tokens in the previous shard (the conv history is
+  partly another document's).
+
+:func:`reference_run` runs one process on the whole batch; :func:`worker` runs one rank of an SP group (``mode``
+``"sp"``) or of a ``(dp_shard, sp)`` device mesh with FSDP2 on the flattened mesh (``mode`` ``"fsdp_sp"``). Each
+rank passes its contiguous shard (:func:`glm53flash_hf.sequence_parallel.shard_sequence`) and the global
+``num_items_in_batch``; the rank gradients are summed (SP) / reduce-scattered by FSDP with the loss multiplied by the
+world size, which equals the single-process gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+SEQ = 96
+LR = 0.1
+
+
+def make_optimizer(params):
+    """SGD with momentum: the update is linear in the gradients, so "equal parameters" is checked at the gradients'
+    precision. (AdamW divides every element by its own RMS: gradient elements 1e-4 of their tensor's largest, e.g.
+    ``attn_hc.base``, get full-size updates from a few fp32 ulps of summation-order noise; measured 7.5e-4 of the
+    largest parameter after two AdamW steps at SP=2 while the gradients agreed to 1e-6.)"""
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+DOCS = [(10, 14, 1, 5, 50, 16), (20, 26, 2, 1, 21, 26)]
+
+
+def make_model(seed: int = 0):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ckpt_fixtures import tiny_config
+
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+
+    torch.manual_seed(seed)
+    return Glm53FlashForCausalLM(tiny_config()).float().train()
+
+
+def global_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(200 + step)
+    rows = len(DOCS)
+    ids = torch.randint(0, 1900, (rows, SEQ), generator=g)
+    pos = torch.cat([torch.cat([torch.arange(n) for n in docs]).unsqueeze(0) for docs in DOCS])
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    labels[:, 3:5][torch.rand(rows, 2, generator=g) < 0.5] = -100
+    return {"input_ids": ids, "position_ids": pos, "labels": labels}
+
+
+def num_items(batch: dict) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def reference_run(path: str, steps: int = 2) -> None:
+    """One process, whole batch: loss and gradients of step 1, parameter changes after ``steps`` optimizer steps."""
+    torch.set_num_threads(1)
+    model = make_model(0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = make_optimizer(model.parameters())
+    losses, grads = [], None
+    for step in range(1, steps + 1):
+        batch = global_batch(step)
+        loss = model(**batch, num_items_in_batch=num_items(batch)).loss
+        loss.backward()
+        if step == 1:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        else:
+            grads2 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    updates = {n: p - start[n] for n, p in params.items()}
+    torch.save({"losses": losses, "grads": grads, "grads2": grads2, "params": params, "updates": updates}, path)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|`` (the FSDP2 test's measure)."""
+    scale = b.abs().max().item()
+    err = (a - b).abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def _worst(mine: dict, ref: dict) -> tuple[float, str]:
+    worst = (0.0, "")
+    for name, g in mine.items():
+        worst = max(worst, (_rel(g, ref[name]), name))
+    return worst
+
+
+def _sp_step(model, opt, step, rank, world, group, out_grads=None):
+    import torch.distributed as dist
+
+    from glm53flash_hf.sequence_parallel import shard_sequence
+
+    batch = global_batch(step)
+    loss = model(**shard_sequence(batch, rank, world), num_items_in_batch=num_items(batch)).loss
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+    if out_grads is not None:
+        out_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total.item()
+
+
+def _sp_run(rank, world, ref, out):
+    import torch.distributed as dist
+
+    from glm53flash_hf import sequence_parallel as sp_mod
+
+    group = dist.group.WORLD
+    model = make_model(0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.set_sequence_parallel(group)
+    opt = make_optimizer(model.parameters())
+    grads: dict = {}
+    grads2: dict = {}
+    losses = [_sp_step(model, opt, 1, rank, world, group, grads), _sp_step(model, opt, 2, rank, world, group, grads2)]
+    out["grad2_rel_err"] = _worst(grads2, ref["grads2"])
+    out["losses"] = losses
+    out["grad_names_match"] = sorted(grads) == sorted(ref["grads"])
+    out["grad_rel_err"] = _worst(grads, ref["grads"])
+    # parameters after two steps, as their change from the common start (the start itself is bit-equal)
+    # parameters after two steps (measured at their own scale), and, for information, their change from the common
+    # start at the change's scale: that one is floored by the parameters' fp32 ulp (an MTP expert moving by 8e-6
+    # while its entries are 0.02: the difference of two 0.02-sized floats resolves 2e-9, 2.5e-4 of the change)
+    out["param_rel_err"] = _worst({n: p.detach() for n, p in model.named_parameters()}, ref["params"])
+    out["update_rel_err"] = _worst({n: p.detach() - start[n] for n, p in model.named_parameters()}, ref["updates"])
+
+    # uneven shards are refused on every rank with the lengths named
+    batch = global_batch(1)
+    cut = 48 if rank == 0 else 40
+    try:
+        model(**{k: v[:, :cut] for k, v in batch.items()}, num_items_in_batch=10)
+        out["uneven_error"] = None
+    except ValueError as exc:
+        out["uneven_error"] = str(exc)
+    # the Trainer's data path: rank micro-batches of different lengths made equal (pad to a multiple of world)
+    from glm53flash_hf.train.trainer import sp_micro_batches
+
+    mine = {"input_ids": torch.full((1, 5 + 2 * rank), rank), "labels": torch.full((1, 5 + 2 * rank), rank),
+            "position_ids": torch.arange(5 + 2 * rank).unsqueeze(0), "cu_seq_lens_q": torch.tensor([0, 5 + 2 * rank])}
+    micro = sp_micro_batches(mine, group, pad_token_id=99, min_shard=1)
+    out["micro"] = [{k: v.tolist() for k, v in m.items()} for m in micro]
+
+    # negative control: the KDA recurrence without state passing (each shard's first segment from a zero state)
+    original = sp_mod.SequenceParallelContext.kda_core
+    try:
+        sp_mod.SequenceParallelContext.kda_core = lambda self, core, q, k, v, g, beta, cu_seqlens: core(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens
+        )[0]
+        broken = make_model(0)
+        broken.set_sequence_parallel(group)
+        bad: dict = {}
+        bad_loss = _sp_step(broken, None, 1, rank, world, group, bad)
+    finally:
+        sp_mod.SequenceParallelContext.kda_core = original
+    out["control_loss"] = bad_loss
+    out["control_grad_rel_err"] = _worst(bad, ref["grads"])
+
+
+def _fsdp_sp_run(rank, world, dp, sp, ref, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from glm53flash_hf.sequence_parallel import shard_sequence
+    from glm53flash_hf.train.distributed import apply_fsdp2
+
+    mesh = init_device_mesh("cpu", (dp, sp), mesh_dim_names=("dp_shard", "sp"))
+    model = make_model(0)
+    apply_fsdp2(model, mesh=mesh[("dp_shard", "sp")]._flatten("dp_shard_sp"))
+    model.set_sequence_parallel(mesh["sp"].get_group())
+    dp_rank, sp_rank = mesh.get_local_rank("dp_shard"), mesh.get_local_rank("sp")
+    batch = global_batch(1)
+    rows = batch["input_ids"].shape[0] // dp
+    mine = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    loss = model(**shard_sequence(mine, sp_rank, sp), num_items_in_batch=num_items(batch)).loss
+    (loss * world).backward()  # FSDP averages the gradients over the dp_shard x sp ranks: this makes it a sum
+    from torch.distributed.tensor import DTensor
+
+    worst = (0.0, "")
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, (_rel(g, ref["grads"][name]), name))
+    out["grad_rel_err"] = worst
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    out["losses"] = [total.item()]
+
+
+def worker(rank: int, world: int, port: int, tmpdir: str, ref_path: str, mode: str, dp: int = 1) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and "fla" not in sys.modules:
+        sys.modules["fla"] = None  # as tests/conftest.py does for the main pytest process
+    torch.set_num_threads(1)
+    out: dict = {}
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=240)
+        )
+        ref = torch.load(ref_path)
+        if mode == "sp":
+            _sp_run(rank, world, ref, out)
+        else:
+            _fsdp_sp_run(rank, world, dp, world // dp, ref, out)
+        dist.barrier()
+    except BaseException:
+        out["error"] = traceback.format_exc()
+        torch.save(out, os.path.join(tmpdir, f"result_{mode}{world}_{rank}.pt"))
+        raise
+    torch.save(out, os.path.join(tmpdir, f"result_{mode}{world}_{rank}.pt"))
+    dist.destroy_process_group()
