@@ -22,6 +22,7 @@ after the main stack at ``layers.{num_hidden_layers + i}``, as in the published 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -201,13 +202,53 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         init_mhc_weights(module, config)
         init_moe_weights(module, config)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, processor=None, **kwargs):
         """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
         weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
         with ``model_type: glm5_next`` and ``auto_map`` entries for every Auto class this package serves, and a
-        copy of the package's modules needed by the remote code."""
+        copy of the package's modules needed by the remote code — atomically (:func:`.checkpoint.atomic_save`).
+
+        Everything (config, generation config, remote-code modules, shards, index and, with ``processor``, the
+        processor's files) is written into a temporary sibling folder that replaces ``save_directory`` only once
+        complete. A failure midway leaves the previous folder as it was. The folder becomes exactly the new save
+        plus the entries of the old folder that the save does not write and that are not checkpoint files (a README,
+        ``adapter/``, logs, tokenizer/processor files, trainer states, subfolders are kept; weights of another layout,
+        stale shards and indexes, ``config.json`` and ``generation_config.json`` are not). Nothing is written through
+        a symbolic or hard link into another folder.
+
+        Args:
+            save_directory: target folder (created with its parent when missing).
+            processor: optional processor (anything with ``save_pretrained(folder)``) saved into the same folder in
+                the same swap.
+            *args, **kwargs: ``PreTrainedModel.save_pretrained``'s (``max_shard_size``, ``state_dict``,
+                ``is_main_process``, ...). A process that does not save (``is_main_process=False``) takes part in
+                the collectives and writes nothing. ``distributed_checkpoint=True`` (every rank writes) saves in
+                place, not atomically.
+
+        Raises:
+            ValueError: ``save_directory`` is an existing file.
+        """
+        import tempfile
+
+        from .checkpoint import atomic_save
+
         self.config.auto_map = dict(getattr(self.config, "auto_map", None) or {}, **AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        parent = super().save_pretrained
+        if kwargs.get("distributed_checkpoint"):
+            return parent(save_directory, *args, **kwargs)
+        is_main = args[0] if args else kwargs.get("is_main_process", True)
+        if not self.should_save_on_this_rank(is_main):
+            with tempfile.TemporaryDirectory() as scratch:  # gathers happen on every rank; nothing is written
+                return parent(scratch, *args, **kwargs)
+        if kwargs.get("push_to_hub"):
+            kwargs.setdefault("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
+
+        def write(folder: str) -> None:
+            parent(folder, *args, **kwargs)
+            if processor is not None:
+                processor.save_pretrained(folder)
+
+        atomic_save(save_directory, write)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
