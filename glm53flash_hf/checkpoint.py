@@ -72,6 +72,8 @@ TEXT_PREFIXES = ("model.language_model.", "language_model.", "model.", "")
 LM_HEAD_KEY_PATTERNS = (r"^lm_head\.weight$",)
 
 SCALE_SUFFIX = "_scale_inv"
+# safetensors dtypes that never hold a weight of this model (every parameter and buffer is floating point).
+NON_FLOAT_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SAFETENSORS_SINGLE = "model.safetensors"
 
@@ -388,6 +390,7 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
 
     * every shard opens (``safe_open`` detects truncation and damaged headers; its own message does not name the
       file) and holds the tensors the index assigns to it;
+    * no tensor is integer or bool (every weight of this model is floating point; transformers would cast it);
     * FP8: each FP8 tensor has its ``<name>_scale_inv`` (searched in every shard, not only the weight's), each
       scale has its weight, the config has a ``quantization_config`` (without one transformers would cast the FP8
       values to the model dtype, unscaled), and the scale grid tiles the weight (:func:`check_fp8_pair`).
@@ -447,6 +450,13 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
                 key, info.shapes[key], info.shapes[key + SCALE_SUFFIX], block, for_transformers=for_transformers
             )
     info.fp8_weights = fp8
+    non_float = sorted(k for k, d in info.dtypes.items() if d in NON_FLOAT_DTYPES)
+    if non_float:
+        shown = ", ".join(f"{k} ({info.dtypes[k]})" for k in non_float[:10])
+        raise ValueError(
+            f"{folder}: {len(non_float)} tensors are integer or bool where the model's weights are floating point; "
+            f"loading would cast them silently: {shown}{' ...' if len(non_float) > 10 else ''}"
+        )
     return info
 
 
@@ -724,3 +734,26 @@ def atomic_save(save_directory, write) -> str:
             os.rmdir(backup)
         raise
     return target
+
+
+def check_state_dict_dtypes(model, state_dict) -> None:
+    """Raise ``ValueError`` for an integer or bool tensor of ``state_dict`` whose key is a floating-point parameter
+    or buffer of ``model`` (``nn.Module.load_state_dict`` would cast it silently; a bool mask or token ids are
+    never weights).
+
+    Raises:
+        ValueError: naming the key, the tensor's dtype and the model's dtype (first 10 offenders, and the count).
+    """
+    own = model.state_dict()
+    bad = []
+    for key, value in state_dict.items():
+        target = own.get(key)
+        if isinstance(value, torch.Tensor) and target is not None and target.is_floating_point() and not (
+            value.is_floating_point() or value.is_complex()
+        ):
+            bad.append(f"{key} ({value.dtype}, the model holds {target.dtype})")
+    if bad:
+        raise ValueError(
+            f"state_dict holds {len(bad)} integer or bool tensors for floating-point weights of "
+            f"{type(model).__name__}: {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}"
+        )

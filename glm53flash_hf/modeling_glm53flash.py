@@ -41,6 +41,7 @@ from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
 from .graph_ops import in_graph, module_op, module_parameters, register_module
+from .input_checks import check_input_ids, check_inputs_embeds, check_labels, check_vision_inputs
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
@@ -250,6 +251,17 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
 
         atomic_save(save_directory, write)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` that first rejects integer or bool tensors for floating-point weights.
+
+        Raises:
+            ValueError: naming the keys and dtypes (:func:`.checkpoint.check_state_dict_dtypes`).
+        """
+        from .checkpoint import check_state_dict_dtypes
+
+        check_state_dict_dtypes(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """``PreTrainedModel.from_pretrained`` with checkpoint checks and strict key accounting
@@ -258,7 +270,8 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         Accepts the key-prefix variants of :mod:`.checkpoint` and FP8 checkpoints (dequantized on load). Missing,
         unexpected or shape-mismatched keys raise ``ValueError`` listing them, unless ``allow_missing_keys=True`` /
         ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns); a corrupt or
-        truncated shard raises ``ValueError`` naming the file. A text-only class skips the vision tower's tensors
+        truncated shard, or an integer or bool tensor in a local checkpoint, raises ``ValueError`` naming the file
+        or key. A text-only class skips the vision tower's tensors
         of a multimodal checkpoint and says so in one info line. ``save_pretrained`` then writes the canonical
         layout whatever variant was read.
         """
@@ -289,9 +302,12 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     (``h_pre`` ``[B,S,D]``), ``mtp_hidden_states`` (D tensors ``[B,S,D]``) and ``document_layout``.
 
     Raises:
-        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; a non-2-D attention mask; bad packing;
-            a cache together with packed documents or padding after a real token; ``mtp_depth > 0`` with a cache
-            or without an MTP layer.
+        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; ``input_ids`` not an integer ``[B, S]``
+            tensor, empty, or (eagerly) holding ids outside ``[0, vocab_size)``; ``inputs_embeds`` not a float
+            ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
+            float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
+            documents, padding after a real token, or more tokens than a static cache holds; ``mtp_depth > 0``
+            with a cache or without an MTP layer.
         NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
     """
 
@@ -333,6 +349,10 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashTextModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            check_input_ids(input_ids, self.config.vocab_size)
+        else:
+            check_inputs_embeds(inputs_embeds, self.config.hidden_size)
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
@@ -476,9 +496,25 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
     return config.mtp_depth
 
 
+def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, kwargs) -> None:
+    """The heads' checks of ``labels`` / ``shift_labels`` (integer, the inputs' ``[B, S]`` shape, entries
+    ``ignore_index`` or ids in ``[0, vocab_size)``; :func:`.input_checks.check_labels`), before the forward."""
+    source = input_ids if input_ids is not None else inputs_embeds
+    if source is None or source.dim() < 2:
+        return  # the model raises, naming the inputs
+    ignore = kwargs.get("ignore_index", -100)
+    for name in ("labels", "shift_labels"):
+        value = labels if name == "labels" else kwargs.get(name)
+        check_labels(value, tuple(source.shape[:2]), head_model.vocab_size, ignore, name=name)
+
+
 def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Glm53FlashCausalLMOutputWithPast:
     """Logits of the kept positions and transformers' ``ForCausalLMLoss`` (shifted; summed and divided by
-    ``num_items_in_batch`` when the Trainer passes it) — shared by the text-only and the VL heads.
+    ``num_items_in_batch`` when the Trainer passes it, else by the number of supervised tokens, at least 1) —
+    shared by the text-only and the VL heads.
+
+    Labels that are all ``ignore_index`` give ``loss`` 0.0 (zero gradients, a warning in eager calls) and
+    ``mtp_loss`` 0.0 — one convention for both, where torch's mean over zero elements would give NaN.
 
     When the model output carries ``mtp_hidden_states`` (see :func:`_mtp_depth_for`), adds
     ``mtp_loss_weight * mtp_loss`` (:func:`.mtp.mtp_loss`, same ``num_items_in_batch`` / ``ignore_index``;
@@ -492,7 +528,21 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
-        loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **loss_kwargs)
+        main_kwargs = dict(loss_kwargs)
+        if main_kwargs.get("num_items_in_batch") is None:
+            # mean over the supervised tokens as sum / count (bit-identical to the mean), with count >= 1: a batch
+            # whose labels are all ignored gets loss 0.0 and zero gradients, not NaN (the MTP loss's convention)
+            ignore = loss_kwargs.get("ignore_index", -100)
+            shifted = loss_kwargs.get("shift_labels")
+            targets = shifted if shifted is not None else labels[..., 1:]
+            count = (targets != ignore).sum()
+            if not in_graph() and int(count) == 0:
+                logger.warning_once(
+                    f"labels: every target is ignore_index={ignore} (no supervised token); loss is 0.0 with zero "
+                    "gradients"
+                )
+            main_kwargs["num_items_in_batch"] = count.clamp_min(1)
+        loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **main_kwargs)
     mtp_value = mtp_logits = None
     mtp_hidden = getattr(outputs, "mtp_hidden_states", None)
     if labels is not None and mtp_hidden:
@@ -556,6 +606,36 @@ class _Glm53FlashGenerationHooks:
 
     _is_stateful = True
 
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate``, after checking that a ``cache`` / ``past_key_values`` of fixed size
+        (``StaticCache``) holds the prompt plus every new token.
+
+        Raises:
+            ValueError: ``max_cache_len`` below the prompt length plus ``max_new_tokens`` (or below ``max_length``
+                when no ``max_new_tokens`` is set); the message names both numbers.
+        """
+        cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+        capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
+        if capacity > 0:
+            prompt = inputs if inputs is not None else kwargs.get("input_ids")
+            if prompt is None:
+                prompt = kwargs.get("inputs_embeds")
+            config = generation_config if generation_config is not None else self.generation_config
+            max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+            prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else 0
+            if max_new is not None:
+                needed, how = prompt_len + max_new, f"prompt {prompt_len} + max_new_tokens {max_new}"
+            else:
+                needed = kwargs.get("max_length", getattr(config, "max_length", None)) or 0
+                how = f"max_length {needed}"
+            if needed > capacity:
+                raise ValueError(
+                    f"the cache is a {type(cache).__name__} of max_cache_len={capacity} but generate needs "
+                    f"{needed} positions ({how}); make the cache with max_cache_len >= {needed} or generate fewer "
+                    "tokens"
+                )
+        return super().generate(inputs, generation_config, **kwargs)
+
     @staticmethod
     def create_masks_for_generate(config, inputs_embeds, attention_mask, cache=None, **kwargs):
         """Return ``attention_mask`` as is (2-D ``[B, past + S]`` or ``None``)."""
@@ -571,7 +651,14 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
 
     ``forward(..., labels=None, num_items_in_batch=None, logits_to_keep=0)`` returns
     :class:`Glm53FlashCausalLMOutputWithPast`; ``loss`` is transformers' ``ForCausalLMLoss`` (shifted, fp32,
-    summed and divided by ``num_items_in_batch`` when given, so Trainer's gradient accumulation is exact).
+    summed and divided by ``num_items_in_batch`` when given, so Trainer's gradient accumulation is exact, else the
+    mean over the supervised tokens). Labels that are all ``ignore_index`` (-100) give ``loss == 0.0`` and
+    ``mtp_loss == 0.0`` with zero gradients, never NaN (a warning says so in eager calls).
+
+    Raises:
+        ValueError: ``labels`` / ``shift_labels`` not integer, not of the inputs' ``[B, S]`` shape, or (eagerly)
+            holding entries other than ``ignore_index`` and ids in ``[0, vocab_size)``; and the text model's
+            input errors (:class:`Glm53FlashTextModel`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -599,6 +686,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> Glm53FlashCausalLMOutputWithPast:
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
         kwargs["use_cache"] = use_cache
         mtp_depth = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(
@@ -683,8 +771,11 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     the text model runs with the document layout of the batch.
 
     Raises:
-        ValueError: when the number of image (or video) placeholders differs from the number of feature rows; the
-            message names both counts.
+        ValueError: when the number of image (or video) placeholders differs from the number of feature rows (the
+            message names both counts); ``pixel_values`` / ``pixel_values_videos`` without their grid, of another
+            width than ``in_channels * temporal_patch_size * patch_size**2``, or (eagerly) whose grid rows are not
+            positive multiples of the merge size or do not add up to the pixel rows
+            (:func:`.input_checks.check_vision_inputs`); and the text model's input errors.
     """
 
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
@@ -749,6 +840,17 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        text_config = self.config.get_text_config(decoder=True)
+        if input_ids is not None:
+            check_input_ids(input_ids, text_config.vocab_size)
+        else:
+            check_inputs_embeds(inputs_embeds, text_config.hidden_size)
+        if pixel_values is not None:
+            check_vision_inputs(pixel_values, image_grid_thw, self.config.vision_config, "pixel_values",
+                                "image_grid_thw")
+        if pixel_values_videos is not None:
+            check_vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision_config, "pixel_values_videos",
+                                "video_grid_thw")
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         image_features = video_features = None
@@ -757,13 +859,9 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
                 input_ids, mm_token_type_ids, self.config, inputs_embeds, self.get_input_embeddings()
             )
             if pixel_values is not None:
-                if image_grid_thw is None:
-                    raise ValueError("pixel_values needs image_grid_thw")
                 image_features = self.get_image_features(pixel_values, image_grid_thw)
                 inputs_embeds = self._splice(inputs_embeds, image_mask, image_features, "image")
             if pixel_values_videos is not None:
-                if video_grid_thw is None:
-                    raise ValueError("pixel_values_videos needs video_grid_thw")
                 video_features = self.get_video_features(pixel_values_videos, video_grid_thw)
                 inputs_embeds = self._splice(inputs_embeds, video_mask, video_features, "video")
         uncached = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
@@ -803,8 +901,8 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
     ``Glm5NextForConditionalGeneration`` (``model.visual.*``, ``model.language_model.*``, ``lm_head``).
 
     ``forward`` takes :class:`Glm53FlashModel`'s inputs plus ``labels`` / ``num_items_in_batch`` /
-    ``logits_to_keep``, and returns :class:`Glm53FlashCausalLMOutputWithPast` (loss as
-    :class:`Glm53FlashForCausalLM`).
+    ``logits_to_keep``, and returns :class:`Glm53FlashCausalLMOutputWithPast` (loss, its all-ignored convention
+    and the label checks as :class:`Glm53FlashForCausalLM`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
@@ -836,6 +934,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> Glm53FlashCausalLMOutputWithPast:
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
         kwargs["use_cache"] = use_cache
         kwargs["mtp_depth"] = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(
