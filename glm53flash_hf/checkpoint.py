@@ -72,6 +72,8 @@ TEXT_PREFIXES = ("model.language_model.", "language_model.", "model.", "")
 LM_HEAD_KEY_PATTERNS = (r"^lm_head\.weight$",)
 
 SCALE_SUFFIX = "_scale_inv"
+# safetensors dtypes that never hold a weight of this model (every parameter and buffer is floating point).
+NON_FLOAT_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SAFETENSORS_SINGLE = "model.safetensors"
 
@@ -388,6 +390,7 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
 
     * every shard opens (``safe_open`` detects truncation and damaged headers; its own message does not name the
       file) and holds the tensors the index assigns to it;
+    * no tensor is integer or bool (every weight of this model is floating point; transformers would cast it);
     * FP8: each FP8 tensor has its ``<name>_scale_inv`` (searched in every shard, not only the weight's), each
       scale has its weight, the config has a ``quantization_config`` (without one transformers would cast the FP8
       values to the model dtype, unscaled), and the scale grid tiles the weight (:func:`check_fp8_pair`).
@@ -447,6 +450,13 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
                 key, info.shapes[key], info.shapes[key + SCALE_SUFFIX], block, for_transformers=for_transformers
             )
     info.fp8_weights = fp8
+    non_float = sorted(k for k, d in info.dtypes.items() if d in NON_FLOAT_DTYPES)
+    if non_float:
+        shown = ", ".join(f"{k} ({info.dtypes[k]})" for k in non_float[:10])
+        raise ValueError(
+            f"{folder}: {len(non_float)} tensors are integer or bool where the model's weights are floating point; "
+            f"loading would cast them silently: {shown}{' ...' if len(non_float) > 10 else ''}"
+        )
     return info
 
 
@@ -632,3 +642,120 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
             parts = [f"{vision} vision-tower tensors"] + ([f"{head} lm_head tensors"] if head else [])
             logger.info(f"{cls.__name__}: skipped {' and '.join(parts)} of the checkpoint (text-only class)")
     return (model, info) if want_info else model
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Atomic saving
+
+# Files a checkpoint save replaces as a whole: weights and their indexes in any layout or variant, the model config
+# and the generation config. A save never carries these over from the folder it replaces.
+_REPLACED_NAMES = re.compile(
+    r"^(?:(?:model|pytorch_model)(?:[.-].*)?\.(?:safetensors|bin)|.+\.(?:safetensors|bin)\.index\.json"
+    r"|config\.json|generation_config\.json)$"
+)
+
+
+def replaced_by_save(name: str) -> bool:
+    """Whether a top-level entry ``name`` of a checkpoint folder is a file a save replaces as a whole (weights,
+    their ``*.index.json``, ``config.json``, ``generation_config.json``), so :func:`atomic_save` never carries it
+    over from the folder it replaces."""
+    return bool(_REPLACED_NAMES.match(name))
+
+
+def atomic_save(save_directory, write) -> str:
+    """Write a folder with ``write(tmp)`` and swap it in at ``save_directory`` only when ``write`` returned.
+
+    Steps: ``write`` fills a fresh sibling ``.{name}.tmp-XXXXXXXX`` (same parent, same file system); then the
+    entries of the existing folder that the new save did not write and that are not checkpoint files
+    (:func:`replaced_by_save`: weights in any layout, their indexes, ``config.json``, ``generation_config.json``) are
+    moved into it: a README, ``adapter/``, loss logs, tokenizer and processor files, trainer states, ``.git`` and any
+    subfolder are kept, while stale shards or a ``model.safetensors`` of another layout do not survive. The old folder
+    is renamed to a sibling ``.{name}.old-XXXXXXXX``, the new one renamed into place and the old one deleted.
+
+    Guarantees: on any failure (an exception in ``write``, a full disk) the previous folder is left as it was (the
+    carried entries are moved back) and the temporary folder is removed; the folder is never written in place, so a
+    save never writes through a symbolic or hard link into another folder (the old folder's links are removed, not
+    followed). Between the two renames (microseconds) ``save_directory`` is absent and the old content sits in the
+    ``.old-`` sibling. A ``save_directory`` that is a symbolic link to a folder is resolved: the folder it points to
+    is replaced and the link kept.
+
+    Args:
+        save_directory: the folder to (re)write; its parent is created when missing.
+        write: ``write(tmp: str)`` writes the complete content into the empty folder ``tmp``.
+
+    Returns:
+        The absolute path of the folder written.
+
+    Raises:
+        ValueError: ``save_directory`` is an existing file.
+        Whatever ``write`` raises (after the clean-up above).
+    """
+    import shutil
+    import tempfile
+
+    target = os.path.realpath(os.path.abspath(os.fspath(save_directory)))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"save_directory={os.fspath(save_directory)!r} is a file; expected a folder")
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    mode = os.stat(target).st_mode if os.path.isdir(target) else None
+    moved: list[str] = []
+    backup = None
+    try:
+        write(tmp)
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)
+        else:
+            os.chmod(tmp, mode & 0o7777)
+        if os.path.isdir(target):
+            written = set(os.listdir(tmp))
+            for entry in sorted(os.listdir(target)):
+                if entry not in written and not replaced_by_save(entry):
+                    os.rename(os.path.join(target, entry), os.path.join(tmp, entry))
+                    moved.append(entry)
+            backup = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.rename(target, backup)  # replaces the empty backup folder
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(backup, target)
+                raise
+            moved = []
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        for entry in moved:
+            if os.path.lexists(os.path.join(tmp, entry)) and not os.path.lexists(os.path.join(target, entry)):
+                os.rename(os.path.join(tmp, entry), os.path.join(target, entry))
+        shutil.rmtree(tmp, ignore_errors=True)
+        if backup is not None and os.path.isdir(backup) and not os.listdir(backup):
+            os.rmdir(backup)
+        raise
+    return target
+
+
+def check_state_dict_dtypes(model, state_dict) -> None:
+    """Raise ``ValueError`` for an integer or bool tensor of ``state_dict`` whose key is a floating-point parameter
+    or buffer of ``model`` (``nn.Module.load_state_dict`` would cast it silently; a bool mask or token ids are
+    never weights).
+
+    Raises:
+        ValueError: naming the key, the tensor's dtype and the model's dtype (first 10 offenders, and the count).
+    """
+    own = model.state_dict()
+    bad = []
+    for key, value in state_dict.items():
+        target = own.get(key)
+        if isinstance(value, torch.Tensor) and target is not None and target.is_floating_point() and not (
+            value.is_floating_point() or value.is_complex()
+        ):
+            bad.append(f"{key} ({value.dtype}, the model holds {target.dtype})")
+    if bad:
+        raise ValueError(
+            f"state_dict holds {len(bad)} integer or bool tensors for floating-point weights of "
+            f"{type(model).__name__}: {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}"
+        )

@@ -10,10 +10,14 @@ inference engines that key on ``model_type``. They add:
   CUDA tensor when it is installed, torch otherwise), ``"torch"`` or ``"fused"``. A string applies to every
   family; a dict names families among ``kda``, ``mhc``, ``dsa``, ``moe`` (missing ones are ``"auto"``).
 
-Unsupported combinations raise ``ValueError`` naming the field and its value (see
-:meth:`Glm53FlashTextConfig.validate_architecture`). Field meanings: transformers'
-``models/glm5_next/configuration_glm5_next.py`` (``Glm5NextTextConfig``), which these classes extend.
+Out-of-range numbers (non-positive sizes, ``rms_norm_eps <= 0``, NaN) raise ``ValueError`` at construction, naming
+the field, its value and the expected range (:func:`check_numeric_fields`); unsupported combinations raise
+``ValueError`` naming the field and its value (see :meth:`Glm53FlashTextConfig.validate_architecture`). Field
+meanings: transformers' ``models/glm5_next/configuration_glm5_next.py`` (``Glm5NextTextConfig``), which these
+classes extend.
 """
+
+import math
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.glm5_next.configuration_glm5_next import (
@@ -30,6 +34,49 @@ _INDEXED_ALIASES = {"deepseek_sparse_attention": "indexed_attention", "full_atte
 LAYER_TYPES = ("linear_attention", "indexed_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
+
+
+# Numeric fields checked field by field at construction (before transformers' own checks).
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
+    "n_routed_experts", "n_group", "topk_group", "num_experts_per_tok", "max_position_embeddings", "index_topk",
+    "index_head_dim", "index_n_heads", "index_kpool", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
+    "hc_mult", "hc_sinkhorn_iters", "mtp_depth",
+)  # fmt: skip
+_NON_NEGATIVE_INTS = ("n_shared_experts", "num_nextn_predict_layers", "qk_rope_head_dim", "head_dim")
+_POSITIVE_FLOATS = ("rms_norm_eps", "hc_eps", "routed_scaling_factor")
+_NON_NEGATIVE_FLOATS = ("initializer_range", "mtp_loss_weight", "router_aux_loss_coef")
+_VISION_POSITIVE_INTS = (
+    "depth", "hidden_size", "num_heads", "in_channels", "spatial_merge_size", "out_hidden_size", "intermediate_size",
+    "projection_intermediate_size",
+)  # fmt: skip
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_numeric_fields(config, positive_ints=(), non_negative_ints=(), positive_floats=(), non_negative_floats=()):
+    """Raise ``ValueError`` naming the field, its value and what is expected for the first field of ``config`` out of
+    range: the ``positive_ints`` must be ints ``>= 1``, the ``non_negative_ints`` ints ``>= 0``, the
+    ``positive_floats`` finite numbers ``> 0``, the ``non_negative_floats`` finite numbers ``>= 0``. Fields the config
+    does not have, or holds as ``None``, are skipped."""
+    rules = (
+        (positive_ints, lambda v: _is_int(v) and v >= 1, "a positive integer"),
+        (non_negative_ints, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+        (positive_floats, lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+        (non_negative_floats, lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    )
+    for names, ok, expected in rules:
+        for name in names:
+            value = getattr(config, name, None)
+            if value is not None and not ok(value):
+                raise ValueError(f"{type(config).__name__}.{name} must be {expected}; got {name}={value!r}")
 
 
 def normalize_kernels(value) -> dict:
@@ -89,13 +136,25 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         if self.num_nextn_predict_layers is None:
             self.num_nextn_predict_layers = 0
         self.kernels = normalize_kernels(self.kernels)
+        check_numeric_fields(self, _POSITIVE_INTS, _NON_NEGATIVE_INTS, _POSITIVE_FLOATS, _NON_NEGATIVE_FLOATS)
+        dropout = self.attention_dropout
+        if not (_is_number(dropout) and 0 <= dropout < 1):
+            raise ValueError(f"attention_dropout must be a number in [0, 1); got attention_dropout={dropout!r}")
+        if self.pad_token_id is not None and not (_is_int(self.pad_token_id) and
+                                                  0 <= self.pad_token_id < self.vocab_size):
+            raise ValueError(
+                f"pad_token_id must be None or an id in [0, vocab_size={self.vocab_size}); got "
+                f"pad_token_id={self.pad_token_id!r}"
+            )
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
         """Check the combination of fields; raise ``ValueError`` naming the field and value.
 
-        Our checks run before transformers' own so the messages name the field (``@strict`` wraps the
-        ``ValueError`` in ``StrictDataclassClassValidationError``, which keeps the message).
+        Single numeric fields (sizes, ``rms_norm_eps``, ...) are checked at construction, raising ``ValueError``
+        itself (:func:`check_numeric_fields`). These checks run before transformers' own so the messages name the
+        field (``@strict`` wraps the ``ValueError`` in ``StrictDataclassClassValidationError``, which keeps the
+        message).
         """
         n = self.num_hidden_layers
         for name in ("index_kpool", "index_topk", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
@@ -168,7 +227,24 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
 
 @strict
 class Glm53FlashVisionConfig(Glm5NextVisionConfig):
-    """Vision-tower configuration; identical to transformers' ``Glm5NextVisionConfig`` (the tower is reused as is)."""
+    """Vision-tower configuration; the fields of transformers' ``Glm5NextVisionConfig`` (the tower is reused as is).
+
+    Raises:
+        ValueError: a non-positive size (``depth``, ``hidden_size``, ``num_heads``, ``patch_size``,
+            ``temporal_patch_size``, ...) or ``rms_norm_eps``, naming the field and its value.
+    """
+
+    def __post_init__(self, **kwargs):
+        check_numeric_fields(self, _VISION_POSITIVE_INTS, positive_floats=("rms_norm_eps",))
+        for name in ("patch_size", "temporal_patch_size", "image_size"):
+            value = getattr(self, name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if not all(_is_int(v) and v >= 1 for v in values):
+                raise ValueError(
+                    f"Glm53FlashVisionConfig.{name} must be a positive integer (or a list of them); "
+                    f"got {name}={value!r}"
+                )
+        super().__post_init__(**kwargs)
 
 
 @strict

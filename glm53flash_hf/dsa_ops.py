@@ -76,6 +76,9 @@ def _sparse_mla_chunk(
     safe = torch.where(valid, idx, torch.zeros_like(idx))
     gathered = torch.gather(latent, 1, safe.reshape(batch, chunk * width, 1).expand(-1, -1, dim))
     gathered = gathered.view(batch, chunk, width, dim).to(compute_dtype)  # [B, C, W, Dl]
+    # Padding slots read row 0, which may belong to another document: select zeros there (a zero probability
+    # times a non-finite latent would still give NaN in the matmul below).
+    gathered = torch.where(valid[..., None], gathered, torch.zeros((), dtype=compute_dtype, device=gathered.device))
 
     scores = torch.matmul(q_abs.to(compute_dtype), gathered.transpose(-1, -2)) * scale  # [B, C, H, W]
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))

@@ -121,7 +121,8 @@ def build_cache_context(
             ``seq_idx``) are rejected.
 
     Raises:
-        ValueError: packed documents with a cache; a mask that is not 2-D or does not cover ``past + S``
+        ValueError: packed documents with a cache; a static cache whose ``max_cache_len`` is below ``past + S``
+            (eager calls); a mask that is not 2-D or does not cover ``past + S``
             tokens; padding after a real token (checked on multi-token eager calls only, so a decode step costs no
             host sync). Under ``torch.compile`` the past length is ``attention_mask.shape[1] - S`` when a mask is
             given, and otherwise the cache's length tensor (``StaticCache``; every token is then real, which is
@@ -165,6 +166,12 @@ def build_cache_context(
     else:
         valid_full = torch.ones(batch_size, past + seq_len, dtype=torch.bool, device=device)
     total = past + seq_len
+    capacity = cache.get_max_length()  # -1: grows (DynamicCache)
+    if not torch.compiler.is_compiling() and 0 < capacity < total:
+        raise ValueError(
+            f"the {type(cache).__name__} holds {capacity} tokens (max_cache_len) but this call needs {total} "
+            f"({past} cached + {seq_len} new); make the cache with max_cache_len >= {total}"
+        )
     if seq_len > 1 and not torch.compiler.is_compiling():  # checks that read the data: eager only
         if bool((valid_full[:, :-1] & ~valid_full[:, 1:]).any()):
             raise ValueError(

@@ -598,6 +598,21 @@ def _doc_chunk(length: int, chunk_size: int) -> int:
     return min(chunk_size, 1 << max(0, length - 1).bit_length())
 
 
+def _causal_matmul(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``a @ u`` for a lower-triangular ``a`` ``[..., C, C]`` and ``u`` ``[..., C, V]``, causal also for non-finite
+    entries of ``u``.
+
+    A plain matmul multiplies the zeros above ``a``'s diagonal with every row of ``u``, so a NaN or inf in row ``j``
+    would reach the rows ``i < j`` (``0 * nan = nan``). Here non-finite entries of ``u`` are replaced by zeros
+    (``torch.where``, a select) before the product, and the output entries ``[i, v]`` with a non-finite ``u[j, v]``
+    at some ``j <= i`` are set to NaN afterwards. For finite ``u`` the result is the plain product, bit for bit.
+    """
+    bad = ~torch.isfinite(u)
+    out = a @ torch.where(bad, torch.zeros((), dtype=u.dtype, device=u.device), u)
+    poisoned = bad.cumsum(-2, dtype=torch.int32) > 0
+    return torch.where(poisoned, torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
+
+
 def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: bool):
     """The chunked recurrence on preprocessed fp32 inputs (``q`` normalised and scaled) laid out by ``plan``.
 
@@ -625,6 +640,10 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
     rhs = torch.cat([vc * bc, kc * bc * decay_in], dim=-1).view(M, C, V + K)
     w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).view(L, R, H, C, V + K)
     w_v, w_k = w[..., :V], w[..., V:]
+    # Non-finite values reach U only through W (this chunk's inputs) or the state (seeded from h0): with both finite
+    # the plain product is causal; otherwise the select-based one keeps a NaN/inf from reaching earlier tokens.
+    finite = bool(torch.isfinite(w).all()) and (h0 is None or bool(torch.isfinite(h0).all()))
+    intra = torch.matmul if finite else _causal_matmul
     aqk = aqk.view(L, R, H, C, C)
     qg = qc * decay_in
     kg_t = (kc * torch.exp(g_out)).transpose(-1, -2)  # [L, R, H, K, C]
@@ -647,10 +666,10 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
             state = state.index_put((rows,), seed)
         if state is None:
             u = w_v[n]
-            outs.append(aqk[n] @ u)
+            outs.append(intra(aqk[n], u))
         else:
             u = w_v[n] - w_k[n] @ state
-            outs.append(qg[n] @ state + aqk[n] @ u)
+            outs.append(qg[n] @ state + intra(aqk[n], u))
         if n == L - 1 and not output_final_state:
             break
         update = kg_t[n] @ u

@@ -22,6 +22,7 @@ after the main stack at ``layers.{num_hidden_layers + i}``, as in the published 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
 from .graph_ops import in_graph, module_op, module_parameters, register_module
+from .input_checks import check_input_ids, check_inputs_embeds, check_labels, check_vision_inputs
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
@@ -218,13 +220,64 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
             if isinstance(module, Glm53FlashTextModel):
                 module.sequence_parallel_group = group
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, processor=None, **kwargs):
         """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
         weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
         with ``model_type: glm5_next`` and ``auto_map`` entries for every Auto class this package serves, and a
-        copy of the package's modules needed by the remote code."""
+        copy of the package's modules needed by the remote code — atomically (:func:`.checkpoint.atomic_save`).
+
+        Everything (config, generation config, remote-code modules, shards, index and, with ``processor``, the
+        processor's files) is written into a temporary sibling folder that replaces ``save_directory`` only once
+        complete. A failure midway leaves the previous folder as it was. The folder becomes exactly the new save
+        plus the entries of the old folder that the save does not write and that are not checkpoint files (a README,
+        ``adapter/``, logs, tokenizer/processor files, trainer states, subfolders are kept; weights of another layout,
+        stale shards and indexes, ``config.json`` and ``generation_config.json`` are not). Nothing is written through
+        a symbolic or hard link into another folder.
+
+        Args:
+            save_directory: target folder (created with its parent when missing).
+            processor: optional processor (anything with ``save_pretrained(folder)``) saved into the same folder in
+                the same swap.
+            *args, **kwargs: ``PreTrainedModel.save_pretrained``'s (``max_shard_size``, ``state_dict``,
+                ``is_main_process``, ...). A process that does not save (``is_main_process=False``) takes part in
+                the collectives and writes nothing. ``distributed_checkpoint=True`` (every rank writes) saves in
+                place, not atomically.
+
+        Raises:
+            ValueError: ``save_directory`` is an existing file.
+        """
+        import tempfile
+
+        from .checkpoint import atomic_save
+
         self.config.auto_map = dict(getattr(self.config, "auto_map", None) or {}, **AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        parent = super().save_pretrained
+        if kwargs.get("distributed_checkpoint"):
+            return parent(save_directory, *args, **kwargs)
+        is_main = args[0] if args else kwargs.get("is_main_process", True)
+        if not self.should_save_on_this_rank(is_main):
+            with tempfile.TemporaryDirectory() as scratch:  # gathers happen on every rank; nothing is written
+                return parent(scratch, *args, **kwargs)
+        if kwargs.get("push_to_hub"):
+            kwargs.setdefault("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
+
+        def write(folder: str) -> None:
+            parent(folder, *args, **kwargs)
+            if processor is not None:
+                processor.save_pretrained(folder)
+
+        atomic_save(save_directory, write)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` that first rejects integer or bool tensors for floating-point weights.
+
+        Raises:
+            ValueError: naming the keys and dtypes (:func:`.checkpoint.check_state_dict_dtypes`).
+        """
+        from .checkpoint import check_state_dict_dtypes
+
+        check_state_dict_dtypes(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -235,7 +288,8 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         unexpected or shape-mismatched keys raise ``ValueError`` listing them, unless ``allow_missing_keys=True`` /
         ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns), or
         ``output_loading_info=True`` (then they are in the returned ``loading_info``, and warned); a corrupt or
-        truncated shard raises ``ValueError`` naming the file. A text-only class skips the vision tower's tensors
+        truncated shard, or an integer or bool tensor in a local checkpoint, raises ``ValueError`` naming the file
+        or key. A text-only class skips the vision tower's tensors
         of a multimodal checkpoint and says so in one info line. ``save_pretrained`` then writes the canonical
         layout whatever variant was read.
         """
@@ -269,9 +323,12 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     (``h_pre`` ``[B,S,D]``), ``mtp_hidden_states`` (D tensors ``[B,S,D]``) and ``document_layout``.
 
     Raises:
-        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; a non-2-D attention mask; bad packing;
-            a cache together with packed documents or padding after a real token; ``mtp_depth > 0`` with a cache
-            or without an MTP layer.
+        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; ``input_ids`` not an integer ``[B, S]``
+            tensor, empty, or (eagerly) holding ids outside ``[0, vocab_size)``; ``inputs_embeds`` not a float
+            ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
+            float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
+            documents, padding after a real token, or more tokens than a static cache holds; ``mtp_depth > 0``
+            with a cache or without an MTP layer.
         NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
     """
 
@@ -315,6 +372,10 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashTextModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            check_input_ids(input_ids, self.config.vocab_size)
+        else:
+            check_inputs_embeds(inputs_embeds, self.config.hidden_size)
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
@@ -482,9 +543,25 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
     return config.mtp_depth
 
 
+def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, kwargs) -> None:
+    """The heads' checks of ``labels`` / ``shift_labels`` (integer, the inputs' ``[B, S]`` shape, entries
+    ``ignore_index`` or ids in ``[0, vocab_size)``; :func:`.input_checks.check_labels`), before the forward."""
+    source = input_ids if input_ids is not None else inputs_embeds
+    if source is None or source.dim() < 2:
+        return  # the model raises, naming the inputs
+    ignore = kwargs.get("ignore_index", -100)
+    for name in ("labels", "shift_labels"):
+        value = labels if name == "labels" else kwargs.get(name)
+        check_labels(value, tuple(source.shape[:2]), head_model.vocab_size, ignore, name=name)
+
+
 def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Glm53FlashCausalLMOutputWithPast:
     """Logits of the kept positions and transformers' ``ForCausalLMLoss`` (shifted; summed and divided by
-    ``num_items_in_batch`` when the Trainer passes it) — shared by the text-only and the VL heads.
+    ``num_items_in_batch`` when the Trainer passes it, else by the number of supervised tokens, at least 1) —
+    shared by the text-only and the VL heads.
+
+    Labels that are all ``ignore_index`` give ``loss`` 0.0 (zero gradients, a warning in eager calls) and
+    ``mtp_loss`` 0.0 — one convention for both, where torch's mean over zero elements would give NaN.
 
     When the model output carries ``mtp_hidden_states`` (see :func:`_mtp_depth_for`), adds
     ``mtp_loss_weight * mtp_loss`` (:func:`.mtp.mtp_loss`, same ``num_items_in_batch`` / ``ignore_index``;
@@ -501,7 +578,21 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
         sp = getattr(getattr(outputs, "document_layout", None), "sequence_parallel", None)
         if sp is not None:
             loss_kwargs = sp_loss_kwargs(sp, labels, loss_kwargs)
-        loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **loss_kwargs)
+        main_kwargs = dict(loss_kwargs)
+        if main_kwargs.get("num_items_in_batch") is None:
+            # mean over the supervised tokens as sum / count (bit-identical to the mean), with count >= 1: a batch
+            # whose labels are all ignored gets loss 0.0 and zero gradients, not NaN (the MTP loss's convention)
+            ignore = loss_kwargs.get("ignore_index", -100)
+            shifted = loss_kwargs.get("shift_labels")
+            targets = shifted if shifted is not None else labels[..., 1:]
+            count = (targets != ignore).sum()
+            if not in_graph() and int(count) == 0:
+                logger.warning_once(
+                    f"labels: every target is ignore_index={ignore} (no supervised token); loss is 0.0 with zero "
+                    "gradients"
+                )
+            main_kwargs["num_items_in_batch"] = count.clamp_min(1)
+        loss = head_model.loss_function(logits=logits, labels=labels, vocab_size=head_model.vocab_size, **main_kwargs)
     mtp_value = mtp_logits = None
     mtp_hidden = getattr(outputs, "mtp_hidden_states", None)
     if labels is not None and mtp_hidden:
@@ -567,6 +658,36 @@ class _Glm53FlashGenerationHooks:
 
     _is_stateful = True
 
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate``, after checking that a ``cache`` / ``past_key_values`` of fixed size
+        (``StaticCache``) holds the prompt plus every new token.
+
+        Raises:
+            ValueError: ``max_cache_len`` below the prompt length plus ``max_new_tokens`` (or below ``max_length``
+                when no ``max_new_tokens`` is set); the message names both numbers.
+        """
+        cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+        capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
+        if capacity > 0:
+            prompt = inputs if inputs is not None else kwargs.get("input_ids")
+            if prompt is None:
+                prompt = kwargs.get("inputs_embeds")
+            config = generation_config if generation_config is not None else self.generation_config
+            max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+            prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else 0
+            if max_new is not None:
+                needed, how = prompt_len + max_new, f"prompt {prompt_len} + max_new_tokens {max_new}"
+            else:
+                needed = kwargs.get("max_length", getattr(config, "max_length", None)) or 0
+                how = f"max_length {needed}"
+            if needed > capacity:
+                raise ValueError(
+                    f"the cache is a {type(cache).__name__} of max_cache_len={capacity} but generate needs "
+                    f"{needed} positions ({how}); make the cache with max_cache_len >= {needed} or generate fewer "
+                    "tokens"
+                )
+        return super().generate(inputs, generation_config, **kwargs)
+
     @staticmethod
     def create_masks_for_generate(config, inputs_embeds, attention_mask, cache=None, **kwargs):
         """Return ``attention_mask`` as is (2-D ``[B, past + S]`` or ``None``)."""
@@ -582,7 +703,14 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
 
     ``forward(..., labels=None, num_items_in_batch=None, logits_to_keep=0)`` returns
     :class:`Glm53FlashCausalLMOutputWithPast`; ``loss`` is transformers' ``ForCausalLMLoss`` (shifted, fp32,
-    summed and divided by ``num_items_in_batch`` when given, so Trainer's gradient accumulation is exact).
+    summed and divided by ``num_items_in_batch`` when given, so Trainer's gradient accumulation is exact, else the
+    mean over the supervised tokens). Labels that are all ``ignore_index`` (-100) give ``loss == 0.0`` and
+    ``mtp_loss == 0.0`` with zero gradients, never NaN (a warning says so in eager calls).
+
+    Raises:
+        ValueError: ``labels`` / ``shift_labels`` not integer, not of the inputs' ``[B, S]`` shape, or (eagerly)
+            holding entries other than ``ignore_index`` and ids in ``[0, vocab_size)``; and the text model's
+            input errors (:class:`Glm53FlashTextModel`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -612,6 +740,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> Glm53FlashCausalLMOutputWithPast:
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
         kwargs["use_cache"] = use_cache
         mtp_depth = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(
@@ -696,8 +825,11 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     the text model runs with the document layout of the batch.
 
     Raises:
-        ValueError: when the number of image (or video) placeholders differs from the number of feature rows; the
-            message names both counts.
+        ValueError: when the number of image (or video) placeholders differs from the number of feature rows (the
+            message names both counts); ``pixel_values`` / ``pixel_values_videos`` without their grid, of another
+            width than ``in_channels * temporal_patch_size * patch_size**2``, or (eagerly) whose grid rows are not
+            positive multiples of the merge size or do not add up to the pixel rows
+            (:func:`.input_checks.check_vision_inputs`); and the text model's input errors.
     """
 
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
@@ -798,6 +930,17 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        text_config = self.config.get_text_config(decoder=True)
+        if input_ids is not None:
+            check_input_ids(input_ids, text_config.vocab_size)
+        else:
+            check_inputs_embeds(inputs_embeds, text_config.hidden_size)
+        if pixel_values is not None:
+            check_vision_inputs(pixel_values, image_grid_thw, self.config.vision_config, "pixel_values",
+                                "image_grid_thw")
+        if pixel_values_videos is not None:
+            check_vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision_config, "pixel_values_videos",
+                                "video_grid_thw")
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         image_outputs = video_outputs = None
@@ -861,8 +1004,8 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
     ``Glm5NextForConditionalGeneration`` (``model.visual.*``, ``model.language_model.*``, ``lm_head``).
 
     ``forward`` takes :class:`Glm53FlashModel`'s inputs plus ``labels`` / ``num_items_in_batch`` /
-    ``logits_to_keep``, and returns :class:`Glm53FlashCausalLMOutputWithPast` (loss as
-    :class:`Glm53FlashForCausalLM`).
+    ``logits_to_keep``, and returns :class:`Glm53FlashCausalLMOutputWithPast` (loss, its all-ignored convention
+    and the label checks as :class:`Glm53FlashForCausalLM`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
@@ -904,6 +1047,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> Glm53FlashCausalLMOutputWithPast:
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
         kwargs["use_cache"] = use_cache
         kwargs["mtp_depth"] = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(

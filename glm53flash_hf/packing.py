@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .input_checks import check_integer_tensor
+
 
 @dataclass
 class DocumentLayout:
@@ -132,14 +134,18 @@ def build_document_layout(
         device: device of the returned tensors.
         attention_mask: optional ``[B, S]`` (bool or 0/1 ints); 0 marks padding. A 4-D mask is rejected.
         position_ids: optional long ``[B, S]`` or ``[1, S]``.
-        cu_seqlens: optional int ``[N + 1]`` cumulative lengths over the flattened tokens, starting
+        cu_seqlens: optional integer ``[N + 1]`` cumulative lengths over the flattened tokens, starting
             at 0 and ending at ``B * S``.
         seq_idx: optional int ``[B, S]`` document index per token; a change starts a segment.
 
     Raises:
-        ValueError: when a tensor has the wrong shape, ``cu_seqlens`` is not a non-decreasing
-            sequence from 0 to ``B * S``, or it describes an empty document (two equal entries).
+        ValueError: when a tensor has the wrong shape, ``position_ids`` / ``cu_seqlens`` / ``seq_idx`` is not an
+            integer tensor (float boundaries would be truncated), ``attention_mask`` holds values other than 0/1
+            (eagerly), ``cu_seqlens`` is not a non-decreasing sequence from 0 to ``B * S``, or it describes an empty
+            document (two equal entries).
     """
+    for name, value in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens), ("seq_idx", seq_idx)):
+        check_integer_tensor(name, value)
     total = batch_size * seq_len
     statically_trivial = all(x is None for x in (attention_mask, position_ids, cu_seqlens, seq_idx))
     arange = torch.arange(seq_len, device=device)
@@ -151,7 +157,14 @@ def build_document_layout(
             raise ValueError(
                 f"attention_mask must be a 2-D [batch, seq] padding mask; got shape {tuple(attention_mask.shape)}"
             )
-        valid = _as_2d("attention_mask", attention_mask.to(device), batch_size, seq_len).bool()
+        mask = _as_2d("attention_mask", attention_mask.to(device), batch_size, seq_len)
+        if not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all()):
+            bad = mask[(mask != 0) & (mask != 1)][0].item()
+            raise ValueError(
+                f"attention_mask must be a 0/1 (or bool) padding mask, 1 on real tokens; got the value {bad} "
+                "(an additive mask of 0 / -inf is not accepted)"
+            )
+        valid = mask.bool()
         starts[:, 1:] |= valid[:, 1:] != valid[:, :-1]
     else:
         valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
@@ -210,6 +223,7 @@ def layout_from_kwargs(
     """
     cu = kwargs.get("cu_seq_lens_q")
     cu2 = kwargs.get("cu_seqlens")
+    check_integer_tensor("cu_seq_lens_q", cu)
     if (
         cu is not None
         and cu2 is not None

@@ -94,6 +94,9 @@ REQUIRED_TOKENS = (
     "</think>",
 )
 
+# Files of which a saved tokenizer holds at least one.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
 # Frames per second assumed for a video whose metadata has none (the reference's default).
 DEFAULT_VIDEO_FPS = 24
 
@@ -118,6 +121,52 @@ def _none_if_empty(media):
     if media is None or (isinstance(media, (list, tuple)) and len(media) == 0):
         return None
     return media
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 0
+
+
+def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
+    """Check video ``index``'s metadata against its clip of ``frames`` frames.
+
+    Before sampling (``sampled``): ``total_num_frames`` must equal ``frames`` (a larger count would index frames
+    the clip lacks, a smaller one would drop its last frames). Pre-sampled frames: ``frames_indices``, when
+    given, must hold one non-negative, non-decreasing index per frame (the prompt's timestamps are
+    ``index / fps``), and ``fps``, when given, must be > 0.
+
+    Raises:
+        ValueError: naming the video, the field, its value and the clip's frame count.
+    """
+    name = f"video {index}"
+    if sampled:
+        total = meta.total_num_frames
+        if total is not None and total != frames:
+            raise ValueError(
+                f"{name}: video_metadata.total_num_frames={total} but the clip holds {frames} frames; the metadata "
+                "must describe the clip passed (frame sampling reads frames 0 .. total_num_frames - 1)"
+            )
+        return
+    if meta.fps is not None and not _positive_number(meta.fps):
+        raise ValueError(f"{name}: video_metadata.fps must be a finite number > 0; got fps={meta.fps!r}")
+    indices = meta.frames_indices
+    if indices is None:
+        return
+    indices = [int(i) for i in np.asarray(indices).reshape(-1)]
+    if len(indices) != frames:
+        raise ValueError(
+            f"{name}: video_metadata.frames_indices has {len(indices)} entries but the clip holds {frames} "
+            "frames; give one source index per frame"
+        )
+    for j, (a, b) in enumerate(zip(indices, indices[1:])):
+        if b < a:
+            raise ValueError(
+                f"{name}: video_metadata.frames_indices decrease at position {j + 1} ({a} then {b}); the frame "
+                "timestamps (index / fps) must not go back in time"
+            )
+    if indices and indices[0] < 0:
+        raise ValueError(f"{name}: video_metadata.frames_indices starts at {indices[0]}; indices must be >= 0")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -213,16 +262,25 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
             int64 array of frame indices (even length).
 
         Raises:
-            ValueError: when the metadata has no ``fps`` (pass ``do_sample_frames=False`` for pre-sampled frames).
+            ValueError: when the metadata has no ``fps`` (pass ``do_sample_frames=False`` for pre-sampled frames),
+                ``fps`` or the metadata's ``fps`` is not a finite number > 0, or ``total_num_frames`` < 1.
         """
         if metadata is None or getattr(metadata, "fps", None) is None:
             raise ValueError(
                 "Glm53FlashVideoProcessor samples frames by time and needs video_metadata with an fps; pass "
                 "video_metadata=... or do_sample_frames=False for frames that are already sampled"
             )
+        target_fps = fps if fps is not None else self.fps
+        if not _positive_number(target_fps):
+            raise ValueError(f"fps (frames sampled per second) must be a finite number > 0; got fps={target_fps!r}")
+        if not _positive_number(metadata.fps):
+            raise ValueError(f"video_metadata.fps must be a finite number > 0; got fps={metadata.fps!r}")
+        if not isinstance(metadata.total_num_frames, (int, np.integer)) or metadata.total_num_frames < 1:
+            raise ValueError(
+                f"video_metadata.total_num_frames must be an integer >= 1; got {metadata.total_num_frames!r}"
+            )
         total = int(metadata.total_num_frames)
         source_fps = float(metadata.fps)
-        target_fps = fps if fps is not None else self.fps
         duration = metadata.duration or round((total - 1) / source_fps) + 1
         whole_seconds = int(duration)  # the greedy pick stops here, from the uncapped duration
         if self.max_duration > 0:
@@ -253,7 +311,11 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         return np.array(unique, dtype=int)
 
     def _decode_and_sample_videos(self, videos, video_metadata, do_sample_frames=None, sample_indices_fn=None):
-        """Batch the videos and their metadata, decode paths/URLs, and sample frames when asked."""
+        """Batch the videos and their metadata, decode paths/URLs, and sample frames when asked.
+
+        Raises:
+            ValueError: metadata that does not describe its clip (:func:`_check_video_metadata`).
+        """
         videos = make_batched_videos(videos)
         if videos and not is_valid_video(videos[0]):
             if isinstance(videos[0], (str, os.PathLike)):
@@ -264,6 +326,8 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
             )
         # Copies: sampling records frames_indices, and the caller's metadata objects stay as they were.
         metadata = [copy.copy(meta) for meta in make_batched_metadata(videos, video_metadata=video_metadata)]
+        for i, (video, meta) in enumerate(zip(videos, metadata)):
+            _check_video_metadata(i, len(video), meta, sampled=bool(do_sample_frames))
         if do_sample_frames:
             sampled_videos, sampled_metadata = [], []
             for video, meta in zip(videos, metadata):
@@ -601,6 +665,21 @@ class Glm53FlashProcessor(ProcessorMixin):
     # ---- loading --------------------------------------------------------------------------------------------
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """``ProcessorMixin.from_pretrained`` (sub-processors loaded by :meth:`_get_arguments_from_pretrained`).
+
+        Raises:
+            FileNotFoundError: ``pretrained_model_name_or_path`` looks like a local path (absolute, ``./``, ``~``,
+                more than one ``/``) but is no folder; a local folder without tokenizer files.
+        """
+        path = os.fspath(pretrained_model_name_or_path)
+        looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+        if looks_local and not os.path.isdir(path):
+            raise FileNotFoundError(f"{path!r} is not a folder: Glm53FlashProcessor.from_pretrained needs a saved "
+                                    "processor folder (or a Hub id)")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         """Load the sub-processors of a saved processor: the tokenizer with ``AutoTokenizer``, the image
         processor with ``AutoImageProcessor`` (PIL backend, so outputs do not depend on whether torchvision is
@@ -609,14 +688,31 @@ class Glm53FlashProcessor(ProcessorMixin):
         raises without torchvision.
 
         Raises:
-            ValueError: when the saved video processor is not a ``Glm53FlashVideoProcessor``.
+            ValueError: when the saved video processor is not a ``Glm53FlashVideoProcessor``, or a local folder's
+                tokenizer files do not load (names the folder).
+            FileNotFoundError: a local folder without tokenizer files (names the folder and the files looked for).
         """
         from transformers import AutoImageProcessor, AutoTokenizer
 
         processor_dict = processor_dict or {}
         kwargs.pop("trust_remote_code", None)
         subfolder = kwargs.pop("subfolder", "")
-        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        folder = os.fspath(pretrained_model_name_or_path)
+        folder = os.path.join(folder, subfolder) if subfolder else folder
+        if os.path.isdir(folder):
+            if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+                raise FileNotFoundError(
+                    f"{folder}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)}); save the tokenizer "
+                    "next to the processor (processor.save_pretrained(folder))"
+                )
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+            except (OSError, ValueError) as error:
+                raise ValueError(
+                    f"{folder}: the tokenizer does not load ({type(error).__name__}: {str(error).splitlines()[0]})"
+                ) from error
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
         image_processor = AutoImageProcessor.from_pretrained(
             pretrained_model_name_or_path, subfolder=subfolder, backend="pil", **kwargs
         )
@@ -689,10 +785,21 @@ class Glm53FlashProcessor(ProcessorMixin):
             ``pixel_values_videos`` / ``video_grid_thw`` for the media kept.
 
         Raises:
-            ValueError: a truncation through a visual span (names the sample, the lengths and the span); a
-                visual placeholder inside a trained span; marker/media count mismatches (from transformers).
+            ValueError: a conversation without an assistant turn (names the sample and its roles); a truncation
+                through a visual span (names the sample, the lengths and the span); a visual placeholder inside a
+                trained span; marker/media count mismatches (from transformers).
+
+        Warns:
+            UserWarning: naming the sample, when no token is trained (assistant turns with ``loss: False``, or
+                cut off by ``max_length``).
         """
         name = f"sample {sample_id!r}" if sample_id is not None else "sample"
+        roles = [m.get("role") for m in messages] if isinstance(messages, (list, tuple)) else []
+        if "assistant" not in roles:
+            raise ValueError(
+                f"{name}: the conversation has no assistant turn (roles {roles}), so no token would be trained; an "
+                "SFT example needs at least one assistant message"
+            )
         conversations, _ = self._normalize_conversations(messages)
         if images is None and videos is None:
             batch_images, batch_videos, _, _ = self._multimodal_inputs_from_conversations(conversations, {}, False)
@@ -738,6 +845,13 @@ class Glm53FlashProcessor(ProcessorMixin):
             keep_images, keep_videos = self._check_cut(input_ids, max_length, name)
             input_ids, labels, types = input_ids[:max_length], labels[:max_length], types[:max_length]
             data = self._keep_media(data, keep_images, keep_videos)
+        if all(label == IGNORE_INDEX for label in labels):
+            warnings.warn(
+                f"{name}: no trained token (every label is {IGNORE_INDEX}: the assistant turns have loss=False, "
+                f"their reasoning is cleared, or max_length={max_length} cuts them off)",
+                UserWarning,
+                stacklevel=2,
+            )
         data.update(
             input_ids=input_ids,
             attention_mask=[1] * len(input_ids),

@@ -7,8 +7,10 @@ import re
 from glm53flash_hf.tools.demo import main
 
 
-def test_demo_runs_on_embedded_default(tmp_path, capsys):
-    assert main(["--model", str(tmp_path / "tiny"), "--length", "40"]) == 0
+def test_demo_runs_on_embedded_default(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --model ./glm53flash-tiny is made here
+    assert main(["--length", "40"]) == 0
+    assert (tmp_path / "glm53flash-tiny" / "config.json").is_file()
     out = capsys.readouterr().out
     diff = float(re.search(r"max \|Δlogit\| = ([0-9.e+-]+)", out).group(1))
     assert diff < 1e-5

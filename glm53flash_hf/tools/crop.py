@@ -44,7 +44,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..checkpoint import SCALE_SUFFIX, check_fp8_pair, fp8_block_size, is_fp8_dtype, open_shard, read_weight_map
+from ..checkpoint import (
+    SCALE_SUFFIX,
+    atomic_save,
+    check_fp8_pair,
+    fp8_block_size,
+    is_fp8_dtype,
+    open_shard,
+    read_weight_map,
+)
+from . import check_output_folder
 from .fp8 import dequantize_fp8_blockwise
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -373,15 +382,26 @@ def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progre
     Processes one source shard at a time; output shards are flushed when adding the next tensor would pass
     ``max_shard_size`` bytes (default: the largest source shard file).
 
+    The folder is written atomically (:func:`glm53flash_hf.checkpoint.atomic_save`): built beside ``out`` and
+    renamed into place when complete, so an interrupted crop leaves no partial ``out``.
+
     Returns:
         ``{"shards": n, "tensors": n, "total_size": bytes}``.
 
     Raises:
-        ValueError: ``out`` exists and is not empty; a corrupt shard (named).
+        ValueError: ``out`` exists and is not empty; ``out`` is, lies inside, holds or links into the source folder
+            (:func:`glm53flash_hf.tools.output_conflict`); a corrupt shard (named).
     """
+    check_output_folder(out, plan.src)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"output folder {out} exists and is not empty")
-    os.makedirs(out, exist_ok=True)
+    result: dict = {}
+    atomic_save(out, lambda folder: result.update(_write_crop(plan, folder, max_shard_size, progress)))
+    return result
+
+
+def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: bool) -> dict:
+    """The body of :func:`run_crop`, writing into the empty folder ``out``."""
     limit = max_shard_size or _largest_shard_bytes(plan.src, plan.weight_map)
     by_file: dict[str, list[KeyAction]] = {}
     for a in plan.actions:
@@ -505,6 +525,7 @@ def main(argv=None) -> int:
         if args.dry_run:
             print(f"dry run: nothing written to {args.out}")
             return 0
+        check_output_folder(args.out, args.src)
         if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
             raise ValueError(f"output folder {args.out} exists and is not empty")
         result = run_crop(plan, args.out, args.max_shard_size, progress=not args.no_progress)

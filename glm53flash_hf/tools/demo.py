@@ -1,8 +1,9 @@
 """``glm53flash-demo``: load the embedded default checkpoint as a new user would and run it on real inputs.
 
-1. Makes the embedded tiny checkpoint with ``glm53flash-make-tiny`` if ``--model`` is absent (every layer kind:
-   KDA, full and shared DSA, dense and MoE MLP, MTP, a small vision tower; a tokenizer trained on CPython's
-   ``pydoc_data.topics``; the processor and the GLM-5.3 chat template).
+1. Makes the embedded tiny checkpoint ``./glm53flash-tiny`` with ``glm53flash-make-tiny`` when ``--model`` is left
+   at that default and the folder is absent (every layer kind: KDA, full and shared DSA, dense and MoE MLP, MTP, a
+   small vision tower; a tokenizer trained on CPython's ``pydoc_data.topics``; the processor and the GLM-5.3 chat
+   template). Any other ``--model`` must be a checkpoint folder (with a ``config.json``); nothing is created there.
 2. Loads it through ``AutoProcessor`` and ``AutoModelForImageTextToText`` with ``trust_remote_code=True``.
 3. Packs three passages of ``pydoc_data.topics`` into one row (``position_ids`` restarting at 0), runs a forward
    and backward pass with labels, and checks that the middle passage gives the same logits as when run alone.
@@ -27,15 +28,23 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"checkpoint folder; made with glm53flash-make-tiny when it does not exist (default: ./{DEFAULT_MODEL})",
+        help=f"checkpoint folder (default: ./{DEFAULT_MODEL}, made with glm53flash-make-tiny when absent; any other "
+        "path must hold a checkpoint)",
     )
     parser.add_argument("--length", type=int, default=96, help="tokens taken from each of the three passages")
     args = parser.parse_args(argv)
+    if args.length < 1:
+        parser.error(f"--length must be >= 1; got {args.length}")
+    has_checkpoint = os.path.isfile(os.path.join(args.model, "config.json"))
+    if not has_checkpoint and args.model != DEFAULT_MODEL:
+        what = "does not exist" if not os.path.exists(args.model) else "holds no config.json"
+        parser.error(f"--model {args.model!r} {what}: pass a checkpoint folder, or leave --model out for the "
+                     f"embedded tiny checkpoint ./{DEFAULT_MODEL}")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    if not os.path.exists(os.path.join(args.model, "config.json")):
+    if not has_checkpoint:
         from .make_tiny import make_tiny
 
         print(f"making the embedded tiny checkpoint in {args.model} ...")

@@ -27,7 +27,8 @@ import re
 import shutil
 import warnings
 
-from . import docstring_parser
+from ..checkpoint import atomic_save
+from . import check_output_folder, docstring_parser
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 LINK_MODES = ("symlink", "hardlink", "copy")
@@ -122,8 +123,10 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
 
     Args:
         src: local checkpoint folder with a ``glm5_next`` ``config.json`` and safetensors weights.
-        out: destination folder; created; must be empty unless ``overwrite`` (then its entries with the names
-            written here are replaced).
+        out: destination folder; created; must be empty unless ``overwrite``. Written atomically
+            (:func:`glm53flash_hf.checkpoint.atomic_save`): the folder is built beside ``out`` and swapped in when
+            complete; with ``overwrite`` the previous folder's weights, indexes and configs are dropped, its other
+            entries kept.
         link: ``"symlink"`` (default), ``"hardlink"`` or ``"copy"`` for the weight files (see :func:`link_file`).
         overwrite: allow a non-empty ``out``.
         show_progress: tqdm progress bar.
@@ -133,7 +136,8 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
 
     Raises:
         FileNotFoundError: ``src`` is not a folder, or lacks ``config.json`` / weights.
-        ValueError: ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` is ``src``, or
+        ValueError: ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` is, lies inside,
+            holds or (without ``overwrite``) links into ``src`` (:func:`glm53flash_hf.tools.output_conflict`), or
             ``out`` is not empty without ``overwrite``.
     """
     from tqdm.auto import tqdm
@@ -145,8 +149,7 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         raise ValueError(f"link must be one of {LINK_MODES}; got link={link!r}")
     if not os.path.isdir(src):
         raise FileNotFoundError(f"SRC={src!r} is not a local folder")
-    if os.path.realpath(src) == os.path.realpath(out):
-        raise ValueError(f"OUT must differ from SRC; both are {os.path.realpath(src)!r}")
+    check_output_folder(out, src, allow_links=overwrite)
     config = _read_config(src)
     try:
         Glm53FlashConfig.from_dict(dict(config))
@@ -163,35 +166,29 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"OUT={out!r} exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace the files written here")
-    os.makedirs(out, exist_ok=True)
-
-    written: dict[str, str] = {}
-    for rel, kind in tqdm(plan, desc="glm53flash-export", unit="file", disable=not show_progress):
-        dst = os.path.join(out, rel)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if os.path.lexists(dst):
-            os.remove(dst)
-        if kind == "link":
-            written[rel] = link_file(os.path.join(src, rel), dst, link)
-        else:
-            shutil.copy2(os.path.join(src, rel), dst)
-            written[rel] = "copy"
-    for path in code:
-        dst = os.path.join(out, os.path.basename(path))
-        if os.path.lexists(dst):
-            os.remove(dst)
-        shutil.copy2(path, dst)
-        written[os.path.basename(path)] = "code"
+        raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace it")
     config["auto_map"] = dict(config.get("auto_map") or {}, **AUTO_MAP)
     _drop_absent_mtp(src, config)
-    config_path = os.path.join(out, "config.json")
-    if os.path.lexists(config_path):
-        os.remove(config_path)
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
-    written["config.json"] = "config"
+    written: dict[str, str] = {}
+
+    def write(folder: str) -> None:
+        for rel, kind in tqdm(plan, desc="glm53flash-export", unit="file", disable=not show_progress):
+            dst = os.path.join(folder, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if kind == "link":
+                written[rel] = link_file(os.path.join(src, rel), dst, link)
+            else:
+                shutil.copy2(os.path.join(src, rel), dst)
+                written[rel] = "copy"
+        for path in code:
+            shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
+            written[os.path.basename(path)] = "code"
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        written["config.json"] = "config"
+
+    atomic_save(out, write)
     return written
 
 
@@ -230,7 +227,9 @@ def main(argv=None) -> int:
         "warning), hardlink (falls back to copy) or copy",
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="write into a non-empty OUT, replacing same-named files"
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty OUT (its old weights, indexes and configs are dropped, its other files kept)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     args = parser.parse_args(argv)

@@ -94,19 +94,29 @@ def _resolve_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def _save_trained(trainer, path: str, main_process: bool) -> None:
-    """Save the trained model (a PEFT model saves its adapter only) to ``path``.
+def _save_trained(trainer, path: str, main_process: bool, processor=None) -> None:
+    """Save the trained model (a PEFT model saves its adapter only), and ``processor`` when given, to ``path``,
+    atomically (:func:`glm53flash_hf.checkpoint.atomic_save`: written beside ``path``, swapped in when complete).
 
     Without FSDP this is ``Trainer.save_model``. Under FSDP the full state dict is gathered on every rank
     (``Accelerator.get_state_dict``: FSDP2 ``full_state_dict=True``, CPU offload; a collective) and the main process
     saves it, whatever ``fsdp_state_dict_type`` the accelerate config names (``Trainer.save_model`` writes nothing
     for ``SHARDED_STATE_DICT``)."""
-    if not trainer.is_fsdp_enabled:
-        trainer.save_model(path)
+    from ..checkpoint import atomic_save
+
+    state_dict = trainer.accelerator.get_state_dict(trainer.model) if trainer.is_fsdp_enabled else None
+    if not main_process:
         return
-    state_dict = trainer.accelerator.get_state_dict(trainer.model)
-    if main_process:
-        trainer.accelerator.unwrap_model(trainer.model).save_pretrained(path, state_dict=state_dict)
+
+    def write(folder: str) -> None:
+        if state_dict is None:
+            trainer.save_model(folder)
+        else:
+            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(folder, state_dict=state_dict)
+        if processor is not None:
+            processor.save_pretrained(folder)
+
+    atomic_save(path, write)
 
 
 def load_model(path: str, dtype):
@@ -271,7 +281,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _looks_local(path: str) -> bool:
+    """Whether ``--model`` names a local folder rather than a Hub id (``org/name``): it exists, is absolute or
+    relative with ``./`` / ``../`` / ``~``, has more than one ``/``, or is not a valid repository id."""
+    if os.path.exists(path) or os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1:
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return True
+    return False
+
+
+def _check_model_and_output(parser, args) -> None:
+    """``--model``: a local folder must exist and hold a ``config.json`` (the embedded default is made when absent);
+    ``--output-dir`` must not be, lie inside, hold or link into it (:func:`glm53flash_hf.tools.output_conflict`)."""
+    from . import check_output_folder
+
+    if args.model != DEFAULT_MODEL and _looks_local(args.model):
+        if not os.path.isdir(args.model):
+            parser.error(f"--model {args.model!r}: no such folder (a checkpoint folder or a Hub id is expected)")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            parser.error(f"--model {args.model!r}: the folder holds no config.json, so no checkpoint")
+    try:
+        check_output_folder(args.output_dir, args.model, out_name="--output-dir", source_name="--model")
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def _check_args(parser, args) -> None:
+    _check_model_and_output(parser, args)
     positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "answer_chars", "max_new_tokens",
                 "sp")
     for name in positive:
@@ -503,25 +544,27 @@ def train(job: Job, trainer) -> dict:
 
 
 def save(job: Job, trainer, processor):
-    """Step 4: save the Hub-style folder in ``job.out``: with LoRA the adapter in ``adapter/`` and the merged model
-    beside it, with ``--full`` the trained model (a stale adapter of an earlier LoRA run is removed); then the
-    processor, and :func:`check_saved_folder`. Returns the saved model on the main process when it is in memory
-    (else ``None``)."""
+    """Step 4: save the Hub-style folder in ``job.out``: with LoRA the adapter in ``adapter/``, then the merged
+    model with the processor, with ``--full`` the trained model with the processor (then a stale adapter of an
+    earlier LoRA run is removed); then :func:`check_saved_folder`. Each save is atomic (written beside its folder
+    and swapped in when complete; the folder's other entries, such as the loss log, are kept). Returns the saved
+    model on the main process when it is in memory (else ``None``)."""
     os.makedirs(job.out, exist_ok=True)
     saved_model = None
     if job.args.full:
+        if job.ep_plan is not None:
+            from ..train.expert_parallel import save_pretrained_ep
+
+            # a collective; rank 0 writes, atomically (the model's save_pretrained), with the processor
+            save_pretrained_ep(trainer.model, job.ep_plan, job.out, processor=processor)
+        else:
+            _save_trained(trainer, job.out, job.main_process, processor=processor)
         stale = os.path.join(job.out, ADAPTER_DIR)
         if job.main_process and os.path.isfile(os.path.join(stale, "adapter_config.json")):
             import shutil
 
             job.say(f"removing the adapter of an earlier LoRA run: {stale}")
             shutil.rmtree(stale)
-        if job.ep_plan is not None:
-            from ..train.expert_parallel import save_pretrained_ep
-
-            save_pretrained_ep(trainer.model, job.ep_plan, job.out)
-        else:
-            _save_trained(trainer, job.out, job.main_process)
         saved_model = trainer.model if trainer.accelerator.num_processes == 1 else None
     else:
         adapter_dir = os.path.join(job.out, ADAPTER_DIR)
@@ -533,9 +576,8 @@ def save(job: Job, trainer, processor):
             _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype)
-            saved_model.save_pretrained(job.out)
+            saved_model.save_pretrained(job.out, processor=processor)
     if job.main_process:
-        processor.save_pretrained(job.out)
         check_saved_folder(job.out, adapter=not job.args.full)
     trainer.accelerator.wait_for_everyone()
     return saved_model
@@ -597,7 +639,12 @@ def main(argv=None) -> int:
     job = Job(args=args, out=out, dtype=dtype, training_args=training_args,
               main_process=training_args.process_index == 0)
 
-    processor, model, dataset = prepare(job)
+    try:
+        processor, model, dataset = prepare(job)
+    except OSError as error:  # a Hub id that does not resolve (offline, unknown repository): one line, no traceback
+        if _looks_local(args.model):
+            raise
+        parser.exit(2, f"glm53flash-finetune: error: --model {args.model!r}: {str(error).splitlines()[0]}\n")
     trainer = build_trainer(job, processor, model, dataset)
     result = train(job, trainer)
     saved_model = save(job, trainer, processor)

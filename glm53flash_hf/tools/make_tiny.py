@@ -264,16 +264,11 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
         f.write("\n")
 
 
-def _prepare_out(out: str, overwrite: bool) -> None:
+def _check_out(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"OUT={out!r} exists and is not a folder")
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace the checkpoint files in it")
-        for name in os.listdir(out):
-            if name.endswith(".safetensors") or name == SAFETENSORS_INDEX:
-                os.remove(os.path.join(out, name))
-    os.makedirs(out, exist_ok=True)
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace the checkpoint files in it")
 
 
 def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: bool = False,
@@ -287,7 +282,9 @@ def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: b
         fp8: store the FP8-release tensors as block-scaled e4m3 with ``_scale_inv``.
         dtype: ``"bfloat16"`` (as the release) or ``"float32"``; the model's fp32-kept parameters (router,
             ``e_score_correction_bias``, KDA ``conv1d``/``A_log``/``dt_bias``, mHC ``base``/``scale``) stay fp32.
-        overwrite: allow a non-empty ``out`` (its safetensors files and index are removed first).
+        overwrite: allow a non-empty ``out``. The folder is written beside ``out`` and swapped in when complete
+            (:func:`glm53flash_hf.checkpoint.atomic_save`): the old weights, indexes and configs are dropped, its
+            other files kept.
         show_progress: tqdm progress bar.
 
     Raises:
@@ -328,9 +325,8 @@ def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: b
 def _write(out, config, text, seed, fp8, dtype, overwrite, show_progress) -> None:
     import torch
     from tqdm.auto import tqdm
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-    from ..modeling_glm53flash import Glm53FlashForCausalLM
+    from ..checkpoint import atomic_save
 
     # fork_rng: the caller's global RNG state is left as it was.
     bar = tqdm(total=5, desc="glm53flash-make-tiny", disable=not show_progress)
@@ -338,31 +334,40 @@ def _write(out, config, text, seed, fp8, dtype, overwrite, show_progress) -> Non
         bar.set_postfix_str("tokenizer")
         tokenizer = train_tokenizer(text.pad_token_id)
         check_token_ids(config, tokenizer)
-        _prepare_out(out, overwrite)
+        _check_out(out, overwrite)
         bar.update(1)
+        atomic_save(out, lambda folder: _write_folder(folder, config, text, tokenizer, seed, fp8, dtype, bar))
 
-        bar.set_postfix_str("text model")
-        torch.manual_seed(seed)
-        model = Glm53FlashForCausalLM._from_config(config, dtype=dtype)
-        model.save_pretrained(out)
-        total_parameters = model.num_parameters()
-        del model
-        bar.update(1)
 
-        bar.set_postfix_str("vision tower" + (" + fp8" if fp8 else ""))
-        torch.manual_seed(seed + 1)
-        vision = Glm5NextVisionModel._from_config(config.vision_config, dtype=dtype)
-        vision_state = {f"model.visual.{k}": v.contiguous() for k, v in sorted(vision.state_dict().items())}
-        total_parameters += vision.num_parameters()
-        add_vision_and_fp8(out, vision_state, total_parameters, fp8)
-        if fp8:
-            _add_quantization_config(out)
-        bar.update(2)
+def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
+    """Write the checkpoint into the empty folder ``out`` (the temporary folder of :func:`_write`'s swap)."""
+    import torch
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-        bar.set_postfix_str("save tokenizer + processor")
-        save_tokenizer(tokenizer, out, model_max_length=text.max_position_embeddings)
-        save_processor(out, config)
-        bar.update(1)
+    from ..modeling_glm53flash import Glm53FlashForCausalLM
+
+    bar.set_postfix_str("text model")
+    torch.manual_seed(seed)
+    model = Glm53FlashForCausalLM._from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    total_parameters = model.num_parameters()
+    del model
+    bar.update(1)
+
+    bar.set_postfix_str("vision tower" + (" + fp8" if fp8 else ""))
+    torch.manual_seed(seed + 1)
+    vision = Glm5NextVisionModel._from_config(config.vision_config, dtype=dtype)
+    vision_state = {f"model.visual.{k}": v.contiguous() for k, v in sorted(vision.state_dict().items())}
+    total_parameters += vision.num_parameters()
+    add_vision_and_fp8(out, vision_state, total_parameters, fp8)
+    if fp8:
+        _add_quantization_config(out)
+    bar.update(2)
+
+    bar.set_postfix_str("save tokenizer + processor")
+    save_tokenizer(tokenizer, out, model_max_length=text.max_position_embeddings)
+    save_processor(out, config)
+    bar.update(1)
 
 
 def save_processor(out: str, config) -> None:

@@ -35,6 +35,7 @@ raises.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,10 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
         longest segment), optionally ``seq_idx``; and, when present in any sample, ``pixel_values``
         ``[sum t*h*w, C*T*P*P]`` with ``image_grid_thw`` long ``[num_images, 3]`` and ``pixel_values_videos`` with
         ``video_grid_thw`` long ``[num_videos, 3]``, concatenated in placement order.
+
+    Warns:
+        UserWarning: naming the samples (their ``name`` field, else their index in the batch) that have no trained
+            label (every label after the sample's first token is -100).
 
     Raises:
         ValueError: a sample longer than ``max_length`` (names the sample's index and both lengths); ``labels``
@@ -206,6 +211,15 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
                 f"Glm53FlashPackingCollator returns torch tensors only; got return_tensors={return_tensors!r}"
             )
         samples = [self._parse(f, i) for i, f in enumerate(features)]
+        untrained = [s.index for s in samples if s.input_ids and all(x == IGNORE_INDEX for x in s.labels[1:])]
+        if untrained:
+            names = [features[i].get("name", i) if hasattr(features[i], "get") else i for i in untrained]
+            warnings.warn(
+                f"Glm53FlashPackingCollator: {len(untrained)} of {len(samples)} samples have no trained label "
+                f"(every label after the first is {IGNORE_INDEX}): {names[:10]}",
+                UserWarning,
+                stacklevel=2,
+            )
         rows = self.plan([len(s.input_ids) for s in samples])
         if not rows or not rows[0]:
             raise ValueError("Glm53FlashPackingCollator received a batch where every example is empty.")

@@ -1,0 +1,165 @@
+"""Checks of the models' public inputs, run before any maths: each error names the argument, its value and what
+was expected.
+
+Shape and dtype checks read no tensor data and always run. Checks that read values (id ranges, label ranges,
+grid products) run in eager calls only: a graph traced by ``torch.compile`` cannot raise on data
+(:func:`.graph_ops.in_graph`), so a compiled model skips them. Leaf module: it imports torch and :mod:`.graph_ops`
+only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .graph_ops import in_graph
+
+__all__ = [
+    "check_inputs_embeds",
+    "check_input_ids",
+    "check_integer_tensor",
+    "check_labels",
+    "check_vision_inputs",
+]
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def check_integer_tensor(name: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``None`` or an integer tensor (not float, bool or complex): float
+    ids, positions or boundaries would be truncated silently.
+
+    Raises:
+        ValueError: ``"<name> must be an integer tensor; got dtype torch.float32"``.
+    """
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be an integer torch.Tensor; got {type(value).__name__}")
+    if not _is_integer(value):
+        raise ValueError(f"{name} must be an integer tensor; got dtype {value.dtype}")
+
+
+def _first_bad(mask: torch.Tensor) -> list[int]:
+    return torch.nonzero(mask)[0].tolist()
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """``input_ids`` must be an integer ``[batch, seq]`` tensor with ``batch, seq >= 1`` and (eagerly) every id in
+    ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: not an integer tensor (float ids would be truncated), not 2-D, an empty batch or sequence, or
+            an id out of range (names the first bad position, the value, and the range).
+    """
+    check_integer_tensor(name, input_ids)
+    if input_ids.dim() != 2:
+        raise ValueError(f"{name} must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"{name} must hold at least one row and one token; got shape {tuple(input_ids.shape)}")
+    if in_graph():
+        return
+    lo, hi = torch.aminmax(input_ids)
+    if int(lo) < 0 or int(hi) >= vocab_size:
+        bad = (input_ids < 0) | (input_ids >= vocab_size)
+        where = _first_bad(bad)
+        raise ValueError(
+            f"{name} holds ids outside [0, vocab_size={vocab_size}): {int(input_ids[tuple(where)])} at {where} "
+            f"({int(bad.sum())} such ids; min {int(lo)}, max {int(hi)})"
+        )
+
+
+def check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int) -> None:
+    """``inputs_embeds`` must be a floating ``[batch, seq, hidden_size]`` tensor with ``batch, seq >= 1``.
+
+    Raises:
+        ValueError: not a floating-point tensor, another shape, or an empty batch or sequence.
+    """
+    if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
+        what = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+        raise ValueError(f"inputs_embeds must be a floating-point tensor; got {what}")
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+        raise ValueError(
+            f"inputs_embeds must be [batch, seq, hidden_size={hidden_size}]; got shape {tuple(inputs_embeds.shape)}"
+        )
+    if inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+        raise ValueError(
+            f"inputs_embeds must hold at least one row and one token; got shape {tuple(inputs_embeds.shape)}"
+        )
+
+
+def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_index: int = -100,
+                 name: str = "labels") -> None:
+    """``labels`` must be an integer tensor of the inputs' shape ``[batch, seq]`` whose entries are (eagerly)
+    ``ignore_index`` or ids in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: not an integer tensor, another shape, or an entry out of range (names the first bad position
+            and value).
+    """
+    if labels is None:
+        return
+    check_integer_tensor(name, labels)
+    if tuple(labels.shape) != tuple(input_shape):
+        raise ValueError(
+            f"{name} must have the shape of the inputs [batch, seq] = {list(input_shape)}; got {tuple(labels.shape)}"
+        )
+    if in_graph():
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        where = _first_bad(bad)
+        raise ValueError(
+            f"{name} holds {int(labels[tuple(where)])} at {where}; entries must be ids in [0, vocab_size="
+            f"{vocab_size}) or ignore_index={ignore_index} ({int(bad.sum())} bad entries)"
+        )
+
+
+def check_vision_inputs(pixel_values: torch.Tensor, grid_thw, vision_config, pixels_name: str,
+                        grid_name: str) -> None:
+    """Consistency of one modality's vision inputs with each other and with the vision tower.
+
+    ``pixel_values`` must be a floating ``[patches, C * T * P * P]`` tensor (``in_channels``,
+    ``temporal_patch_size``, ``patch_size`` of ``vision_config``); ``grid_thw`` an integer ``[n, 3]`` tensor of
+    positive ``(t, h, w)`` with ``h`` and ``w`` multiples of ``spatial_merge_size`` and (eagerly)
+    ``sum(t * h * w) == patches``.
+
+    Raises:
+        ValueError: a float grid, a non-float ``pixel_values``, or shapes/values that disagree, naming the
+            argument, its shape or values, and the expected ones.
+    """
+    if grid_thw is None:
+        raise ValueError(f"{pixels_name} needs {grid_name} (one [t, h, w] row per image or video)")
+    if not isinstance(pixel_values, torch.Tensor) or not pixel_values.dtype.is_floating_point:
+        what = pixel_values.dtype if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
+        raise ValueError(f"{pixels_name} must be a floating-point tensor; got {what}")
+    check_integer_tensor(grid_name, grid_thw)
+    patch = vision_config.patch_size
+    temporal = vision_config.temporal_patch_size
+    patch = patch[0] * patch[1] if isinstance(patch, (list, tuple)) else patch * patch
+    temporal = temporal[0] if isinstance(temporal, (list, tuple)) else temporal
+    width = vision_config.in_channels * temporal * patch
+    if pixel_values.dim() != 2 or pixel_values.shape[1] != width:
+        raise ValueError(
+            f"{pixels_name} must be [patches, in_channels*temporal_patch_size*patch_size**2 = {width}]; got shape "
+            f"{tuple(pixel_values.shape)}"
+        )
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
+        raise ValueError(f"{grid_name} must be [n >= 1, 3] rows of (t, h, w); got shape {tuple(grid_thw.shape)}")
+    if in_graph():
+        return
+    merge = vision_config.spatial_merge_size
+    rows = grid_thw.tolist()
+    for i, (t, h, w) in enumerate(rows):
+        if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+            raise ValueError(
+                f"{grid_name}[{i}] = {[t, h, w]}: t, h, w must be positive and h, w multiples of "
+                f"spatial_merge_size={merge}"
+            )
+    patches = sum(t * h * w for t, h, w in rows)
+    if patches != pixel_values.shape[0]:
+        raise ValueError(
+            f"{grid_name} {rows} describes {patches} patches (sum of t*h*w) but {pixels_name} has "
+            f"{pixel_values.shape[0]} rows"
+        )
