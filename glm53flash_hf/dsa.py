@@ -281,6 +281,11 @@ class Glm53FlashIndexer(nn.Module):
         complete pool keys of a row are the contiguous view ``state[b, :P, :Dk]`` — no re-pooling, no gather per
         step — and a decode step scores ``P`` cached pool keys, then adds the tail (the incomplete current pool).
 
+        Rollback (assisted / MTP decoding): while the cache layer records its past
+        (:class:`~.generation_cache.Glm53FlashIndexedCacheLayer`), the values each new pool key replaced are handed
+        to ``record_pool_keys``, and a later ``crop`` that removes a pool's last token restores them; a pool
+        completed again is rebuilt and rewritten by the next call (``n_before`` follows the cropped length).
+
         Pools start at the row's first real token (``ctx.first``, left padding), as the uncached layout; the
         output equals :meth:`forward` on the whole row (same pools, same scores, same tie rule), for the new
         queries.
@@ -311,7 +316,13 @@ class Glm53FlashIndexer(nn.Module):
         pool_keys = kpool_pool_keys(state, slots, self.index_kpool_compress_ape)  # [B, cand, Dk], as forward()
         key_cols = state[..., :head_dim]
         where = pool_j.clamp(max=cap - 1)[..., None].expand(-1, -1, head_dim)
-        key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, key_cols.gather(1, where)))
+        old_keys = key_cols.gather(1, where)
+        key_cols.scatter_(1, where, torch.where(new[..., None], pool_keys, old_keys))
+        layer = cache.layers[self.layer_idx] if self.layer_idx < len(cache.layers) else None
+        if getattr(layer, "record_past", False) and hasattr(layer, "record_pool_keys"):
+            # assisted decoding: a crop that removes a pool's last token puts the replaced values back
+            # (generation_cache.Glm53FlashIndexedCacheLayer)
+            layer.record_pool_keys(where[..., 0], old_keys, slots[..., -1], new)
 
         out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
         # upper bound on complete pools of any row; under torch.compile the cache capacity (static, while the past

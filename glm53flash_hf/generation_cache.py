@@ -12,9 +12,16 @@ The hybrid model reuses transformers' cache classes as they are (``transformers/
   (see :meth:`.dsa.Glm53FlashIndexer.forward_cached` for the layout: per-token ``[k | gate]`` while a token's pool
   is incomplete, and the finished pool keys written once into the first ``Dk`` columns of slots ``0 .. P-1``).
 
-No layer type is missing, so this module defines no cache layer class. It holds what every cached layer of one
-forward shares: :class:`CacheContext` (the past length, which current tokens are real, where each row's real
-tokens start), built once per forward by :func:`build_cache_context`.
+Plain generation needs no cache layer class of its own. Assisted / MTP speculative decoding (``generate(use_mtp=True)``)
+must roll rejected drafts back with ``cache.crop(-n)``, which transformers' ``LinearAttentionLayer`` cannot do for a
+recurrent state (``LinearAttentionCacheLayerMixin.is_croppable``). :func:`make_croppable` swaps the layers of a fresh
+``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` (keeps the per-token recurrent states of the last multi-token
+call while past recording is on) and :class:`Glm53FlashIndexedCacheLayer` (undoes pool keys written for pools that
+a crop makes incomplete again), and :class:`MtpDraftCache` is the MTP layer's own cache while drafting.
+
+This module also holds what every cached layer of one forward shares: :class:`CacheContext` (the past length,
+which current tokens are real, where each row's real tokens start), built once per forward by
+:func:`build_cache_context`.
 
 Supported batches: each row is ``[left padding][one document]`` (what ``generate`` builds from a left-padded
 batch). Packed documents (several per row, ``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``) or
@@ -26,9 +33,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicIndexedLayer,
+    LinearAttentionLayer,
+)
 
-__all__ = ["CacheContext", "UnsupportedCacheError", "build_cache_context", "cache_seq_length", "check_cache"]
+__all__ = [
+    "CacheContext",
+    "Glm53FlashIndexedCacheLayer",
+    "Glm53FlashKDACacheLayer",
+    "MtpDraftCache",
+    "UnsupportedCacheError",
+    "build_cache_context",
+    "cache_seq_length",
+    "check_cache",
+    "make_croppable",
+]
 
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 
@@ -203,3 +226,157 @@ def build_cache_context(
         positions=positions,
         local_pos=positions.unsqueeze(0) - first.unsqueeze(1),
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Croppable cache layers (assisted / MTP speculative decoding)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Glm53FlashKDACacheLayer(LinearAttentionLayer):
+    """transformers' ``LinearAttentionLayer`` (conv state ``[B, 3*H*K, W]``, recurrent state fp32 ``[B, H, K, V]``)
+    that ``crop(-n)`` can roll back exactly while past recording is on.
+
+    * Conv state: transformers' recording as is. While ``record_past``, the KDA layer hands the call's raw conv
+      inputs ``[B, 3*H*K, S]`` to ``update_conv_state``, which keeps ``[old W | S new]``; ``crop(-n)`` keeps the
+      ``W`` inputs that end ``n`` tokens before the last (``LinearAttentionCacheLayerMixin.crop``).
+    * Recurrent state: a multi-token call continuing a state while recording (a verification call of assisted
+      decoding: the last accepted token + drafts) runs the decode recurrence token by token
+      (:meth:`.kda.Glm53FlashLinearAttention.forward`) and stores every state after each token,
+      ``per_token_states`` fp32 ``[S, B, H, K, V]``. ``crop(-n)`` restores the state after token ``S - 1 - n``.
+      ``crop(0)`` keeps the final state. Each crop drops the stored states (transformers crops after every
+      verification forward).
+
+    ``is_croppable`` is True once the layer holds a state and recording is on. Without recording the layer behaves
+    exactly as transformers' (plain ``generate`` never creates it anyway; see :func:`make_croppable`).
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.per_token_states: dict[int, torch.Tensor | None] = dict.fromkeys(range(self.number_of_states))
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past and any(self.is_conv_states_initialized.values())
+
+    @property
+    def is_compileable(self) -> bool:
+        return not self.record_past
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, state_idx: int = 0, per_token_states: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Store the final state (in place, as transformers) and, while recording, ``per_token_states``
+        (``[S, B, H, K, V]``, or ``None`` for a call that cannot be cropped into: a prefill or one token)."""
+        out = super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
+        self.per_token_states[state_idx] = per_token_states if self.record_past else None
+        return out
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of the last call (conv window and recurrent state).
+
+        Raises:
+            RuntimeError: not recording, a positive argument (transformers' messages), or more tokens removed than
+                the last recorded multi-token call holds minus one (its first token is always kept).
+        """
+        super().crop(tokens_to_remove)
+        n = abs(tokens_to_remove)
+        for i in range(self.number_of_states):
+            states = self.per_token_states[i]
+            self.per_token_states[i] = None
+            if n == 0 or not self.is_recurrent_states_initialized[i]:
+                continue
+            if states is None or n >= states.shape[0]:
+                held = 0 if states is None else states.shape[0]
+                raise RuntimeError(
+                    f"Glm53FlashKDACacheLayer.crop({tokens_to_remove}): the last recorded call holds {held} "
+                    f"per-token recurrent states; can remove at most {max(held - 1, 0)} tokens"
+                )
+            self.recurrent_states[i].copy_(states[states.shape[0] - 1 - n])
+
+    def reset(self) -> None:
+        super().reset()
+        self.per_token_states = dict.fromkeys(range(self.number_of_states))
+
+
+class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
+    """transformers' ``DynamicIndexedLayer`` whose ``crop`` also undoes the KPool pool keys written by the last call
+    for pools that the crop makes incomplete again.
+
+    :meth:`.dsa.Glm53FlashIndexer.forward_cached` writes the key of pool ``j`` into the first ``Dk`` columns of
+    slot ``j`` when the pool's last token arrives. If that token is a rejected draft, a crop removes it and the
+    pool is completed (and its key written) again later, which is exact unless slot ``j`` itself is one of the
+    token slots the rebuilt pool reads (pool 0 of a row starting at slot 0: a prompt shorter than
+    ``index_kpool - 1`` tokens). While recording, the indexer hands the overwritten values to
+    :meth:`record_pool_keys`; ``crop`` puts them back for every pool whose last token it removes and whose slot it
+    keeps, so the state equals that of a cache that never saw the rejected tokens.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.record_past = False
+        self.pool_key_undo = None
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def record_pool_keys(
+        self, slots: torch.Tensor, old_keys: torch.Tensor, pool_last: torch.Tensor, written: torch.Tensor
+    ) -> None:
+        """Remember the last call's pool-key writes (recording only): ``slots`` long ``[B, c]`` (the slot each
+        candidate pool key went to), ``old_keys`` ``[B, c, Dk]`` (the values it replaced), ``pool_last`` long
+        ``[B, c]`` (row position of each pool's last token), ``written`` bool ``[B, c]`` (the pool completed in
+        this call)."""
+        if self.record_past:
+            self.pool_key_undo = (slots, old_keys, pool_last, written)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        undo, self.pool_key_undo = self.pool_key_undo, None
+        super().crop(tokens_to_remove)
+        if tokens_to_remove == 0 or undo is None or not self.is_indexer_initialized:
+            return
+        slots, old_keys, pool_last, written = undo
+        length = self.indexer_keys.shape[1]
+        restore = written & (pool_last >= length) & (slots < length)
+        if bool(restore.any()):
+            head_dim = old_keys.shape[-1]
+            self.indexer_keys = self.indexer_keys.clone()
+            cols = self.indexer_keys[..., :head_dim]
+            where = slots.clamp(max=length - 1)[..., None].expand(-1, -1, head_dim)
+            cols.scatter_(1, where, torch.where(restore[..., None], old_keys, cols.gather(1, where)))
+
+    def reset(self) -> None:
+        super().reset()
+        self.pool_key_undo = None
+
+
+def make_croppable(cache: Cache) -> Cache:
+    """Swap, in place, the still-empty ``LinearAttentionLayer`` / ``DynamicIndexedLayer`` layers of a
+    ``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` / :class:`Glm53FlashIndexedCacheLayer` (what
+    ``generate`` calls for assisted / MTP decoding). Other caches and filled layers are left as they are (a
+    ``StaticCache`` or a filled user cache then fails transformers' ``is_croppable`` check with its own message).
+    Returns ``cache``."""
+    if not isinstance(cache, DynamicCache):
+        return cache
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is LinearAttentionLayer and not any(layer.is_conv_states_initialized.values()):
+            cache.layers[i] = Glm53FlashKDACacheLayer(number_of_states=layer.number_of_states)
+        elif type(layer) is DynamicIndexedLayer and not layer.is_initialized:
+            cache.layers[i] = Glm53FlashIndexedCacheLayer()
+    return cache
+
+
+class MtpDraftCache(Cache):
+    """Cache of the MTP layer's own DSA attention while drafting (``generate(use_mtp=True)``): one
+    :class:`Glm53FlashIndexedCacheLayer` at index ``layer_idx`` (the MTP layer's index, ``num_hidden_layers``);
+    the lower indices are placeholders that are never written. ``get_seq_length`` reads that layer, so
+    :func:`build_cache_context` sees the MTP layer's past. It only ever receives verified positions (the draft
+    generator feeds the MTP layer accepted tokens only), so it is never cropped."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__(layers=[DynamicIndexedLayer() for _ in range(layer_idx)] + [Glm53FlashIndexedCacheLayer()])
+        self.mtp_layer_idx = layer_idx
+
+    def get_seq_length(self, layer_idx: int | None = None) -> int:
+        return self.layers[self.mtp_layer_idx].get_seq_length()

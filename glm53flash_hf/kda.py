@@ -271,7 +271,11 @@ class Glm53FlashLinearAttention(nn.Module):
                 (:meth:`bind_ops`); a longer call continues the chunked form, so two chunks equal one prefill. Left
                 padding is zeroed first: a zero input gives ``q = k = v = 0`` after the conv, so the state and the
                 conv history stay zero until the row's first real token, the same numbers as the uncached forward,
-                which restarts a segment there.
+                which restarts a segment there. While the cache records its past (``cache.is_recording_past``,
+                assisted / MTP decoding with :class:`~.generation_cache.Glm53FlashKDACacheLayer`), a continuation
+                of ``S > 1`` tokens runs the decode recurrence token by token (the maths of ``S`` decode steps)
+                and hands the ``S`` per-token states and the raw conv inputs to the cache, so that ``crop(-n)``
+                restores the states after token ``S - 1 - n`` exactly.
             cache_context: unused here (accepted for a uniform layer signature).
 
         Sequence parallelism: when ``layout.sequence_parallel`` is set (:mod:`.sequence_parallel`), the first
@@ -299,7 +303,11 @@ class Glm53FlashLinearAttention(nn.Module):
             check_cache(cache, "Glm53FlashLinearAttention")
             conv_state = cache.get_conv_state(self.layer_idx)
             recurrent_state = cache.get_recurrent_state(self.layer_idx)
-        ops = self.bind_ops(hidden_states, decode=S == 1 and conv_state is not None and recurrent_state is not None)
+        continuing = conv_state is not None and recurrent_state is not None
+        # a multi-token continuation while the cache records its past (assisted decoding's verification call) runs
+        # the decode recurrence token by token and keeps each state, so crop(-n) can restore any of them
+        stepwise = continuing and S > 1 and cache.is_recording_past(self.layer_idx)
+        ops = self.bind_ops(hidden_states, decode=continuing and (S == 1 or stepwise))
         if not layout.trivial:
             # masked_fill, not a multiply: garbage (even non-finite) padding embeddings cannot reach any gradient.
             hidden_states = hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
@@ -319,17 +327,37 @@ class Glm53FlashLinearAttention(nn.Module):
                 raise ValueError("sequence parallelism runs uncached forwards only; got a cache")
             conv_state = sp.kda_conv_initial_state(mixed.view(B, S, self.conv_dim), self.conv_kernel_size,
                                                    layout.num_segments)
+        conv_inputs = mixed
         mixed, conv_final = ops.conv(mixed, initial_state=conv_state, **states, **varlen)
         b, t = mixed.shape[:2]
         q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
+        per_token_states = None
         if sp is not None:
             o, recurrent_final = sp.kda_core(ops.core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens), None
+        elif stepwise:
+            outs, per_token = [], []
+            state = recurrent_state
+            for i in range(S):
+                step = (x[:, i : i + 1] for x in (q, k, v, g, beta))
+                o_i, state = ops.core(*step, initial_state=state, output_final_state=True)
+                outs.append(o_i)
+                per_token.append(state.float())
+            o, recurrent_final, per_token_states = torch.cat(outs, dim=1), state, torch.stack(per_token)
         else:
             o, recurrent_final = ops.core(q, k, v, g, beta, initial_state=recurrent_state, **states, **varlen)
         if cache is not None:
-            # the final conv state holds exactly the last W inputs: stored as is, first call or continuation
-            cache.update_conv_state(conv_final, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-            cache.update_recurrent_state(recurrent_final.float(), self.layer_idx)
+            # the final conv state holds exactly the last W inputs: stored as is, first call or continuation. While
+            # the cache records its past, a continuation hands transformers' layer the raw new inputs instead
+            # [B, 3*H*K, S], which it appends to the recorded window so that crop(-n) can cut it back
+            recording = continuing and cache.is_recording_past(self.layer_idx)
+            conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype) if recording else conv_final
+            cache.update_conv_state(conv_update, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            if per_token_states is not None:
+                cache.update_recurrent_state(
+                    recurrent_final.float(), self.layer_idx, per_token_states=per_token_states
+                )
+            else:
+                cache.update_recurrent_state(recurrent_final.float(), self.layer_idx)
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
         return self.o_proj(ops.norm(o.reshape(B, S, H, K), gate).reshape(B, S, self.qkv_dim))
 

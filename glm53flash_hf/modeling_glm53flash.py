@@ -134,10 +134,12 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
     ``x = eh_proj([enorm(embed(t + k)), hnorm(h)])`` (embedding first), then a plain pre-norm residual block
     with its own DSA attention (full indexer) and MoE (no mHC), then ``shared_head.norm``.
 
-    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout)`` → ``(out [B,S,D], h [B,S,D])``: ``out`` is
-    normalised by ``shared_head.norm`` (feed to ``lm_head``), ``h`` is the block output before it (the next
-    depth's ``hidden_states``). The caller rolls ``inputs_embeds`` per document
-    (:meth:`Glm53FlashTextModel.mtp_forward`).
+    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout, cache=None, cache_context=None)`` →
+    ``(out [B,S,D], h [B,S,D])``: ``out`` is normalised by ``shared_head.norm`` (feed to ``lm_head``), ``h`` is the
+    block output before it (the next depth's ``hidden_states``). The caller rolls ``inputs_embeds`` per document
+    (:meth:`Glm53FlashTextModel.mtp_forward`). ``cache`` / ``cache_context`` (MTP drafting,
+    :mod:`.mtp_generation`) go to the attention, whose cache layer is ``layer_idx``
+    (:class:`~.generation_cache.MtpDraftCache`).
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -153,11 +155,12 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
         self.shared_head = Glm53FlashSharedHead(config)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout
+        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None,
+        cache_context=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(inputs_embeds), self.hnorm(hidden_states)], dim=-1))
         residual = x
-        attn, _ = self.self_attn(self.input_layernorm(x), layout=layout)
+        attn, _ = self.self_attn(self.input_layernorm(x), layout=layout, cache=cache, cache_context=cache_context)
         x = residual + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.shared_head.norm(x), x
@@ -167,11 +170,14 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
 class Glm53FlashTextModelOutput(MoeModelOutputWithPast):
     """``MoeModelOutputWithPast`` plus, when MTP ran (``mtp_depth > 0``): ``pre_norm_hidden_state`` (``h_pre``
     ``[B,S,D]``, the mean over streams before the final norm), ``mtp_hidden_states`` (one ``[B,S,D]`` per depth)
-    and ``document_layout`` (the forward's :class:`DocumentLayout`, for the per-document label roll)."""
+    and ``document_layout`` (the forward's :class:`DocumentLayout`, for the per-document label roll). With
+    ``output_mtp_inputs=True`` (MTP drafting, :mod:`.mtp_generation`): ``pre_norm_hidden_state`` and
+    ``mtp_inputs_embeds`` (``[B,S,D]``, the embeddings the layers read, vision features spliced in)."""
 
     pre_norm_hidden_state: torch.FloatTensor | None = None
     mtp_hidden_states: tuple[torch.FloatTensor, ...] | None = None
     document_layout: DocumentLayout | None = None
+    mtp_inputs_embeds: torch.FloatTensor | None = None
 
 
 class Glm53FlashPreTrainedModel(PreTrainedModel):
@@ -321,6 +327,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     MTP: ``mtp_depth=D > 0`` (uncached forwards of a model with ``num_nextn_predict_layers > 0``; the heads pass
     it when the MTP loss is on) also runs :meth:`mtp_forward` and fills the output's ``pre_norm_hidden_state``
     (``h_pre`` ``[B,S,D]``), ``mtp_hidden_states`` (D tensors ``[B,S,D]``) and ``document_layout``.
+    ``output_mtp_inputs=True`` (any forward; ``generate(use_mtp=True)`` asks for it) fills
+    ``pre_norm_hidden_state`` and ``mtp_inputs_embeds`` (``[B,S,D]``), what the MTP layer reads when drafting.
 
     Raises:
         ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; ``input_ids`` not an integer ``[B, S]``
@@ -368,6 +376,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         past_key_values=None,
         cache=None,
         mtp_depth: int = 0,
+        output_mtp_inputs: bool = False,
         **kwargs,
     ) -> Glm53FlashTextModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
@@ -454,11 +463,12 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 kept = {int(i) % len(all_hidden) for i in output_hidden_states}
                 all_hidden = tuple(h if i in kept else None for i, h in enumerate(all_hidden))
         attentions = () if output_attentions else None  # as the built-in: no attention weights
+        mtp_inputs = {"pre_norm_hidden_state": h_pre, "mtp_inputs_embeds": inputs_embeds} if output_mtp_inputs else {}
         if not mtp_depth:
             return Glm53FlashTextModelOutput(
                 last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
                 document_layout=layout if output_router_logits or layout.sequence_parallel is not None else None,
-                attentions=attentions,
+                attentions=attentions, **mtp_inputs,
             )
         mtp_hidden = self.mtp_forward(
             h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
@@ -466,6 +476,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         return Glm53FlashTextModelOutput(
             last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, pre_norm_hidden_state=h_pre,
             mtp_hidden_states=mtp_hidden, document_layout=layout, router_logits=router_logits, attentions=attentions,
+            mtp_inputs_embeds=mtp_inputs.get("mtp_inputs_embeds"),
         )
 
     def mtp_forward(
@@ -519,12 +530,15 @@ class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     """``MoeCausalLMOutputWithPast`` plus ``mtp_loss`` (unweighted mean over depths; ``loss`` holds
     ``main + mtp_loss_weight * mtp_loss``) and ``mtp_logits`` (one ``[B,S,V]`` per depth) when MTP ran, and (VL
     model) the vision tower's ``image_outputs`` / ``video_outputs`` (``BaseModelOutputWithPooling``, as
-    transformers' ``Glm5NextForConditionalGeneration``) when it ran."""
+    transformers' ``Glm5NextForConditionalGeneration``) when it ran; with ``output_mtp_inputs=True`` the text
+    model's ``pre_norm_hidden_state`` and ``mtp_inputs_embeds`` (``[B,S,D]``, for MTP drafting)."""
 
     mtp_loss: torch.FloatTensor | None = None
     mtp_logits: tuple[torch.FloatTensor, ...] | None = None
     image_outputs: object | None = None
     video_outputs: object | None = None
+    pre_norm_hidden_state: torch.FloatTensor | None = None
+    mtp_inputs_embeds: torch.FloatTensor | None = None
 
 
 def _mtp_depth_for(head_model, labels, kwargs) -> int:
@@ -619,6 +633,8 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
         attentions=getattr(outputs, "attentions", None),
         mtp_loss=mtp_value, mtp_logits=mtp_logits, aux_loss=aux_loss, router_logits=router_logits,
         image_outputs=getattr(outputs, "image_outputs", None), video_outputs=getattr(outputs, "video_outputs", None),
+        pre_norm_hidden_state=outputs.pre_norm_hidden_state if kwargs.get("output_mtp_inputs") else None,
+        mtp_inputs_embeds=outputs.mtp_inputs_embeds if kwargs.get("output_mtp_inputs") else None,
     )
 
 
@@ -651,12 +667,50 @@ def router_load_balancing_loss(config, router_logits: tuple[torch.Tensor, ...], 
 class _Glm53FlashGenerationHooks:
     """``GenerationMixin`` hooks shared by the text-only and the VL heads.
 
-    * ``_is_stateful``: KDA states cannot be rolled back, so assisted generation raises (as transformers' glm5_next).
+    * ``_is_stateful = False``: assisted decoding (``generate(use_mtp=True)``, or an assistant model) can roll the
+      cache back: :meth:`_prepare_cache_for_generation` gives it croppable KDA and indexer layers
+      (:func:`.generation_cache.make_croppable`). A cache that cannot crop (a ``StaticCache``, a filled user cache)
+      still fails transformers' own ``is_croppable`` check after the prefill.
+    * ``_get_candidate_generator``: ``use_mtp=True`` drafts with our MTP layer
+      (:class:`.mtp_generation.Glm53FlashMTPCandidateGenerator`) instead of transformers' generic ``MtpModel``.
     * ``create_masks_for_generate``: the layers read the plain 2-D padding mask ``[B, past + S]`` (the indexer and
       KDA need padding, not a 4-D causal mask), so a static cache gets the 2-D mask unchanged.
     """
 
-    _is_stateful = True
+    _is_stateful = False
+    mtp_stats: dict | None = None  # the last generate(use_mtp=True): drafted, accepted, acceptance_rate, mtp_calls
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """transformers' cache preparation; for assisted generation the fresh ``DynamicCache`` then gets croppable
+        KDA / indexer layers (:func:`.generation_cache.make_croppable`)."""
+        from transformers.generation.configuration_utils import GenerationMode
+
+        from .generation_cache import make_croppable
+
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if generation_mode == GenerationMode.ASSISTED_GENERATION and model_kwargs.get("cache") is not None:
+            make_croppable(model_kwargs["cache"])
+        return out
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 *args, **kwargs):
+        """``use_mtp=True`` (without ``assistant_early_exit`` / ``prompt_lookup_num_tokens``, which transformers
+        checks first): :class:`.mtp_generation.Glm53FlashMTPCandidateGenerator`; otherwise transformers' choice.
+
+        Raises:
+            ValueError: ``use_mtp=True`` on a model without an MTP layer (``num_nextn_predict_layers=0``).
+        """
+        if (
+            generation_config.use_mtp
+            and generation_config.assistant_early_exit is None
+            and generation_config.prompt_lookup_num_tokens is None
+        ):
+            from .mtp_generation import Glm53FlashMTPCandidateGenerator
+
+            return Glm53FlashMTPCandidateGenerator(self, generation_config, model_kwargs, logits_processor)
+        return super()._get_candidate_generator(
+            generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, *args, **kwargs
+        )
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """``GenerationMixin.generate``, after checking that a ``cache`` / ``past_key_values`` of fixed size
@@ -993,6 +1047,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             pre_norm_hidden_state=outputs.pre_norm_hidden_state,
             mtp_hidden_states=outputs.mtp_hidden_states,
             document_layout=outputs.document_layout,
+            mtp_inputs_embeds=outputs.mtp_inputs_embeds,
             router_logits=outputs.router_logits,
             image_outputs=image_outputs,
             video_outputs=video_outputs,

@@ -21,10 +21,22 @@ process; the table shows the median run, and the line under it every run, becaus
 drifts by tens of percent within a minute. A worker's address space is capped (``--mem-gib``), and one still running
 after ``--timeout`` seconds is stopped; both are reported in the table.
 
+MTP speculative decoding (``--mtp``, a separate report; the table above is not run): ours with plain greedy
+``generate(do_sample=False)`` vs ``generate(use_mtp=True, do_sample=False)`` (transformers' assisted decoding with
+our MTP layer drafting one token per step), each in its own process after an untimed identical warm-up run, eager,
+``DynamicCache``. It reports the
+acceptance rate (accepted / drafted), decode tokens/s (tokens after the first over the time after the first;
+MTP steps emit 1 or 2 tokens at once, so no per-token gaps) and whether the tokens equal plain greedy's. The model
+is the wide tiny config plus one MTP layer with random weights (``--prompts`` random prompts; a random MTP layer
+drafts badly, so this shows the overhead), or the folder ``--model PATH`` (e.g. the output folder of
+``glm53flash-finetune``; the prompt is a chat question through the folder's tokenizer).
+
 Usage::
 
     python scripts/bench_decode.py                              # prompts 1024 4096 16384, 32 new tokens
     python scripts/bench_decode.py --prompts 512 --new 16 --impls hf ours
+    python scripts/bench_decode.py --mtp --prompts 256 --new 32         # random model with an MTP layer
+    python scripts/bench_decode.py --mtp --model OUT --new 48           # a fine-tuned folder
 """
 
 from __future__ import annotations
@@ -126,6 +138,126 @@ def worker(impl: str, folder: str, prompt_len: int, new_tokens: int, mem_gib: fl
     }
 
 
+MTP_IMPLS = ("ours", "ours-mtp")
+MTP_QUESTION = 'Explain the "pass" statement.'
+
+
+def make_mtp_weights(folder: str) -> None:
+    """Random weights of the wide tiny config with one MTP layer, written by our class (transformers' glm5_next
+    has no MTP layer)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiny import randomize_
+
+    from glm53flash_hf import Glm53FlashForCausalLM
+    from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
+
+    torch.manual_seed(0)
+    model = Glm53FlashForCausalLM(Glm53FlashTextConfig(**WIDE_TEXT, num_nextn_predict_layers=1))
+    randomize_(model, seed=0, std=0.04)
+    model.save_pretrained(folder)
+
+
+def mtp_worker(impl: str, folder: str, prompt_len: int, new_tokens: int, mem_gib: float) -> dict:
+    """One ``generate`` of ``impl`` (``ours`` / ``ours-mtp``) on ``folder``; ``prompt_len`` 0 = the chat question
+    through the folder's tokenizer, else random ids."""
+    if mem_gib > 0:
+        limit = int(mem_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import torch
+
+    from glm53flash_hf import Glm53FlashForCausalLM
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # same number of tokens for both runs
+    if prompt_len:
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(1, model.config.get_text_config().vocab_size, (1, prompt_len), generator=gen)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(folder)
+        if tok.chat_template:
+            ids = tok.apply_chat_template([{"role": "user", "content": MTP_QUESTION}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tok(MTP_QUESTION, return_tensors="pt")["input_ids"]
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0, use_mtp=impl == "ours-mtp")
+    with torch.no_grad():  # warm-up, not timed: CPU kernels pay a first call per shape (a growing cache)
+        model.generate(ids, **kwargs)
+    streamer = TokenTimes()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model.generate(ids, streamer=streamer, **kwargs)
+        t1 = time.perf_counter()
+    stats = model.mtp_stats if impl == "ours-mtp" else None
+    return {
+        "impl": impl,
+        "prompt": int(ids.shape[1]),
+        "new": new_tokens,
+        "prefill_s": streamer.times[0] - t0,
+        "tok_per_s": (new_tokens - 1) / (t1 - streamer.times[0]),
+        "acceptance": stats,
+        "tokens": out[0, ids.shape[1]:].tolist(),
+    }
+
+
+def run_mtp(args) -> int:
+    """The ``--mtp`` report (see the module docstring)."""
+    def one(impl, folder, prompt_len):
+        cmd = [sys.executable, __file__, "--new", str(args.new), "--mem-gib", str(args.mem_gib), "--mtp-worker",
+               impl, folder, str(prompt_len)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"impl": impl, "failed": "timeout"}
+        if proc.returncode != 0:
+            print(f"  {impl} failed (rc {proc.returncode}):\n{proc.stderr[-1200:]}", file=sys.stderr)
+            return {"impl": impl, "failed": "error"}
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            cases = [(args.model, 0, os.path.basename(os.path.normpath(args.model)))]
+        else:
+            # in a child process: torch's threads in this one would compete with the first timed worker
+            subprocess.run([sys.executable, __file__, "--make-mtp-weights", tmp], check=True, capture_output=True)
+            cases = [(tmp, p, "random") for p in args.prompts]
+        for folder, prompt_len, name in cases:
+            runs = {impl: [] for impl in MTP_IMPLS}
+            for _ in range(args.repeats):  # interleaved; the median run of each is reported
+                for impl in MTP_IMPLS:
+                    runs[impl].append(one(impl, folder, prompt_len))
+            picked = []
+            for impl in MTP_IMPLS:
+                ok = sorted((r for r in runs[impl] if "failed" not in r), key=lambda r: r["tok_per_s"])
+                picked.append(ok[(len(ok) - 1) // 2] if ok else runs[impl][0])
+                print(f"  {name} {impl}: tokens/s " + " ".join(
+                    r.get("failed") or f"{r['tok_per_s']:.1f}" for r in runs[impl]), flush=True)
+            rows.append((name, *picked))
+    print(f"\nMTP speculative decoding (ours, eager, DynamicCache, fp32, batch 1, {args.new} new tokens, "
+          f"{os.environ.get('BENCH_THREADS', '2')} threads, median of {args.repeats} interleaved run(s))")
+    print("| model | prompt | plain tokens/s | use_mtp tokens/s | speed-up | acceptance (accepted/drafted) "
+          "| same tokens as plain |")
+    print("|---|---|---|---|---|---|---|")
+    for name, plain, mtp in rows:
+        if "failed" in plain or "failed" in mtp:
+            print(f"| {name} | - | {plain.get('failed', '')} | {mtp.get('failed', '')} | - | - | - |")
+            continue
+        acc = mtp["acceptance"]
+        print(f"| {name} | {plain['prompt']} | {plain['tok_per_s']:.1f} | {mtp['tok_per_s']:.1f} | "
+              f"{mtp['tok_per_s'] / plain['tok_per_s']:.2f}x | {acc['acceptance_rate']:.2f} "
+              f"({acc['accepted']}/{acc['drafted']}) | {'yes' if plain['tokens'] == mtp['tokens'] else 'NO'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r for row in rows for r in row[1:]], f, indent=1)
+    return 0
+
+
 def run_worker(impl: str, folder: str, prompt_len: int, args) -> dict:
     """One worker process; a failed run comes back as ``{"failed": "OOM" | "timeout" | "error"}``."""
     cmd = [sys.executable, __file__, "--new", str(args.new), "--mem-gib", str(args.mem_gib), "--worker", impl, folder,
@@ -166,14 +298,33 @@ def main() -> int:
     parser.add_argument("--mem-gib", type=float, default=20.0, help="address-space cap per worker (GiB; 0: none)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker before it is stopped")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--mtp", action="store_true",
+                        help="report MTP speculative decoding (use_mtp=True) against plain greedy instead of the table")
+    parser.add_argument("--model", help="with --mtp: a model folder (e.g. glm53flash-finetune's output) instead of "
+                                        "the random model")
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "FOLDER", "PROMPT"), help=argparse.SUPPRESS)
+    parser.add_argument("--mtp-worker", nargs=3, metavar=("IMPL", "FOLDER", "PROMPT"), help=argparse.SUPPRESS)
+    parser.add_argument("--make-mtp-weights", metavar="FOLDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.make_mtp_weights:
+        make_mtp_weights(args.make_mtp_weights)
+        return 0
     if args.new < 2:
         parser.error(f"--new must be >= 2 (the per-token time is measured between generated tokens); got {args.new}")
+    if args.model and not args.mtp:
+        parser.error("--model is only used with --mtp")
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model must be a folder with a config.json; got {args.model!r}")
     if args.worker:
         impl, folder, prompt_len = args.worker
         print(json.dumps(worker(impl, folder, int(prompt_len), args.new, args.mem_gib)))
         return 0
+    if args.mtp_worker:
+        impl, folder, prompt_len = args.mtp_worker
+        print(json.dumps(mtp_worker(impl, folder, int(prompt_len), args.new, args.mem_gib)))
+        return 0
+    if args.mtp:
+        return run_mtp(args)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1; got {args.repeats}")
 

@@ -198,6 +198,9 @@ def test_lora_job_trains_saves_and_reloads(lora_run):
     assert len(answers) == 2 and all(a.strip() for a in answers), stdout
     assert 'Q (held out): Explain the "pass" statement.' in stdout
     assert "reloaded answers equal the in-memory model's: yes" in stdout
+    for key in ("text", "image"):  # MTP speculative decoding in the fresh process (issue 16)
+        assert re.search(rf"generate\(use_mtp=True\), {key} prompt: equals plain greedy: yes; acceptance \d+/\d+ = ",
+                         stdout), stdout
     assert "ERROR" not in stdout
 
 

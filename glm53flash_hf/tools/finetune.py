@@ -607,6 +607,15 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
     job.say(f"  Q (held out): {question}\n  A: {reloaded['text_answer']!r}")
     job.say(f"  AutoModelForImageTextToText -> {reloaded['vl_class']}")
     job.say(f"  Q: [{PROBE_PHOTO} photo] {IMAGE_PROMPT}\n  A: {reloaded['image_answer']!r}")
+    if reloaded.get("mtp") is None:
+        job.say("  MTP speculative decoding: skipped (the model has no MTP layer)")
+    else:
+        for key, res in reloaded["mtp"].items():
+            job.say(f"  generate(use_mtp=True), {key} prompt: equals plain greedy: {'yes' if res['equal'] else 'NO'}; "
+                    f"acceptance {res['accepted']}/{res['drafted']} = {res['acceptance_rate']:.2f}")
+            if not res["equal"]:
+                job.say(f"  ERROR: MTP speculative decoding changed the greedy {key} answer")
+                status = 1
     if reloaded["package_imported"]:
         job.say("  ERROR: the fresh process imported glm53flash_hf; the folder is not self-contained")
         status = 1

@@ -14,9 +14,9 @@ import subprocess
 import sys
 
 if __package__:
-    from .sft_data import IMAGE_PROMPT, PROBE_PHOTO, greedy_answer, load_photo
+    from .sft_data import IMAGE_PROMPT, PROBE_PHOTO, greedy_ids, load_photo
 else:  # run as a plain file in the fresh process (see run_reload_check)
-    from sft_data import IMAGE_PROMPT, PROBE_PHOTO, greedy_answer, load_photo
+    from sft_data import IMAGE_PROMPT, PROBE_PHOTO, greedy_ids, load_photo
 
 #: Prefix of the line carrying the fresh process's result (JSON).
 RELOAD_MARKER = "GLM53FLASH_RELOAD_RESULT "
@@ -27,10 +27,16 @@ def reload_check(out: str, question: str, max_new_tokens: int = 48) -> dict:
     float32) and answer ``question`` with ``AutoModelForCausalLM`` and the :data:`PROBE_PHOTO` image prompt with
     ``AutoModelForImageTextToText``. Meant to run in a fresh process (:func:`run_reload_check`).
 
+    When the model has an MTP layer (``num_nextn_predict_layers > 0``) both prompts are also answered with
+    ``generate(use_mtp=True)`` (MTP self-speculative decoding, transformers' assisted decoding), which must give
+    the same tokens as plain greedy.
+
     Returns:
         ``{"text_class", "vl_class", "processor_class"}`` (qualified class names), ``"text_answer"``,
         ``"image_answer"``, ``"package_imported"`` (whether ``glm53flash_hf`` got imported: it must not, the
-        folder's own modules are used).
+        folder's own modules are used), and ``"mtp"``: ``None`` without an MTP layer, else
+        ``{"text": {...}, "image": {...}}``, each ``{"equal": bool, "drafted", "accepted", "acceptance_rate",
+        "mtp_calls"}`` (``equal``: the MTP tokens equal plain greedy's).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
@@ -38,15 +44,24 @@ def reload_check(out: str, question: str, max_new_tokens: int = 48) -> dict:
     def qualname(obj):
         return f"{type(obj).__module__}.{type(obj).__name__}"
 
+    def answer(model, prompt, image, key):
+        ids = greedy_ids(model, processor, prompt, image, max_new_tokens)
+        text = processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if model.config.get_text_config(decoder=True).num_nextn_predict_layers > 0:
+            mtp_ids = greedy_ids(model, processor, prompt, image, max_new_tokens, use_mtp=True)
+            mtp[key] = dict(model.mtp_stats, equal=mtp_ids == ids)
+        return text
+
+    mtp = {}
     processor = AutoProcessor.from_pretrained(out, trust_remote_code=True)
     lm = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
-    text_answer = greedy_answer(lm, processor, question, max_new_tokens=max_new_tokens)
+    text_answer = answer(lm, question, None, "text")
     text_class = qualname(lm)
     del lm
     vl = AutoModelForImageTextToText.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
-    image_answer = greedy_answer(vl, processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO), max_new_tokens)
+    image_answer = answer(vl, IMAGE_PROMPT, load_photo(PROBE_PHOTO), "image")
     return dict(text_class=text_class, vl_class=qualname(vl), processor_class=qualname(processor),
-                text_answer=text_answer, image_answer=image_answer,
+                text_answer=text_answer, image_answer=image_answer, mtp=mtp or None,
                 package_imported="glm53flash_hf" in sys.modules)
 
 

@@ -249,9 +249,9 @@ def chat_inputs(processor, question: str, image=None):
     return processor(text=[prompt], return_tensors="pt", **kwargs)
 
 
-def greedy_answer(model, processor, question: str, image=None, max_new_tokens: int = 48) -> str:
-    """Greedy answer (``do_sample=False``, at most ``max_new_tokens`` tokens, stopping at the config's EOS ids) of
-    ``model`` to ``question`` (with ``image`` when given), decoded without special tokens and stripped."""
+def greedy_ids(model, processor, question: str, image=None, max_new_tokens: int = 48, **generate_kwargs) -> list:
+    """The new token ids of :func:`greedy_answer` (``generate_kwargs``, e.g. ``use_mtp=True``, go to
+    ``generate``)."""
     import torch
 
     inputs = chat_inputs(processor, question, image)
@@ -259,6 +259,12 @@ def greedy_answer(model, processor, question: str, image=None, max_new_tokens: i
         inputs.pop("mm_token_type_ids", None)
     inputs = {k: v.to(model.device) if hasattr(v, "to") else v for k, v in inputs.items()}
     with torch.no_grad():
-        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    new = generated[0, inputs["input_ids"].shape[1]:]
+        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
+    return generated[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def greedy_answer(model, processor, question: str, image=None, max_new_tokens: int = 48, **generate_kwargs) -> str:
+    """Greedy answer (``do_sample=False``, at most ``max_new_tokens`` tokens, stopping at the config's EOS ids) of
+    ``model`` to ``question`` (with ``image`` when given), decoded without special tokens and stripped."""
+    new = greedy_ids(model, processor, question, image, max_new_tokens, **generate_kwargs)
     return processor.tokenizer.decode(new, skip_special_tokens=True).strip()
