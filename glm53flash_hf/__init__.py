@@ -18,7 +18,6 @@ from .modeling_glm53flash import (
 )
 from .packing import DocumentLayout, build_document_layout
 from .processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
-from .train.collator import Glm53FlashPackingCollator
 
 __version__ = "0.1.0"
 
@@ -37,3 +36,13 @@ __all__ = [
     "Glm53FlashVisionConfig",
     "build_document_layout",
 ]
+
+
+def __getattr__(name: str):
+    """``glm53flash_hf.Glm53FlashPackingCollator`` on first use (PEP 562): the collator lives in the ``train``
+    sub-package, which the flat modules never import."""
+    if name == "Glm53FlashPackingCollator":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.train.collator").Glm53FlashPackingCollator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
