@@ -135,10 +135,37 @@ def load(impl: str, folder: str):
     return Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float) -> dict:
+def cap_address_space(mem_gib: float) -> None:
+    """Cap this process's address space at ``mem_gib`` GiB (``RLIMIT_AS``; 0 or less: no cap), so that a run that
+    needs more fails with an allocation error instead of swapping."""
     if mem_gib > 0:
         limit = int(mem_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+OOM_MESSAGES = ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
+
+
+def run_child(cmd: list[str], timeout: float, label: dict) -> dict:
+    """Run one worker process ``cmd`` whose last stdout line is a JSON object and return that object.
+
+    A failed run comes back as ``{**label, "failed": "OOM" | "timeout" | "error"}``: ``timeout`` when it ran past
+    ``timeout`` seconds, ``OOM`` when it was killed (signal 9) or its stderr names an allocation failure."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**label, "failed": "timeout"}
+    if proc.returncode != 0:
+        err = proc.stderr[-3000:]
+        oom = proc.returncode == -9 or any(m in err for m in OOM_MESSAGES)
+        where = " ".join(f"{k} {v}" for k, v in label.items())
+        print(f"  {where} failed (rc {proc.returncode}):\n{err[-1200:]}", file=sys.stderr)
+        return {**label, "failed": "OOM" if oom else "error"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float) -> dict:
+    cap_address_space(mem_gib)
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -184,18 +211,7 @@ def run_worker(impl: str, folder: str, seq_len: int, args) -> dict:
     """One worker process; a failed run comes back as ``{"failed": "OOM" | "timeout" | "error"}``."""
     cmd = [sys.executable, __file__, "--repeats", str(args.repeats), "--mem-gib", str(args.mem_gib), "--worker",
            impl, folder, str(seq_len)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "seq_len": seq_len, "failed": "timeout"}
-    if proc.returncode != 0:
-        err = proc.stderr[-3000:]
-        oom = proc.returncode == -9 or any(
-            m in err for m in ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
-        )
-        print(f"  {impl} S={seq_len} failed (rc {proc.returncode}):\n{err[-1200:]}", file=sys.stderr)
-        return {"impl": impl, "seq_len": seq_len, "failed": "OOM" if oom else "error"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(cmd, args.timeout, {"impl": impl, "seq_len": seq_len})
 
 
 def _cell(res, key, fmt):

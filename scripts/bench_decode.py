@@ -59,7 +59,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_cpu import WIDE_TEXT, make_weights  # noqa: E402  (same weights as the training benchmark)
+# same weights, loading and worker handling as the training benchmark
+from bench_cpu import WIDE_TEXT, cap_address_space, load, make_weights, run_child  # noqa: E402
 
 IMPLS = ("hf", "ours", "hf-compiled", "ours-compiled")
 
@@ -81,24 +82,8 @@ class TokenTimes:
         pass
 
 
-def load(impl: str, folder: str):
-    import torch
-
-    if impl.startswith("hf"):
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-
-        return Glm5NextForConditionalGeneration.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager"
-        )
-    from glm53flash_hf import Glm53FlashForCausalLM
-
-    return Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
-
-
 def worker(impl: str, folder: str, prompt_len: int, new_tokens: int, mem_gib: float) -> dict:
-    if mem_gib > 0:
-        limit = int(mem_gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    cap_address_space(mem_gib)
     import torch
     from transformers import CompileConfig
 
@@ -162,9 +147,7 @@ def make_mtp_weights(folder: str) -> None:
 def mtp_worker(impl: str, folder: str, prompt_len: int, new_tokens: int, mem_gib: float) -> dict:
     """One ``generate`` of ``impl`` (``ours`` / ``ours-mtp``) on ``folder``; ``prompt_len`` 0 = the chat question
     through the folder's tokenizer, else random ids."""
-    if mem_gib > 0:
-        limit = int(mem_gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    cap_address_space(mem_gib)
     import torch
 
     from glm53flash_hf import Glm53FlashForCausalLM
@@ -210,14 +193,7 @@ def run_mtp(args) -> int:
     def one(impl, folder, prompt_len):
         cmd = [sys.executable, __file__, "--new", str(args.new), "--mem-gib", str(args.mem_gib), "--mtp-worker",
                impl, folder, str(prompt_len)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            return {"impl": impl, "failed": "timeout"}
-        if proc.returncode != 0:
-            print(f"  {impl} failed (rc {proc.returncode}):\n{proc.stderr[-1200:]}", file=sys.stderr)
-            return {"impl": impl, "failed": "error"}
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return run_child(cmd, args.timeout, {"impl": impl})
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -262,18 +238,7 @@ def run_worker(impl: str, folder: str, prompt_len: int, args) -> dict:
     """One worker process; a failed run comes back as ``{"failed": "OOM" | "timeout" | "error"}``."""
     cmd = [sys.executable, __file__, "--new", str(args.new), "--mem-gib", str(args.mem_gib), "--worker", impl, folder,
            str(prompt_len)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "prompt": prompt_len, "failed": "timeout"}
-    if proc.returncode != 0:
-        err = proc.stderr[-3000:]
-        oom = proc.returncode == -9 or any(
-            m in err for m in ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
-        )
-        print(f"  {impl} prompt {prompt_len} failed (rc {proc.returncode}):\n{err[-1200:]}", file=sys.stderr)
-        return {"impl": impl, "prompt": prompt_len, "failed": "OOM" if oom else "error"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(cmd, args.timeout, {"impl": impl, "prompt": prompt_len})
 
 
 def _ms(res) -> str:
