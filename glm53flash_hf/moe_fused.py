@@ -63,7 +63,7 @@ import torch
 
 from .dispatch import local_tensor
 from .graph_ops import define_op
-from .moe_ops import check_experts_args, grouped_mm, routing_metadata
+from .moe_ops import check_experts_args, grouped_mm, routing_metadata, rows_by_token
 from .triton_utils import (
     SUPPORTED_DTYPES,
     TL_DTYPES,
@@ -436,8 +436,9 @@ def weighted_combine_fused(
     """Weighted sum of each token's expert rows, Triton forward and backward (deterministic, no atomics).
 
     ``out[t] = sum_j row_weights[r] * rows[r]`` for ``r = token_rows[t, j]``, ``j = 0..k-1`` in that order, in fp32,
-    rounded once to ``out_dtype``. Equal to the torch path's ``(rows * w[:, None])`` + fp32 ``index_add_`` + cast
-    (summation order aside). Source: ``Glm5NextTextExperts.forward`` (weight applied after the down projection).
+    rounded once to ``out_dtype``. Equal to the torch path's ``(rows * w[:, None])`` gathered by ``token_rows``,
+    summed over ``j`` in fp32 and cast. Source: ``Glm5NextTextExperts.forward`` (weight applied after the down
+    projection).
 
     Args:
         rows: ``[S, H]`` down-projection outputs (fp32/bf16/fp16), unit last stride.
@@ -481,27 +482,6 @@ def weighted_combine_fused(
         raise ValueError(f"rows must have unit stride in its last dim; got strides {rows.stride()}")
     valid_rows = _valid_rows(valid_rows, num_rows, rows.device)
     return _COMBINE_FWD(rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows, out_dtype)
-
-
-def rows_by_token(token_of_row: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Each token's rows in increasing row order (= increasing expert id): the ``token_rows`` of
-    :func:`weighted_combine_fused`.
-
-    Args:
-        token_of_row: integer ``[S]`` token of each expert-sorted row (from
-            :func:`glm53flash_hf.moe_ops.routing_metadata`); every token appears ``top_k`` times.
-        top_k: ``k``, the experts per token.
-
-    Returns:
-        int32 ``[T, k]`` with ``T = S / k``: row ``t`` lists the rows of token ``t`` in increasing order (a stable
-        sort of the rows by token).
-
-    Raises:
-        ValueError: ``top_k < 1`` or ``S`` not a multiple of ``top_k``.
-    """
-    if top_k < 1 or token_of_row.numel() % top_k:
-        raise ValueError(f"token_of_row ({token_of_row.numel()} rows) must hold top_k={top_k} rows per token")
-    return torch.sort(token_of_row, stable=True).indices.view(-1, top_k).to(torch.int32)
 
 
 def experts_forward_fused(

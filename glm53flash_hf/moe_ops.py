@@ -7,13 +7,18 @@ Reference: transformers' ``transformers/models/glm5_next/modeling_glm5_next.py``
 * :func:`clamped_swiglu`: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
 * :func:`topk_routing`: the sigmoid top-k router with an aux-free correction bias and group-limited selection.
 * :func:`experts_forward_torch`: the routed experts as grouped GEMMs. The (token, expert) pairs are sorted by expert
-  once (:func:`routing_metadata`: ``torch.sort`` and ``searchsorted``, static shapes, no host sync), the token rows
-  are gathered once, two :func:`grouped_mm` calls run all experts (no Python loop over experts), the routing weight
-  multiplies the down-projection output as in the reference, and an fp32 ``index_add_`` adds the rows back to their
-  tokens, rounded once to the activation dtype. Because the pairs are sorted by expert id, each token accumulates
-  its experts in increasing expert order from zero, the order of the reference's eager loop, so fp32 results agree
-  with it to GEMM rounding. In bf16 a token's k contributions are added in fp32 and rounded once, where the
-  reference's eager loop rounds every contribution to bf16 first.
+  once (``torch.sort`` and ``searchsorted``, static shapes, no host sync), the token rows are gathered once, two
+  :func:`grouped_mm` calls run all experts (no Python loop over experts), the routing weight multiplies the
+  down-projection output as in the reference, and each token's k rows are gathered back and added in fp32, rounded
+  once to the activation dtype. A token's rows are added in increasing expert order, the order of the reference's
+  eager loop (``index_add_`` per expert from zero), so fp32 results agree with it to GEMM rounding. In bf16 a
+  token's k contributions are added in fp32 and rounded once, where the reference's eager loop rounds every
+  contribution to bf16 first.
+* The row moves of that path are gathers by a permutation whose backward is the gather by the inverse permutation
+  (:class:`PermuteRows`), and a token's k rows come from ``expand`` (backward: a sum), so neither direction writes
+  through a scatter into a fresh buffer (``zeros`` + ``index_add_``). Inductor's CPU fusion in torch 2.13 can
+  schedule the readers of such a buffer before the scatter into it when the rows come from an extern kernel (the
+  grouped-GEMM fallback op), which gave wrong compiled training steps; the gathers have no mutation to order.
 
 Every ``grouped_mm`` output here feeds an elementwise op, so its gradient is always materialised (the torch
 ``grouped_mm`` backward rejects a stride-0, expanded, output gradient).
@@ -33,7 +38,10 @@ __all__ = [
     "clamped_swiglu",
     "experts_forward_torch",
     "grouped_mm",
+    "PermuteRows",
     "routing_metadata",
+    "rows_by_token",
+    "sort_rows",
     "topk_routing",
 ]
 
@@ -132,12 +140,59 @@ def routing_metadata(
         )
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1; got num_experts={num_experts}")
-    sorted_ids, order = torch.sort(top_k_index.reshape(-1))
+    sorted_ids, order, offsets = sort_rows(top_k_index, num_experts)
     token_of_row = torch.div(order, top_k_index.shape[1], rounding_mode="floor")
-    expert_range = torch.arange(num_experts, device=top_k_index.device, dtype=sorted_ids.dtype)
-    offsets = torch.searchsorted(sorted_ids, expert_range, right=True).to(torch.int32)
     row_weights = top_k_weights.reshape(-1).index_select(0, order)
     return sorted_ids, token_of_row, offsets, row_weights
+
+
+def sort_rows(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the ``S = T * k`` (token, slot) rows of integer ``top_k_index [T, k]`` by expert id: returns
+    ``(sorted_ids [S], order int64 [S], offsets int32 [E])``, ``order[i]`` the flat row ``t * k + j`` at sorted
+    position ``i`` and ``offsets[e]`` the number of rows with id ``<= e`` (cumulative group ends). Ids
+    ``>= num_experts`` (expert-parallel sentinels) sort last, past ``offsets[-1]``. Static shapes, no host sync."""
+    sorted_ids, order = torch.sort(top_k_index.reshape(-1))
+    expert_range = torch.arange(num_experts, device=top_k_index.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, expert_range, right=True).to(torch.int32)
+    return sorted_ids, order, offsets
+
+
+class PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` for a permutation ``perm`` of ``x``'s rows, with the backward
+    ``grad.index_select(0, inverse)``: a gather, where ``index_select``'s own backward scatters (``index_add_``)
+    into a zero buffer. ``apply(x [N, ...], perm int64 [N], inverse int64 [N]) -> [N, ...]``; ``inverse`` must
+    be the inverse permutation (``inverse[perm[i]] == i``; not checked, the callers build both from one sort)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def rows_by_token(token_of_row: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's rows in increasing row order (= increasing expert id): the ``token_rows`` of
+    :func:`glm53flash_hf.moe_fused.weighted_combine_fused` and of the torch path's combine.
+
+    Args:
+        token_of_row: integer ``[S]`` token of each expert-sorted row (from
+            :func:`routing_metadata`); every token appears ``top_k`` times.
+        top_k: ``k``, the experts per token.
+
+    Returns:
+        int32 ``[T, k]`` with ``T = S / k``: row ``t`` lists the rows of token ``t`` in increasing order (a stable
+        sort of the rows by token).
+
+    Raises:
+        ValueError: ``top_k < 1`` or ``S`` not a multiple of ``top_k``.
+    """
+    if top_k < 1 or token_of_row.numel() % top_k:
+        raise ValueError(f"token_of_row ({token_of_row.numel()} rows) must hold top_k={top_k} rows per token")
+    return torch.sort(token_of_row, stable=True).indices.view(-1, top_k).to(torch.int32)
 
 
 def _grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -240,8 +295,15 @@ def experts_forward_torch(
     """
     check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     num_experts = gate_up_proj.shape[0]
-    sorted_ids, token_of_row, offsets, row_weights = routing_metadata(top_k_index, top_k_weights, num_experts)
-    x = hidden_states.index_select(0, token_of_row).to(gate_up_proj.dtype)
+    num_tokens, top_k = top_k_index.shape
+    sorted_ids, order, offsets = sort_rows(top_k_index, num_experts)
+    position = torch.argsort(order)  # inverse permutation: the sorted position of (token, slot) row t * k + j
+    token_of_row = torch.div(order, top_k, rounding_mode="floor")
+    row_weights = PermuteRows.apply(top_k_weights.reshape(-1), order, position)
+    # each token's row repeated k times (expand: its backward sums the k gradients), then sorted by expert
+    hidden = hidden_states.shape[-1]
+    repeated = hidden_states.unsqueeze(1).expand(num_tokens, top_k, hidden).reshape(-1, hidden)
+    x = PermuteRows.apply(repeated, order, position).to(gate_up_proj.dtype)
     valid = None
     if drop_out_of_range:
         # Sentinel rows sit past offsets[-1]: grouped_mm leaves them unwritten (forward) and leaves their input
@@ -256,6 +318,11 @@ def experts_forward_torch(
     if valid is not None:
         out_rows = out_rows.masked_fill(~valid, 0.0)
     out_rows = out_rows * row_weights.unsqueeze(-1)
-    out = torch.zeros(hidden_states.shape, device=hidden_states.device, dtype=out_rows.dtype)
-    out.index_add_(0, token_of_row, out_rows)
+    # back to token order, each token's k rows in increasing sorted position, i.e. increasing expert id (a token's
+    # experts are distinct; expert-parallel sentinel rows, zero, sort last), then added from the first
+    gather = rows_by_token(token_of_row, top_k).reshape(-1).long()
+    rows = PermuteRows.apply(out_rows, gather, torch.argsort(gather)).view(num_tokens, top_k, out_rows.shape[-1])
+    out = rows[:, 0]
+    for j in range(1, top_k):
+        out = out + rows[:, j]
     return out.to(hidden_states.dtype)

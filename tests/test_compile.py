@@ -169,3 +169,36 @@ def test_compiled_static_cache_generate_equals_eager(left_padded):
         compiled = model.generate(ids, **kwargs)
     assert compiled.shape == eager.shape == (ids.shape[0], 19)
     assert torch.equal(compiled, eager)
+
+
+
+# the benchmark's wide config (scripts/bench_cpu.py WIDE_TEXT) cut to one KDA layer with the MoE MLP
+WIDE_MOE_LAYER = dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1,
+    layer_types=["linear_attention"], mlp_layer_types=["sparse"], indexer_types=["full"], num_attention_heads=4,
+    num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=0,
+    v_head_dim=64, index_n_heads=4, index_head_dim=32, index_topk=256, index_kpool=4, linear_num_heads=4,
+    linear_head_dim=64, linear_conv_kernel_dim=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    hc_mult=4, pad_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=0,
+)
+
+
+def test_compiled_moe_layer_equals_eager():
+    """One KDA layer with the MoE MLP (hidden 256, 8 experts, top 2), fp32, 64 tokens: the shape where inductor's CPU
+    fusion scheduled the readers of the experts' ``zeros`` + ``index_add_`` combine before the scatter into it
+    (the compiled forward came out ~1.0 relative wrong, only when the loss was traced with it); the torch experts
+    path now moves rows by gathers only (``moe_ops.PermuteRows``)."""
+    from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
+
+    torch.manual_seed(0)
+    model = Glm53FlashForCausalLM(Glm53FlashTextConfig(**WIDE_MOE_LAYER)).float()
+    randomize_(model, 0, std=0.04)
+    model.train()
+    ids = torch.randint(1, 1024, (1, 64), generator=torch.Generator().manual_seed(1))
+    batch = dict(input_ids=ids, labels=ids.clone())
+    ref_out, ref = _loss_and_grads(model, batch)
+    out, got = _loss_and_grads(torch.compile(model, fullgraph=True, dynamic=False), batch, params_of=model)
+    assert rel_err(out.logits, ref_out.logits) < TOL
+    assert rel_err(out.loss, ref_out.loss) < TOL, (out.loss, ref_out.loss)
+    assert got.keys() == ref.keys()
+    _assert_grads_close(got, ref)
