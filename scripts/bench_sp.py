@@ -15,6 +15,11 @@
    activation checkpointing, SP = 1, 2, 4 processes on gloo. Peak = the process's peak RSS during the step minus
    its RSS before it (Linux ``ru_maxrss``; after a warm-up step on a short row, with the gradients allocated), the
    largest over the ranks. RSS counts what glibc keeps from freed blocks, so this over-states the live peak.
+   ``--mmap-threshold N`` sets glibc's ``MALLOC_MMAP_THRESHOLD_`` in every worker's environment (the same for
+   every SP size): blocks of ``N`` bytes or more are then ``mmap``-ed and returned to the system when freed (no
+   dynamic threshold), so RSS follows the live tensors instead of what the heap kept from earlier phases. ``--live``
+   also reports the live-tensor high-water of the measured step (every CPU storage an aten op returns, counted until
+   it is freed: a ``TorchDispatchMode``), which does not depend on the allocator.
    The DSA layer's chunk budgets (indexer score buffer, sparse-MLA query chunk: ``1 << 26`` elements, 256 MiB fp32
    each, by default) give a transient of about 1 GiB per rank whatever the sequence length; ``--budget`` (default
    ``1 << 22``) sets them, equally for every SP size, so that the measurement shows the part SP divides.
@@ -23,11 +28,13 @@ Usage::
 
     python scripts/bench_sp.py                         # bytes only
     python scripts/bench_sp.py --measure --seq 32768   # plus peak memory, SP = 1, 2, 4 (minutes on 2 cores)
+    python scripts/bench_sp.py --measure --seq 32768 --mmap-threshold 131072   # the same, big blocks mmap-ed
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import socket
@@ -96,7 +103,40 @@ def _set_budgets(model, elements: int) -> None:
             module.query_chunk = max(1, elements // (width * (module.kv_lora_rank + module.num_heads)))
 
 
-def _worker(rank: int, world: int, port: int, seq: int, out_dir: str, budget: int = 0) -> None:
+class _LiveTensors:
+    """High-water of the bytes of the CPU storages that aten ops return while active (each counted once, until its
+    storage is freed); a ``TorchDispatchMode``, so autograd's backward and checkpoint recomputation are included."""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+        self.live, self.current, self.peak = {}, 0, 0
+
+        def free(ptr):
+            tracker.current -= tracker.live.pop(ptr, 0)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if getattr(t, "device", None) is not None and t.device.type == "cpu":
+                        storage = t.untyped_storage()
+                        ptr, size = storage.data_ptr(), storage.nbytes()
+                        if ptr and size and ptr not in tracker.live:
+                            tracker.live[ptr] = size
+                            tracker.current += size
+                            weakref.finalize(storage, free, ptr)
+                tracker.peak = max(tracker.peak, tracker.current)
+                return out
+
+        self.mode = Mode()
+
+
+def _worker(rank: int, world: int, port: int, seq: int, out_dir: str, budget: int = 0, live: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -132,40 +172,48 @@ def _worker(rank: int, world: int, port: int, seq: int, out_dir: str, budget: in
     model(**row(64 * world), num_items_in_batch=64 * world - 1).loss.backward()
     model.zero_grad(set_to_none=False)  # the gradients stay allocated: the measured step does not count them
     local = row(seq)
+    tracker = _LiveTensors() if live else None
     before = _rss_bytes()
     start = time.perf_counter()
-    loss = model(**local, num_items_in_batch=seq - 1).loss
-    loss.backward()
+    with tracker.mode if tracker else contextlib.nullcontext():
+        loss = model(**local, num_items_in_batch=seq - 1).loss
+        loss.backward()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     with open(os.path.join(out_dir, f"mem_{world}_{rank}.txt"), "w") as f:
-        f.write(f"{peak} {seconds}\n")
+        f.write(f"{peak} {seconds} {tracker.peak if tracker else -1}\n")
     if world > 1:
         dist.destroy_process_group()
 
 
-def measure(seq: int, worlds=(1, 2, 4), budget: int = 0) -> None:
+def measure(seq: int, worlds=(1, 2, 4), budget: int = 0, mmap_threshold: int = 0, live: bool = False) -> None:
     import tempfile
 
     import torch.multiprocessing as mp
 
+    if mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)  # read by glibc when each worker starts
     out_dir = tempfile.mkdtemp(prefix="bench_sp_")
-    peaks = {}
+    peaks, lives = {}, {}
     for world in worlds:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(world, port, seq, out_dir, budget), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, port, seq, out_dir, budget, live), nprocs=world,
+                           start_method="spawn")
         rows = []
         for rank in range(world):
             with open(os.path.join(out_dir, f"mem_{world}_{rank}.txt")) as f:
-                peak, seconds = f.read().split()
-                rows.append((int(peak), float(seconds)))
+                peak, seconds, live_peak = f.read().split()
+                rows.append((int(peak), float(seconds), int(live_peak)))
         peaks[world] = max(r[0] for r in rows)
-        print(f"  SP={world}: peak {peaks[world] / MIB:8.1f} MiB per rank (max over ranks), fwd+bwd "
+        lives[world] = max(r[2] for r in rows)
+        extra = f", live tensors {lives[world] / MIB:8.1f} MiB" if live else ""
+        print(f"  SP={world}: peak {peaks[world] / MIB:8.1f} MiB per rank (max over ranks){extra}, fwd+bwd "
               f"{max(r[1] for r in rows):.1f} s", flush=True)
     for world in worlds[1:]:
-        print(f"  SP={world} / SP=1: {peaks[world] / peaks[worlds[0]]:.3f}")
+        extra = f" (live tensors {lives[world] / lives[worlds[0]]:.3f})" if live else ""
+        print(f"  SP={world} / SP=1: {peaks[world] / peaks[worlds[0]]:.3f}{extra}")
 
 
 def main(argv=None) -> int:
@@ -178,14 +226,18 @@ def main(argv=None) -> int:
                         help="element budget of the DSA indexer score buffer and sparse-MLA query chunk, the same for "
                              "every SP size (the default 1 << 26, 256 MiB fp32 buffers, is a per-rank constant that "
                              "SP cannot divide; 0 keeps it; default: %(default)s)")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="MALLOC_MMAP_THRESHOLD_ (bytes) in every worker's environment (0: glibc's default)")
+    parser.add_argument("--live", action="store_true", help="also report the live-tensor high-water (slower)")
     args = parser.parse_args(argv)
     if args.tokens % args.sp or args.seq % 4:
         parser.error("--tokens must divide by --sp and --seq by 4")
     print_bytes(args.tokens, args.sp)
     if args.measure:
         print(f"peak memory, WIDE_TEXT of scripts/bench_cpu.py, fp32, one row of {args.seq} tokens, per-layer "
-              f"checkpointing, DSA budgets {args.budget or 'default'} elements, gloo:")
-        measure(args.seq, budget=args.budget)
+              f"checkpointing, DSA budgets {args.budget or 'default'} elements, MALLOC_MMAP_THRESHOLD_ "
+              f"{args.mmap_threshold or 'unset'}, gloo:")
+        measure(args.seq, budget=args.budget, mmap_threshold=args.mmap_threshold, live=args.live)
     return 0
 
 

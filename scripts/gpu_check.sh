@@ -7,11 +7,15 @@
 #     bash scripts/gpu_check.sh
 # Writes under ${OUT:-./gpu-report}: report.md (summary: versions, test results, measured errors, benchmark table),
 # gpu_check.log (everything printed), gpu_test_errors.json (per-tensor errors of tests/test_gpu.py), bench.md and
-# bench.json (scripts/bench_gpu.py). Five files: the device tool brings back at most eight.
+# bench.json (scripts/bench_gpu.py), sp_kda.md (scripts/bench_sp_kda.py: one KDA layer at 128k tokens, hidden 4096,
+# 64 x 128 heads, fwd+bwd on one device, and our sequence parallelism over every visible GPU through torchrun when
+# there are >= 2; with one GPU it says SP was not measured). Six files: the device tool brings back at most eight.
 #
 # Knobs (environment): PYTHON (default python3), GPU_TEST_TIMEOUT (s, whole pytest run, default 240),
 # GPU_TEST_PER_TEST (s, default 150), BENCH_BUDGET (s after which the benchmark starts no new case, default 150),
-# BENCH_TIMEOUT (s, hard limit, default 220), BENCH_ARGS (extra arguments), SKIP_TESTS=1, SKIP_BENCH=1, NO_WHEELS=1.
+# BENCH_TIMEOUT (s, hard limit, default 220), BENCH_ARGS (extra arguments), SKIP_TESTS=1, SKIP_BENCH=1, NO_WHEELS=1,
+# SP_KDA_TIMEOUT (s, default 200), SP_KDA_ARGS (extra arguments of bench_sp_kda.py; --smoke is added when BENCH_ARGS
+# has it), SKIP_SP_KDA=1.
 # A CPU dry run of the whole pipeline (tests skip, benchmark in its smoke mode):
 #     NO_WHEELS=1 PYTHON=.venv/bin/python OUT=/tmp/gpu-dry BENCH_ARGS=--smoke bash scripts/gpu_check.sh
 set -uo pipefail
@@ -94,13 +98,31 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "benchmark: $BENCH_STATUS"
 fi
 
-# 5. The report.
-TEST_STATUS="$TEST_STATUS" BENCH_STATUS="$BENCH_STATUS" OUT_DIR="$OUT_DIR" WALL=$(( $(date +%s) - START )) \
+# 5. One KDA layer: our sequence parallelism vs one device (issue 14; the SP part needs >= 2 GPUs).
+SP_KDA_STATUS="not run"
+if [ "${SKIP_SP_KDA:-0}" != 1 ]; then
+  SP_SMOKE=""
+  case " ${BENCH_ARGS:-} " in *" --smoke "*) SP_SMOKE="--smoke" ;; esac
+  stamp "KDA layer, sequence parallel vs one device ${SP_SMOKE}"
+  # shellcheck disable=SC2086
+  timeout "${SP_KDA_TIMEOUT:-200}" "$PY" scripts/bench_sp_kda.py --report "$OUT_DIR/sp_kda.md" $SP_SMOKE \
+    ${SP_KDA_ARGS:-}
+  rc=$?
+  case $rc in
+    0) SP_KDA_STATUS="completed" ;;
+    124) SP_KDA_STATUS="stopped by the ${SP_KDA_TIMEOUT:-200} s limit" ;;
+    *) SP_KDA_STATUS="failed (exit $rc)" ;;
+  esac
+  stamp "KDA layer SP: $SP_KDA_STATUS"
+fi
+
+# 6. The report.
+TEST_STATUS="$TEST_STATUS" BENCH_STATUS="$BENCH_STATUS" SP_KDA_STATUS="$SP_KDA_STATUS" OUT_DIR="$OUT_DIR" WALL=$(( $(date +%s) - START )) \
 "$PY" - <<'EOF'
 import json, os, re
 out = os.environ["OUT_DIR"]
 lines = ["# GPU check", "", f"- wall time: {os.environ['WALL']} s", f"- gpu tests: {os.environ['TEST_STATUS']}",
-         f"- benchmark: {os.environ['BENCH_STATUS']}", ""]
+         f"- benchmark: {os.environ['BENCH_STATUS']}", f"- KDA layer SP: {os.environ['SP_KDA_STATUS']}", ""]
 log = os.path.join(out, "gpu_check.log")
 text = open(log, errors="replace").read() if os.path.exists(log) else ""
 names = r"^(python|torch|device|triton|transformers|fla|einops|regex) "
@@ -129,6 +151,9 @@ if os.path.exists(errs):
 bench = os.path.join(out, "bench.md")
 if os.path.exists(bench):
     lines += ["## Benchmark", ""] + open(bench).read().splitlines()[2:]
+sp_kda = os.path.join(out, "sp_kda.md")
+if os.path.exists(sp_kda):
+    lines += ["", "## KDA layer: sequence parallel vs one device", ""] + open(sp_kda).read().splitlines()[2:]
 with open(os.path.join(out, "report.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
 print(f"report: {os.path.join(out, 'report.md')}")

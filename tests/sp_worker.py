@@ -232,3 +232,57 @@ def worker(rank: int, world: int, port: int, tmpdir: str, ref_path: str, mode: s
         raise
     torch.save(out, os.path.join(tmpdir, f"result_{mode}{world}_{rank}.pt"))
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- HF Trainer
+
+
+def trainer_rows() -> list[dict]:
+    """The Trainer's dataset: the rows of :func:`global_batch` ``(1)`` then ``(2)``, one dict of ``[SEQ]`` tensors
+    per row (``input_ids``, ``labels``, ``position_ids``)."""
+    rows = []
+    for step in (1, 2):
+        batch = global_batch(step)
+        rows += [{k: v[i] for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
+    return rows
+
+
+def trainer_worker(rank: int, world: int, port: int, tmpdir: str, sp: int) -> None:
+    """One process of a :class:`~glm53flash_hf.train.trainer.Glm53FlashTrainer` run: two optimizer steps (plain
+    SGD, lr ``LR``, constant schedule, no clipping) over :func:`trainer_rows` in order (``train_sampling_strategy=
+    "sequential"``), ``2 / world`` rows per process and step, so both runs see the same two rows per step. ``world``
+    1: one process, ``sequence_parallel_size`` 1; ``world`` > 1: ``torch.distributed`` environment variables for
+    the Trainer's own gloo process group, ``sequence_parallel_size=sp``. Writes the logged losses and the final
+    parameters to ``trainer_{world}_{rank}.pt``."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from glm53flash_hf.train.trainer import Glm53FlashTrainer
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and "fla" not in sys.modules:
+        sys.modules["fla"] = None
+    torch.set_num_threads(1)
+    if world > 1:
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    out: dict = {}
+    try:
+        args = TrainingArguments(
+            output_dir=os.path.join(tmpdir, f"trainer{world}"), use_cpu=True, report_to=[], max_steps=2,
+            per_device_train_batch_size=2 // world, learning_rate=LR, optim="sgd", lr_scheduler_type="constant",
+            weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
+            dataloader_num_workers=0, remove_unused_columns=False, train_sampling_strategy="sequential", seed=0,
+        )
+        model = make_model(0)
+        trainer = Glm53FlashTrainer(model=model, args=args, train_dataset=trainer_rows(),
+                                    data_collator=default_data_collator, pad_token_id=0,
+                                    sequence_parallel_size=sp if world > 1 else 1)
+        trainer.train()
+        out["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["sp_group_size"] = (torch.distributed.get_world_size(trainer.sp_group)
+                                if trainer.sp_group is not None else 1)
+    except BaseException:
+        out["error"] = traceback.format_exc()
+        torch.save(out, os.path.join(tmpdir, f"trainer_{world}_{rank}.pt"))
+        raise
+    torch.save(out, os.path.join(tmpdir, f"trainer_{world}_{rank}.pt"))

@@ -7,6 +7,8 @@
   memory-growth check and the entry-point overhead), which the CPU smoke cannot produce.
 * ``scripts/gpu_check.sh`` and ``scripts/gpu_wheels.sh`` pass ``bash -n``; the check script names only benchmark options
   that exist.
+* ``scripts/bench_sp_kda.py --smoke`` (the KDA-layer sequence-parallel part of gpu_check.sh): one device and SP=2
+  over gloo through torchrun, tiny shapes on CPU; without ``--smoke`` and without CUDA it refuses (exit 2).
 """
 
 from __future__ import annotations
@@ -125,3 +127,20 @@ def test_gpu_check_uses_existing_bench_options():
     args = bench.parse_args(["--report", "r.md", "--json", "r.json", "--budget-s", "150"])
     assert (args.report, args.json, args.budget_s, args.seqs, args.repeats) == ("r.md", "r.json", 150.0,
                                                                                 [8192, 32768], 3)
+
+
+def test_bench_sp_kda_smoke(tmp_path):
+    """The SP KDA-layer benchmark's smoke mode: a one-device row and an SP=2 row (two torchrun processes, gloo) with
+    times, the JSON rows, and the note naming the issue's target; the release shape without CUDA exits 2."""
+    script = os.path.join(ROOT, "scripts", "bench_sp_kda.py")
+    report, results = tmp_path / "sp.md", tmp_path / "sp.json"
+    proc = subprocess.run([sys.executable, script, "--smoke", "--iters", "2", "--warmup", "1", "--report", str(report),
+                           "--json", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = json.loads(results.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["one device", "SP=2"] and all(r["ms"] > 0 for r in rows), rows
+    assert len(rows[1]["ms_all"]) == 2
+    assert "| SP=2 | 2 | cpu |" in report.read_text() and "44.35 ms" in report.read_text()
+    if not __import__("torch").cuda.is_available():
+        proc = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "no CUDA device" in proc.stdout

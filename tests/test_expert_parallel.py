@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 
 import ep_worker
 import pytest
 import torch
+from mp_launch import free_port, run_workers
 
 pytest.importorskip("peft")
 
@@ -50,12 +49,6 @@ SCENARIOS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ep_ref") / "ref.pt")
@@ -68,21 +61,8 @@ def reference(tmp_path_factory):
 
 
 def _launch(tmpdir: str, ref_path: str, dp: int, ep: int) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    args = (WORLD, _free_port(), tmpdir, ref_path, dp, ep, SCENARIOS[(dp, ep)])
-    ctx = mp.start_processes(ep_worker.worker, args=args, nprocs=WORLD, join=False, start_method="spawn")
-    start = time.monotonic()
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() - start > WORKER_DEADLINE_S:
-                pytest.fail(f"EP workers still running after {WORKER_DEADLINE_S} s")
-    except mp.ProcessRaisedException as exc:
-        pytest.fail(f"an EP worker failed:\n{exc}")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    args = (WORLD, free_port(), tmpdir, ref_path, dp, ep, SCENARIOS[(dp, ep)])
+    run_workers(ep_worker.worker, args, WORLD, "EP", WORKER_DEADLINE_S)
     out = []
     for rank in range(WORLD):
         res = torch.load(os.path.join(tmpdir, f"result_{rank}.pt"))

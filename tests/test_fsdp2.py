@@ -33,12 +33,11 @@ run and the accelerate recipe); wall time measured 52-72 s while the 2 cores wer
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import fsdp2_worker
 import pytest
 import torch
+from mp_launch import free_port, run_workers
 
 from glm53flash_hf.train.distributed import (
     apply_fsdp2,
@@ -70,17 +69,9 @@ def _accelerate_env() -> dict:
     return {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Single-process reference, then the two workers; returns ``(reference, [result_rank0, result_rank1])``."""
-    import torch.multiprocessing as mp
-
     tmpdir = str(tmp_path_factory.mktemp("fsdp2"))
     ref_path = os.path.join(tmpdir, "ref.pt")
     threads = torch.get_num_threads()
@@ -89,20 +80,8 @@ def results(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     env = _accelerate_env()
-    args = (fsdp2_worker.WORLD, _free_port(), tmpdir, ref_path, env)
-    ctx = mp.start_processes(fsdp2_worker.worker, args=args, nprocs=fsdp2_worker.WORLD, join=False,
-                             start_method="spawn")
-    start = time.monotonic()
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() - start > WORKER_DEADLINE_S:
-                pytest.fail(f"FSDP2 workers still running after {WORKER_DEADLINE_S} s")
-    except mp.ProcessRaisedException as exc:
-        pytest.fail(f"an FSDP2 worker failed:\n{exc}")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    args = (fsdp2_worker.WORLD, free_port(), tmpdir, ref_path, env)
+    run_workers(fsdp2_worker.worker, args, fsdp2_worker.WORLD, "FSDP2", WORKER_DEADLINE_S)
     out = []
     for rank in range(fsdp2_worker.WORLD):
         res = torch.load(os.path.join(tmpdir, f"result_{rank}.pt"))

@@ -19,24 +19,17 @@ prefix over shards against the chunk op on the whole sequence.
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 import sp_worker
 import torch
+from mp_launch import free_port, run_workers
 
 from glm53flash_hf.kda_ops import chunk_kda_torch
 from glm53flash_hf.sequence_parallel import kda_boundary_transition, shard_sequence
 
 WORKER_DEADLINE_S = 420
 TOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,22 +56,8 @@ def _launch(reference, mode: str, world: int, dp: int = 1) -> tuple[dict, list[d
 
 
 def _run_workers(reference, mode: str, world: int, dp: int) -> tuple[dict, list[dict]]:
-    import torch.multiprocessing as mp
-
     tmpdir, ref_path = reference
-    args = (world, _free_port(), tmpdir, ref_path, mode, dp)
-    ctx = mp.start_processes(sp_worker.worker, args=args, nprocs=world, join=False, start_method="spawn")
-    start = time.monotonic()
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() - start > WORKER_DEADLINE_S:
-                pytest.fail(f"SP workers still running after {WORKER_DEADLINE_S} s")
-    except mp.ProcessRaisedException as exc:
-        pytest.fail(f"an SP worker failed:\n{exc}")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_workers(sp_worker.worker, (world, free_port(), tmpdir, ref_path, mode, dp), world, "SP", WORKER_DEADLINE_S)
     out = []
     for rank in range(world):
         res = torch.load(os.path.join(tmpdir, f"result_{mode}{world}_{rank}.pt"))
@@ -144,7 +123,7 @@ def test_finetune_sp2_under_accelerate_launch(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     cmd = [accelerate, "launch", "--config_file", os.path.join(root, "configuration", "accelerate_sp2.yaml"),
-           "--main_process_port", str(_free_port()), "-m", "glm53flash_hf.tools.finetune", "--sp", "2",
+           "--main_process_port", str(free_port()), "-m", "glm53flash_hf.tools.finetune", "--sp", "2",
            "--max-steps", "3", "--samples", "6", "--batch-size", "2", "--max-length", "128", "--no-reload",
            "--output-dir", str(tmp_path / "out")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
@@ -215,3 +194,28 @@ def test_shard_sequence_contiguous_and_uneven_refused():
     assert parts[2]["cu_seq_lens_q"] is batch["cu_seq_lens_q"]
     with pytest.raises(ValueError, match="sequence length 12 of input_ids is not a multiple of the SP world size 5"):
         shard_sequence(batch, 0, 5)
+
+
+def test_trainer_sp2_equals_one_process_trainer(tmp_path):
+    """``Glm53FlashTrainer(sequence_parallel_size=2)`` on 2 processes (the Trainer's own gloo group, DDP over the
+    ``dp_shard`` x ``sp`` = 1 x 2 mesh, each rank's row split over the group) against the 1-process Trainer on the same
+    rows (:func:`sp_worker.trainer_worker`): logged losses of both steps and every parameter after two SGD steps
+    within 1e-5 relative (parameters: ``max|p - p_ref| / max|p_ref|``)."""
+    tmpdir = str(tmp_path)
+    run_workers(sp_worker.trainer_worker, (1, free_port(), tmpdir, 1), 1, "Trainer", WORKER_DEADLINE_S)
+    run_workers(sp_worker.trainer_worker, (2, free_port(), tmpdir, 2), 2, "SP Trainer", WORKER_DEADLINE_S)
+    ref = torch.load(os.path.join(tmpdir, "trainer_1_0.pt"))
+    assert "error" not in ref, ref["error"]
+    assert len(ref["losses"]) == 2
+    for rank in range(2):
+        res = torch.load(os.path.join(tmpdir, f"trainer_2_{rank}.pt"))
+        assert "error" not in res, res["error"]
+        assert res["sp_group_size"] == 2
+        for mine, expect in zip(res["losses"], ref["losses"], strict=True):
+            assert abs(mine - expect) <= TOL * abs(expect), (res["losses"], ref["losses"])
+        assert sorted(res["params"]) == sorted(ref["params"])
+        worst = sp_worker._worst(res["params"], ref["params"])
+        moved = sp_worker._worst(ref["params"], {n: p for n, p in sp_worker.make_model(0).named_parameters()})
+        assert moved[0] > 1e3 * TOL, moved  # the two steps moved the parameters far more than the bound
+        assert worst[0] <= TOL, f"parameter {worst[1]} after two Trainer steps off by {worst[0]:.2e}"
+        print(f"Trainer SP=2 rank {rank}: losses {res['losses']} vs {ref['losses']}; params {worst}")
