@@ -328,6 +328,8 @@ class CheckpointInfo:
         shapes: ``{tensor name: shape list}``.
         quantization_config: the config's ``quantization_config`` dict or None.
         fp8_weights: names of the FP8 tensors (each has a ``<name>_scale_inv`` somewhere in the checkpoint).
+        non_float: sorted names of the integer or bool tensors (:func:`check_loaded_dtypes` raises for those
+            that load into the model).
     """
 
     folder: str
@@ -336,6 +338,7 @@ class CheckpointInfo:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     quantization_config: dict | None = None
     fp8_weights: set[str] = field(default_factory=set)
+    non_float: list[str] = field(default_factory=list)
 
     @property
     def is_fp8(self) -> bool:
@@ -390,7 +393,9 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
 
     * every shard opens (``safe_open`` detects truncation and damaged headers; its own message does not name the
       file) and holds the tensors the index assigns to it;
-    * no tensor is integer or bool (every weight of this model is floating point; transformers would cast it);
+    * integer or bool tensors are recorded (``non_float``): after the load, :func:`check_loaded_dtypes` raises for
+      those that went into the model (every weight of this model is floating point; transformers would cast it);
+      one the model does not take is an unexpected key, as for transformers;
     * FP8: each FP8 tensor has its ``<name>_scale_inv`` (searched in every shard, not only the weight's), each
       scale has its weight, the config has a ``quantization_config`` (without one transformers would cast the FP8
       values to the model dtype, unscaled), and the scale grid tiles the weight (:func:`check_fp8_pair`).
@@ -450,14 +455,27 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
                 key, info.shapes[key], info.shapes[key + SCALE_SUFFIX], block, for_transformers=for_transformers
             )
     info.fp8_weights = fp8
-    non_float = sorted(k for k, d in info.dtypes.items() if d in NON_FLOAT_DTYPES)
-    if non_float:
-        shown = ", ".join(f"{k} ({info.dtypes[k]})" for k in non_float[:10])
-        raise ValueError(
-            f"{folder}: {len(non_float)} tensors are integer or bool where the model's weights are floating point; "
-            f"loading would cast them silently: {shown}{' ...' if len(non_float) > 10 else ''}"
-        )
+    info.non_float = sorted(k for k, d in info.dtypes.items() if d in NON_FLOAT_DTYPES)
     return info
+
+
+def check_loaded_dtypes(ckpt: CheckpointInfo, unexpected_keys) -> None:
+    """Raise for the integer or bool tensors of ``ckpt`` that were loaded into the model (every weight of this model
+    is floating point; transformers casts such a tensor silently). Tensors reported in ``unexpected_keys`` (the
+    load report's) were not loaded: they are left to the key accounting (:func:`strict_load_report`), as
+    transformers reports them.
+
+    Raises:
+        ValueError: naming the folder, the first 10 keys with their safetensors dtypes and the count.
+    """
+    unexpected = set(unexpected_keys or ())
+    loaded = [k for k in ckpt.non_float if k not in unexpected]
+    if loaded:
+        shown = ", ".join(f"{k} ({ckpt.dtypes[k]})" for k in loaded[:10])
+        raise ValueError(
+            f"{ckpt.folder}: {len(loaded)} tensors are integer or bool where the model's weights are floating "
+            f"point; loading casts them silently: {shown}{' ...' if len(loaded) > 10 else ''}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -603,12 +621,16 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader with our checks around it.
 
     Before: :func:`inspect_checkpoint` (local folders): corrupt/truncated shards, index/shard disagreement, FP8
-    consistency, each raising ``ValueError`` that names the file or key. An FP8 checkpoint is loaded with
-    ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a ``quantization_config``.
+    consistency, each raising ``ValueError`` that names the file or key; after the load, an integer or bool
+    tensor that went into a weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8
+    checkpoint is loaded with ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a
+    ``quantization_config``.
 
     After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
     ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;
     ``output_loading_info=True`` counts as all three: the caller gets the keys in the returned dict, and the warning;
+    ``from_pretrained(None, config=..., state_dict=...)`` (no checkpoint: the caller's tensors) counts as
+    ``allow_missing_keys=True``, as transformers initialises what the dict lacks;
     transformers itself would raise a ``RuntimeError`` without the key names for a shape mismatch, so we load with
     ``ignore_mismatched_sizes=True`` and raise ours). The model's ``_weight_conversions`` become the full
     registered list so ``save_pretrained`` writes the canonical layout whatever prefix variant (or caller's
@@ -622,6 +644,9 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     want_info = kwargs.pop("output_loading_info", False)
     # a caller who asks for the loading info gets the key report there (and a warning), as transformers reports it
     allow_missing = kwargs.pop("allow_missing_keys", False) or want_info
+    # from_pretrained(None, config=..., state_dict=...): no checkpoint, the caller's own tensors; as transformers,
+    # the parameters they lack are initialised (_init_weights) and reported in a warning, not an error
+    allow_missing = allow_missing or (pretrained_model_name_or_path is None and kwargs.get("state_dict") is not None)
     allow_unexpected = kwargs.pop("allow_unexpected_keys", False) or want_info
     allow_mismatched = kwargs.pop("ignore_mismatched_sizes", False) or want_info
     ckpt = inspect_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
@@ -630,6 +655,8 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     model, info = parent_from_pretrained(
         pretrained_model_name_or_path, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
     )
+    if ckpt is not None:
+        check_loaded_dtypes(ckpt, info.get("unexpected_keys"))
     strict_load_report(
         model, info, allow_missing=allow_missing, allow_unexpected=allow_unexpected, allow_mismatched=allow_mismatched
     )

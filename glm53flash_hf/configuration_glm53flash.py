@@ -140,13 +140,20 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         dropout = self.attention_dropout
         if not (_is_number(dropout) and 0 <= dropout < 1):
             raise ValueError(f"attention_dropout must be a number in [0, 1); got attention_dropout={dropout!r}")
+        # pad_token_id is checked against vocab_size when a model is built (check_pad_token_id), not here: as for
+        # transformers' Glm5NextTextConfig, a config may hold the release's pad id (154820) with a smaller
+        # vocab_size until the id is set, e.g. when the vocabulary is cut for a test model.
+        super().__post_init__(**kwargs)
+
+    def check_pad_token_id(self) -> None:
+        """Raise ``ValueError`` unless ``pad_token_id`` is ``None`` or an integer id in ``[0, vocab_size)`` (the
+        embedding's padding row). Called by the text model's constructor."""
         if self.pad_token_id is not None and not (_is_int(self.pad_token_id) and
                                                   0 <= self.pad_token_id < self.vocab_size):
             raise ValueError(
                 f"pad_token_id must be None or an id in [0, vocab_size={self.vocab_size}); got "
                 f"pad_token_id={self.pad_token_id!r}"
             )
-        super().__post_init__(**kwargs)
 
     def validate_architecture(self):
         """Check the combination of fields; raise ``ValueError`` naming the field and value.

@@ -36,6 +36,7 @@ from .dsa_ops import (
     kpool_pool_keys,
     select_top_pools,
     sparse_mla_torch,
+    sparse_mla_with_weights,
     tail_token_ids,
 )
 from .norm import Glm53FlashRMSNorm
@@ -437,8 +438,9 @@ class Glm53FlashAttention(nn.Module):
         prev_topk_indices: torch.Tensor | None = None,
         cache=None,
         cache_context=None,
+        output_attentions: bool = False,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
 
         Args:
@@ -452,6 +454,10 @@ class Glm53FlashAttention(nn.Module):
                 only, in the absorbed form (``q_abs = q W_kc``; ``out = softmax(q_abs c_sel^T) c_sel``; ``W_vc^T``):
                 the cache is never expanded through ``kv_b_proj``. Ids are row positions (= cache slots).
             cache_context: the forward's :class:`~.generation_cache.CacheContext`; required with ``cache``.
+            output_attentions: also return the attention weights ``[B, H, S, S_kv]`` (``S_kv``: the latents
+                attended over, the cache length when cached), the softmax over the selected ids scattered into a
+                dense tensor, zero elsewhere; the output is then computed from them
+                (:func:`.dsa_ops.sparse_mla_with_weights`, torch, dense cost). Otherwise no dense tensor is formed.
             kwargs: ignored (``position_ids``, ``position_embeddings``, ... of the decoder layer; NoPE).
 
         Sequence parallelism: with ``layout.sequence_parallel`` set (:mod:`.sequence_parallel`) the latent and the
@@ -461,8 +467,8 @@ class Glm53FlashAttention(nn.Module):
 
         Returns:
             ``(attn_output [B, S, hidden_size], topk_indices)``; ``topk_indices`` is the int32 ``[B, S, W]`` selection
-            when ``next_skip_topk`` (for the next, shared layer), else ``None``. Padding queries give zero attention
-            (so ``o_proj``'s bias, if any).
+            when ``next_skip_topk`` (for the next, shared layer), else ``None``; with ``output_attentions`` a third
+            entry, the weights. Padding queries give zero attention (so ``o_proj``'s bias, if any).
 
         Raises:
             ValueError: bad shapes, or a "shared" layer called without ``prev_topk_indices``.
@@ -523,12 +529,18 @@ class Glm53FlashAttention(nn.Module):
                 )
             topk_indices = prev_topk_indices
 
-        out_lat, _ = sparse_mla(
-            q_abs, latent, topk_indices, self.scaling, backend=self.backend, query_chunk=self.query_chunk
-        )
+        weights = None
+        if output_attentions:
+            out_lat, weights = sparse_mla_with_weights(q_abs, latent, topk_indices, self.scaling)
+        else:
+            out_lat, _ = sparse_mla(
+                q_abs, latent, topk_indices, self.scaling, backend=self.backend, query_chunk=self.query_chunk
+            )
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         attn = self.o_proj(attn)
+        if output_attentions:
+            return attn, (topk_indices if self.next_skip_topk else None), weights
         return attn, (topk_indices if self.next_skip_topk else None)
 
 

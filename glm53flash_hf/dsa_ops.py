@@ -24,6 +24,7 @@ __all__ = [
     "kpool_pool_keys",
     "select_top_pools",
     "sparse_mla_torch",
+    "sparse_mla_with_weights",
     "stable_topk_indices",
     "tail_token_ids",
 ]
@@ -171,6 +172,48 @@ def sparse_mla_torch(
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
     return out.to(q_abs.dtype), lse
+
+
+def sparse_mla_with_weights(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maths of :func:`sparse_mla_torch`, returning the attention weights too (``output_attentions=True``).
+
+    The softmax is taken over each query's valid slots (fp32 at least), its probabilities are scattered (added,
+    as :func:`sparse_mla_torch` counts a repeated id twice) into a dense ``[B, H, S, S_kv]`` tensor that is zero
+    at the ids not selected, and the output is computed from that tensor: ``out = weights @ latent``. The weights
+    are therefore on the autograd path of the output (transformers' convention for ``attentions``), and equal
+    transformers' eager ``Glm5NextTextAttention`` weights (dense softmax with the top-k mask). Memory and compute
+    are dense, ``O(B * H * S * S_kv)``: only for callers that ask for the weights.
+
+    Args:
+        q_abs: ``[B, S, H, Dl]``; latent: ``[B, S_kv, Dl]``; indices: integer ``[B, S, W]``, ``-1`` (or any
+            out-of-range value) = invalid slot; scale: softmax scale.
+
+    Returns:
+        ``(out_lat [B, S, H, Dl] in q_abs.dtype, weights [B, H, S, S_kv] in q_abs.dtype)``. A query without a
+        valid slot gets a zero row of weights and ``out = 0``.
+
+    Raises:
+        ValueError: as :func:`sparse_mla_torch` (:func:`check_sparse_mla_args`).
+    """
+    check_sparse_mla_args(q_abs, latent, indices)
+    batch, seq_len, heads, dim = q_abs.shape
+    kv_len = latent.shape[1]
+    compute_dtype = torch.promote_types(q_abs.dtype, torch.float32)
+    ids = indices.long()
+    valid = (ids >= 0) & (ids < kv_len)  # [B, S, W]
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    lat = latent.to(compute_dtype)
+    picked = lat.gather(1, safe.reshape(batch, -1, 1).expand(-1, -1, dim)).view(batch, seq_len, -1, dim)
+    scores = torch.einsum("bshl,bswl->bhsw", q_abs.to(compute_dtype), picked) * scale
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(valid[:, None], probs, torch.zeros_like(probs))  # rows without a valid slot: 0, not NaN
+    weights = probs.new_zeros(batch, heads, seq_len, kv_len)
+    weights = weights.scatter_add(-1, safe[:, None].expand(-1, heads, -1, -1), probs).to(q_abs.dtype)
+    out = torch.einsum("bhsk,bkl->bshl", weights.to(compute_dtype), lat)
+    return out.to(q_abs.dtype), weights
 
 
 # --------------------------------------------------------------------------------------------------------------------

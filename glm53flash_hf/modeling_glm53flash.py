@@ -20,10 +20,10 @@ through the conversions registered in :mod:`.checkpoint`. The MTP layers (``num_
 after the main stack at ``layers.{num_hidden_layers + i}``, as in the published checkpoint.
 """
 
-from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from torch import nn
@@ -33,8 +33,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
-from transformers.utils import can_return_tuple, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import accepts_precomputed_kwargs
+from transformers.utils.output_capturing import OutputRecorder
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
@@ -71,9 +72,11 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         config: :class:`Glm53FlashTextConfig`.
         layer_idx: index in ``config.layer_types`` / ``mlp_layer_types``.
 
-    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, cache_context=None)`` returns
-    ``(hidden_states [B,S,N,D], topk_indices or None)``; the indices are returned when the next layer is a
-    ``shared`` indexer layer. ``cache`` / ``cache_context`` (generation) go to the token mixer.
+    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, cache_context=None,
+    output_attentions=False)`` returns ``(hidden_states [B,S,N,D], topk_indices or None)``; the indices are returned
+    when the next layer is a ``shared`` indexer layer. ``cache`` / ``cache_context`` (generation) go to the token
+    mixer. With ``output_attentions=True`` a third entry: a DSA layer's attention weights ``[B, H, S, S_kv]``
+    (:meth:`.dsa.Glm53FlashAttention.forward`), ``None`` for a KDA layer (no attention weights).
     Source: transformers ``Glm5NextTextDecoderLayer``; mHC: DeepSeek, "mHC: Manifold-Constrained Hyper-Connections".
     """
 
@@ -99,13 +102,19 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         prev_topk_indices: torch.Tensor | None = None,
         cache=None,
         cache_context=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
         x = self.input_layernorm(x)
-        topk_indices = None
+        topk_indices = weights = None
         if self.layer_type == "linear_attention":
             x = self.self_attn(x, layout=layout, cache=cache)
+        elif output_attentions:
+            x, topk_indices, weights = self.self_attn(
+                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context,
+                output_attentions=True,
+            )
         else:
             x, topk_indices = self.self_attn(
                 x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
@@ -117,6 +126,8 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
         hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
+        if output_attentions:
+            return hidden_states, topk_indices, weights
         return hidden_states, topk_indices
 
 
@@ -187,9 +198,20 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _can_compile_fullgraph = True  # training forward/backward and static-cache decoding (tests/test_compile.py)
-    _supports_sdpa = False
+    # Attention implementations, declared as transformers' Glm5NextPreTrainedModel does. The DSA and KDA kernels are
+    # this package's own: "eager" and "sdpa" both select them (config._attn_implementation is not read by the token
+    # mixers); flash-attention and flex-attention need index-based / per-layer kernels, as for the built-in.
+    _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # What output_attentions / output_hidden_states / output_router_logits return, as the built-in declares it (the
+    # text model collects them itself, without transformers' capture_outputs hooks): DSA layers' attention weights,
+    # the decoder layers' outputs, the main-layer routers' logits (index 0 of the router's output).
+    _can_record_outputs = {
+        "attentions": Glm53FlashAttention,
+        "hidden_states": Glm53FlashDecoderLayer,
+        "router_logits": OutputRecorder(Glm53FlashTopkRouter, index=0),
+    }
     _no_split_modules = ["Glm53FlashDecoderLayer", "Glm53FlashMTPLayer"]
     _keep_in_fp32_modules_strict = [
         "e_score_correction_bias",
@@ -202,6 +224,24 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         "ffn_hc.base",
         "ffn_hc.scale",
     ]
+
+    # Routed experts: ``moe.Glm53FlashExperts`` is decorated with ``@use_experts_implementation``. transformers looks
+    # for that literal in the source of a model class's module (this file) to decide whether
+    # ``set_experts_implementation`` / ``from_pretrained(experts_implementation=...)`` may dispatch the experts
+    # (``PreTrainedModel._can_set_experts_implementation``), so it is named here.
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """The experts implementation to use: ``requested_experts`` when given (``"eager"``, ``"grouped_mm"``,
+        ``"batched_mm"``, hub kernels; checked by ``PreTrainedModel``), else ``"eager"``, this package's own experts
+        forward (:func:`.moe.grouped_experts_forward`: torch grouped GEMMs, fused Triton kernels on CUDA), where
+        transformers would default to its ``"grouped_mm"``.
+
+        Raises:
+            ValueError: an unknown implementation (``PreTrainedModel.get_correct_experts_implementation``).
+        """
+        if requested_experts is None:
+            return "eager"
+        return super().get_correct_experts_implementation(requested_experts)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -294,10 +334,10 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         unexpected or shape-mismatched keys raise ``ValueError`` listing them, unless ``allow_missing_keys=True`` /
         ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns), or
         ``output_loading_info=True`` (then they are in the returned ``loading_info``, and warned); a corrupt or
-        truncated shard, or an integer or bool tensor in a local checkpoint, raises ``ValueError`` naming the file
-        or key. A text-only class skips the vision tower's tensors
-        of a multimodal checkpoint and says so in one info line. ``save_pretrained`` then writes the canonical
-        layout whatever variant was read.
+        truncated shard, or an integer or bool tensor of a local checkpoint that loads into a weight (one the model
+        does not take is an unexpected key), raises ``ValueError`` naming the file or key. A text-only class skips
+        the vision tower's tensors of a multimodal checkpoint and says so in one info line. ``save_pretrained``
+        then writes the canonical layout whatever variant was read.
         """
         from .checkpoint import load_pretrained
 
@@ -312,8 +352,10 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ``[B,S,D]``; ``hidden_states`` (when ``output_hidden_states``), as transformers' glm5_next: the stream tensors
     ``[B,S,N,D]`` after the embedding expansion and after each layer but the last, then ``last_hidden_state``
     ``[B,S,D]`` (the final norm's output); a list of indices for ``output_hidden_states`` keeps those entries (the
-    others ``None``), as transformers' output capture. ``output_attentions=True`` gives ``attentions = ()``, as the
-    built-in (neither KDA nor the sparse DSA path forms attention weights).
+    others ``None``), as transformers' output capture. ``output_attentions=True`` gives ``attentions``, as the
+    built-in: one ``[B, H, S, S_kv]`` tensor per DSA main layer (KDA layers have none), the softmax over the selected
+    ids scattered into a dense tensor (zero at the ids not selected); those layers then run a dense torch path
+    (``O(S * S_kv)`` memory) that computes the output from the weights, so gradients reach them.
 
     Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``), ``seq_idx`` (``[B,S]``), see
     :func:`.packing.layout_from_kwargs`.
@@ -336,7 +378,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
             float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
             documents, padding after a real token, or more tokens than a static cache holds; ``mtp_depth > 0``
-            with a cache or without an MTP layer.
+            with a cache or without an MTP layer. At construction: ``pad_token_id`` not ``None`` nor an id in
+            ``[0, vocab_size)`` (:meth:`.Glm53FlashTextConfig.check_pad_token_id`).
         NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
     """
 
@@ -346,6 +389,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
 
     def __init__(self, config: Glm53FlashTextConfig):
         super().__init__(config)
+        config.check_pad_token_id()
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
@@ -377,7 +421,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         cache=None,
         mtp_depth: int = 0,
         output_mtp_inputs: bool = False,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashTextModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -444,11 +488,20 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 gate = getattr(getattr(layer, "mlp", None), "gate", None)
                 if isinstance(gate, Glm53FlashTopkRouter):
                     hooks.append(gate.register_forward_hook(lambda _m, _i, out: router_logits.append(out[0])))
+        attentions = () if output_attentions else None
         try:
             for layer in self.layers[: self.config.num_hidden_layers]:
-                hidden_states, topk_indices = layer(
-                    hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
-                )
+                if output_attentions:
+                    hidden_states, topk_indices, weights = layer(
+                        hidden_states, layout, prev_topk_indices=topk_indices, cache=cache,
+                        cache_context=cache_context, output_attentions=True,
+                    )
+                    if weights is not None:  # DSA layers only, as the built-in (KDA layers form no weights)
+                        attentions += (weights,)
+                else:
+                    hidden_states, topk_indices = layer(
+                        hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
+                    )
                 if output_hidden_states:
                     all_hidden += (hidden_states,)
         finally:
@@ -462,7 +515,6 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             if isinstance(output_hidden_states, (list, tuple)):  # transformers' indices to keep (others None)
                 kept = {int(i) % len(all_hidden) for i in output_hidden_states}
                 all_hidden = tuple(h if i in kept else None for i, h in enumerate(all_hidden))
-        attentions = () if output_attentions else None  # as the built-in: no attention weights
         mtp_inputs = {"pre_norm_hidden_state": h_pre, "mtp_inputs_embeds": inputs_embeds} if output_mtp_inputs else {}
         if not mtp_depth:
             return Glm53FlashTextModelOutput(
@@ -792,7 +844,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
         _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
         kwargs["use_cache"] = use_cache
@@ -980,7 +1032,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         mm_token_type_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -1100,7 +1152,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
         _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
         kwargs["use_cache"] = use_cache

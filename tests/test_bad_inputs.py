@@ -23,7 +23,11 @@ from transformers import StaticCache
 from transformers.video_utils import VideoMetadata
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig, Glm53FlashVisionConfig
-from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM, Glm53FlashForConditionalGeneration
+from glm53flash_hf.modeling_glm53flash import (
+    Glm53FlashForCausalLM,
+    Glm53FlashForConditionalGeneration,
+    Glm53FlashTextModel,
+)
 from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
 from glm53flash_hf.tools import crop, demo, export, finetune
 from glm53flash_hf.tools.make_tiny import make_tiny
@@ -139,9 +143,12 @@ def test_invalid_config_number_names_field_value_and_range(field, value, expecte
 def test_attention_dropout_and_pad_token_ranges():
     with pytest.raises(ValueError, match=r"attention_dropout must be a number in \[0, 1\); got attention_dropout=1.5"):
         Glm53FlashTextConfig(index_kpool=4, attention_dropout=1.5)
+    # as transformers' config, the config itself accepts the id (the vocabulary may be cut before the id is set);
+    # building a model from it raises
+    config = Glm53FlashTextConfig(index_kpool=4, vocab_size=100, pad_token_id=100)
     with pytest.raises(ValueError, match=r"pad_token_id must be None or an id in \[0, vocab_size=100\); got "
                                          r"pad_token_id=100"):
-        Glm53FlashTextConfig(index_kpool=4, vocab_size=100, pad_token_id=100)
+        Glm53FlashTextModel(config)
 
 
 def test_vision_config_sizes():

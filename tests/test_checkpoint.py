@@ -255,6 +255,27 @@ def test_unexpected_key_raises_and_opt_out_warns(broken, caplog):
     assert any("bogus" in r.getMessage() and "allowed" in r.getMessage() for r in caplog.records)
 
 
+def test_integer_tensor_outside_the_model_is_an_unexpected_key(broken):
+    """An integer tensor no weight takes is reported as an unexpected key (as transformers reports it), not refused as
+    a cast weight; one that loads into a weight is refused (tests/test_bad_inputs.py)."""
+    extra = {"step_counter": torch.tensor([1, 2])}
+    edit_shard(broken, "lm_head.weight", read_all(broken)["lm_head.weight"], add=extra)
+    with pytest.raises(ValueError, match=r"1 keys unexpected in the checkpoint .*step_counter"):
+        _load(broken)
+    _, info = _load(broken, output_loading_info=True)
+    assert "step_counter" in info["unexpected_keys"] and not info["missing_keys"]
+
+
+def test_state_dict_without_checkpoint_initialises_missing_weights(ckpts, caplog):
+    """from_pretrained(None, config=..., state_dict=...) initialises what the dict lacks and warns, as transformers;
+    a checkpoint folder missing a key still raises (test_missing_key_raises_and_opt_out_warns)."""
+    config = Glm53FlashForCausalLM.config_class.from_pretrained(ckpts["canonical"])
+    with caplog.at_level(logging.WARNING):
+        model = Glm53FlashForCausalLM.from_pretrained(None, config=config, state_dict={})
+    assert any("missing from the checkpoint" in r.getMessage() for r in caplog.records)
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_many_missing_keys_listed_first_20_and_count(broken):
     index = read_index(broken)["weight_map"]
     for k in [k for k in index if k.startswith((f"{CANONICAL_TEXT}layers.2.", f"{CANONICAL_TEXT}layers.4."))]:

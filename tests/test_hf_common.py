@@ -38,12 +38,21 @@ pytest.importorskip("parameterized", reason="transformers' common tests need the
 sys.path.insert(0, os.path.dirname(_TESTS))
 
 from ckpt_fixtures import tiny_config  # noqa: E402
-from transformers_tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor  # noqa: E402
+from parameterized import parameterized  # noqa: E402
+from transformers_tests.test_modeling_common import (  # noqa: E402
+    TEST_EAGER_MATCHES_SDPA_INFERENCE_PARAMETERIZATION,
+    ModelTesterMixin,
+    _test_eager_matches_sdpa_inference,
+    floats_tensor,
+    ids_tensor,
+)
 
+from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig  # noqa: E402
 from glm53flash_hf.modeling_glm53flash import (  # noqa: E402
     Glm53FlashForCausalLM,
     Glm53FlashForConditionalGeneration,
     Glm53FlashModel,
+    Glm53FlashTextModel,
 )
 
 # two main layers (the mixin's test_num_layers_is_small allows at most 2): one KDA, one DSA; dense and MoE MLP
@@ -109,6 +118,11 @@ modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.setdefault(
     "glm53flash_hf_test", "Glm53FlashForConditionalGeneration"
 )
 modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("glm53flash_hf_test", "Glm53FlashForCausalLM")
+# The base model of each of our config classes, as transformers' MODEL_MAPPING holds it for the built-in configs (the
+# mixin looks a config's base class up there, e.g. test_torch_save_load). Our configs keep model_type glm5_next, so
+# they are registered by class, which leaves the built-in Glm5NextConfig's entry as it is.
+modeling_auto.MODEL_MAPPING.register(Glm53FlashConfig, Glm53FlashModel, exist_ok=True)
+modeling_auto.MODEL_MAPPING.register(Glm53FlashTextConfig, Glm53FlashTextModel, exist_ok=True)
 
 
 def _xfail(name: str, reason: str):
@@ -131,6 +145,26 @@ def _skip(name: str, reason: str):
 
 
 NO_GENERATION_MIXIN = "GenerationTesterMixin (tests/generation/test_utils.py) is not shipped in the transformers sdist"
+class _TextRowsForSdpaTest:
+    """``test_eager_matches_sdpa_inference_*`` feeds ``input_ids`` alone (plus ``attention_mask``), without the
+    tester's ``pixel_values``. Our models refuse image/video placeholder tokens without their pixels (ValueError,
+    tests/test_vl.py; the built-in embeds them as text tokens), so here the test gets the tester's rows without the
+    image and video spans; the comparison itself (eager vs sdpa, both our kernels, every padding side and dtype) is the
+    mixin's, unchanged."""
+
+    @parameterized.expand(TEST_EAGER_MATCHES_SDPA_INFERENCE_PARAMETERIZATION)
+    def test_eager_matches_sdpa_inference(
+        self, name, dtype, padding_side, use_attention_mask, output_attentions, enable_kernels
+    ):
+        text_only, self.model_tester.text_only = self.model_tester.text_only, True
+        try:
+            _test_eager_matches_sdpa_inference(
+                self, name, dtype, padding_side, use_attention_mask, output_attentions, enable_kernels
+            )
+        finally:
+            self.model_tester.text_only = text_only
+
+
 BUILTIN_FAILS_TOO = "transformers' built-in glm5_next fails this test on the same tester as well"
 # the mixin's expectations that the built-in glm5_next does not meet either (same tester, same inputs)
 _AS_BUILTIN = {
@@ -146,32 +180,20 @@ _AS_BUILTIN = {
 }
 
 
-class Glm53FlashCommonTest(ModelTesterMixin, unittest.TestCase):
+class Glm53FlashCommonTest(_TextRowsForSdpaTest, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (Glm53FlashModel, Glm53FlashForConditionalGeneration)
     # the KPool indexer gets no gradient: its top-k selection is not differentiable and neither this model nor the
     # built-in trains it with a loss of its own (set for the built-in's tester below as well)
     test_all_params_have_gradient = False
+    # the mixin runs this test only for models whose config file carries a "# Copyright <year>" header of 2023 or
+    # later (its prioritisation of transformers' own models); ours has none, the test applies all the same
+    test_can_init_all_missing_weights_before_2023 = True
 
     def setUp(self):
         self.model_tester = Glm53FlashModelTester(self)
 
     test_generation_tester_mixin_inheritance = _skip("test_generation_tester_mixin_inheritance", NO_GENERATION_MIXIN)
     locals().update({name: _xfail(name, reason) for name, reason in _AS_BUILTIN.items()})
-    test_retain_grad_hidden_states_attentions = _xfail(
-        "test_retain_grad_hidden_states_attentions",
-        "ours returns no attention weights (output_attentions) from the sparse DSA path; the built-in passes",
-    )
-    # ours-only failures left open: the config checks refuse the release's default pad_token_id (154820) with the
-    # tester's 2048-token vocabulary, and the integer-weight check refuses the test's int64 tensor in a checkpoint
-    test_model_forward_default_config_values = _xfail(
-        "test_model_forward_default_config_values",
-        "the default pad_token_id (154820) is outside the tester's vocab and our config check raises; the built-in "
-        "passes",
-    )
-    test_model_weights_reload_no_missing_tied_weights = _xfail(
-        "test_model_weights_reload_no_missing_tied_weights",
-        "our checkpoint check refuses the int64 tensor this test saves with the weights; the built-in passes",
-    )
 
 
 class Glm53FlashCausalLMCommonTest(ModelTesterMixin, unittest.TestCase):
@@ -179,6 +201,7 @@ class Glm53FlashCausalLMCommonTest(ModelTesterMixin, unittest.TestCase):
 
     all_model_classes = (Glm53FlashForCausalLM,)
     test_all_params_have_gradient = False
+    test_can_init_all_missing_weights_before_2023 = True
 
     def setUp(self):
         self.model_tester = Glm53FlashModelTester(self, text_only=True)
@@ -195,11 +218,6 @@ class Glm53FlashCausalLMCommonTest(ModelTesterMixin, unittest.TestCase):
     )
     test_attention_outputs = _xfail("test_attention_outputs", _AS_BUILTIN["test_attention_outputs"])
     test_hidden_states_output = _xfail("test_hidden_states_output", _AS_BUILTIN["test_hidden_states_output"])
-    test_retain_grad_hidden_states_attentions = Glm53FlashCommonTest.test_retain_grad_hidden_states_attentions
-    test_model_forward_default_config_values = Glm53FlashCommonTest.test_model_forward_default_config_values
-    test_model_weights_reload_no_missing_tied_weights = (
-        Glm53FlashCommonTest.test_model_weights_reload_no_missing_tied_weights
-    )
 
 
 if os.environ.get("GLM53FLASH_HF_COMMON_BUILTIN") == "1":

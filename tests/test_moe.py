@@ -469,3 +469,35 @@ def test_init_moe_weights():
     assert torch.equal(module.gate.e_score_correction_bias, torch.zeros(16))
     assert module.gate.weight.dtype == torch.float32
 
+
+
+def test_model_experts_implementation_default_is_ours_and_switches():
+    """A model with nothing requested runs our experts forward ("eager", not transformers' grouped_mm default);
+    set_experts_implementation / experts_implementation= pick transformers' implementations, which agree."""
+    from unittest.mock import Mock, patch
+
+    from ckpt_fixtures import tiny_config
+    from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
+
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+
+    config = tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                         mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"]).get_text_config()
+    torch.manual_seed(0)
+    model = Glm53FlashForCausalLM(config).eval()
+    assert model.config._experts_implementation == "eager"
+    assert Glm53FlashForCausalLM._can_set_experts_implementation()
+    ids = torch.randint(0, 2000, (2, 12))
+    mocks = {name: Mock(wraps=fn) for name, fn in (("grouped_mm", grouped_mm_experts_forward),
+                                                   ("batched_mm", batched_mm_experts_forward))}
+    with torch.no_grad(), patch.dict("transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS._global_mapping", mocks):
+        ours = model(ids).logits
+        assert not any(m.called for m in mocks.values())
+        for impl in ("grouped_mm", "batched_mm"):
+            model.set_experts_implementation(impl)
+            assert model(ids) is not None and mocks[impl].called
+    with torch.no_grad():
+        for impl in ("grouped_mm", "batched_mm", "eager"):
+            model.set_experts_implementation(impl)
+            assert model.config._experts_implementation == impl
+            assert rel_err(model(ids).logits, ours) < 1e-5, impl

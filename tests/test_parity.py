@@ -137,3 +137,23 @@ def test_no_nan_in_backward(pair):
     for name, p in ours.named_parameters():
         if p.grad is not None:
             assert torch.isfinite(p.grad).all(), name
+
+
+def test_attention_weights_equal_builtin(pair):
+    """``output_attentions=True``: one ``[B, H, S, S]`` tensor per DSA layer, equal to the built-in's eager weights;
+    the logits equal the sparse path's."""
+    hf, ours, _ = pair
+    torch.manual_seed(5)
+    input_ids = torch.randint(1, 211, (2, 37))
+    with torch.no_grad():
+        ref = hf(input_ids=input_ids, use_cache=False, output_attentions=True)
+        got = ours(input_ids=input_ids, use_cache=False, output_attentions=True)
+        plain = ours(input_ids=input_ids, use_cache=False).logits
+    ref_weights = [w for w in ref.attentions if w is not None]
+    text = ours.config.get_text_config()
+    dsa_layers = sum(t == "indexed_attention" for t in text.layer_types)
+    assert len(got.attentions) == dsa_layers == len(ref_weights) > 0
+    for w, w_ref in zip(got.attentions, ref_weights):
+        assert w.shape == w_ref.shape == (2, text.num_attention_heads, 37, 37)
+        assert rel_err(w, w_ref) < TOL
+    assert rel_err(got.logits, plain) < 1e-5
