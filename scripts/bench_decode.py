@@ -322,7 +322,7 @@ def main() -> int:
           "| prefill transformers / ours (s) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for p in args.prompts:
-        hf, hfc, ours, oursc = (results.get((i, p)) for i in IMPLS)
+        hf, hfc, ours, oursc = (results.get((i, p)) for i in ("hf", "hf-compiled", "ours", "ours-compiled"))
         pre = "-"
         if hf and ours and "failed" not in hf and "failed" not in ours:
             pre = f"{hf['prefill_s']:.2f} / {ours['prefill_s']:.2f}"
