@@ -20,10 +20,8 @@ through the conversions registered in :mod:`.checkpoint`. The MTP layers (``num_
 after the main stack at ``layers.{num_hidden_layers + i}``, as in the published checkpoint.
 """
 
-
 import os
 from dataclasses import dataclass
-from typing import Unpack
 
 import torch
 from torch import nn
@@ -33,6 +31,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
+from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import accepts_precomputed_kwargs
 from transformers.utils.output_capturing import OutputRecorder
