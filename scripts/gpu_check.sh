@@ -29,6 +29,14 @@ LOG="$OUT_DIR/gpu_check.log"
 exec > >(tee -a "$LOG") 2>&1
 START=$(date +%s)
 stamp() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*"; }
+# run_status RC LIMIT [SUFFIX]: a step's status line from the exit code of `timeout LIMIT ...`
+run_status() {
+  case $1 in
+    0) echo "completed" ;;
+    124) echo "stopped by the $2 s limit${3:-}" ;;
+    *) echo "failed (exit $1)" ;;
+  esac
+}
 
 # 1. Packages: the machine has no network; wheels travel in .whl/ (scripts/gpu_wheels.sh says which and why).
 if [ "${NO_WHEELS:-0}" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
@@ -89,12 +97,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-220}" "$PY" scripts/bench_gpu.py --report "$OUT_DIR/bench.md" --json "$OUT_DIR/bench.json" \
     --budget-s "${BENCH_BUDGET:-150}" ${BENCH_ARGS:-}
-  rc=$?
-  case $rc in
-    0) BENCH_STATUS="completed" ;;
-    124) BENCH_STATUS="stopped by the ${BENCH_TIMEOUT:-220} s limit (partial)" ;;
-    *) BENCH_STATUS="failed (exit $rc)" ;;
-  esac
+  BENCH_STATUS=$(run_status $? "${BENCH_TIMEOUT:-220}" " (partial)")
   stamp "benchmark: $BENCH_STATUS"
 fi
 
@@ -107,12 +110,7 @@ if [ "${SKIP_SP_KDA:-0}" != 1 ]; then
   # shellcheck disable=SC2086
   timeout "${SP_KDA_TIMEOUT:-200}" "$PY" scripts/bench_sp_kda.py --report "$OUT_DIR/sp_kda.md" $SP_SMOKE \
     ${SP_KDA_ARGS:-}
-  rc=$?
-  case $rc in
-    0) SP_KDA_STATUS="completed" ;;
-    124) SP_KDA_STATUS="stopped by the ${SP_KDA_TIMEOUT:-200} s limit" ;;
-    *) SP_KDA_STATUS="failed (exit $rc)" ;;
-  esac
+  SP_KDA_STATUS=$(run_status $? "${SP_KDA_TIMEOUT:-200}")
   stamp "KDA layer SP: $SP_KDA_STATUS"
 fi
 
