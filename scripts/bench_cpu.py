@@ -46,36 +46,9 @@ if "fla" not in sys.modules:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-WIDE_TEXT = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=128,
-    num_hidden_layers=4,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
-    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-    indexer_types=["full"] * 4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=128,
-    kv_lora_rank=128,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=0,
-    v_head_dim=64,
-    index_n_heads=4,
-    index_head_dim=32,
-    index_topk=256,
-    index_kpool=4,
-    linear_num_heads=4,
-    linear_head_dim=64,
-    linear_conv_kernel_dim=4,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    hc_mult=4,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from tiny import WIDE_TEXT, randomize_  # noqa: E402  (the benchmark config, shared with the tests)
+
 TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=256,
                    projection_intermediate_size=48)
 
@@ -91,9 +64,6 @@ def make_weights(folder: str, **text_overrides) -> None:
     import torch
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from tiny import randomize_
 
     torch.manual_seed(0)
     model = Glm5NextForConditionalGeneration(

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 from ckpt_fixtures import tiny_config
-from tiny import randomize_, rel_err
+from tiny import WIDE_TEXT, randomize_, rel_err
 
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM, Glm53FlashForConditionalGeneration
 
@@ -174,12 +174,8 @@ def test_compiled_static_cache_generate_equals_eager(left_padded):
 
 # the benchmark's wide config (scripts/bench_cpu.py WIDE_TEXT) cut to one KDA layer with the MoE MLP
 WIDE_MOE_LAYER = dict(
-    vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1,
-    layer_types=["linear_attention"], mlp_layer_types=["sparse"], indexer_types=["full"], num_attention_heads=4,
-    num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=0,
-    v_head_dim=64, index_n_heads=4, index_head_dim=32, index_topk=256, index_kpool=4, linear_num_heads=4,
-    linear_head_dim=64, linear_conv_kernel_dim=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-    hc_mult=4, pad_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=0,
+    WIDE_TEXT, num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
+    indexer_types=["full"], num_nextn_predict_layers=0,
 )
 
 

@@ -45,6 +45,39 @@ PARITY_TEXT = dict(
     tie_word_embeddings=False,
 )
 
+# The benchmarks' wide tiny config (scripts/bench_cpu.py and the scripts that import it; tests/test_compile.py):
+# hidden 256, 3 KDA + 1 DSA layers, 8 routed experts top-2, index_kpool 4, index_topk 256.
+WIDE_TEXT = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    indexer_types=["full"] * 4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=0,
+    v_head_dim=64,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=256,
+    index_kpool=4,
+    linear_num_heads=4,
+    linear_head_dim=64,
+    linear_conv_kernel_dim=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    hc_mult=4,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
 TINY_VISION = dict(
     depth=1,
     hidden_size=32,
