@@ -121,7 +121,7 @@ def test_gpu_check_uses_existing_bench_options():
     bench = load_bench()
     text = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
     call = text[text.index('"$PY" scripts/bench_gpu.py'):]
-    call = call[: call.index("rc=$?")]
+    call = call[: call.index("BENCH_STATUS=$(run_status")]
     options = re.findall(r"(--[a-z-]+)", call)
     assert options == ["--report", "--json", "--budget-s"], options
     args = bench.parse_args(["--report", "r.md", "--json", "r.json", "--budget-s", "150"])
