@@ -333,7 +333,8 @@ class Glm53FlashLinearAttention(nn.Module):
         q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
         per_token_states = None
         if sp is not None:
-            o, recurrent_final = sp.kda_core(ops.core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens), None
+            o = sp.kda_core(ops.core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, cp_core=ops.cp_core)
+            recurrent_final = None
         elif stepwise:
             outs, per_token = [], []
             state = recurrent_state

@@ -103,6 +103,8 @@ __all__ = [
     "KWARGS_READ",
     "chunk_kda_fused",
     "chunk_kda_gate_in_kernel",
+    "chunk_kda_context_parallel",
+    "fla_cp_available",
     "causal_conv1d_fused",
     "rms_norm_gated_fused",
     "fused_recurrent_step",
@@ -119,7 +121,7 @@ SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lo
 # fla function name -> keywords it reads from its **kwargs, accepted only where the installed source reads them. Empty:
 # every keyword passed to fla-core 0.6.0's functions here is a named parameter (chunk_kda_bwd and fused_recurrent_kda
 # also take **kwargs, which would swallow a renamed keyword: the guard refuses it).
-KWARGS_READ: dict[str, tuple[str, ...]] = {}
+KWARGS_READ: dict[str, tuple[str, ...]] = {"chunk_kda": ("A_log", "dt_bias", "chunk_size")}
 
 _ACCEPTED: dict = {}  # function object -> frozenset of accepted keywords
 
@@ -169,6 +171,41 @@ def _fla() -> SimpleNamespace:
     ``fla.ops.kda.fused_recurrent_kda``). The op bodies look it up at every call; tests replace it to inject
     fakes."""
     return _load_fla()
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla_cp() -> SimpleNamespace:
+    """Import fla-core's context-parallel KDA once: ``chunk_kda`` (the entry point that takes ``cp_context``),
+    ``build_cp_context`` and the module ``fla.ops.cp.context`` (whose ``_check_cp_device`` is looked up at each
+    probe). Raises ``ImportError`` with the cause."""
+    try:
+        from fla.ops.cp import build_cp_context
+        from fla.ops.cp import context as cp_context_module
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
+        raise ImportError(
+            f"fla-core's context-parallel KDA cannot be imported ({type(exc).__name__}: {exc}); "
+            "pip install fla-core==0.6.0"
+        ) from exc
+    return SimpleNamespace(chunk_kda=chunk_kda, build_cp_context=build_cp_context, context=cp_context_module)
+
+
+def fla_cp_available(device: torch.device) -> tuple[bool, str]:
+    """Whether fla's context-parallel KDA kernels (``fla.ops.cp``) can run on ``device``.
+
+    Returns:
+        ``(True, "")``, or ``(False, reason)``: fla's CP modules cannot be imported, or fla's own device check refuses
+        the device (it requires an NVIDIA GPU of compute capability >= 8.0, or Ascend).
+    """
+    try:
+        cp = _load_fla_cp()
+    except ImportError as exc:
+        return False, str(exc)
+    try:
+        cp.context._check_cp_device(torch.device(device))
+    except RuntimeError as exc:
+        return False, f"fla refuses the device {device}: {exc}"
+    return True, ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -920,6 +957,79 @@ def chunk_kda_gate_in_kernel(
     )
 
 
+def chunk_kda_context_parallel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_raw: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    *,
+    cp_context,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """One rank's shard of a context-parallel chunked KDA: fla's ``chunk_kda`` entry point with ``cp_context``
+    (``fla.ops.cp``), the gate, beta sigmoid and q/k l2-norm in the kernel as :func:`chunk_kda_gate_in_kernel`.
+
+    fla's scheme (as :meth:`glm53flash_hf.sequence_parallel.SequenceParallelContext.kda_core`, in fla's kernels):
+    each rank computes its first document's state transition and last document's contribution, the ranks
+    all-gather them and fold the prefix, and the backward passes the state gradient back the same way. No initial or
+    final state; one flattened token row (``B == 1``); documents from ``cp_context.cu_seqlens`` (the rank's local
+    boundaries, built by fla's ``build_cp_context`` from the global ones). fla's own autograd Function (not a custom
+    op here): fla wraps it in ``torch.compiler.disable``, so a compiled model breaks its graph around this call.
+
+    Args:
+        q, k: ``[1, T, H, K]`` after the short convolution; v: ``[1, T, H, V]``; g_raw: ``[1, T, H, K]``;
+            beta_logits: ``[1, T, H]`` (the rank's ``T`` tokens, as :func:`chunk_kda_gate_in_kernel`).
+        A_log, dt_bias, lower_bound: the gate's parameters, as :func:`chunk_kda_gate_in_kernel`.
+        cp_context: fla's ``FLACPContext`` for this rank (its process group, local boundaries, neighbour counts).
+        scale, chunk_size: as :func:`chunk_kda_fused`.
+
+    Returns:
+        ``o`` ``[1, T, H, V]`` in q's dtype. Differentiable in q, k, v, g_raw, beta_logits, A_log and dt_bias.
+
+    Raises:
+        ValueError: as :func:`chunk_kda_gate_in_kernel`, or ``q.shape[0] != 1``.
+        TypeError: the installed fla does not accept an argument (:func:`call_checked`).
+        ImportError: fla-core's CP modules missing.
+    """
+    check_core_inputs(q, k, v, g_raw, beta_logits)
+    if q.shape[0] != 1:
+        raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
+    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    _check_head_dim(K, V)
+    _check_gate_params(A_log, dt_bias, H, K, lower_bound)
+    if chunk_size not in FLA_CHUNK_SIZES:
+        raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
+    cp = _load_fla_cp()
+    with _device(q):
+        o, _ = call_checked(
+            cp.chunk_kda,
+            "chunk_kda",
+            q=q,
+            k=k,
+            v=v,
+            g=g_raw,
+            beta=beta_logits,
+            scale=float(K**-0.5 if scale is None else scale),
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            safe_gate=_safe_gate(lower_bound),
+            lower_bound=lower_bound,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            chunk_size=chunk_size,
+            cp_context=cp_context,
+        )
+    return o.type_as(q)
+
+
 def causal_conv1d_fused(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1051,7 +1161,9 @@ def bind_layer_fused(module, hidden_states: torch.Tensor, decode: bool) -> Layer
     * core: for a decode step when grad mode is off or neither ``hidden_states`` nor any parameter requires grad,
       :func:`fused_recurrent_step`; otherwise :func:`chunk_kda_gate_in_kernel`; both with ``A_log``, ``dt_bias`` and
       ``forget_gate.lower_bound``;
-    * norm: :func:`rms_norm_gated_fused` with ``o_norm``'s weight and epsilon.
+    * norm: :func:`rms_norm_gated_fused` with ``o_norm``'s weight and epsilon;
+    * cp_core (not for a decode step): :func:`chunk_kda_context_parallel` with the same gate parameters, which a
+      sequence-parallel shard runs when fla's context-parallel path applies.
 
     Args:
         module: the layer.
@@ -1094,4 +1206,5 @@ def bind_layer_fused(module, hidden_states: torch.Tensor, decode: bool) -> Layer
         conv=functools.partial(causal_conv1d_fused, weight=conv_weight, activation=module.activation),
         core=core,
         norm=functools.partial(rms_norm_gated_fused, weight=norm_weight, eps=module.o_norm.variance_epsilon),
+        cp_core=None if decode else functools.partial(chunk_kda_context_parallel, **gate_params),
     )

@@ -202,12 +202,15 @@ class LayerOps(NamedTuple):
             the delta rule with ``q``/``k`` l2-normalised (the contract of :func:`chunk_kda_torch`; a bound decode
             step takes no ``cu_seqlens``).
         norm: ``norm(o [B, S, H, K], gate [B, S, H, K]) -> [B, S, H, K]``, the gated RMSNorm with the layer's weight.
+        cp_core: ``cp_core(q, k, v, g, beta, *, cp_context) -> o``, the core of one sequence-parallel shard in fla's
+            context-parallel kernels (fused path only; ``None`` on the torch path and for decode steps).
     """
 
     gate: Callable
     conv: Callable
     core: Callable
     norm: Callable
+    cp_core: Callable | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ What crosses the shard boundaries (everything else, mHC and MoE, is per token an
   ``S_end = A_r S_start + B_r``; each rank computes ``(A_r, B_r)`` of its shard, they are all-gathered, every rank
   folds the prefix over the previous ranks to get its incoming state, and re-runs its first segment from it
   (the scheme of xtuner PR #2153 "FLA sequence parallelism" and fla's ``fla.ops.cp``; maths: Kimi Linear,
-  arXiv:2510.26692 §3).
+  arXiv:2510.26692 §3). On the fused path, when the global batch is one row and fla's CP kernels accept the device
+  (CUDA, compute capability >= 8.0), the shard runs in fla's own context-parallel ``chunk_kda`` instead
+  (:meth:`SequenceParallelContext.fla_cp_refusal`).
 * **DSA** (:meth:`SequenceParallelContext.gather_sequence`): the MLA latent and the indexer's per-token state are
   all-gathered; the local queries (at row offset ``r * L``) select and attend over the global keys, causal within
   documents. See :meth:`SequenceParallelContext.gather_sequence` for memory and bytes moved.
@@ -40,7 +42,8 @@ from ``layout.sequence_parallel``. With no group set (the default) nothing here 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -142,6 +145,7 @@ class SequenceParallelContext:
     rest_tokens: torch.Tensor
     rest_cu: torch.Tensor
     last_rest: torch.Tensor
+    _fla_cp: object = field(default=None, repr=False, compare=False)  # fla's FLACPContext, built on first use
 
     # ------------------------------------------------------------------------------------------------ generic
     def gather_sequence(self, x: torch.Tensor, grad: bool = True) -> torch.Tensor:
@@ -245,8 +249,14 @@ class SequenceParallelContext:
         first = torch.cat([prev.new_zeros(B, D, 1), prev.transpose(1, 2)], dim=-1)  # [B, D, kernel]
         return mixed.new_zeros(num_segments, D, kernel).index_copy(0, self.first_seg, first)
 
-    def kda_core(self, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def kda_core(self, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, cp_core=None) -> torch.Tensor:
         """The chunked KDA of the local shard with the recurrent state passed between ranks.
+
+        With ``cp_core`` (the fused path's :func:`~.kda_fused.chunk_kda_context_parallel`) and when fla's
+        context-parallel kernels apply (:meth:`fla_cp_refusal` is None: one row per rank, a device fla's CP accepts),
+        the shard runs in fla's ``chunk_kda`` with ``cp_context`` (:meth:`fla_cp_context`), the same scheme in fla's
+        kernels. Otherwise (a warning names the reason once when ``cp_core`` was given) the scheme below runs with
+        ``core``:
 
         Per row: ``B_r`` = the final state of the shard's last segment from a zero state, ``A_r``
         (:func:`kda_boundary_transition`) = the transition of the first segment, kept only when that segment is
@@ -264,11 +274,24 @@ class SequenceParallelContext:
             core: the chunk op (``chunk_kda_torch`` or the fused one: same contract).
             q, k, g: ``[1, B*L, H, K]``; v: ``[1, B*L, H, V]``; beta: ``[1, B*L, H]`` (the flattened local rows).
             cu_seqlens: the local layout's segment boundaries.
+            cp_core: optional ``cp_core(q, k, v, g, beta, *, cp_context) -> o`` (see above).
 
         Returns:
             ``o`` ``[1, B*L, H, V]``.
         """
         from torch.utils.checkpoint import checkpoint
+
+        if cp_core is not None:
+            refusal = self.fla_cp_refusal(q.device)
+            if refusal is None:
+                return cp_core(q, k, v, g, beta, cp_context=self.fla_cp_context(cu_seqlens))
+            if refusal not in _CP_WARNED:
+                _CP_WARNED.add(refusal)
+                warnings.warn(
+                    f"sequence parallelism: fla's context-parallel KDA is not used ({refusal}); the shards pass the "
+                    "KDA state with this package's scheme (same result, fla's chunk kernels)",
+                    stacklevel=3,
+                )
 
         ft, first_cu = self.first_tokens, self.first_cu
         q1, k1, v1, g1, beta1 = (t.index_select(1, ft) for t in (q, k, v, g, beta))
@@ -304,6 +327,44 @@ class SequenceParallelContext:
         if o_rest is not None:
             o = o.index_copy(1, self.rest_tokens, o_rest.to(o.dtype))
         return o
+
+
+    def fla_cp_refusal(self, device) -> str | None:
+        """Why fla's context-parallel KDA cannot run this shard (``None`` when it can): fla chains the documents of
+        one flattened token row, so the global batch must be one row; and fla's CP kernels must accept ``device``
+        (:func:`~.kda_fused.fla_cp_available`: NVIDIA compute capability >= 8.0, or Ascend)."""
+        if self.global_layout.batch_size != 1:
+            return (f"it chains one token row and this batch has {self.global_layout.batch_size} rows; pack the "
+                    "documents into one row per step to use it")
+        from .kda_fused import fla_cp_available
+
+        ok, reason = fla_cp_available(device)
+        return None if ok else reason
+
+    def fla_cp_context(self, cu_seqlens: torch.Tensor):
+        """fla's ``FLACPContext`` of this rank (built once per forward, shared by the KDA layers): fla's
+        ``build_cp_context`` from the global row's boundaries and the SP group.
+
+        Raises:
+            RuntimeError: fla's local boundaries differ from ``cu_seqlens`` (this rank's layout), i.e. fla and this
+                package would split the row differently.
+        """
+        if self._fla_cp is None:
+            from .kda_fused import _load_fla_cp
+
+            glob = self.global_layout.cu_seqlens
+            ctx = _load_fla_cp().build_cp_context(cu_seqlens=glob, group=self.group, cu_seqlens_cpu=glob.cpu())
+            mine = cu_seqlens.tolist()
+            if ctx.cu_seqlens_cpu.tolist() != mine:
+                raise RuntimeError(
+                    f"fla's context-parallel split of the row differs from this rank's layout: fla "
+                    f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {self.rank} of {self.world})"
+                )
+            self._fla_cp = ctx
+        return self._fla_cp
+
+
+_CP_WARNED: set[str] = set()
 
 
 def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None = None, like_q=None) -> torch.Tensor:

@@ -9,7 +9,8 @@ each other in the state passing anyway).
 * ``python scripts/bench_sp_kda.py``: the one-device time on ``cuda:0``; then, when ``torch.cuda.device_count() >=
   2``, ``torchrun --nproc_per_node N`` of this script (``N = --sp``, default: every visible GPU) for the SP time,
   each rank holding a contiguous ``tokens / N`` shard (``build_sp_layout`` + the layer's sequence-parallel path,
-  NCCL). With one GPU it says that SP needs at least 2 and reports the one-device time only.
+  NCCL; fla's context-parallel ``chunk_kda`` where it applies, the report names the KDA path that ran). With one
+  GPU it says that SP needs at least 2 and reports the one-device time only.
 * ``--smoke``: tiny shapes (hidden 64, 2 x 16 heads, 256 tokens, fp32) on the CPU torch kernels, and SP = 2 over
   gloo (two local processes through torchrun), so the pipeline runs without a GPU; the times mean nothing.
 * ``--report PATH`` / ``--json PATH``: a markdown table / the numbers.
@@ -138,9 +139,12 @@ def sp_worker(args) -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         ms = times.tolist()
+        fused = layer.bind_ops(x, decode=False).cp_core is not None
+        refusal = layout.sequence_parallel.fla_cp_refusal(device) if fused else "torch kernels"
+        path = "fla chunk_kda(cp_context)" if refusal is None else f"package state passing ({refusal})"
         with open(args.worker_out, "w") as f:
             json.dump({"mode": f"SP={world}", "devices": world, "device": str(device), "ms": statistics.median(ms),
-                       "ms_all": ms, "peak_gib": float(peak) if cuda else None}, f)
+                       "ms_all": ms, "peak_gib": float(peak) if cuda else None, "kda_sp_path": path}, f)
     dist.destroy_process_group()
 
 
@@ -172,6 +176,7 @@ def write(args, rows: list[dict], notes: list[str]) -> None:
         peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "n/a"
         lines.append(f"| {r['mode']} | {r['devices']} | {r['device']} | {r['ms']:.2f} | {peak} |")
     lines += [""] + [f"- {n}" for n in notes]
+    lines += [f"- {r['mode']} KDA path: {r['kda_sp_path']}" for r in rows if r.get("kda_sp_path")]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.report:

@@ -163,7 +163,7 @@ def _sp_run(rank, world, ref, out):
     # negative control: the KDA recurrence without state passing (each shard's first segment from a zero state)
     original = sp_mod.SequenceParallelContext.kda_core
     try:
-        sp_mod.SequenceParallelContext.kda_core = lambda self, core, q, k, v, g, beta, cu_seqlens: core(
+        sp_mod.SequenceParallelContext.kda_core = lambda self, core, q, k, v, g, beta, cu_seqlens, cp_core=None: core(
             q, k, v, g, beta, cu_seqlens=cu_seqlens
         )[0]
         broken = make_model(0)
@@ -286,3 +286,133 @@ def trainer_worker(rank: int, world: int, port: int, tmpdir: str, sp: int) -> No
         torch.save(out, os.path.join(tmpdir, f"trainer_{world}_{rank}.pt"))
         raise
     torch.save(out, os.path.join(tmpdir, f"trainer_{world}_{rank}.pt"))
+
+
+# ---------------------------------------------------------------------------------------------- fla's CP KDA
+# One KDA layer, fused path (fla's kernels under the Triton interpreter), one packed row of CP_SEQ tokens: at SP=4
+# (shards of 32) a document ends exactly at the shard boundary 32, a 1-token document starts there, and the
+# 70-token document 40..110 spans shards 1, 2 and 3.
+CP_SEQ = 128
+CP_DOCS = (10, 22, 1, 7, 70, 18)
+
+
+def _cp_inputs(rows: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, CP_SEQ, hidden, generator=g)
+    dout = torch.randn(rows, CP_SEQ, hidden, generator=g)
+    pos = torch.cat([torch.arange(n) for n in CP_DOCS]).expand(rows, -1)
+    return x, dout, pos
+
+
+def _kda_layer(kernel: str = "fused", seed: int = 0):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_kda import random_init_, tiny_config
+
+    from glm53flash_hf.kda import Glm53FlashLinearAttention
+
+    torch.manual_seed(seed)
+    layer = Glm53FlashLinearAttention(tiny_config(kernels={"kda": kernel}), layer_idx=0)
+    random_init_(layer)
+    return layer
+
+
+def _layer_grads(layer) -> dict:
+    return {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> None:
+    """One rank of one fused KDA layer under SP (``TRITON_INTERPRET=1`` must be set before this process imports
+    triton): ``rows == 1`` takes fla's context-parallel ``chunk_kda`` (:func:`~glm53flash_hf.kda_fused
+    .chunk_kda_context_parallel`, counted), ``rows == 2`` this package's state passing with fla's chunk kernels (the
+    warning that names why fla's CP is not used is recorded). Rank 0 also runs the whole rows in one layer call,
+    fused without SP (the fp32 reference) and on the torch path in float64 (the oracle). Writes
+    ``kda_cp{world}x{rows}_{rank}.pt``: the errors of the rank's output, input gradient and summed parameter
+    gradients against both, the fp32 reference's own error against float64, and the counts."""
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    path = os.path.join(tmpdir, f"kda_cp{world}x{rows}_{rank}.pt")
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from interp import fla_interpreter_patches
+
+        from glm53flash_hf import kda as kda_module
+        from glm53flash_hf import kda_fused
+        from glm53flash_hf.packing import build_document_layout
+        from glm53flash_hf.sequence_parallel import build_sp_layout
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=400)
+        )
+        with fla_interpreter_patches(cp=True):
+            def choose(family, requested, *tensors):  # the dispatcher never picks "fused" on CPU: ask the probe
+                ok, reason = kda_fused.fused_kda_available(*tensors)
+                assert ok, reason
+                return "fused"
+
+            kda_module.choose_backend = choose
+            calls = []
+            original_cp = kda_fused.chunk_kda_context_parallel
+
+            def counted(*args, cp_context, **kwargs):
+                calls.append(cp_context.cu_seqlens_cpu.tolist())
+                return original_cp(*args, cp_context=cp_context, **kwargs)
+
+            kda_fused.chunk_kda_context_parallel = counted
+            layer = _kda_layer()
+            x, dout, pos = _cp_inputs(rows, layer.hidden_size)
+            ref = [None]
+            if rank == 0:
+                xr = x.clone().requires_grad_()
+                o_ref = layer(xr, build_document_layout(rows, CP_SEQ, "cpu", position_ids=pos))
+                (o_ref * dout).sum().backward()
+                ref = {"o": o_ref.detach(), "dx": xr.grad, "grads": _layer_grads(layer)}
+                layer.zero_grad(set_to_none=True)
+                # float64 oracle: the torch path, same weights, whole rows
+                exact = _kda_layer("torch")
+                exact.load_state_dict(layer.state_dict())
+                exact.double()
+                kda_module.choose_backend, fused_choose = (lambda family, requested, *t: "torch"), choose
+                x64 = x.double().requires_grad_()
+                o64 = exact(x64, build_document_layout(rows, CP_SEQ, "cpu", position_ids=pos))
+                (o64 * dout.double()).sum().backward()
+                kda_module.choose_backend = fused_choose
+                ref["o64"], ref["dx64"], ref["grads64"] = o64.detach(), x64.grad, _layer_grads(exact)
+                ref = [ref]
+            dist.broadcast_object_list(ref, src=0)
+            ref = ref[0]
+            L = CP_SEQ // world
+            sl = slice(rank * L, (rank + 1) * L)
+            xl = x[:, sl].clone().requires_grad_()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                layout = build_sp_layout(dist.group.WORLD, rows, L, "cpu", position_ids=pos[:, sl].contiguous())
+                o = layer(xl, layout)
+            (o * dout[:, sl]).sum().backward()
+            grads = _layer_grads(layer)
+            for g in grads.values():
+                dist.all_reduce(g)
+            out["o_rel_err"] = _rel(o.detach(), ref["o"][:, sl])
+            out["dx_rel_err"] = _rel(xl.grad, ref["dx"][:, sl])
+            out["grad_rel_err"] = _worst(grads, ref["grads"])
+            out["grad_names_match"] = sorted(grads) == sorted(ref["grads"])
+            out["grad_rel_err64"] = _worst({n: g.double() for n, g in grads.items()}, ref["grads64"])
+            out["ref_grad_rel_err64"] = _worst({n: g.double() for n, g in ref["grads"].items()}, ref["grads64"])
+            out["o_rel_err64"] = _rel(o.detach().double(), ref["o64"][:, sl])
+            out["dx_rel_err64"] = _rel(xl.grad.double(), ref["dx64"][:, sl])
+            out["grad_rel_err_by_name"] = {n: _rel(g, ref["grads"][n]) for n, g in grads.items()}
+            out["grad_rel_err64_by_name"] = {n: _rel(g.double(), ref["grads64"][n]) for n, g in grads.items()}
+            out["cp_calls"] = calls
+            out["warnings"] = [str(w.message) for w in caught if "context-parallel" in str(w.message)]
+            out["local_cu"] = layout.cu_seqlens.tolist()
+        dist.barrier()
+    except BaseException:
+        out["error"] = traceback.format_exc()
+        torch.save(out, path)
+        raise
+    torch.save(out, path)
+    dist.destroy_process_group()

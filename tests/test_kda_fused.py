@@ -54,7 +54,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from interp import INTERPRETING, run_interpreter_child, skip_unless_interpreting
+from interp import (
+    INTERPRETING,
+    KERNEL_TOL,
+    fla_interpreter_patches,
+    run_interpreter_child,
+    skip_unless_interpreting,
+    tol_for,
+)
 from test_kda import naive_kda, random_init_, rel_err, tiny_config
 
 from glm53flash_hf import dispatch
@@ -63,17 +70,8 @@ from glm53flash_hf.kda import Glm53FlashLinearAttention
 from glm53flash_hf.kda_ops import causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
 from glm53flash_hf.packing import build_document_layout
 
-KERNEL_TOL = 1e-5
-GATE_PARAM_TOL = 1e-4
-GATE_PARAMS = ("A_log", "dt_bias", "f_a_proj", "f_b_proj")
-
 
 # ------------------------------------------------------------------------------------------------------------ helpers
-def tol_for(what: str) -> float:
-    """GATE_PARAM_TOL for the gradients of the gate parameters, else KERNEL_TOL (module docstring)."""
-    return GATE_PARAM_TOL if any(p in what for p in GATE_PARAMS) else KERNEL_TOL
-
-
 def assert_rel(a, b, what, tol=None, log=None):
     tol = tol_for(what) if tol is None else tol
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
@@ -140,70 +138,16 @@ def unpacked_batch(batch):
 # ============================================================================================ interpreter child (CPU)
 @pytest.fixture(scope="module")
 def fla_interp():
-    """glm53flash_hf.kda_fused with fla's kernels interpreted (the module docstring's test-only patches), one torch
-    thread."""
+    """glm53flash_hf.kda_fused with fla's kernels interpreted (the module docstring's test-only patches, applied by
+    :func:`interp.fla_interpreter_patches`), one torch thread."""
     skip_unless_interpreting()
-    import builtins
-
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import autotuner, interpreter
-    from triton.runtime.interpreter import interpreter_semantic
-
     from glm53flash_hf import kda_fused
 
-    kda_fused._load_fla()  # imports every fla module whose kernels we run
-    import fla.ops.kda.chunk_intra as chunk_intra
-
-    class _LoopIndex(int):
-        """A host int that also answers the Triton tensor method ``.to(dtype)`` (loop variables are tensors on GPU)."""
-
-        def to(self, dtype, *args, **kwargs):
-            return interpreter_semantic.to_tensor(int(self), False).to(dtype, *args, **kwargs)
-
-    def _range(*args):
-        return (_LoopIndex(i) for i in builtins.range(*args))
-
-    original_run = autotuner.Autotuner.run
-
-    def _one_config_run(self, *args, **kwargs):
-        self.configs = self.configs[:1]
-        return original_run(self, *args, **kwargs)
-
-    builder = interpreter.InterpreterBuilder
-    original_load, original_store = builder.create_masked_load, builder.create_masked_store
-
-    def _bool_mask(mask):
-        if mask.data.dtype == np.bool_:
-            return mask
-        return interpreter.TensorHandle(mask.data != 0, tl.int1)
-
-    def _masked_load(self, ptrs, mask, other, *args):
-        return original_load(self, ptrs, _bool_mask(mask), other, *args)
-
-    def _masked_store(self, ptrs, value, mask, *args):
-        return original_store(self, ptrs, value, _bool_mask(mask), *args)
-
-    saved = [(autotuner.Autotuner, "run", original_run),
-             (builder, "create_masked_load", original_load),
-             (builder, "create_masked_store", original_store),
-             (chunk_intra, "IS_GATHER_SUPPORTED", chunk_intra.IS_GATHER_SUPPORTED),
-             (chunk_intra, "SAFE_GATE_DOT_PRECISION", chunk_intra.SAFE_GATE_DOT_PRECISION)]
-    autotuner.Autotuner.run = _one_config_run
-    builder.create_masked_load, builder.create_masked_store = _masked_load, _masked_store
-    chunk_intra.IS_GATHER_SUPPORTED = False
-    chunk_intra.SAFE_GATE_DOT_PRECISION = tl.constexpr("ieee")
-    patched = [m for name, m in list(sys.modules.items()) if name.startswith("fla.") and m is not None]
-    for m in patched:
-        m.range = _range
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield kda_fused
+    with fla_interpreter_patches():
+        yield kda_fused
     torch.set_num_threads(threads)
-    for obj, name, value in saved:
-        setattr(obj, name, value)
-    for m in patched:
-        m.__dict__.pop("range", None)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import os
 import pytest
 import sp_worker
 import torch
+from interp import tol_for
 from mp_launch import free_port, run_workers
 
 from glm53flash_hf.kda_ops import chunk_kda_torch
@@ -219,3 +220,53 @@ def test_trainer_sp2_equals_one_process_trainer(tmp_path):
         assert moved[0] > 1e3 * TOL, moved  # the two steps moved the parameters far more than the bound
         assert worst[0] <= TOL, f"parameter {worst[1]} after two Trainer steps off by {worst[0]:.2e}"
         print(f"Trainer SP=2 rank {rank}: losses {res['losses']} vs {ref['losses']}; params {worst}")
+
+
+# ---------------------------------------------------------------------------------------------- fla's CP KDA
+
+
+@pytest.mark.parametrize("world,rows", [(4, 1), (2, 2)])
+def test_fused_kda_layer_sp_equals_one_process(tmp_path, monkeypatch, world, rows):
+    """One fused KDA layer (fla's kernels under the Triton interpreter, test-only patches of
+    :func:`interp.fla_interpreter_patches`, including fla's CUDA-only device check) on ``world`` gloo processes
+    against the whole rows in one process.
+
+    ``rows == 1`` (SP=4, a document across shards 1-3, one ending at a shard boundary, a 1-token document): the
+    shards run fla's context-parallel ``chunk_kda`` (``cp_context`` with fla's local boundaries, which must equal
+    the rank's layout; every call counted). ``rows == 2`` (SP=2): fla's CP chains one row only, so the package's
+    state passing runs with fla's chunk kernels, and a warning names why.
+
+    Oracle: the torch path in float64 on the whole rows, with the bounds fla's kernels are held to against float64
+    in one process (tests/test_kda_fused.py, ``interp.tol_for``): 1e-5 relative for the output, the input gradient
+    and the gradients of the parameters used per token; 1e-4 for those of the gate parameters (``A_log``,
+    ``dt_bias``, ``f_a_proj``, ``f_b_proj``), whose fp32 error is fla's own (one rounding of the in-chunk reverse
+    cumulative sum shared by every earlier token, summed coherently over the tokens) and depends on where the chunks
+    fall. The first group is also held to 1e-5 of the one-process fused (fp32) run. Measured ``dt_bias`` (the worst
+    gradient), SP vs float64 / the one-process fused run vs float64 / SP vs that run: SP=4 one row 3.9e-6 / 1.26e-5
+    / 1.0e-5; SP=2 two rows 1.62e-5 / 1.53e-5 / 2.8e-5. A wrong state passing misses by orders of magnitude
+    (``test_sp2_equals_one_process``'s control: 6.1 relative)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned workers before they import triton
+    run_workers(sp_worker.kda_cp_worker, (world, free_port(), str(tmp_path), rows), world, "KDA CP",
+                WORKER_DEADLINE_S)
+    for rank in range(world):
+        res = torch.load(tmp_path / f"kda_cp{world}x{rows}_{rank}.pt")
+        assert "error" not in res, res["error"]
+        assert res["grad_names_match"]
+        for what in ("o_rel_err64", "dx_rel_err64", "o_rel_err", "dx_rel_err"):
+            assert res[what] <= TOL, (what, res[what])
+        for name, err in res["grad_rel_err64_by_name"].items():
+            assert err <= tol_for(name), f"rank {rank}: gradient of {name} off float64 by {err:.2e}"
+        for name, err in res["grad_rel_err_by_name"].items():
+            if tol_for(name) == TOL:
+                assert err <= TOL, f"rank {rank}: gradient of {name} off the one-process fused run by {err:.2e}"
+        if rows == 1:
+            assert res["cp_calls"] == [res["local_cu"]] and not res["warnings"], res
+        else:
+            assert res["cp_calls"] == [] and len(res["warnings"]) == 1, res
+            assert "chains one token row and this batch has 2 rows" in res["warnings"][0]
+    results = [torch.load(tmp_path / f"kda_cp{world}x{rows}_{rank}.pt") for rank in range(world)]
+    worst = {key: max(r[key] for r in results) for key in ("o_rel_err64", "dx_rel_err64", "o_rel_err", "dx_rel_err")}
+    print(f"SP={world} rows={rows}, worst rank: vs float64 o {worst['o_rel_err64']:.2e} dx {worst['dx_rel_err64']:.2e}"
+          f" grad {max(r['grad_rel_err64'] for r in results)} (the one-process fused run: "
+          f"{results[0]['ref_grad_rel_err64']}); vs that run o {worst['o_rel_err']:.2e} dx {worst['dx_rel_err']:.2e} "
+          f"grad {max(r['grad_rel_err'] for r in results)}")
