@@ -63,10 +63,12 @@ def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: to
         raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
 
 
-def _sparse_mla_chunk(
+def _sparse_mla_probs(
     q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query chunk of :func:`sparse_mla_torch`: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` -> out, lse."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax of the sparse MLA core over each query's slots: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` ->
+    ``(probs [B,C,H,W], lse [B,C,H], gathered [B,C,W,Dl], safe [B,C,W])`` in the compute dtype (``safe``: long
+    ids, 0 at invalid slots, whose probability and gathered latent are 0)."""
     batch, chunk, _, dim = q_abs.shape
     kv_len = latent.shape[1]
     width = indices.shape[-1]
@@ -90,9 +92,16 @@ def _sparse_mla_chunk(
     nonempty = denom > 0
     safe_denom = torch.where(nonempty, denom, torch.ones_like(denom))
     probs = expo / safe_denom
-    out = torch.matmul(probs, gathered)  # [B, C, H, Dl]
     lse = torch.where(nonempty, row_max + torch.log(safe_denom), torch.full_like(denom, float("-inf"))).squeeze(-1)
-    return out, lse
+    return probs, lse, gathered, safe
+
+
+def _sparse_mla_chunk(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query chunk of :func:`sparse_mla_torch`: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` -> out, lse."""
+    probs, lse, gathered, _ = _sparse_mla_probs(q_abs, latent, indices, scale)
+    return torch.matmul(probs, gathered), lse  # [B, C, H, Dl]
 
 
 def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
@@ -179,8 +188,9 @@ def sparse_mla_with_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The maths of :func:`sparse_mla_torch`, returning the attention weights too (``output_attentions=True``).
 
-    The softmax is taken over each query's valid slots (fp32 at least), its probabilities are scattered (added,
-    as :func:`sparse_mla_torch` counts a repeated id twice) into a dense ``[B, H, S, S_kv]`` tensor that is zero
+    The softmax over each query's valid slots is :func:`sparse_mla_torch`'s own (the same function, fp32 at least,
+    over the whole sequence at once); its probabilities are scattered (added, as :func:`sparse_mla_torch` counts a
+    repeated id twice) into a dense ``[B, H, S, S_kv]`` tensor that is zero
     at the ids not selected, and the output is computed from that tensor: ``out = weights @ latent``. The weights
     are therefore on the autograd path of the output (transformers' convention for ``attentions``), and equal
     transformers' eager ``Glm5NextTextAttention`` weights (dense softmax with the top-k mask). Memory and compute
@@ -198,21 +208,13 @@ def sparse_mla_with_weights(
         ValueError: as :func:`sparse_mla_torch` (:func:`check_sparse_mla_args`).
     """
     check_sparse_mla_args(q_abs, latent, indices)
-    batch, seq_len, heads, dim = q_abs.shape
+    batch, seq_len, heads, _ = q_abs.shape
     kv_len = latent.shape[1]
-    compute_dtype = torch.promote_types(q_abs.dtype, torch.float32)
-    ids = indices.long()
-    valid = (ids >= 0) & (ids < kv_len)  # [B, S, W]
-    safe = torch.where(valid, ids, torch.zeros_like(ids))
-    lat = latent.to(compute_dtype)
-    picked = lat.gather(1, safe.reshape(batch, -1, 1).expand(-1, -1, dim)).view(batch, seq_len, -1, dim)
-    scores = torch.einsum("bshl,bswl->bhsw", q_abs.to(compute_dtype), picked) * scale
-    scores = scores.masked_fill(~valid[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(valid[:, None], probs, torch.zeros_like(probs))  # rows without a valid slot: 0, not NaN
+    probs, _, _, safe = _sparse_mla_probs(q_abs, latent, indices, scale)  # [B, S, H, W]; invalid slots 0
     weights = probs.new_zeros(batch, heads, seq_len, kv_len)
-    weights = weights.scatter_add(-1, safe[:, None].expand(-1, heads, -1, -1), probs).to(q_abs.dtype)
-    out = torch.einsum("bhsk,bkl->bshl", weights.to(compute_dtype), lat)
+    weights = weights.scatter_add(-1, safe[:, None].expand(-1, heads, -1, -1), probs.transpose(1, 2))
+    weights = weights.to(q_abs.dtype)
+    out = torch.einsum("bhsk,bkl->bshl", weights.to(probs.dtype), latent.to(probs.dtype))
     return out.to(q_abs.dtype), weights
 
 
