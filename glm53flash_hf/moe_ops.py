@@ -39,6 +39,7 @@ __all__ = [
     "experts_forward_torch",
     "grouped_mm",
     "PermuteRows",
+    "combine_rows",
     "routing_metadata",
     "rows_by_token",
     "sort_rows",
@@ -318,11 +319,26 @@ def experts_forward_torch(
     if valid is not None:
         out_rows = out_rows.masked_fill(~valid, 0.0)
     out_rows = out_rows * row_weights.unsqueeze(-1)
-    # back to token order, each token's k rows in increasing sorted position, i.e. increasing expert id (a token's
-    # experts are distinct; expert-parallel sentinel rows, zero, sort last), then added from the first
+    return combine_rows(out_rows, token_of_row, top_k).to(hidden_states.dtype)
+
+
+def combine_rows(out_rows: torch.Tensor, token_of_row: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's sum of its ``k`` expert-sorted rows, by gathers only: ``out_rows [S, H]`` (already weighted),
+    ``token_of_row`` integer ``[S]`` (:func:`routing_metadata`) -> ``[T, H]`` (``T = S / k``) in ``out_rows``' dtype.
+
+    A token's rows are taken in increasing sorted position, i.e. increasing expert id (a token's experts are
+    distinct; expert-parallel sentinel rows, zero, sort last), and added from the first: the order of transformers'
+    eager loop (``index_add_`` per expert from zero). Rows move with :class:`PermuteRows` (no scatter into a fresh
+    buffer in either direction; the module docstring says why). Shared by :func:`experts_forward_torch` and the
+    expert-parallel combine (``glm53flash_hf.train.expert_parallel.ExpertDispatcher``).
+
+    Raises:
+        ValueError: ``top_k < 1`` or ``S`` not a multiple of ``top_k`` (:func:`rows_by_token`).
+    """
     gather = rows_by_token(token_of_row, top_k).reshape(-1).long()
+    num_tokens = token_of_row.numel() // top_k
     rows = PermuteRows.apply(out_rows, gather, torch.argsort(gather)).view(num_tokens, top_k, out_rows.shape[-1])
     out = rows[:, 0]
     for j in range(1, top_k):
         out = out + rows[:, j]
-    return out.to(hidden_states.dtype)
+    return out

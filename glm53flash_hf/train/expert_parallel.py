@@ -16,7 +16,8 @@ Layout (mesh ``init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))``
   whatever wraps it (PEFT) — on the received rows as top-1 with unit weights through the ordinary
   :func:`glm53flash_hf.moe.grouped_experts_forward` (no second copy of the maths), sends the results back and combines
   them on the sender exactly as :func:`glm53flash_hf.moe_ops.experts_forward_torch` does (routing weight times the
-  row, fp32 ``index_add_`` in the same expert-sorted order, rounded once): the combine order is the 1-process order.
+  row, then :func:`glm53flash_hf.moe_ops.combine_rows`: each token's rows added in the same expert-sorted order,
+  rounded once): the combine order is the 1-process order.
 * Gradients. Every rank backpropagates ``loss_r * W`` where ``loss_r`` is its tokens' loss divided by the global
   token count (transformers' Trainer convention; ``sum_r loss_r`` is the global loss). A parameter's gradient is
   *summed over the ranks holding a replica of it and divided by* ``W``: non-expert parameters over all ``W`` ranks
@@ -65,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe_ops import routing_metadata
+from ..moe_ops import combine_rows, routing_metadata
 
 MOE_CLASS_NAME = "Glm53FlashMoE"
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -126,9 +127,7 @@ class ExpertDispatcher:
         out = experts(received, local_ids, unit)  # rows of the received order, top-1, weight 1
         back = AllToAll.apply(out, send_sizes, recv_sizes, self.group)
         out_rows = back * row_weights.unsqueeze(-1)
-        combined = torch.zeros(hidden_states.shape, device=hidden_states.device, dtype=out_rows.dtype)
-        combined.index_add_(0, token_of_row, out_rows)
-        return combined.to(hidden_states.dtype)
+        return combine_rows(out_rows, token_of_row, top_k_index.shape[1]).to(hidden_states.dtype)
 
 
 @dataclass
