@@ -328,7 +328,6 @@ class SequenceParallelContext:
             o = o.index_copy(1, self.rest_tokens, o_rest.to(o.dtype))
         return o
 
-
     def fla_cp_refusal(self, device) -> str | None:
         """Why fla's context-parallel KDA cannot run this shard (``None`` when it can): fla chains the documents of
         one flattened token row, so the global batch must be one row; and fla's CP kernels must accept ``device``
