@@ -258,8 +258,9 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         (ranks in order; :func:`.sequence_parallel.shard_sequence`), ``position_ids`` / ``attention_mask`` /
         ``seq_idx`` sliced the same way (``cu_seq_lens_q`` / ``cu_seqlens``: the global boundaries), and ``labels``
         sliced the same way (the causal shift is taken over the global rows). The loss is the shard's sum divided by
-        ``num_items_in_batch`` (pass the global count; when absent it is the group's total, all-reduced), so the
-        group's losses and gradients summed equal one device's. See :mod:`.sequence_parallel`.
+        ``num_items_in_batch`` (pass the global count; when absent it is the group's total, all-reduced, and each
+        MTP depth is divided by its own group total, as one device averages it), so the group's losses and gradients
+        summed equal one device's, with or without the count. See :mod:`.sequence_parallel`.
         """
         for module in self.modules():
             if isinstance(module, Glm53FlashTextModel):
@@ -640,6 +641,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+        counted = loss_kwargs.get("num_items_in_batch") is not None
         sp = getattr(getattr(outputs, "document_layout", None), "sequence_parallel", None)
         if sp is not None:
             loss_kwargs = sp_loss_kwargs(sp, labels, loss_kwargs)
@@ -662,14 +664,17 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     mtp_hidden = getattr(outputs, "mtp_hidden_states", None)
     if labels is not None and mtp_hidden:
         shifted = loss_kwargs.get("shift_labels")
+        # without a given count, each depth's mean (under SP: over the group's targets of that depth)
+        per_depth_mean = sp is not None and not counted
         mtp_value, mtp_logits = mtp_loss(
             head_model.lm_head,
             mtp_hidden,
             shifted if shifted is not None else labels,
             outputs.document_layout,
-            num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
+            num_items_in_batch=None if per_depth_mean else loss_kwargs.get("num_items_in_batch"),
             ignore_index=loss_kwargs.get("ignore_index", -100),
             shifted=shifted is not None,
+            count_total=sp.global_count if per_depth_mean else None,
         )
         loss = loss + head_model.config.get_text_config(decoder=True).mtp_loss_weight * mtp_value
     router_logits = getattr(outputs, "router_logits", None)

@@ -75,6 +75,7 @@ def mtp_loss(
     num_items_in_batch=None,
     ignore_index: int = -100,
     shifted: bool = False,
+    count_total=None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Unweighted MTP loss: mean over depths of the cross-entropy of ``lm_head(mtp_hidden_states[k-1])``
     (fp32) against :func:`mtp_targets` of depth ``k``.
@@ -82,6 +83,9 @@ def mtp_loss(
     Reduction per depth as transformers' ``ForCausalLMLoss``: the sum over tokens divided by
     ``num_items_in_batch`` when given (so Trainer's gradient accumulation is exact), else the mean over the
     depth's supervised tokens (0, not NaN, when a depth has none: short documents have no depth-k target).
+    ``count_total``: optional function applied to a depth's count of supervised tokens before it divides (a
+    sequence-parallel shard passes :meth:`.sequence_parallel.SequenceParallelContext.global_count`, so that the
+    ranks' losses sum to the single-device mean).
 
     Returns:
         ``(loss, logits_per_depth)``; loss is a scalar, logits ``[B, S, V]`` per depth.
@@ -96,7 +100,8 @@ def mtp_loss(
         if num_items_in_batch is not None:
             denom = num_items_in_batch.to(ce.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
         else:
-            denom = (target != ignore_index).sum().clamp_min(1)
+            count = (target != ignore_index).sum()
+            denom = (count_total(count) if count_total is not None else count).clamp_min(1)
         losses.append(ce / denom)
         all_logits.append(logits)
     return torch.stack(losses).mean(), tuple(all_logits)

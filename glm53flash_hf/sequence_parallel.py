@@ -328,6 +328,12 @@ class SequenceParallelContext:
             o = o.index_copy(1, self.rest_tokens, o_rest.to(o.dtype))
         return o
 
+    def global_count(self, count: torch.Tensor) -> torch.Tensor:
+        """The group's sum of an integer count (e.g. supervised targets on this shard): an all-reduce of a copy."""
+        total = count.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
     def fla_cp_refusal(self, device) -> str | None:
         """Why fla's context-parallel KDA cannot run this shard (``None`` when it can): fla chains the documents of
         one flattened token row, so the global batch must be one row; and fla's CP kernels must accept ``device``
@@ -394,7 +400,9 @@ def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None
 def sp_loss_kwargs(sp: SequenceParallelContext, labels: torch.Tensor, loss_kwargs: dict) -> dict:
     """Loss kwargs of a sequence-parallel shard: ``shift_labels`` (when not given) from the global causal shift
     (:meth:`SequenceParallelContext.shift_labels`), and ``num_items_in_batch`` (when not given) the group's total of
-    supervised shifted labels (an all-reduce), so the ranks' losses sum to the single-device loss.
+    supervised shifted labels (an all-reduce), so the ranks' main losses sum to the single-device loss. (The MTP
+    loss without a given count is normalised per depth by that depth's group total: :func:`.mtp.mtp_loss`'s
+    ``count_total``.)
 
     Args:
         labels: long ``[B, L]`` this rank's slice of the global labels; loss_kwargs: ``num_items_in_batch``,
@@ -405,9 +413,7 @@ def sp_loss_kwargs(sp: SequenceParallelContext, labels: torch.Tensor, loss_kwarg
     if out.get("shift_labels") is None:
         out["shift_labels"] = sp.shift_labels(labels, ignore)
     if out.get("num_items_in_batch") is None:
-        count = (out["shift_labels"] != ignore).sum()
-        dist.all_reduce(count, group=sp.group)
-        out["num_items_in_batch"] = count
+        out["num_items_in_batch"] = sp.global_count((out["shift_labels"] != ignore).sum())
     return out
 
 

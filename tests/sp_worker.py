@@ -67,6 +67,8 @@ def reference_run(path: str, steps: int = 2) -> None:
     torch.set_num_threads(1)
     model = make_model(0)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():  # the loss without num_items_in_batch: main and every MTP depth each a mean
+        loss_nocount = model(**global_batch(1)).loss.item()
     opt = make_optimizer(model.parameters())
     losses, grads = [], None
     for step in range(1, steps + 1):
@@ -82,7 +84,8 @@ def reference_run(path: str, steps: int = 2) -> None:
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     updates = {n: p - start[n] for n, p in params.items()}
-    torch.save({"losses": losses, "grads": grads, "grads2": grads2, "params": params, "updates": updates}, path)
+    torch.save({"losses": losses, "grads": grads, "grads2": grads2, "params": params, "updates": updates,
+                "loss_nocount": loss_nocount}, path)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -124,11 +127,16 @@ def _sp_run(rank, world, ref, out):
     import torch.distributed as dist
 
     from glm53flash_hf import sequence_parallel as sp_mod
+    from glm53flash_hf.sequence_parallel import shard_sequence
 
     group = dist.group.WORLD
     model = make_model(0)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.set_sequence_parallel(group)
+    with torch.no_grad():  # without num_items_in_batch: the ranks' losses sum to the one-process mean
+        nocount = model(**shard_sequence(global_batch(1), rank, world)).loss.detach().clone()
+    dist.all_reduce(nocount, group=group)
+    out["loss_nocount"] = nocount.item()
     opt = make_optimizer(model.parameters())
     grads: dict = {}
     grads2: dict = {}

@@ -140,3 +140,21 @@ def test_balancing_callback_off_by_default():
         AuxLossFreeBalancingCallback(speed=-1.0)
     with pytest.raises(ValueError):
         AuxLossFreeBalancingCallback(speed=0.1).attach(torch.nn.Linear(2, 2))
+
+
+def test_sp_mesh_without_distributed_trainer_is_refused(tmp_path):
+    """An SP mesh over several processes while the Trainer is not in distributed mode (``accelerate launch`` on CPU
+    without ``ACCELERATE_USE_CPU=true``: each process would train alone, silently) raises, naming the mode and the fix.
+    The mesh is a stand-in with ``size() == 2`` (this test has one process; only the check is exercised)."""
+    from glm53flash_hf.train.trainer import Glm53FlashTrainer
+
+    class TwoProcessMesh:
+        def size(self):
+            return 2
+
+        def __getitem__(self, name):
+            raise AssertionError("the check must refuse before the mesh is used")
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    with pytest.raises(ValueError, match=r"needs the Trainer in distributed mode.*ACCELERATE_USE_CPU=true"):
+        Glm53FlashTrainer(model=_model(), args=args, train_dataset=_rows(), pad_token_id=0, sp_mesh=TwoProcessMesh())

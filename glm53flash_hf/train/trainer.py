@@ -324,7 +324,9 @@ class Glm53FlashTrainer(Trainer):
         *args, **kwargs: ``transformers.Trainer``'s.
 
     Raises:
-        ValueError: ``sequence_parallel_size`` does not divide the world size, or is > 1 without a process group.
+        ValueError: ``sequence_parallel_size`` does not divide the world size, or is > 1 without a process group;
+            an SP mesh of several processes while the Trainer is not in distributed mode (``args.parallel_mode``,
+            e.g. ``accelerate launch`` on CPU without ``ACCELERATE_USE_CPU=true``).
     """
 
     def __init__(self, *args, pad_token_id: int, mtp: bool = True, sp_mesh=None, sequence_parallel_size: int = 1,
@@ -336,6 +338,15 @@ class Glm53FlashTrainer(Trainer):
         self._mtp_sum, self._mtp_logged_step = 0.0, 0
         if sp_mesh is None and sequence_parallel_size > 1:
             sp_mesh = sequence_parallel_mesh(sequence_parallel_size)
+        if sp_mesh is not None and sp_mesh.size() > 1:
+            from transformers.training_args import ParallelMode
+
+            if self.args.parallel_mode != ParallelMode.DISTRIBUTED:
+                raise ValueError(
+                    f"sequence parallelism over {sp_mesh.size()} processes needs the Trainer in distributed mode, but "
+                    f"args.parallel_mode is {self.args.parallel_mode} (each process would train on its own, without "
+                    "gradient sync); on CPU, accelerate launch needs ACCELERATE_USE_CPU=true"
+                )
         self.sp_mesh = sp_mesh
         self.sp_group = sp_mesh["sp"].get_group() if sp_mesh is not None else None
 
