@@ -877,19 +877,31 @@ def chunk_kda_fused(
     )
 
 
-def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None, **flags):
-    """The checks and the op call shared by :func:`chunk_kda_fused` and :func:`chunk_kda_gate_in_kernel`. ``gate``:
-    ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel; ``flags``: the kernel's ``use_*`` switches."""
+def _check_chunk_call(q, k, v, g, beta, chunk_size: int, gate=None) -> None:
+    """The argument checks of every fused chunked-KDA entry point (:func:`chunk_kda_fused`,
+    :func:`chunk_kda_gate_in_kernel`, :func:`chunk_kda_context_parallel`): shapes, head dims, the gate's parameters
+    (``gate = (A_log, dt_bias, lower_bound)`` when the gate runs in the kernel) and fla's chunk sizes.
+
+    Raises:
+        ValueError: naming the argument, its value and what was expected.
+    """
     check_core_inputs(q, k, v, g, beta)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    _check_head_dim(K, V)
-    A_log = dt_bias = lower_bound = None
+    H, K = q.shape[2], q.shape[3]
+    _check_head_dim(K, v.shape[-1])
     if gate is not None:
         A_log, dt_bias, lower_bound = gate
         _check_gate_params(A_log, dt_bias, H, K, lower_bound)
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
+
+
+def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None, **flags):
+    """The checks and the op call shared by :func:`chunk_kda_fused` and :func:`chunk_kda_gate_in_kernel`. ``gate``:
+    ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel; ``flags``: the kernel's ``use_*`` switches."""
+    _check_chunk_call(q, k, v, g, beta, chunk_size, gate)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     if cu_seqlens is None:  # with documents, the op checks the state against the boundaries it reads
         check_state(initial_state, B, H, K, V)
     o, final = _CHUNK_FWD(
@@ -996,14 +1008,10 @@ def chunk_kda_context_parallel(
         TypeError: the installed fla does not accept an argument (:func:`call_checked`).
         ImportError: fla-core's CP modules missing.
     """
-    check_core_inputs(q, k, v, g_raw, beta_logits)
+    _check_chunk_call(q, k, v, g_raw, beta_logits, chunk_size, (A_log, dt_bias, lower_bound))
     if q.shape[0] != 1:
         raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
-    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
-    _check_head_dim(K, V)
-    _check_gate_params(A_log, dt_bias, H, K, lower_bound)
-    if chunk_size not in FLA_CHUNK_SIZES:
-        raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
+    K = q.shape[3]
     cp = _load_fla_cp()
     with _device(q):
         o, _ = call_checked(
