@@ -109,15 +109,12 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         topk_indices = weights = None
         if self.layer_type == "linear_attention":
             x = self.self_attn(x, layout=layout, cache=cache)
-        elif output_attentions:
-            x, topk_indices, weights = self.self_attn(
-                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context,
-                output_attentions=True,
-            )
         else:
-            x, topk_indices = self.self_attn(
-                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context
+            x, topk_indices, *rest = self.self_attn(
+                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context,
+                output_attentions=output_attentions,
             )
+            weights = rest[0] if rest else None
         hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
 
         residual = hidden_states
@@ -491,17 +488,12 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         attentions = () if output_attentions else None
         try:
             for layer in self.layers[: self.config.num_hidden_layers]:
-                if output_attentions:
-                    hidden_states, topk_indices, weights = layer(
-                        hidden_states, layout, prev_topk_indices=topk_indices, cache=cache,
-                        cache_context=cache_context, output_attentions=True,
-                    )
-                    if weights is not None:  # DSA layers only, as the built-in (KDA layers form no weights)
-                        attentions += (weights,)
-                else:
-                    hidden_states, topk_indices = layer(
-                        hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context
-                    )
+                hidden_states, topk_indices, *rest = layer(
+                    hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context,
+                    output_attentions=bool(output_attentions),
+                )
+                if rest and rest[0] is not None:  # DSA layers only, as the built-in (KDA layers form no weights)
+                    attentions += (rest[0],)
                 if output_hidden_states:
                     all_hidden += (hidden_states,)
         finally:
