@@ -378,7 +378,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         found = None
         if "." not in name and ((module, name) in _METADATA_GLOBALS or module in (_METADATA_MODULE, "torch")):
-            found = super().find_class(module, name)
+            try:
+                found = super().find_class(module, name)
+            except AttributeError:
+                found = None
         allowed = (module, name) in _METADATA_GLOBALS or (
             module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module
         ) or (module == "torch" and isinstance(found, torch.dtype))
@@ -396,7 +399,7 @@ def _safe_dcp_reader(path: str):
     :class:`_MetadataUnpickler` instead of ``pickle.load``.
 
     Raises (from ``read_metadata``):
-        ValueError: the ``.metadata`` pickles anything but DCP metadata (naming the file and the global).
+        UnsafeCheckpointError: the ``.metadata`` pickles anything but DCP metadata (naming the file and the global).
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -419,7 +422,7 @@ def _safe_dcp_planner(path: str):
     ``torch.load(weights_only=True)`` (torch's own uses ``weights_only=False``).
 
     Raises (while loading):
-        ValueError: an item holds other pickled objects than plain values (naming the folder and the item).
+        UnsafeCheckpointError: an item holds other pickled objects than plain values (naming the folder and the item).
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
