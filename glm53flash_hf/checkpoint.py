@@ -210,10 +210,6 @@ def layer_conversions() -> list:
     return out
 
 
-# The class names our conversions are registered under (transformers looks conversions up by class name).
-CONVERSION_CLASS_NAMES = ("Glm53FlashTextModel", "Glm53FlashForCausalLM")
-
-
 def model_conversions() -> dict[str, list]:
     """``{class name: transforms}`` of this module copy.
 
@@ -253,7 +249,7 @@ def own_conversions():
     """
     lock = _conversion_registry.__dict__.setdefault("_glm53flash_registry_lock", threading.RLock())
     with lock:
-        previous = {name: get_checkpoint_conversion_mapping(name) for name in CONVERSION_CLASS_NAMES}
+        previous = {name: get_checkpoint_conversion_mapping(name) for name in model_conversions()}
         register_conversions()
         try:
             yield
