@@ -9,7 +9,9 @@ In memory (as in transformers' ``glm5_next``) experts are fused 3-D tensors, the
 
 transformers skips its own ``glm5_next`` conversions for remote-code classes
 (``conversion_mapping.get_model_conversion_mapping``), so :func:`register_conversions` registers ours, keyed by
-our class names, at import of the modeling file. The same list is reverted by ``save_pretrained``.
+our class names, at import of the modeling file, and our ``from_pretrained`` / ``save_pretrained`` run inside
+:func:`own_conversions` (transformers' registry is process-global; each remote-code copy of this module registers
+its own). The same list is reverted by ``save_pretrained``.
 
 Key-prefix variants accepted on load (text-only classes):
 
@@ -44,15 +46,22 @@ and each parameter is materialised on its own. :func:`inspect_checkpoint` checks
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 import torch
-from transformers.conversion_mapping import get_model_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers import conversion_mapping as _conversion_registry
+from transformers.conversion_mapping import (
+    get_checkpoint_conversion_mapping,
+    get_model_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
 from transformers.core_model_loading import (
     Concatenate,
     ConversionOps,
@@ -201,19 +210,53 @@ def layer_conversions() -> list:
     return out
 
 
-def register_conversions() -> None:
-    """Register our conversions with transformers (idempotent; the module may be imported from several
-    remote-code cache folders, hence ``overwrite=True``).
+def model_conversions() -> dict[str, list]:
+    """``{class name: transforms}`` of this module copy.
 
     * ``Glm53FlashTextModel``: :func:`text_model_prefix_renaming` + :func:`layer_conversions` (keys relative to
       the text model). transformers also applies this entry, scoped, to the text model nested in the causal LM.
     * ``Glm53FlashForCausalLM``: :func:`causal_lm_prefix_renaming` (the layer transforms come from the nested text
       model's entry).
     """
-    register_checkpoint_conversion_mapping(
-        "Glm53FlashTextModel", [text_model_prefix_renaming()] + layer_conversions(), overwrite=True
-    )
-    register_checkpoint_conversion_mapping("Glm53FlashForCausalLM", [causal_lm_prefix_renaming()], overwrite=True)
+    return {
+        "Glm53FlashTextModel": [text_model_prefix_renaming()] + layer_conversions(),
+        "Glm53FlashForCausalLM": [causal_lm_prefix_renaming()],
+    }
+
+
+def register_conversions() -> None:
+    """Register this module copy's :func:`model_conversions` with transformers, replacing what is registered under
+    those class names (``overwrite=True``).
+
+    transformers' registry is process-global and keyed by class name, while each remote-code folder brings its own
+    copy of this module (``transformers_modules.<hash>.checkpoint``) with classes of the same names: the entries
+    hold the conversions of the copy that registered last. The model classes therefore load and save inside
+    :func:`own_conversions`, so a folder whose code differs never changes how another checkpoint loads.
+    """
+    for name, mapping in model_conversions().items():
+        register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
+
+
+@contextlib.contextmanager
+def own_conversions():
+    """Context manager: transformers' registry holds this module copy's conversions while the block runs; on exit
+    the entries it replaced are registered again.
+
+    ``Glm53FlashPreTrainedModel.from_pretrained`` and ``save_pretrained`` run inside it, so a class always loads
+    and saves with the conversions of its own module, whichever copy (the package, any remote-code folder) was
+    imported or used last. A lock shared by every copy (kept on ``transformers.conversion_mapping``, the module
+    whose registry it guards) serialises such blocks across threads; it is re-entrant.
+    """
+    lock = _conversion_registry.__dict__.setdefault("_glm53flash_registry_lock", threading.RLock())
+    with lock:
+        previous = {name: get_checkpoint_conversion_mapping(name) for name in model_conversions()}
+        register_conversions()
+        try:
+            yield
+        finally:
+            for name, mapping in previous.items():
+                if mapping is not None:
+                    register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -291,10 +291,15 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         """
         import tempfile
 
-        from .checkpoint import atomic_save
+        from .checkpoint import atomic_save, own_conversions
 
         self.config.auto_map = dict(getattr(self.config, "auto_map", None) or {}, **AUTO_MAP)
-        parent = super().save_pretrained
+        super_save = super().save_pretrained
+
+        def parent(*a, **kw):  # reverts this module's conversions, whichever copy registered last
+            with own_conversions():
+                return super_save(*a, **kw)
+
         if kwargs.get("distributed_checkpoint"):
             return parent(save_directory, *args, **kwargs)
         is_main = args[0] if args else kwargs.get("is_main_process", True)
@@ -334,11 +339,14 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         truncated shard, or an integer or bool tensor of a local checkpoint that loads into a weight (one the model
         does not take is an unexpected key), raises ``ValueError`` naming the file or key. A text-only class skips
         the vision tower's tensors of a multimodal checkpoint and says so in one info line. ``save_pretrained``
-        then writes the canonical layout whatever variant was read.
+        then writes the canonical layout whatever variant was read. Loading and saving use the key conversions of
+        this class's own module (:func:`.checkpoint.own_conversions`), whatever other copy of it (a remote-code
+        folder's) was imported or used before.
         """
-        from .checkpoint import load_pretrained
+        from .checkpoint import load_pretrained, own_conversions
 
-        return load_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
+        with own_conversions():  # this module's conversions, whichever copy registered last
+            return load_pretrained(cls, super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
 
 
 class Glm53FlashTextModel(Glm53FlashPreTrainedModel):

@@ -4,18 +4,27 @@ SRC is a local checkpoint folder in the published layout: a release download, a 
 transformers' built-in ``Glm5NextForConditionalGeneration.save_pretrained``, by ``glm53flash-make-tiny`` or
 ``glm53flash-crop``. OUT receives:
 
-* ``config.json``: SRC's config with ``auto_map`` entries for every Auto class this package serves
-  (``modeling_glm53flash.AUTO_MAP``; SRC's other entries are kept);
-* the package's modules the remote code needs: each module named in ``auto_map`` and every module it imports
-  relatively (transformers' ``get_relative_import_files``, the same list ``save_pretrained`` copies);
+* ``config.json``: SRC's config whose ``auto_map`` names exactly the Auto classes this package serves
+  (``modeling_glm53flash.AUTO_MAP``);
+* the package's modules the remote code needs, and only those: each module named in ``AUTO_MAP`` or in the
+  processor's ``auto_map`` (``processing_glm53flash``) and every module they import relatively (transformers'
+  ``get_relative_import_files``, the list ``save_pretrained`` copies), byte-equal to the package's files;
 * links to SRC's weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``) and their ``*.index.json``,
   so nothing large is copied: symbolic links by default; where the file system refuses them, hard links, then
   copies, each fallback with a warning;
-* copies of every other file (tokenizer, generation config, chat template, processor configs, ...); files of
-  SRC named like our modules are replaced by ours. Hidden entries (``.cache``, ``.git``) are skipped.
+* copies of every other file (tokenizer, generation config, chat template, processor configs, ...). Hidden
+  entries (``.cache``, ``.git``) are skipped.
 
-Then ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads the package's model, while
-loading OUT without ``trust_remote_code`` still uses transformers' built-in ``glm5_next``. Nothing is downloaded.
+OUT runs no code of SRC under ``trust_remote_code=True``: SRC's Python files (``*.py``, ``*.pyc``,
+``__pycache__``, at any depth) are not copied, and every ``auto_map`` in a JSON file (top level or nested, e.g.
+the ``image_processor`` part of ``processor_config.json``) is replaced by this package's: ``AUTO_MAP`` in
+``config.json``, ``{"AutoProcessor": "processing_glm53flash.Glm53FlashProcessor"}`` in the others
+(``processor_config.json``, ``tokenizer_config.json``, ``preprocessor_config.json``, ...). A warning lists what was
+dropped or replaced.
+
+Then ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads the package's model and
+``AutoProcessor`` its processor, while loading OUT without ``trust_remote_code`` still uses transformers' built-in
+``glm5_next``. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -40,16 +49,27 @@ def _warn(message: str) -> None:
     logging.get_logger(__name__).warning(message)
 
 
+def processor_auto_map() -> dict[str, str]:
+    """The ``auto_map`` the package's processor writes into its JSON files
+    (``{"AutoProcessor": "processing_glm53flash.Glm53FlashProcessor"}``)."""
+    from ..processing_glm53flash import Glm53FlashProcessor
+
+    module = Glm53FlashProcessor.__module__.rsplit(".", 1)[-1]
+    return {Glm53FlashProcessor._auto_class: f"{module}.{Glm53FlashProcessor.__name__}"}
+
+
 def remote_code_files() -> list[str]:
     """Absolute paths of the package modules the remote code needs: every module named in
-    ``modeling_glm53flash.AUTO_MAP`` plus, recursively, the modules they import with ``from .x import y``."""
+    ``modeling_glm53flash.AUTO_MAP`` or :func:`processor_auto_map` plus, recursively, the modules they import with
+    ``from .x import y``."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
     from ..modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
 
     package_dir = os.path.dirname(os.path.abspath(inspect.getfile(Glm53FlashForCausalLM)))
     files: list[str] = []
-    for module in sorted({ref.split(".")[0] for ref in AUTO_MAP.values()}):
+    refs = list(AUTO_MAP.values()) + list(processor_auto_map().values())
+    for module in sorted({ref.split(".")[0] for ref in refs}):
         entry = os.path.join(package_dir, module + ".py")
         if not os.path.isfile(entry):
             raise FileNotFoundError(f"AUTO_MAP names module {module!r} but {entry} does not exist")
@@ -104,18 +124,86 @@ def _read_config(src: str) -> dict:
     return config
 
 
-def _plan(src: str, skip_names: set[str]) -> list[tuple[str, str]]:
-    """(relative path, "link" | "copy") for every non-hidden file under ``src`` except ``skip_names`` at top level."""
-    plan = []
+def is_code_file(name: str) -> bool:
+    """True for the Python files of SRC that :func:`export` never copies (``*.py``, ``*.pyc``)."""
+    return name.endswith((".py", ".pyc"))
+
+
+def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(relative path, "link" | "copy") for every non-hidden file under ``src`` except ``skip_names`` at top level
+    and the code files (:func:`is_code_file`, ``__pycache__``), and the relative paths of those code files."""
+    plan, code = [], []
     for root, dirs, files in os.walk(src, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel_root = os.path.relpath(root, src)
+        code += [d if rel_root == "." else os.path.join(rel_root, d) for d in sorted(dirs) if d == "__pycache__"]
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
         for name in sorted(files):
             rel = name if rel_root == "." else os.path.join(rel_root, name)
             if name.startswith(".") or rel in skip_names:
                 continue
+            if is_code_file(name):
+                code.append(rel)
+                continue
             plan.append((rel, "link" if is_weight_file(name) else "copy"))
-    return plan
+    return plan, code
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def _replace_auto_maps(data, auto_map: dict) -> bool:
+    """Set every ``"auto_map"`` value inside the JSON value ``data`` (dicts and lists, at any depth) to a copy of
+    ``auto_map``; return whether anything changed."""
+    changed = False
+    if isinstance(data, dict):
+        if "auto_map" in data and data["auto_map"] != auto_map:
+            data["auto_map"] = dict(auto_map)
+            changed = True
+        for key, value in data.items():
+            if key != "auto_map":
+                changed = _replace_auto_maps(value, auto_map) or changed
+    elif isinstance(data, list):
+        for value in data:
+            changed = _replace_auto_maps(value, auto_map) or changed
+    return changed
+
+
+def _with_our_auto_map(path: str):
+    """The JSON content of the file ``path`` with every ``auto_map`` replaced by :func:`processor_auto_map`, or
+    None when the file is not JSON (transformers could not read it either) or holds no other ``auto_map``."""
+    if not path.endswith(".json"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    if b'"auto_map"' not in raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if _replace_auto_maps(data, processor_auto_map()) else None
+
+
+def _write_json(data, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def _copy_with_our_auto_map(src_path: str, dst: str) -> str:
+    """Copy the file ``src_path`` to ``dst``, a JSON file with a foreign ``auto_map`` rewritten
+    (:func:`_with_our_auto_map`). Returns ``"config"`` when rewritten, else ``"copy"``."""
+    data = _with_our_auto_map(src_path)
+    if data is None:
+        shutil.copy2(src_path, dst)
+        return "copy"
+    _write_json(data, dst)
+    return "config"
 
 
 def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, show_progress: bool = True) -> dict:
@@ -159,15 +247,16 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         ) from error
 
     code = remote_code_files()
-    code_names = {os.path.basename(p) for p in code}
-    plan = _plan(src, skip_names={"config.json"} | code_names)
+    plan, src_code = _plan(src, skip_names={"config.json"})
     if not any(kind == "link" and rel.endswith(".safetensors") for rel, kind in plan):
         raise FileNotFoundError(f"SRC={src!r} has no *.safetensors weight files")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"OUT={out!r} exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace it")
-    config["auto_map"] = dict(config.get("auto_map") or {}, **AUTO_MAP)
+    dropped_entries = sorted(k for k, v in (config.get("auto_map") or {}).items() if AUTO_MAP.get(k) != v)
+    _replace_auto_maps(config, AUTO_MAP)  # nested ones too
+    config["auto_map"] = dict(AUTO_MAP)
     _drop_absent_mtp(src, config)
     written: dict[str, str] = {}
 
@@ -178,8 +267,7 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
             if kind == "link":
                 written[rel] = link_file(os.path.join(src, rel), dst, link)
             else:
-                shutil.copy2(os.path.join(src, rel), dst)
-                written[rel] = "copy"
+                written[rel] = _copy_with_our_auto_map(os.path.join(src, rel), dst)
         for path in code:
             shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
             written[os.path.basename(path)] = "code"
@@ -189,6 +277,22 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         written["config.json"] = "config"
 
     atomic_save(out, write)
+    kept = _scrub_kept_entries(out, written)
+    ours = {os.path.basename(p): p for p in code}
+    foreign = [rel for rel in src_code if rel not in ours]
+    outdated = [rel for rel in src_code if rel in ours and not _same_bytes(os.path.join(src, rel), ours[rel])]
+    replaced = sorted(rel for rel, kind in written.items() if kind == "config" and rel != "config.json")
+    if foreign or outdated or dropped_entries or replaced or kept:
+        parts = [f"SRC's code files not copied: {', '.join(foreign)}"] if foreign else []
+        if outdated:
+            parts.append(f"SRC's modules replaced by the package's: {', '.join(outdated)}")
+        if dropped_entries:
+            parts.append(f"config.json auto_map entries replaced or dropped: {', '.join(dropped_entries)}")
+        if replaced:
+            parts.append(f"auto_map replaced by the package's processor entry in: {', '.join(replaced)}")
+        if kept:
+            parts.append(f"removed or rewritten among OUT's previous files: {', '.join(kept)}")
+        _warn(f"glm53flash-export {src} -> {out}: OUT carries only this package's code; " + "; ".join(parts))
     return written
 
 
@@ -210,6 +314,38 @@ def _drop_absent_mtp(src: str, config: dict) -> None:
             "num_nextn_predict_layers=0"
         )
         text["num_nextn_predict_layers"] = 0
+
+
+def _scrub_kept_entries(out: str, written: dict) -> list[str]:
+    """Make the entries of ``out`` that :func:`export` did not write (kept from the previous folder under
+    ``overwrite``, :func:`glm53flash_hf.checkpoint.atomic_save`) follow the same rule as SRC's: code files and
+    ``__pycache__`` are removed, a foreign ``auto_map`` in a JSON file is replaced (the file is replaced, never written
+    through a link). Hidden entries are left alone. Returns the relative paths changed."""
+    changed = []
+    for root, dirs, files in os.walk(out):
+        rel_root = os.path.relpath(root, out)
+
+        def rel(name, rel_root=rel_root):
+            return name if rel_root == "." else os.path.join(rel_root, name)
+
+        for d in [d for d in dirs if d == "__pycache__"]:
+            path = os.path.join(root, d)
+            os.unlink(path) if os.path.islink(path) else shutil.rmtree(path)
+            changed.append(rel(d))
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        for name in files:
+            path = os.path.join(root, name)
+            if rel(name) in written or name.startswith("."):
+                continue
+            if is_code_file(name):
+                os.unlink(path)
+                changed.append(rel(name))
+            elif (data := _with_our_auto_map(path)) is not None:
+                tmp = os.path.join(root, f".{name}.export-tmp")
+                _write_json(data, tmp)
+                os.replace(tmp, path)  # replaces a link, never writes through it
+                changed.append(rel(name))
+    return changed
 
 
 def main(argv=None) -> int:

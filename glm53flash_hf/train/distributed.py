@@ -41,6 +41,12 @@ state with ``torch.distributed.checkpoint`` (each rank writes its shards; ``get_
 the mechanism of accelerate's ``SHARDED_STATE_DICT`` (which writes model and optimizer to separate folders; these
 helpers write one folder with a ``"model"`` and an ``"optimizer"`` key).
 
+Loading never runs code from the folder: torch's ``FileSystemReader`` unpickles ``.metadata`` with plain
+``pickle`` and its ``DefaultLoadPlanner`` reads non-tensor items with ``torch.load(weights_only=False)``, so a
+downloaded folder could run code on load. :func:`load_sharded_checkpoint` reads ``.metadata`` with an unpickler that
+only builds torch.distributed.checkpoint's metadata classes (and the few torch and pathlib values they hold) and the
+non-tensor items with ``torch.load(weights_only=True)``; anything else raises ``ValueError`` naming the file.
+
 accelerate: ``configuration/accelerate_fsdp2.yaml`` gives the same blocks and root (plus an embedding unit and a
 ``[norm, lm_head]`` unit); accelerate's own bf16 policy
 casts every parameter, so call :func:`shard_fp32_kept_units` on the model *before* ``accelerator.prepare(model)``
@@ -56,7 +62,9 @@ parameter name); xtuner's fp32 parameter handling for FSDP2.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import re
 from dataclasses import dataclass, field
 
@@ -340,6 +348,139 @@ def _check_checkpoint_dir(checkpoint_dir) -> str:
     return path
 
 
+# Globals a torch.distributed.checkpoint ``.metadata`` pickles besides the classes of
+# ``torch.distributed.checkpoint.metadata`` (``StorageMeta.checkpoint_id`` is a path; ``TensorProperties`` encodes
+# its layout through ``torch.serialization._get_layout``); ``torch.<dtype>`` names are allowed as well.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class UnsafeCheckpointError(ValueError):
+    """A DCP folder holds a pickle that would build something other than checkpoint metadata or plain values
+    (and so could run code from the folder)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickler of a DCP ``.metadata`` that builds only its metadata classes (see :data:`_METADATA_GLOBALS`)."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        found = None
+        if "." not in name and ((module, name) in _METADATA_GLOBALS or module in (_METADATA_MODULE, "torch")):
+            try:
+                found = super().find_class(module, name)
+            except AttributeError:
+                found = None
+        allowed = (module, name) in _METADATA_GLOBALS or (
+            module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module
+        ) or (module == "torch" and isinstance(found, torch.dtype))
+        if not allowed:
+            raise UnsafeCheckpointError(
+                f"{self.path}: refusing to unpickle {module}.{name}; a torch.distributed.checkpoint .metadata holds "
+                "only torch.distributed.checkpoint metadata classes, so this folder's metadata is not one written by "
+                "torch and loading it could run code from the folder"
+            )
+        return found
+
+
+def _safe_dcp_reader(path: str):
+    """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``read_metadata`` uses
+    :class:`_MetadataUnpickler` instead of ``pickle.load``.
+
+    Raises (from ``read_metadata``):
+        UnsafeCheckpointError: the ``.metadata`` pickles anything but DCP metadata (naming the file and the global).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata_path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(metadata_path, "rb") as file:
+                metadata = _MetadataUnpickler(file, os.fspath(metadata_path)).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(path)
+
+
+def _safe_dcp_planner(path: str):
+    """A ``DefaultLoadPlanner`` reading non-tensor items (optimizer hyper-parameters, step counters) with
+    ``torch.load(weights_only=True)`` (torch's own uses ``weights_only=False``).
+
+    Raises (while loading):
+        UnsafeCheckpointError: an item holds other pickled objects than plain values (naming the folder and the item).
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise UnsafeCheckpointError(
+                    f"{path}: the item {read_item.dest_index.fqn!r} pickles objects other than plain values; "
+                    f"refusing to load it (it could run code from the folder): {e}"
+                ) from e
+            plain = io.BytesIO()  # the parent's torch.load(weights_only=False) only sees the value loaded safely
+            torch.save(obj, plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    return SafeLoadPlanner()
+
+
+def read_sharded_metadata(checkpoint_dir):
+    """The ``torch.distributed.checkpoint.metadata.Metadata`` of a DCP folder, unpickled with an unpickler that
+    builds only DCP metadata classes (``state_dict_metadata``: ``{key: TensorStorageMetadata |
+    BytesStorageMetadata}``).
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` has no ``.metadata`` (naming it).
+        UnsafeCheckpointError (a ``ValueError``): the ``.metadata`` pickles anything else (naming the file and the
+            refused global).
+    """
+    return _safe_dcp_reader(_check_checkpoint_dir(checkpoint_dir)).read_metadata()
+
+
+def load_dcp(state: dict, checkpoint_dir) -> None:
+    """``torch.distributed.checkpoint.load(state, checkpoint_id=checkpoint_dir)`` that runs no code from the folder:
+    ``.metadata`` is read as :func:`read_sharded_metadata` does and non-tensor items with
+    ``torch.load(weights_only=True)`` (tensors are read so by torch already). Collective.
+
+    Raises:
+        FileNotFoundError: no ``.metadata`` (naming the folder).
+        UnsafeCheckpointError (a ``ValueError``): ``.metadata`` or an item pickles anything else (naming the file
+            or item).
+        RuntimeError: keys of ``state`` missing in the checkpoint (from ``torch.distributed.checkpoint``).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = _check_checkpoint_dir(checkpoint_dir)
+    read_sharded_metadata(path)  # raises here; inside dcp.load the error would reach the caller as text only
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=_safe_dcp_reader(path), planner=_safe_dcp_planner(path))
+    except CheckpointException as error:  # a BaseException carrying each rank's exception
+        refused = [exc for exc, _ in error.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+        if refused:
+            raise refused[0] from error
+        raise
+
+
 def save_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save model (and optimizer) state as a sharded ``torch.distributed.checkpoint`` folder; collective (call
     on every rank). Keys: ``"model"`` (``get_state_dict``'s FQNs, DTensor shards per rank) and, with an optimizer,
@@ -367,12 +508,17 @@ def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.o
     optimizer gets its state created first (``get_state_dict``); parameters without any saved optimizer state (never
     had a gradient) end without state, as in the saved optimizer.
 
+    Runs no code from the folder, so a downloaded checkpoint is safe to load: ``.metadata`` is unpickled with an
+    unpickler that builds only torch.distributed.checkpoint's metadata classes (torch's reader uses plain
+    ``pickle.load``) and non-tensor items are read with ``torch.load(weights_only=True)`` (:func:`load_dcp`).
+
     Raises:
         FileNotFoundError: ``checkpoint_dir`` has no DCP ``.metadata`` (naming it).
+        UnsafeCheckpointError (a ``ValueError``): ``.metadata`` pickles anything but DCP metadata, or a non-tensor
+            item anything but plain values (naming the file or item, and what was refused).
         RuntimeError: keys missing in the checkpoint (from ``torch.distributed.checkpoint``, naming them), e.g. an
             optimizer requested from a weights-only checkpoint.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -384,7 +530,7 @@ def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.o
     path = _check_checkpoint_dir(checkpoint_dir)
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path)
+        load_dcp(state, path)
         set_model_state_dict(model, state["model"])
         return
     msd, osd = get_state_dict(model, optimizer)
@@ -393,13 +539,13 @@ def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.o
     # optimizer then has no state for them either, as the saved one); any other missing key still raises.
     saved = {
         key[len("optimizer.state."):].rsplit(".", 1)[0]
-        for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for key in read_sharded_metadata(path).state_dict_metadata
         if key.startswith("optimizer.state.")
     }
     stateless = [fqn for fqn in osd["state"] if fqn not in saved]
     osd["state"] = {fqn: value for fqn, value in osd["state"].items() if fqn in saved}
     state = {"model": msd, "optimizer": osd}
-    dcp.load(state, checkpoint_id=path)  # raises on any requested key the checkpoint lacks
+    load_dcp(state, path)  # raises on any requested key the checkpoint lacks
     # strict=False only lets set_state_dict accept the stateless parameters (every model key was loaded above)
     options = StateDictOptions(strict=not stateless)
     set_state_dict(
@@ -410,10 +556,13 @@ def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.o
 __all__ = [
     "FP32_ANCHOR_CLASSES",
     "Fsdp2Plan",
+    "UnsafeCheckpointError",
     "apply_fsdp2",
     "fp32_kept_parameter_names",
+    "load_dcp",
     "load_sharded_checkpoint",
     "no_split_blocks",
+    "read_sharded_metadata",
     "save_sharded_checkpoint",
     "shard_fp32_kept_units",
 ]

@@ -564,13 +564,15 @@ def save_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, 
 def load_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, optimizer=None) -> None:
     """Load a folder of :func:`save_sharded_checkpoint_ep` into a model sharded the same way (collective).
 
+    Runs no code from the folder (as :func:`.distributed.load_sharded_checkpoint`: :func:`.distributed.load_dcp`).
+
     Raises:
         FileNotFoundError: no DCP ``.metadata`` in ``checkpoint_dir``. RuntimeError: keys missing (from DCP).
+        ValueError: ``.metadata`` or a non-tensor item pickles anything but DCP metadata / plain values.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    from .distributed import _check_checkpoint_dir
+    from .distributed import _check_checkpoint_dir, load_dcp, read_sharded_metadata
 
     path = _check_checkpoint_dir(checkpoint_dir)
     state, templates = _ep_state(model, optimizer, plan)
@@ -579,14 +581,14 @@ def load_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, 
         # as load_sharded_checkpoint: parameters that never had a gradient (the DSA indexer) have no saved state
         saved = {
             key[len("optimizer.state."):].rsplit(".", 1)[0]
-            for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            for key in read_sharded_metadata(path).state_dict_metadata
             if key.startswith("optimizer.state.")
         }
         osd = state["optimizer"]
         stateless = [fqn for fqn in osd["state"] if fqn not in saved]
         osd["state"] = {fqn: st for fqn, st in osd["state"].items() if fqn in saved}
         templates = {k: v for k, v in templates.items() if k[0] == "model" or k[1] in saved}
-    dcp.load(state, checkpoint_id=path)
+    load_dcp(state, path)
     for key, template in templates.items():
         if key[0] == "model":
             state["model"][key[1]] = _from_ep_dtensor(state["model"][key[1]], template)
