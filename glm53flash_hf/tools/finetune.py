@@ -10,10 +10,13 @@ With no arguments it runs the embedded default on CPU in a few minutes:
 3. trains with ``transformers.Trainer``: samples packed into rows by the packing collator (documents kept apart),
    the MTP loss added to the main loss, LoRA on the attention/MLP projections and the routed experts' 3-D
    weights (plus ``lm_head`` in full on the random-init tiny checkpoint, see ``--train-lm-head``; ``--full``
-   trains every weight instead), a progress bar and a loss log (``loss_log.jsonl``);
+   trains every weight instead), a progress bar and a loss log (``loss_log.jsonl``); a NaN / inf loss, gradient
+   norm or trained weight stops the job with an error naming the step;
 4. saves a Hub-style folder: the merged weights (LoRA merged into the base, or the fully fine-tuned weights),
    ``config.json`` with ``auto_map``, the remote-code modules, the processor and the chat template; with LoRA
-   also the adapter in ``<output-dir>/adapter`` (and a check that the merged model's logits equal the adapter's);
+   also the adapter in ``<output-dir>/adapter`` (and a check that the merged model's logits equal the adapter's).
+   All of it, with the loss log, is written beside ``--output-dir`` first and replaces the previous output as one
+   unit once complete; a second run into a folder held by a running one is refused;
 5. reloads the folder in a fresh Python process (offline, without importing this package) through
    ``AutoModelForCausalLM`` and ``AutoModelForImageTextToText`` with ``trust_remote_code=True``, and greedily
    answers a held-out question (a topic left out of the training set) and an image prompt.
