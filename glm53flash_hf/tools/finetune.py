@@ -10,10 +10,13 @@ With no arguments it runs the embedded default on CPU in a few minutes:
 3. trains with ``transformers.Trainer``: samples packed into rows by the packing collator (documents kept apart),
    the MTP loss added to the main loss, LoRA on the attention/MLP projections and the routed experts' 3-D
    weights (plus ``lm_head`` in full on the random-init tiny checkpoint, see ``--train-lm-head``; ``--full``
-   trains every weight instead), a progress bar and a loss log (``loss_log.jsonl``);
+   trains every weight instead), a progress bar and a loss log (``loss_log.jsonl``); a NaN / inf loss, gradient
+   norm or trained weight stops the job with an error naming the step;
 4. saves a Hub-style folder: the merged weights (LoRA merged into the base, or the fully fine-tuned weights),
    ``config.json`` with ``auto_map``, the remote-code modules, the processor and the chat template; with LoRA
-   also the adapter in ``<output-dir>/adapter`` (and a check that the merged model's logits equal the adapter's);
+   also the adapter in ``<output-dir>/adapter`` (and a check that the merged model's logits equal the adapter's).
+   All of it, with the loss log, is written beside ``--output-dir`` first and replaces the previous output as one
+   unit once complete; a second run into a folder held by a running one is refused;
 5. reloads the folder in a fresh Python process (offline, without importing this package) through
    ``AutoModelForCausalLM`` and ``AutoModelForImageTextToText`` with ``trust_remote_code=True``, and greedily
    answers a held-out question (a topic left out of the training set) and an image prompt.
@@ -40,8 +43,11 @@ samples only (``--sp`` > 1 implies ``--no-media``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -71,10 +77,14 @@ def loss_summary(losses: list[float], k: int = 3) -> tuple[float, float, int]:
     logged losses, so that with few steps the two windows never overlap (one loss: ``first == last``).
 
     Raises:
-        ValueError: no loss was logged.
+        ValueError: no loss was logged, or a logged loss is NaN / inf (names the first such, 1-based).
     """
     if not losses:
         raise ValueError("no training loss was logged (max_steps must be >= 1)")
+    bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
+    if bad:
+        raise ValueError(f"logged loss {bad[0] + 1} of {len(losses)} is {losses[bad[0]]}: a non-finite run has no "
+                         "first / last loss to compare")
     n = max(1, min(k, len(losses) // 2))
     return sum(losses[:n]) / n, sum(losses[-n:]) / n, n
 
@@ -92,6 +102,85 @@ def _resolve_dtype(name: str):
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() and not _fsdp_launch() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class OutputBusyError(RuntimeError):
+    """The output folder is held by another running ``glm53flash-finetune`` (see :func:`output_lock`)."""
+
+
+def _sibling(out: str, suffix: str) -> str:
+    """``<parent>/.<name>.<suffix>`` beside the folder ``out`` resolves to (symbolic links followed)."""
+    parent, name = os.path.split(os.path.realpath(os.path.abspath(out)))
+    return os.path.join(parent, f".{name}.{suffix}")
+
+
+def staging_folder(out: str) -> str:
+    """Where a run writes its output (loss log, adapter, merged model, processor) before it replaces ``out`` as a
+    unit: the sibling ``.<name>.staging`` of ``out`` (same file system; one run at a time, see :func:`output_lock`)."""
+    return _sibling(out, "staging")
+
+
+@contextlib.contextmanager
+def output_lock(out: str):
+    """Hold the output folder ``out`` for one run: an exclusive ``fcntl.flock`` on the sibling file
+    ``.<name>.lock`` (holding the holder's pid), released when the block ends or the process dies (a lock file
+    left by a killed run does not block). Yields the lock file's path.
+
+    Raises:
+        OutputBusyError: another process holds ``out`` (names the folder, the holder's pid and the lock file).
+    """
+    import fcntl
+
+    path = _sibling(out, "lock")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise OutputBusyError(f"{out!r} is in use by another glm53flash-finetune run (pid {holder}, lock file "
+                                  f"{path}); wait for it to end or choose another --output-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)
+
+
+def _publish(staging: str, out: str) -> None:
+    """Replace ``out`` by the complete folder ``staging`` as a unit (:func:`glm53flash_hf.checkpoint.atomic_save`,
+    which keeps the entries of the old folder that the new one lacks and that are not checkpoint files), then
+    remove the emptied ``staging``."""
+    from ..checkpoint import atomic_save
+
+    def write(folder: str) -> None:
+        for entry in os.listdir(staging):
+            os.rename(os.path.join(staging, entry), os.path.join(folder, entry))
+
+    atomic_save(out, write)
+    os.rmdir(staging)
+
+
+def check_finite(model, what: str, accelerator=None) -> None:
+    """Raise unless every floating-point parameter and buffer of ``model`` is finite (with an ``accelerator`` of
+    several processes, on every process: the count of bad tensors is summed over them).
+
+    Raises:
+        FloatingPointError: naming ``what``, the number of tensors holding NaN / inf and the first few names.
+    """
+    import torch
+
+    from ..train.trainer import nonfinite_tensors
+
+    bad = nonfinite_tensors(model)
+    count = len(bad)
+    if accelerator is not None and accelerator.num_processes > 1:
+        count = int(accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="sum"))
+    if count:
+        names = f": {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else " (on other processes)"
+        raise FloatingPointError(f"{what} holds non-finite values (NaN / inf) in {count} tensors{names}; nothing "
+                                 "was saved")
 
 
 def _save_trained(trainer, path: str, main_process: bool, processor=None) -> None:
@@ -312,27 +401,32 @@ def _check_model_and_output(parser, args) -> None:
 
 
 def _check_args(parser, args) -> None:
-    _check_model_and_output(parser, args)
-    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "answer_chars", "max_new_tokens",
-                "sp")
+    """Refuse, with ``parser.error`` naming the option and its value, every numeric option out of its range (NaN
+    and inf included), then the ``--model`` / ``--output-dir`` pair and the ``--samples`` / ``--held-out`` pair."""
+    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.answer_chars < 40:
+        parser.error(f"--answer-chars must be >= 40; got {args.answer_chars}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0; got {args.warmup_steps}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be between 0 and 2**32 - 1; got {args.seed}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be > 0 and finite; got {args.lr}")
+    if not (math.isfinite(args.balance_speed) and args.balance_speed >= 0):
+        parser.error(f"--balance-speed must be >= 0 and finite; got {args.balance_speed}")
+    _check_model_and_output(parser, args)
     if args.samples < 0 or (args.samples == 0 and args.no_media):
         parser.error(f"--samples must be >= 1 (or >= 0 with media); got {args.samples}")
     if args.sp > 1:
         args.no_media = True  # the vision tower is not sequence-parallel: text samples only
-    if args.lr is not None and not args.lr > 0:
-        parser.error(f"--lr must be > 0; got {args.lr}")
-    if args.ep < 1:
-        parser.error(f"--ep must be >= 1; got {args.ep}")
     if args.ep > 1 and args.sp > 1:
         parser.error(f"--ep and --sp cannot be combined yet; got --ep {args.ep} --sp {args.sp}")
     if args.ep > 1 and _fsdp_launch():
         parser.error("--ep builds its own FSDP2 layout: launch with configuration/accelerate_ep2.yaml, not an FSDP "
                      "accelerate config")
-    if args.warmup_steps < 0 or args.balance_speed < 0:
-        parser.error("--warmup-steps and --balance-speed must be >= 0")
     try:
         text_topics(args.samples, args.held_out, args.seed)
     except KeyError as error:
@@ -348,6 +442,7 @@ class Job:
     Attributes:
         args: the parsed command line.
         out: absolute output folder.
+        staging: where the run writes its output before it replaces ``out`` (:func:`staging_folder`).
         dtype: weights dtype (``torch.float32`` / ``torch.bfloat16``).
         training_args: the ``transformers.TrainingArguments`` of the run.
         main_process: whether this is process 0 (it alone prints, saves and verifies).
@@ -357,6 +452,7 @@ class Job:
 
     args: argparse.Namespace
     out: str
+    staging: str
     dtype: object
     training_args: object
     main_process: bool
@@ -370,8 +466,9 @@ class Job:
 
 
 def training_arguments(args, out: str, dtype):
-    """The ``TrainingArguments`` of the job: linear schedule with warm-up, one log per step, no intermediate saves,
-    bf16 autocast only on CUDA in bf16 (or under an FSDP bf16 launch)."""
+    """The ``TrainingArguments`` of the job (``output_dir=out``, the staging folder in the job): linear schedule with
+    warm-up, one log per step, no intermediate saves, bf16 autocast only on CUDA in bf16 (or under an FSDP bf16
+    launch)."""
     import torch
     from transformers import TrainingArguments
 
@@ -498,7 +595,7 @@ def build_trainer(job: Job, processor, model, dataset):
         # model as it is (no DDP wrap, no second sharding)
         apply_fsdp2_ep(model, job.ep_plan, param_dtype=torch.bfloat16 if job.training_args.bf16 else None)
         model._is_distributed_loading_by_transformers = True  # transformers reads it through the property
-    callbacks = [ProgressWithLossCallback(), LossLogCallback(os.path.join(job.out, LOSS_LOG))]
+    callbacks = [ProgressWithLossCallback(), LossLogCallback(os.path.join(job.staging, LOSS_LOG))]
     if args.balance_speed > 0:
         callbacks.append(AuxLossFreeBalancingCallback(speed=args.balance_speed))
     pad = processor.tokenizer.pad_token_id
@@ -530,11 +627,18 @@ def build_trainer(job: Job, processor, model, dataset):
 
 
 def train(job: Job, trainer) -> dict:
-    """Step 3: ``trainer.train()``. Returns ``{"seconds", "tokens", "first", "last", "n"}``: training time, trained
-    tokens over all processes, and the first / last loss means of :func:`loss_summary`."""
+    """Step 3: ``trainer.train()`` (the loss log goes to the staging folder). Returns ``{"seconds", "tokens",
+    "first", "last", "n"}``: training time, trained tokens over all processes, and the first / last loss means of
+    :func:`loss_summary`.
+
+    Raises:
+        FloatingPointError: a non-finite loss or gradient norm (:class:`Glm53FlashTrainer`, naming the step), or
+            non-finite weights after the last step.
+    """
     import torch
 
     result = trainer.train()
+    check_finite(trainer.model, f"the trained model (after step {trainer.state.global_step})", trainer.accelerator)
     tokens = trainer.trained_tokens
     if trainer.accelerator.num_processes > 1:
         tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device),
@@ -544,30 +648,25 @@ def train(job: Job, trainer) -> dict:
 
 
 def save(job: Job, trainer, processor):
-    """Step 4: save the Hub-style folder in ``job.out``: with LoRA the adapter in ``adapter/``, then the merged
-    model with the processor, with ``--full`` the trained model with the processor (then a stale adapter of an
-    earlier LoRA run is removed); then :func:`check_saved_folder`. Each save is atomic (written beside its folder
-    and swapped in when complete; the folder's other entries, such as the loss log, are kept). Returns the saved
-    model on the main process when it is in memory (else ``None``)."""
-    os.makedirs(job.out, exist_ok=True)
+    """Step 4: complete the Hub-style folder in the staging folder ``job.staging`` (which already holds the loss
+    log): with LoRA the adapter in ``adapter/``, then the merged model (checked finite) with the processor, with
+    ``--full`` the trained model with the processor; :func:`check_saved_folder` on it; then replace ``job.out`` by
+    it as a unit (:func:`_publish`; the old folder's other entries, such as a README, are kept; with ``--full`` a
+    stale adapter of an earlier LoRA run is then removed). Any failure before the swap leaves ``job.out`` as it
+    was. Returns the saved model on the main process when it is in memory (else ``None``)."""
+    stage = job.staging
     saved_model = None
     if job.args.full:
         if job.ep_plan is not None:
             from ..train.expert_parallel import save_pretrained_ep
 
             # a collective; rank 0 writes, atomically (the model's save_pretrained), with the processor
-            save_pretrained_ep(trainer.model, job.ep_plan, job.out, processor=processor)
+            save_pretrained_ep(trainer.model, job.ep_plan, stage, processor=processor)
         else:
-            _save_trained(trainer, job.out, job.main_process, processor=processor)
-        stale = os.path.join(job.out, ADAPTER_DIR)
-        if job.main_process and os.path.isfile(os.path.join(stale, "adapter_config.json")):
-            import shutil
-
-            job.say(f"removing the adapter of an earlier LoRA run: {stale}")
-            shutil.rmtree(stale)
+            _save_trained(trainer, stage, job.main_process, processor=processor)
         saved_model = trainer.model if trainer.accelerator.num_processes == 1 else None
     else:
-        adapter_dir = os.path.join(job.out, ADAPTER_DIR)
+        adapter_dir = os.path.join(stage, ADAPTER_DIR)
         if job.ep_plan is not None:
             from ..train.expert_parallel import save_adapter_ep
 
@@ -576,9 +675,15 @@ def save(job: Job, trainer, processor):
             _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype)
-            saved_model.save_pretrained(job.out, processor=processor)
+            check_finite(saved_model, "the merged model")
+            saved_model.save_pretrained(stage, processor=processor)
     if job.main_process:
-        check_saved_folder(job.out, adapter=not job.args.full)
+        check_saved_folder(stage, adapter=not job.args.full)
+        _publish(stage, job.out)
+        stale = os.path.join(job.out, ADAPTER_DIR)
+        if job.args.full and os.path.isfile(os.path.join(stale, "adapter_config.json")):
+            job.say(f"removing the adapter of an earlier LoRA run: {stale}")
+            shutil.rmtree(stale)
     trainer.accelerator.wait_for_everyone()
     return saved_model
 
@@ -633,7 +738,15 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
 
 def main(argv=None) -> int:
     """Command-line entry point of ``glm53flash-finetune``: :func:`prepare`, :func:`build_trainer`, :func:`train`,
-    :func:`save`, :func:`verify`. Returns the exit status (0 on success)."""
+    :func:`save`, :func:`verify`, with ``--output-dir`` held by :func:`output_lock` (main process) throughout and
+    written through :func:`staging_folder` (removed again when the run fails). Returns the exit status (0 on
+    success).
+
+    Raises:
+        SystemExit: bad options, or ``--output-dir`` held by another run (status 2, argparse's message).
+        FloatingPointError: the run diverged (a non-finite loss, gradient norm or weights; names the step);
+            ``--output-dir`` is left as it was.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -644,10 +757,28 @@ def main(argv=None) -> int:
         import torch
 
         dtype = torch.float32  # fp32 masters: apply_fsdp2_ep's bf16 policy computes in bf16
-    training_args = training_arguments(args, out, dtype)
-    job = Job(args=args, out=out, dtype=dtype, training_args=training_args,
+    staging = staging_folder(out)
+    training_args = training_arguments(args, staging, dtype)
+    job = Job(args=args, out=out, staging=staging, dtype=dtype, training_args=training_args,
               main_process=training_args.process_index == 0)
+    with contextlib.ExitStack() as stack:
+        if job.main_process:
+            try:
+                stack.enter_context(output_lock(out))
+            except OutputBusyError as error:
+                parser.error(f"--output-dir {error}")
+            shutil.rmtree(staging, ignore_errors=True)  # left by a killed run (the lock is ours)
+            os.makedirs(staging)
+        try:
+            return _run(parser, job, start)
+        finally:
+            if job.main_process:
+                shutil.rmtree(staging, ignore_errors=True)  # emptied and removed by a complete run
 
+
+def _run(parser, job: Job, start: float) -> int:
+    """The steps of :func:`main` once ``--output-dir`` is held."""
+    args, out, dtype = job.args, job.out, job.dtype
     try:
         processor, model, dataset = prepare(job)
     except OSError as error:  # a Hub id that does not resolve (offline, unknown repository): one line, no traceback

@@ -2,7 +2,8 @@
 aux-loss-free expert-balancing callback and the job's progress / loss-log callbacks.
 
 * :class:`Glm53FlashTrainer` is ``transformers.Trainer`` plus the MTP loss in the logs, a count of the trained
-  (non-padding) tokens, ``mtp=False`` passed to the model when the MTP loss is off, and sequence parallelism
+  (non-padding) tokens, ``mtp=False`` passed to the model when the MTP loss is off, a ``FloatingPointError`` on a
+  non-finite loss or gradient norm (:func:`nonfinite_tensors` checks weights), and sequence parallelism
   (``sp_mesh=`` / ``sequence_parallel_size=``, :func:`sp_micro_batches`).
 
 * :func:`default_lora_config` builds a ``peft.LoraConfig`` that adapts the attention projections (MLA and KDA),
@@ -28,7 +29,9 @@ transformers ``TrainerCallback`` events (``on_train_begin`` / ``on_step_end`` / 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 import os
 import re
 
@@ -142,18 +145,18 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
     not change the sign. Padding tokens are routed and counted like any other token.
 
     Args:
-        speed: update step ``gamma`` (>= 0). ``0.0`` (default) disables the callback: no hooks, no updates.
+        speed: update step ``gamma`` (finite, >= 0). ``0.0`` (default) disables the callback: no hooks, no updates.
 
     Attributes:
         last_loads: ``{router name: float32 [E]}`` loads of the last completed step (for logging and tests).
 
     Raises:
-        ValueError: negative ``speed``; at train begin, ``speed > 0`` but the model has no MoE router.
+        ValueError: negative or non-finite ``speed``; at train begin, ``speed > 0`` but the model has no MoE router.
     """
 
     def __init__(self, speed: float = 0.0):
-        if speed < 0:
-            raise ValueError(f"speed must be >= 0; got speed={speed}")
+        if not (math.isfinite(speed) and speed >= 0):
+            raise ValueError(f"speed must be a finite number >= 0; got speed={speed}")
         self.speed = float(speed)
         self.last_loads: dict[str, torch.Tensor] = {}
         self._routers: dict[str, torch.nn.Module] = {}
@@ -304,6 +307,11 @@ class Glm53FlashTrainer(Trainer):
       trained target (the packing collator pads with ``pad`` ids and -100 labels; a trained ``<|endoftext|>`` equal
       to ``pad`` has a label);
     * ``mtp=False`` passed to the model when ``mtp`` is off;
+    * a stop on a non-finite loss or gradient norm: ``FloatingPointError`` naming the step (1-based, as the logs'
+      ``step``), raised by the training step whose raw loss is NaN / inf (checked before the Trainer's
+      ``logging_nan_inf_filter``, which would log the mean of the earlier losses in its place) and after the
+      optimizer step whose gradient norm (the Trainer's, before clipping) is NaN / inf, unless the optimizer
+      skipped that step (fp16 loss scaling). Each process checks its own loss; the gradient norm is global;
     * sequence parallelism (the extension point; transformers' own context parallelism drives SDPA models only):
       with ``sp_mesh`` (a ``DeviceMesh`` with an ``"sp"`` dimension, e.g. ``init_device_mesh("cuda", (dp, sp),
       mesh_dim_names=("dp_shard", "sp"))``) or ``sequence_parallel_size=N`` (that mesh over all processes, ranks
@@ -327,6 +335,7 @@ class Glm53FlashTrainer(Trainer):
         ValueError: ``sequence_parallel_size`` does not divide the world size, or is > 1 without a process group;
             an SP mesh of several processes while the Trainer is not in distributed mode (``args.parallel_mode``,
             e.g. ``accelerate launch`` on CPU without ``ACCELERATE_USE_CPU=true``).
+        FloatingPointError: during training, a non-finite loss or gradient norm (names the step and the value).
     """
 
     def __init__(self, *args, pad_token_id: int, mtp: bool = True, sp_mesh=None, sequence_parallel_size: int = 1,
@@ -351,6 +360,24 @@ class Glm53FlashTrainer(Trainer):
         self.sp_group = sp_mesh["sp"].get_group() if sp_mesh is not None else None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = self._training_step(model, inputs, num_items_in_batch)
+        if not bool(torch.isfinite(loss.detach()).all()):
+            raise FloatingPointError(
+                f"non-finite training loss {float(loss.detach().float().sum()):g} at step {self.state.global_step + 1} "
+                "(the raw loss of this process's micro-batch); training stopped"
+            )
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        # called after every optimizer step with the step's gradient norm (before clipping), logged or not
+        if grad_norm is not None and not self.accelerator.optimizer_step_was_skipped:
+            value = float(grad_norm)
+            if not math.isfinite(value):
+                raise FloatingPointError(f"non-finite gradient norm {value:g} at step {self.state.global_step} "
+                                         "(before clipping); training stopped")
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _training_step(self, model, inputs, num_items_in_batch=None):
         ids, labels = inputs["input_ids"], inputs["labels"]
         self.trained_tokens += int(((ids != self.pad_token_id) | (labels != IGNORE_INDEX)).sum())
         if self.sp_group is None:
@@ -392,6 +419,18 @@ class Glm53FlashTrainer(Trainer):
             logs["mtp_loss"] = round(self._mtp_sum / steps, 6)
             self._mtp_sum, self._mtp_logged_step = 0.0, self.state.global_step
         return super().log(logs, start_time)
+
+
+def nonfinite_tensors(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s floating-point parameters and buffers that hold a NaN or an inf (of a ``DTensor``, this
+    process's shard only). Returns ``[]`` when every value is finite."""
+    bad = []
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.is_floating_point():
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if local.numel() and not bool(torch.isfinite(local.detach()).all()):
+                bad.append(name)
+    return bad
 
 
 def sequence_parallel_mesh(sp: int, device_type: str | None = None):

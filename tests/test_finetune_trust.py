@@ -1,0 +1,231 @@
+"""``glm53flash-finetune`` off the happy path: non-finite runs stop with an error naming the step, bad numbers on the
+command line are refused, a second run into a held output folder is refused, and the previous output folder stays
+byte-for-byte as it was after any failed run (its loss log, adapter and merged weights are replaced as one unit by a
+complete run only).
+
+The job runs in this process with tiny settings (1-2 steps of 2 text samples packed into rows of 128 tokens, no
+reload); the previous output is one such complete run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+pytest.importorskip("peft")
+pytest.importorskip("skimage")
+
+import test_finetune  # noqa: E402
+from test_trainer import _model, _rows  # noqa: E402
+
+from glm53flash_hf.tools import finetune  # noqa: E402
+from glm53flash_hf.train.trainer import AuxLossFreeBalancingCallback, Glm53FlashTrainer  # noqa: E402
+
+INF, NAN = float("inf"), float("nan")
+tiny = test_finetune.tiny  # the embedded tiny checkpoint (module-scoped fixture)
+
+
+def _argv(model, out, *extra):
+    return ["--model", model, "--output-dir", str(out), "--no-media", "--samples", "2", "--batch-size", "2",
+            "--max-length", "128", "--max-steps", "1", "--no-reload", *extra]
+
+
+def _snapshot(folder) -> dict:
+    """``{relative path: bytes}`` of every file under ``folder`` (and ``None`` for each folder)."""
+    result = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            result[os.path.relpath(os.path.join(root, name), folder)] = None
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                result[os.path.relpath(path, folder)] = f.read()
+    return result
+
+
+def _lr_inf(monkeypatch):
+    """Train with lr = inf (the command line refuses it): the first optimizer step makes the weights NaN."""
+    original = finetune.training_arguments
+
+    def training_arguments(args, out, dtype):
+        result = original(args, out, dtype)
+        result.learning_rate = INF
+        return result
+
+    monkeypatch.setattr(finetune, "training_arguments", training_arguments)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--lr", "inf", "--lr must be > 0 and finite; got inf"),
+    ("--lr", "nan", "--lr must be > 0 and finite; got nan"),
+    ("--lr", "0", "--lr must be > 0 and finite; got 0.0"),
+    ("--balance-speed", "nan", "--balance-speed must be >= 0 and finite; got nan"),
+    ("--balance-speed", "inf", "--balance-speed must be >= 0 and finite; got inf"),
+    ("--balance-speed", "-0.1", "--balance-speed must be >= 0 and finite; got -0.1"),
+    ("--warmup-steps", "-1", "--warmup-steps must be >= 0; got -1"),
+    ("--lora-r", "0", "--lora-r must be >= 1; got 0"),
+    ("--batch-size", "0", "--batch-size must be >= 1; got 0"),
+    ("--grad-accum", "-2", "--grad-accum must be >= 1; got -2"),
+    ("--max-length", "0", "--max-length must be >= 1; got 0"),
+    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1; got 0"),
+    ("--sp", "0", "--sp must be >= 1; got 0"),
+    ("--ep", "-1", "--ep must be >= 1; got -1"),
+    ("--answer-chars", "39", "--answer-chars must be >= 40; got 39"),
+    ("--seed", "-1", "--seed must be between 0 and 2**32 - 1; got -1"),
+    ("--seed", str(2**32), f"--seed must be between 0 and 2**32 - 1; got {2**32}"),
+    ("--samples", "-1", "--samples must be >= 1 (or >= 0 with media); got -1"),
+])
+def test_cli_refuses_bad_numbers(option, value, message, tiny, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        finetune.main(_argv(tiny, tmp_path / "out", option, value))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"glm53flash-finetune: error: {message}" in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_loss_summary_refuses_non_finite_losses():
+    with pytest.raises(ValueError, match=r"logged loss 2 of 3 is inf"):
+        finetune.loss_summary([8.0, INF, 1.0])
+    with pytest.raises(ValueError, match=r"logged loss 1 of 2 is nan"):
+        finetune.loss_summary([NAN, 1.0])
+    with pytest.raises(ValueError, match=r"speed must be a finite number >= 0; got speed=nan"):
+        AuxLossFreeBalancingCallback(speed=NAN)
+
+
+# ------------------------------------------------------------------------------------------------ the Trainer
+
+
+def _trainer(tmp_path, lr, steps):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=steps,
+                             per_device_train_batch_size=2, learning_rate=lr, lr_scheduler_type="constant",
+                             logging_steps=10, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+                             seed=0)
+    assert args.logging_nan_inf_filter  # the Trainer's filter would log a NaN loss as the mean of earlier ones
+    return Glm53FlashTrainer(model=_model(), args=args, train_dataset=_rows(), pad_token_id=0)
+
+
+def test_trainer_stops_on_non_finite_loss(tmp_path):
+    """lr = inf: step 1 is finite and turns the weights into NaN, so the raw loss of step 2 is NaN."""
+    trainer = _trainer(tmp_path, INF, 3)
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan at step 2 "):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_trainer_stops_on_non_finite_grad_norm(tmp_path):
+    """A finite loss with a NaN gradient (a hook on one weight): the gradient norm of step 1 is NaN."""
+    trainer = _trainer(tmp_path, 1e-3, 3)
+    weight = trainer.model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: torch.full_like(grad, NAN))
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm nan at step 1 \(before clipping\)"):
+        trainer.train()
+
+
+# ------------------------------------------------------------------------------------------------ the job
+
+
+@pytest.fixture(scope="module")
+def previous(tiny, tmp_path_factory):
+    """A complete LoRA run into a folder that holds a README, beside the staging folder and the lock file a killed
+    run left (the lock file names a dead pid): the run succeeds, keeps the README and drops the stale staging."""
+    root = tmp_path_factory.mktemp("previous")
+    out = root / "out"
+    out.mkdir()
+    (out / "README.md").write_text("user notes\n")
+    stale = root / ".out.staging"
+    stale.mkdir()
+    (stale / "junk.bin").write_bytes(b"left by a killed run")
+    (root / ".out.lock").write_text("999999999\n")
+    assert finetune.main(_argv(tiny, out)) == 0
+    assert sorted(os.listdir(root)) == [".out.lock", "out"]
+    finetune.check_saved_folder(str(out), adapter=True)
+    assert (out / "README.md").read_text() == "user notes\n" and not (out / "junk.bin").exists()
+    assert len((out / finetune.LOSS_LOG).read_text().splitlines()) == 1
+    return str(out)
+
+
+@pytest.fixture
+def old_output(previous, tmp_path):
+    """A copy of the previous run's folder (and its snapshot) for one failing run to leave alone."""
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    return out, _snapshot(out)
+
+
+def _assert_untouched(out, snapshot):
+    assert _snapshot(out) == snapshot
+    assert sorted(os.listdir(out.parent)) == [".out.lock", "out"]  # no staging or temporary folder left
+
+
+def test_non_finite_loss_stops_the_job_and_keeps_the_old_output(tiny, old_output, monkeypatch):
+    out, snapshot = old_output
+    _lr_inf(monkeypatch)
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan at step 2 "):
+        finetune.main(_argv(tiny, out, "--max-steps", "2", "--warmup-steps", "0"))
+    _assert_untouched(out, snapshot)
+
+
+def test_non_finite_weights_after_the_last_step_are_not_saved(tiny, old_output, monkeypatch):
+    """One ``--full`` step at lr = inf: the loss and gradient norm of that step are finite, the weights it leaves
+    are not."""
+    out, snapshot = old_output
+    _lr_inf(monkeypatch)
+    with pytest.raises(FloatingPointError, match=r"the trained model \(after step 1\) holds non-finite values"):
+        finetune.main(_argv(tiny, out, "--full", "--warmup-steps", "0", "--no-mtp"))
+    _assert_untouched(out, snapshot)
+
+
+def test_failed_merge_keeps_the_old_adapter_weights_and_loss_log(tiny, old_output, monkeypatch):
+    """The merge fails after training (the new loss log and adapter are written by then): the old adapter, merged
+    weights and loss log are all still there, unchanged."""
+    out, snapshot = old_output
+    seen = []
+
+    def failing_merge(base_path, adapter_dir, dtype):
+        seen.append(_snapshot(out) == snapshot and os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")))
+        raise RuntimeError(f"merge failed on {adapter_dir}")
+
+    monkeypatch.setattr(finetune, "merge_adapter", failing_merge)
+    with pytest.raises(RuntimeError, match=r"merge failed on .*\.out\.staging/adapter"):
+        finetune.main(_argv(tiny, out))
+    assert seen == [True]  # training and the adapter save wrote nothing into the output folder
+    _assert_untouched(out, snapshot)
+
+
+def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
+    """Another process holds the folder: a run is refused naming the folder and that process's pid; once the holder
+    is killed (SIGKILL, no clean-up), its lock file no longer blocks."""
+    out = tmp_path / "out"
+    with finetune.output_lock(str(out)) as lock_path:
+        assert open(lock_path).read() == f"{os.getpid()}\n"
+        with pytest.raises(finetune.OutputBusyError, match=rf"'{out}' is in use .* \(pid {os.getpid()}, lock file"):
+            with finetune.output_lock(str(out)):
+                pass
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); os.write(fd, f'{os.getpid()}\\n'.encode()); "
+         "print('held', flush=True); sys.stdin.read()", lock_path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as exit_info:
+            finetune.main(_argv(tiny, out))
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, err
+        assert f"error: --output-dir '{out}' is in use by another glm53flash-finetune run (pid {holder.pid}" in err
+        assert not os.path.exists(out) and not os.path.exists(finetune.staging_folder(str(out)))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with finetune.output_lock(str(out)):
+        assert open(lock_path).read() == f"{os.getpid()}\n"
