@@ -196,6 +196,15 @@ def test_crop_errors(src, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         crop.main([src["bf16"], str(busy), "--layers", "2"])
     assert e.value.code == 2 and "exists and is not empty" in capsys.readouterr().err
+    for bad in ("0", "0MB", "-5"):
+        with pytest.raises(SystemExit) as e:
+            crop.main([src["bf16"], str(tmp_path / "o"), "--layers", "2", "--max-shard-size", bad])
+        assert e.value.code == 2 and f"not a size: {bad!r}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    plan = crop.plan_crop(src["bf16"], 2, torch.bfloat16)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"max_shard_size={bad!r}; expected a positive number of bytes"):
+            crop.run_crop(plan, str(tmp_path / "o"), bad, progress=False)
 
 
 def test_rewrite_config_schedule_fields():

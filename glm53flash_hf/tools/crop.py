@@ -389,9 +389,13 @@ def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progre
         ``{"shards": n, "tensors": n, "total_size": bytes}``.
 
     Raises:
-        ValueError: ``out`` exists and is not empty; ``out`` is, lies inside, holds or links into the source folder
-            (:func:`glm53flash_hf.tools.output_conflict`); a corrupt shard (named).
+        ValueError: ``max_shard_size`` not a positive integer; ``out`` exists and is not empty; ``out`` is, lies
+            inside, holds or links into the source folder (:func:`glm53flash_hf.tools.output_conflict`); a corrupt
+            shard (named).
     """
+    if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
+                                       or max_shard_size <= 0):
+        raise ValueError(f"max_shard_size={max_shard_size!r}; expected a positive number of bytes or None")
     check_output_folder(out, plan.src)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"output folder {out} exists and is not empty")
@@ -402,7 +406,7 @@ def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progre
 
 def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: bool) -> dict:
     """The body of :func:`run_crop`, writing into the empty folder ``out``."""
-    limit = max_shard_size or _largest_shard_bytes(plan.src, plan.weight_map)
+    limit = max_shard_size if max_shard_size is not None else _largest_shard_bytes(plan.src, plan.weight_map)
     by_file: dict[str, list[KeyAction]] = {}
     for a in plan.actions:
         if a.target is not None:
@@ -468,9 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     def size(value: str) -> int:
         try:
-            return int(value) if value.isdigit() else convert_file_size_to_int(value)
+            n = int(value) if value.isdigit() else convert_file_size_to_int(value)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"not a size: {value!r} (use e.g. 5GB, 500MB or a byte count)") from e
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"not a size: {value!r} is {n} bytes; expected a positive size")
+        return n
 
     p = argparse.ArgumentParser(
         prog="glm53flash-crop",
