@@ -26,6 +26,8 @@ import sp_worker
 import torch
 from interp import tol_for
 from mp_launch import free_port, run_workers
+from test_kda import naive_kda
+from tiny import fp64_error_tol, rel_err
 
 from glm53flash_hf.kda_ops import chunk_kda_torch
 from glm53flash_hf.sequence_parallel import kda_boundary_transition, shard_sequence
@@ -153,7 +155,10 @@ def _inputs(T, H=2, K=8, seed=0):
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_state_passing_equals_whole_sequence(world):
     """One document over ``world`` shards: the prefix over the shards' ``(A_r, B_r)`` gives each shard's incoming
-    state, and re-running the shard from it equals the chunk op on the whole sequence (fp64: 1e-10)."""
+    state, and re-running the shard from it equals the chunk op on the whole sequence.
+
+    State passing is exact algebra; in fp32 the shards are the same recurrence with other chunk boundaries (fp32
+    order only). Bound: 4x the whole-sequence fp32 run's own error against the float64 token loop."""
     L = 21
     q, k, v, g, beta = _inputs(world * L)
     whole, final = chunk_kda_torch(q, k, v, g, beta, output_final_state=True, chunk_size=16)
@@ -167,8 +172,10 @@ def test_state_passing_equals_whole_sequence(world):
         _, b = chunk_kda_torch(*parts, output_final_state=True, chunk_size=16)
         a = kda_boundary_transition(functools_partial_chunk(16), parts[1], parts[3], parts[4], like_q=parts[0])
         state = torch.matmul(a.to(state.dtype), state) + b
-    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=0, atol=1e-6)
-    torch.testing.assert_close(state, final, rtol=0, atol=1e-6)
+    # fp32 order only (docstring): 4x the whole-sequence run's own error against the float64 token loop
+    exact, exact_final = naive_kda(q, k, v, g, beta)
+    assert rel_err(torch.cat(outs, dim=1), exact) <= fp64_error_tol(whole, exact)
+    assert rel_err(state, exact_final) <= fp64_error_tol(final, exact_final)
 
 
 def functools_partial_chunk(chunk_size):
@@ -187,7 +194,11 @@ def test_transition_is_the_linear_part():
     _, f1 = chunk_kda_torch(q, k, v, g, beta, initial_state=s1, output_final_state=True, cu_seqlens=cu)
     _, f2 = chunk_kda_torch(q, k, v, g, beta, initial_state=s2, output_final_state=True, cu_seqlens=cu)
     a = kda_boundary_transition(chunk_kda_torch, k, g, beta, cu_seqlens=cu)
-    torch.testing.assert_close(f1 - f2, torch.matmul(a.to(s1.dtype), s1 - s2), rtol=0, atol=1e-6)
+    # Claim: f1 = f2 + A (s1 - s2), exact algebra, each term an fp32 evaluation of the recurrence. Compared at the
+    # states' scale (not the difference's, whose cancellation leaves the fp32 rounding of f1 and f2): 4x the fp32
+    # run's own error against the float64 token loop.
+    _, exact = naive_kda(q, k, v, g, beta, initial_state=s1, cu_seqlens=cu)
+    assert rel_err(f2 + torch.matmul(a.to(s1.dtype), s1 - s2), exact) <= fp64_error_tol(f1, exact)
 
 
 def test_shard_sequence_contiguous_and_uneven_refused():

@@ -149,6 +149,30 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / denom if denom > 0 else (a - b).abs().max().item()
 
 
+FP32_U = 2.0**-24  # fp32 unit roundoff: one rounding moves a value by at most this fraction of it
+
+
+def fp32_sum_tol(n: int, margin: float = 4.0) -> float:
+    """Bound on :func:`rel_err` between two fp32 evaluations of the same sums of ``n`` terms in different orders.
+
+    Each evaluation is within ``gamma_n * sum|terms|`` of the exact sum, ``gamma_n = n u / (1 - n u)``, ``u = 2**-24``,
+    whatever the order or blocking (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., §3.1), so two
+    differ by at most ``2 gamma_n sum|terms|``. Returns ``margin * 2 * gamma_n``; ``margin`` covers the ratio
+    ``sum|terms| / max|result|`` (about 1 to 3 for the O(1) random data of these tests) and the few roundings around
+    the sums (activations, casts).
+    """
+    gamma = n * FP32_U / (1 - n * FP32_U)
+    return margin * 2 * gamma
+
+
+def fp64_error_tol(fp32: torch.Tensor, fp64: torch.Tensor, margin: float = 4.0) -> float:
+    """Bound on :func:`rel_err` against ``fp64`` of another fp32 evaluation (other order, other kernels) of the maths
+    that gave ``fp32``: ``margin`` times the measured error ``rel_err(fp32, fp64)`` of this fp32 evaluation (at
+    least ``margin * FP32_U``). Measured on the test's own data, it includes the amplification the maths applies to
+    rounding (e.g. softmax logits of magnitude ``L`` turn their fp32 rounding into relative errors ``~L * u``)."""
+    return margin * max(rel_err(fp32, fp64), FP32_U)
+
+
 def read_checkpoint_tensors(folder) -> dict:
     """Every tensor of a safetensors checkpoint folder (through its index, or ``model.safetensors``); a key stored
     twice fails the test."""
