@@ -375,8 +375,9 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
             float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
             documents, padding after a real token, or more tokens than a static cache holds; ``mtp_depth > 0``
-            with a cache or without an MTP layer. At construction: ``pad_token_id`` not ``None`` nor an id in
-            ``[0, vocab_size)`` (:meth:`.Glm53FlashTextConfig.check_pad_token_id`).
+            with a cache or without an MTP layer. At construction: ``pad_token_id``, ``bos_token_id`` or
+            ``eos_token_id`` (or one of its ids) not ``None`` nor an id in ``[0, vocab_size)``
+            (:meth:`.Glm53FlashTextConfig.check_special_token_ids`).
         NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
     """
 
@@ -386,7 +387,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
 
     def __init__(self, config: Glm53FlashTextConfig):
         super().__init__(config)
-        config.check_pad_token_id()
+        config.check_special_token_ids()
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
