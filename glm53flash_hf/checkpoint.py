@@ -439,6 +439,8 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
 
     Checks, each raising ``ValueError`` naming the file or key:
 
+    * ``config.json`` and the index are valid JSON, the index's ``weight_map`` an object listing each tensor once,
+      and the folder holds either an index or ``model.safetensors``, not both (:func:`read_weight_map`);
     * every shard opens (``safe_open`` detects truncation and damaged headers; its own message does not name the
       file) and holds the tensors the index assigns to it;
     * integer or bool tensors are recorded (``non_float``): after the load, :func:`check_loaded_dtypes` raises for
@@ -900,11 +902,13 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict) -
 def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
     """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader with our checks around it.
 
-    Before: :func:`inspect_checkpoint` (local folders): corrupt/truncated shards, index/shard disagreement, FP8
-    consistency, each raising ``ValueError`` that names the file or key; after the load, an integer or bool
-    tensor that went into a weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8
-    checkpoint is loaded with ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a
-    ``quantization_config``.
+    Before: :func:`inspect_checkpoint` (local folders): an invalid ``config.json`` or index, an index beside a
+    ``model.safetensors`` (:func:`read_weight_map`), corrupt/truncated shards, index/shard disagreement, FP8
+    consistency; then :func:`check_config_matches_checkpoint`: the config's layer and expert counts and the sizes
+    of the large tensors against the headers, before transformers builds a model of the config's size. Each raises
+    ``ValueError`` naming the file, key or config field. After the load, an integer or bool tensor that went into a
+    weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8 checkpoint is loaded with
+    ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a ``quantization_config``.
 
     After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
     ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;
@@ -916,7 +920,8 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     registered list so ``save_pretrained`` writes the canonical layout whatever prefix variant (or caller's
     ``key_mapping``) was read; transformers would keep only the transforms that matched. A class
     with ``_skips_vision_tower`` logs one info line counting the skipped vision (and, for the text model,
-    ``lm_head``) tensors.
+    ``lm_head``) tensors. Last, :func:`check_finite_weights`: a NaN or Inf in a loaded weight raises ``ValueError``
+    naming the parameter, unless ``allow_nonfinite_weights=True`` (then it warns).
 
     Returns:
         the model, or ``(model, loading_info)`` with ``output_loading_info=True``.

@@ -332,7 +332,11 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns), or
         ``output_loading_info=True`` (then they are in the returned ``loading_info``, and warned); a corrupt or
         truncated shard, or an integer or bool tensor of a local checkpoint that loads into a weight (one the model
-        does not take is an unexpected key), raises ``ValueError`` naming the file or key. A text-only class skips
+        does not take is an unexpected key), raises ``ValueError`` naming the file or key; so does a config whose
+        layer or expert counts or tensor sizes disagree with a local checkpoint's headers (checked before the model
+        is built, naming the field and value), an index that lists a key twice, and a folder holding both
+        ``model.safetensors`` and an index. A NaN or Inf in a loaded weight raises ``ValueError`` naming the
+        parameter (``allow_nonfinite_weights=True`` warns instead). A text-only class skips
         the vision tower's tensors of a multimodal checkpoint and says so in one info line. ``save_pretrained``
         then writes the canonical layout whatever variant was read.
         """
