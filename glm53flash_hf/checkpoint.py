@@ -266,45 +266,78 @@ def own_conversions():
 def _local_folder(path, subfolder: str = "") -> str | None:
     if not isinstance(path, (str, os.PathLike)):
         return None
-    folder = os.path.join(os.fspath(path), subfolder or "")
+    folder = os.path.join(os.fspath(path), subfolder) if subfolder else os.fspath(path)
     return folder if os.path.isdir(folder) else None
 
 
 def checkpoint_keys(path: str) -> list[str] | None:
-    """All tensor names of a local checkpoint folder (from the safetensors index or file headers), or None
-    when ``path`` is not a local folder with safetensors files."""
+    """All tensor names of a local checkpoint folder (:func:`read_weight_map`), or None when ``path`` is not a
+    local folder with safetensors files."""
     folder = _local_folder(path)
     if folder is None:
         return None
-    index = os.path.join(folder, _SAFETENSORS_INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            return list(json.load(f)["weight_map"])
-    single = os.path.join(folder, _SAFETENSORS_SINGLE)
-    if os.path.isfile(single):
-        from safetensors import safe_open
+    weight_map = read_weight_map(folder)
+    return None if weight_map is None else list(weight_map)
 
-        with safe_open(single, framework="pt") as f:
-            return list(f.keys())
-    return None
+
+def _no_duplicate_keys(path: str):
+    """``json.load`` ``object_pairs_hook`` raising ``ValueError`` for a name given twice in one JSON object."""
+
+    def hook(pairs):
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"{path}: {key!r} is listed twice ({out[key]!r} and {value!r})")
+            out[key] = value
+        return out
+
+    return hook
+
+
+def read_json(path: str, *, unique_keys: bool = False):
+    """The parsed JSON file ``path``; with ``unique_keys`` a name given twice in one object raises.
+
+    Raises:
+        ValueError: naming the file, for an unreadable or invalid (e.g. truncated) file or a repeated name.
+    """
+    try:
+        with open(path) as f:
+            return json.load(f, object_pairs_hook=_no_duplicate_keys(path) if unique_keys else None)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from e
 
 
 def read_weight_map(folder: str) -> dict[str, str] | None:
     """``{tensor name: shard file name}`` of a local folder: the index's ``weight_map``, or every key of a single
     ``model.safetensors``; None when the folder has neither.
 
+    A folder holding both is refused: transformers would load ``model.safetensors`` and ignore the index, so one of
+    the two is stale and which one was meant cannot be told (the file checked must be the file loaded).
+
     Raises:
-        ValueError: an unreadable index (names the file), or a single file that is corrupt (see :func:`open_shard`).
+        ValueError: naming the file: both files present (names both); an unreadable index, one whose
+            ``weight_map`` is not an object of ``{tensor name: file name}`` strings or lists a tensor twice; a single
+            file that is corrupt (see :func:`open_shard`).
     """
     index = os.path.join(folder, _SAFETENSORS_INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a readable safetensors index ({type(e).__name__}: {e})") from e
-        return dict(weight_map)
     single = os.path.join(folder, _SAFETENSORS_SINGLE)
+    if os.path.isfile(index) and os.path.isfile(single):
+        raise ValueError(
+            f"{folder} holds both {_SAFETENSORS_SINGLE} and {_SAFETENSORS_INDEX}: transformers would load "
+            f"{single} and ignore the index and its shards; one of them is stale. Remove the one that is not meant"
+        )
+    if os.path.isfile(index):
+        content = read_json(index, unique_keys=True)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(
+                f"{index}: 'weight_map' must be an object {{tensor name: shard file name}}; got "
+                f"{type(weight_map).__name__}"
+            )
+        bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"{index}: weight_map[{bad[0]!r}] must be a file name; got {weight_map[bad[0]]!r}")
+        return dict(weight_map)
     if os.path.isfile(single):
         with open_shard(single) as f:
             return dict.fromkeys(f.keys(), _SAFETENSORS_SINGLE)
@@ -344,13 +377,28 @@ class open_shard:
         return False
 
 
-def read_quantization_config(folder: str) -> dict | None:
-    """The ``quantization_config`` dict of ``folder/config.json`` (top level or inside ``text_config``), or None."""
+def read_config_json(folder: str) -> dict | None:
+    """The parsed ``folder/config.json``, or None when there is none.
+
+    Raises:
+        ValueError: naming the file, when it is not a valid JSON object (e.g. truncated).
+    """
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        config = json.load(f)
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object; got {type(config).__name__}")
+    return config
+
+
+def read_quantization_config(folder: str) -> dict | None:
+    """The ``quantization_config`` dict of ``folder/config.json`` (top level or inside ``text_config``), or None.
+
+    Raises:
+        ValueError: naming the file, when ``config.json`` is not valid JSON (:func:`read_config_json`).
+    """
+    config = read_config_json(folder) or {}
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
 
 
@@ -434,6 +482,8 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
 
     Checks, each raising ``ValueError`` naming the file or key:
 
+    * ``config.json`` and the index are valid JSON, the index's ``weight_map`` an object listing each tensor once,
+      and the folder holds either an index or ``model.safetensors``, not both (:func:`read_weight_map`);
     * every shard opens (``safe_open`` detects truncation and damaged headers; its own message does not name the
       file) and holds the tensors the index assigns to it;
     * integer or bool tensors are recorded (``non_float``): after the load, :func:`check_loaded_dtypes` raises for
@@ -521,6 +571,187 @@ def check_loaded_dtypes(ckpt: CheckpointInfo, unexpected_keys) -> None:
         )
 
 
+# Text-checkpoint keys under any accepted prefix (TEXT_PREFIXES); group 1 is the key relative to the text model.
+_TEXT_KEY = re.compile(
+    r"^(?:model\.language_model\.|language_model\.|model\.)?((?:embed_tokens|norm)\.weight|layers\.\d+\..+)$"
+)
+_EXPERT_KEY = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# The shape of each tensor sized by these text-config fields, as config expressions per dimension ("a*b": product;
+# an integer literal: that size). Checked against the safetensors headers before the model is built.
+_SHAPE_RULES = (
+    (r"(?:embed_tokens|lm_head)\.weight", ("vocab_size", "hidden_size")),
+    (r"norm\.weight|layers\.\d+\.(?:input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight",
+     ("hidden_size",)),
+    (r"layers\.\d+\.eh_proj\.weight", ("hidden_size", "2*hidden_size")),
+    (r"layers\.\d+\.mlp\.(?:gate|up)_proj\.weight", ("intermediate_size", "hidden_size")),
+    (r"layers\.\d+\.mlp\.down_proj\.weight", ("hidden_size", "intermediate_size")),
+    (r"layers\.\d+\.mlp\.gate\.weight", ("n_routed_experts", "hidden_size")),
+    (r"layers\.\d+\.mlp\.gate\.e_score_correction_bias", ("n_routed_experts",)),
+    (r"layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up)_proj\.weight", ("moe_intermediate_size", "hidden_size")),
+    (r"layers\.\d+\.mlp\.experts\.\d+\.down_proj\.weight", ("hidden_size", "moe_intermediate_size")),
+    (r"layers\.\d+\.mlp\.shared_experts\.(?:gate|up)_proj\.weight",
+     ("moe_intermediate_size*n_shared_experts", "hidden_size")),
+    (r"layers\.\d+\.mlp\.shared_experts\.down_proj\.weight", ("hidden_size", "moe_intermediate_size*n_shared_experts")),
+)  # fmt: skip
+_SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+    "num_hidden_layers", "num_nextn_predict_layers",
+)  # fmt: skip
+
+
+def text_size_fields(config, folder: str) -> dict[str, int]:
+    """The text-config fields of :data:`_SIZE_FIELDS` that the loader will build the model with: those of
+    ``config`` (a config object), else of ``folder/config.json`` read as JSON (its ``text_config``, or the top
+    level of a flat config; a field it lacks takes :class:`Glm53FlashTextConfig`'s default), without building a
+    config object. Fields that are not integers are left out (the config class rejects them, naming them)."""
+    import dataclasses
+
+    from transformers import PreTrainedConfig
+
+    from .configuration_glm53flash import Glm53FlashTextConfig
+
+    if isinstance(config, PreTrainedConfig):
+        text = config.get_text_config(decoder=True)
+        values = {name: getattr(text, name, None) for name in _SIZE_FIELDS}
+    else:
+        raw = read_config_json(folder) or {}
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+        defaults = {f.name: f.default for f in dataclasses.fields(Glm53FlashTextConfig)}
+        values = {name: text.get(name, defaults.get(name)) for name in _SIZE_FIELDS}
+    if values.get("num_nextn_predict_layers") is None:
+        values["num_nextn_predict_layers"] = 0
+    return {k: v for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _expected_dims(exprs, fields: dict[str, int]) -> list[tuple[int, str]] | None:
+    """``[(size, "field=value")]`` per dimension (``"a=.. * b=.. = size"`` for a product); None when a field is
+    unknown."""
+    out = []
+    for expr in exprs:
+        size, named = 1, []
+        for part in expr.split("*"):
+            if part.isdigit():
+                size *= int(part)
+                named.append(part)
+            elif part in fields:
+                size *= fields[part]
+                named.append(f"{part}={fields[part]}")
+            else:
+                return None
+        out.append((size, named[0] if len(named) == 1 else f"{' * '.join(named)} = {size}"))
+    return out
+
+
+def check_config_matches_checkpoint(
+    ckpt: CheckpointInfo,
+    fields: dict[str, int],
+    *,
+    allow_missing: bool = False,
+    allow_unexpected: bool = False,
+    allow_mismatched: bool = False,
+) -> None:
+    """Check the text config's sizes against the safetensors headers of ``ckpt`` before the model is built, so a
+    config that does not describe the files (``hidden_size: 10**9``, 100000 layers) fails in header-reading time
+    instead of allocating or initialising a model of the config's size.
+
+    ``fields``: :func:`text_size_fields`. Text keys are read under any accepted prefix (:data:`TEXT_PREFIXES`).
+    Checks, in order:
+
+    * layers: the checkpoint's layer indices are ``0 .. num_hidden_layers + num_nextn_predict_layers - 1`` (a
+      checkpoint with exactly ``num_hidden_layers`` layers and no MTP layer is left to :func:`strict_load_report`,
+      which explains that case);
+    * experts: every MoE layer holds ``gate/up/down_proj`` of experts ``0 .. n_routed_experts - 1``;
+    * shapes: embeddings, head, norms, dense and shared-expert MLPs, per-expert weights, router (the fields that
+      size the large tensors); other shapes are compared by transformers' loader after the load
+      (:func:`strict_load_report`).
+
+    Args:
+        allow_missing / allow_unexpected / allow_mismatched: as for :func:`strict_load_report`: layers or experts
+            missing from (present beyond the config in) the checkpoint, and shape mismatches, warn instead.
+
+    Raises:
+        ValueError: naming the config field and its value and what the checkpoint holds (the key and its file).
+    """
+    stems = {}
+    for key in ckpt.shapes:
+        m = _TEXT_KEY.match(key)
+        if m:
+            stems[m.group(1)] = key
+        elif key == "lm_head.weight":
+            stems[key] = key
+    if not stems:
+        return
+
+    def report(message: str, allowed: bool, option: str) -> None:
+        if not allowed:
+            raise ValueError(message)
+        logger.warning(f"{message} ({option}=True: loading anyway)")
+
+    layers = {int(s.split(".")[1]) for s in stems if s.startswith("layers.")}
+    n_main, n_mtp = fields.get("num_hidden_layers"), fields.get("num_nextn_predict_layers", 0)
+    if layers and n_main is not None:
+        held, expected = max(layers) + 1, n_main + n_mtp
+        if held != expected and not (n_mtp and held == n_main):
+            report(
+                f"The config does not match the checkpoint {ckpt.folder}: num_hidden_layers={n_main} and "
+                f"num_nextn_predict_layers={n_mtp} mean layers 0..{expected - 1}, the checkpoint holds layers "
+                f"0..{held - 1} ({held} layers)",
+                allow_missing if held < expected else allow_unexpected,
+                "allow_missing_keys" if held < expected else "allow_unexpected_keys",
+            )
+    n_experts = fields.get("n_routed_experts")
+    experts: dict[int, dict[str, set[int]]] = {}
+    for stem in stems:
+        m = _EXPERT_KEY.match(stem)
+        if m:
+            experts.setdefault(int(m.group(1)), {}).setdefault(m.group(3), set()).add(int(m.group(2)))
+    for layer, by_proj in sorted(experts.items()) if n_experts is not None else ():
+        held = set().union(*by_proj.values())
+        if max(held) >= n_experts:
+            report(
+                f"The config does not match the checkpoint {ckpt.folder}: n_routed_experts={n_experts}, the "
+                f"checkpoint holds experts 0..{max(held)} in layer {layer}",
+                allow_unexpected,
+                "allow_unexpected_keys",
+            )
+        for proj in ("gate", "up", "down"):
+            absent = sorted(set(range(n_experts)) - by_proj.get(proj, set()))
+            if not absent:
+                continue
+            example = stems[next(s for s in stems if _EXPERT_KEY.match(s) and s.startswith(f"layers.{layer}."))]
+            prefix = example[: example.index(f"layers.{layer}.")]
+            files = sorted({ckpt.weight_map[stems[s]] for s in stems if s.startswith(f"layers.{layer}.mlp.experts.")})
+            names = [f"{prefix}layers.{layer}.mlp.experts.{i}.{proj}_proj.weight" for i in absent]
+            report(
+                f"{len(names)} per-expert tensors missing from the checkpoint {ckpt.folder}: {_listing(names)}; the "
+                f"checkpoint holds {n_experts - len(absent)} per-expert tensors for this layer, the config says "
+                f"{n_experts} experts (n_routed_experts={n_experts}); the layer's other expert tensors are in "
+                f"{', '.join(files)}",
+                allow_missing,
+                "allow_missing_keys",
+            )
+    for pattern, exprs in _SHAPE_RULES:
+        expected = _expected_dims(exprs, fields)
+        if expected is None:
+            continue
+        rule = re.compile(f"(?:{pattern})$")
+        for stem in sorted(s for s in stems if rule.match(s)):
+            key = stems[stem]
+            shape = ckpt.shapes[key]
+            wrong = [
+                f"dim {d}: {named}"
+                for d, (size, named) in enumerate(expected)
+                if d >= len(shape) or shape[d] != size
+            ]
+            if wrong or len(shape) != len(expected):
+                report(
+                    f"The config does not match the checkpoint: {key} ({ckpt.weight_map[key]} in {ckpt.folder}) "
+                    f"has shape {shape}, the config implies {[size for size, _ in expected]} ({'; '.join(wrong)})",
+                    allow_mismatched,
+                    "ignore_mismatched_sizes",
+                )
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Strict key accounting
 
@@ -597,6 +828,57 @@ def strict_load_report(
             raise ValueError(message)
 
 
+_FINITE_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_finite_weights(model, source, *, allow: bool = False, chunk: int = 1 << 24) -> None:
+    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf values (a damaged or diverged
+    checkpoint would otherwise load silently and give NaN logits).
+
+    Every floating-point tensor is read once, in ``chunk``-element pieces (no full-size temporary); tensors on the
+    meta device (offloaded to disk by a device map) and FP8 storage are skipped.
+
+    Args:
+        model: the loaded model.
+        source: what was loaded (named in the message).
+        allow: ``from_pretrained(..., allow_nonfinite_weights=True)``: warn instead.
+
+    Raises:
+        ValueError: naming the source, the count of such tensors and, for the first 10, the parameter, its number
+            of NaN and Inf values and the index of the first (for a fused expert stack its dim 0 is the expert).
+    """
+    bad = []
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.device.type == "meta" or tensor.dtype not in _FINITE_CHECK_DTYPES or not tensor.numel():
+            continue
+        local = tensor.detach()
+        local = local.to_local() if hasattr(local, "to_local") else local  # a DTensor: this rank's shard
+        flat = local.reshape(-1)
+        n_nan = n_inf = 0
+        first = None
+        for start in range(0, flat.numel(), chunk):
+            piece = flat[start : start + chunk]
+            finite = torch.isfinite(piece)
+            if bool(finite.all()):
+                continue
+            nan = torch.isnan(piece)
+            n_nan += int(nan.sum())
+            n_inf += int((~finite & ~nan).sum())
+            if first is None:
+                offset = start + int((~finite).nonzero()[0, 0])
+                first = tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), local.shape))
+        if first is not None:
+            bad.append(f"{name} ({n_nan} NaN, {n_inf} Inf; first at index {first})")
+    if bad:
+        message = (
+            f"{source}: {len(bad)} loaded weights hold NaN or Inf values: {'; '.join(bad[:10])}"
+            f"{' ...' if len(bad) > 10 else ''}"
+        )
+        if not allow:
+            raise ValueError(message + " (pass allow_nonfinite_weights=True to load them anyway)")
+        logger.warning(message + " (allow_nonfinite_weights=True: loaded as they are)")
+
+
 def count_matching(keys: list[str] | None, patterns) -> int:
     """Number of ``keys`` matching any regex in ``patterns`` (0 when keys is None)."""
     if not keys:
@@ -663,11 +945,13 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict) -
 def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
     """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader with our checks around it.
 
-    Before: :func:`inspect_checkpoint` (local folders): corrupt/truncated shards, index/shard disagreement, FP8
-    consistency, each raising ``ValueError`` that names the file or key; after the load, an integer or bool
-    tensor that went into a weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8
-    checkpoint is loaded with ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a
-    ``quantization_config``.
+    Before: :func:`inspect_checkpoint` (local folders): an invalid ``config.json`` or index, an index beside a
+    ``model.safetensors`` (:func:`read_weight_map`), corrupt/truncated shards, index/shard disagreement, FP8
+    consistency; then :func:`check_config_matches_checkpoint`: the config's layer and expert counts and the sizes
+    of the large tensors against the headers, before transformers builds a model of the config's size. Each raises
+    ``ValueError`` naming the file, key or config field. After the load, an integer or bool tensor that went into a
+    weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8 checkpoint is loaded with
+    ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a ``quantization_config``.
 
     After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
     ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;
@@ -679,7 +963,8 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     registered list so ``save_pretrained`` writes the canonical layout whatever prefix variant (or caller's
     ``key_mapping``) was read; transformers would keep only the transforms that matched. A class
     with ``_skips_vision_tower`` logs one info line counting the skipped vision (and, for the text model,
-    ``lm_head``) tensors.
+    ``lm_head``) tensors. Last, :func:`check_finite_weights`: a NaN or Inf in a loaded weight raises ``ValueError``
+    naming the parameter, unless ``allow_nonfinite_weights=True`` (then it warns).
 
     Returns:
         the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
@@ -692,7 +977,15 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     allow_missing = allow_missing or (pretrained_model_name_or_path is None and kwargs.get("state_dict") is not None)
     allow_unexpected = kwargs.pop("allow_unexpected_keys", False) or want_info
     allow_mismatched = kwargs.pop("ignore_mismatched_sizes", False) or want_info
+    allow_nonfinite = kwargs.pop("allow_nonfinite_weights", False)
     ckpt = inspect_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
+    config = kwargs.get("config")
+    if ckpt is not None and (not isinstance(config, (str, os.PathLike)) or _local_folder(config) is not None):
+        fields = text_size_fields(config, _local_folder(config) or ckpt.folder)
+        check_config_matches_checkpoint(
+            ckpt, fields, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+            allow_mismatched=allow_mismatched,
+        )  # fmt: skip
     if ckpt is not None and ckpt.is_fp8 and kwargs.get("quantization_config") is None:
         _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs)
     model, info = parent_from_pretrained(
@@ -703,6 +996,8 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     strict_load_report(
         model, info, allow_missing=allow_missing, allow_unexpected=allow_unexpected, allow_mismatched=allow_mismatched
     )
+    source = ckpt.folder if ckpt is not None else pretrained_model_name_or_path or "state_dict"
+    check_finite_weights(model, source, allow=allow_nonfinite)
     model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
     if getattr(cls, "_skips_vision_tower", False):
         keys = list(ckpt.weight_map) if ckpt is not None else checkpoint_keys(pretrained_model_name_or_path)

@@ -140,19 +140,27 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         dropout = self.attention_dropout
         if not (_is_number(dropout) and 0 <= dropout < 1):
             raise ValueError(f"attention_dropout must be a number in [0, 1); got attention_dropout={dropout!r}")
-        # pad_token_id is checked against vocab_size when a model is built (check_pad_token_id), not here: as for
-        # transformers' Glm5NextTextConfig, a config may hold the release's pad id (154820) with a smaller
-        # vocab_size until the id is set, e.g. when the vocabulary is cut for a test model.
+        # The special token ids are checked against vocab_size when a model is built (check_special_token_ids), not
+        # here: as for transformers' Glm5NextTextConfig, a config may hold the release's pad id (154820) with a
+        # smaller vocab_size until the id is set, e.g. when the vocabulary is cut for a test model.
         super().__post_init__(**kwargs)
 
-    def check_pad_token_id(self) -> None:
-        """Raise ``ValueError`` unless ``pad_token_id`` is ``None`` or an integer id in ``[0, vocab_size)`` (the
-        embedding's padding row). Called by the text model's constructor."""
-        if self.pad_token_id is not None and not (_is_int(self.pad_token_id) and
-                                                  0 <= self.pad_token_id < self.vocab_size):
+    def check_special_token_ids(self) -> None:
+        """Raise ``ValueError`` unless ``pad_token_id`` and ``bos_token_id`` are ``None`` or an integer id in
+        ``[0, vocab_size)`` and ``eos_token_id`` is ``None``, such an id or a list of them (an id outside the
+        vocabulary would index past the embedding, or never be generated). Called by the text model's constructor.
+
+        Raises:
+            ValueError: naming the field, its value and ``vocab_size``.
+        """
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name, None)
+            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+            if value is None or all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
+                continue
+            what = "an id or a list of ids" if name == "eos_token_id" else "an id"
             raise ValueError(
-                f"pad_token_id must be None or an id in [0, vocab_size={self.vocab_size}); got "
-                f"pad_token_id={self.pad_token_id!r}"
+                f"{name} must be None or {what} in [0, vocab_size={self.vocab_size}); got {name}={value!r}"
             )
 
     def validate_architecture(self):

@@ -337,7 +337,11 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns), or
         ``output_loading_info=True`` (then they are in the returned ``loading_info``, and warned); a corrupt or
         truncated shard, or an integer or bool tensor of a local checkpoint that loads into a weight (one the model
-        does not take is an unexpected key), raises ``ValueError`` naming the file or key. A text-only class skips
+        does not take is an unexpected key), raises ``ValueError`` naming the file or key; so does a config whose
+        layer or expert counts or tensor sizes disagree with a local checkpoint's headers (checked before the model
+        is built, naming the field and value), an index that lists a key twice, and a folder holding both
+        ``model.safetensors`` and an index. A NaN or Inf in a loaded weight raises ``ValueError`` naming the
+        parameter (``allow_nonfinite_weights=True`` warns instead). A text-only class skips
         the vision tower's tensors of a multimodal checkpoint and says so in one info line. ``save_pretrained``
         then writes the canonical layout whatever variant was read. Loading and saving use the key conversions of
         this class's own module (:func:`.checkpoint.own_conversions`), whatever other copy of it (a remote-code
@@ -383,8 +387,9 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
             float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
             documents, padding after a real token, or more tokens than a static cache holds; ``mtp_depth > 0``
-            with a cache or without an MTP layer. At construction: ``pad_token_id`` not ``None`` nor an id in
-            ``[0, vocab_size)`` (:meth:`.Glm53FlashTextConfig.check_pad_token_id`).
+            with a cache or without an MTP layer. At construction: ``pad_token_id``, ``bos_token_id`` or
+            ``eos_token_id`` (or one of its ids) not ``None`` nor an id in ``[0, vocab_size)``
+            (:meth:`.Glm53FlashTextConfig.check_special_token_ids`).
         NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
     """
 
@@ -394,7 +399,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
 
     def __init__(self, config: Glm53FlashTextConfig):
         super().__init__(config)
-        config.check_pad_token_id()
+        config.check_special_token_ids()
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
