@@ -15,17 +15,21 @@ The hybrid model reuses transformers' cache classes as they are (``transformers/
 Plain generation needs no cache layer class of its own. Assisted / MTP speculative decoding (``generate(use_mtp=True)``)
 must roll rejected drafts back with ``cache.crop(-n)``, which transformers' ``LinearAttentionLayer`` cannot do for a
 recurrent state (``LinearAttentionCacheLayerMixin.is_croppable``). :func:`make_croppable` swaps the layers of a fresh
-``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` (keeps the per-token recurrent states of the last multi-token
-call while past recording is on) and :class:`Glm53FlashIndexedCacheLayer` (undoes pool keys written for pools that
-a crop makes incomplete again), and :class:`MtpDraftCache` is the MTP layer's own cache while drafting.
+``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` (while past recording is on, keeps what restores the
+recurrent state after any token since the last crop: per-token states of decode steps and verification calls, a
+replay of the prefill) and :class:`Glm53FlashIndexedCacheLayer` (undoes pool keys written for pools that a crop makes
+incomplete again), and :class:`MtpDraftCache` is the MTP layer's own cache while drafting. Every candidate generator
+of transformers' assisted decoding is served: ``use_mtp=True``, ``prompt_lookup_num_tokens`` and ``assistant_model``
+(whose own cache, when it is this model, is made croppable too).
 
 This module also holds what every cached layer of one forward shares: :class:`CacheContext` (the past length,
 which current tokens are real, where each row's real tokens start), built once per forward by
 :func:`build_cache_context`.
 
 Supported batches: each row is ``[left padding][one document]`` (what ``generate`` builds from a left-padded
-batch). Packed documents (several per row, ``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``) or
-padding after a real token cannot be cached and raise ``ValueError``.
+batch). Packed documents (several per row, ``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``), padding
+after a real token or a row without a real token cannot be cached and raise ``ValueError``
+(:func:`check_left_padding`); so does a cache built for another layer layout (:func:`check_cache_layers`).
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ class Glm53FlashLinearAttention(nn.Module):
                 # a recorded first call (assisted decoding's prefill, which may end with candidate tokens): the
                 # state after any prefix is recomputed from these inputs if a crop reaches into the call
                 def replay(j, core=ops.core, inputs=(q, k, v, g, beta)):
-                    prefix = (x[:, :j] for x in inputs)
+                    prefix = (x[:, :j].contiguous() for x in inputs)
                     return core(*prefix, initial_state=None, output_final_state=True)[1].float()
 
                 history = {"replay": (S, replay)}

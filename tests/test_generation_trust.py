@@ -204,16 +204,6 @@ def test_recorded_call_without_history_cannot_be_cropped_into():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_prompt_lookup_greedy_equals_plain_greedy(lm):
-    """``prompt_lookup_num_tokens=3`` on a prompt that repeats itself: candidates from the prompt are verified in
-    the prefill and in later calls, rejected ones cropped (``crop(-3)`` raised before)."""
-    base = _prompt(5, 6)
-    prompt = base.repeat(1, 3)
-    plain = _greedy(lm, prompt, 8)
-    lookup = _greedy(lm, prompt, 8, prompt_lookup_num_tokens=3)
-    assert torch.equal(lookup, plain), (plain[0, 15:].tolist(), lookup[0, 15:].tolist())
-
-
 @pytest.fixture(scope="module")
 def main_and_assistant(tmp_path_factory):
     """The drafty model and its crop to 3 main layers by ``glm53flash-crop`` (fp32), drafting 4 tokens a round."""
@@ -257,3 +247,23 @@ def test_assistant_model_greedy_equals_plain_greedy_and_drafts_are_exact(main_an
         hits = int((drafts[: final.numel()] == final).long().cumprod(0).sum())
         accepted, rejected = accepted + hits, rejected + (k - hits)
     assert accepted > 0 and rejected >= 2, (accepted, rejected)
+
+
+def test_prompt_lookup_greedy_equals_plain_greedy_and_accepts_candidates(main_and_assistant):
+    """``prompt_lookup_num_tokens=3`` (``crop(-3)`` raised before): the prompt is a stretch of the model's own greedy
+    output whose last two tokens occurred before with the same next token, so candidates from the prompt are
+    verified inside the prefill and in later calls and accepted (fewer main forwards than new tokens)."""
+    main, _ = main_and_assistant
+    seq = _greedy(main, _prompt(3, 6), 24)[0].tolist()
+    end = next(t for t in range(4, len(seq)) if any(
+        seq[j - 2 : j + 1] == seq[t - 2 : t + 1] for j in range(2, t - 1)))
+    prompt = torch.tensor([seq[:end]])
+    plain = _greedy(main, prompt, 8)
+    calls = []
+    handle = main.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        lookup = _greedy(main, prompt, 8, prompt_lookup_num_tokens=3)
+    finally:
+        handle.remove()
+    assert torch.equal(lookup, plain), (plain[0, end:].tolist(), lookup[0, end:].tolist())
+    assert len(calls) < 8, len(calls)
