@@ -15,17 +15,21 @@ The hybrid model reuses transformers' cache classes as they are (``transformers/
 Plain generation needs no cache layer class of its own. Assisted / MTP speculative decoding (``generate(use_mtp=True)``)
 must roll rejected drafts back with ``cache.crop(-n)``, which transformers' ``LinearAttentionLayer`` cannot do for a
 recurrent state (``LinearAttentionCacheLayerMixin.is_croppable``). :func:`make_croppable` swaps the layers of a fresh
-``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` (keeps the per-token recurrent states of the last multi-token
-call while past recording is on) and :class:`Glm53FlashIndexedCacheLayer` (undoes pool keys written for pools that
-a crop makes incomplete again), and :class:`MtpDraftCache` is the MTP layer's own cache while drafting.
+``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` (while past recording is on, keeps what restores the
+recurrent state after any token since the last crop: per-token states of decode steps and verification calls, a
+replay of the prefill) and :class:`Glm53FlashIndexedCacheLayer` (undoes pool keys written for pools that a crop makes
+incomplete again), and :class:`MtpDraftCache` is the MTP layer's own cache while drafting. Every candidate generator
+of transformers' assisted decoding is served: ``use_mtp=True``, ``prompt_lookup_num_tokens`` and ``assistant_model``
+(whose own cache, when it is this model, is made croppable too).
 
 This module also holds what every cached layer of one forward shares: :class:`CacheContext` (the past length,
 which current tokens are real, where each row's real tokens start), built once per forward by
 :func:`build_cache_context`.
 
 Supported batches: each row is ``[left padding][one document]`` (what ``generate`` builds from a left-padded
-batch). Packed documents (several per row, ``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``) or
-padding after a real token cannot be cached and raise ``ValueError``.
+batch). Packed documents (several per row, ``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``), padding
+after a real token or a row without a real token cannot be cached and raise ``ValueError``
+(:func:`check_left_padding`); so does a cache built for another layer layout (:func:`check_cache_layers`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from transformers.cache_utils import (
     CacheLayerMixin,
     DynamicCache,
     DynamicIndexedLayer,
+    LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
 
@@ -50,6 +55,9 @@ __all__ = [
     "build_cache_context",
     "cache_seq_length",
     "check_cache",
+    "check_cache_continuation",
+    "check_cache_layers",
+    "check_left_padding",
     "make_croppable",
 ]
 
@@ -66,6 +74,69 @@ def check_cache(cache, who: str) -> None:
         raise UnsupportedCacheError(
             f"{who}: cache must be a transformers Cache (DynamicCache(config=...) or StaticCache); "
             f"got {type(cache).__name__}"
+        )
+
+
+def check_cache_layers(cache: Cache, config, who: str) -> None:
+    """Raise ``ValueError`` unless ``cache`` has one layer per main layer of ``config`` (``num_hidden_layers``), of
+    the kind its ``layer_types`` entry needs: a linear-attention layer (conv and recurrent state) for
+    ``"linear_attention"``, an indexed layer (``update_indexer``) for ``"indexed_attention"``. The message names
+    the layer count or the first mismatching layer (a cache built for another checkpoint, or ``DynamicCache()``
+    without ``config``)."""
+    kinds = list(config.layer_types[: config.num_hidden_layers])
+    layers = cache.layers
+    fix = "build the cache for this model: DynamicCache(config=model.config) or StaticCache(config=model.config, ...)"
+    if len(layers) != len(kinds):
+        raise ValueError(
+            f"{who}: the cache ({type(cache).__name__}) has {len(layers)} layers but the model has "
+            f"num_hidden_layers={len(kinds)}; {fix}"
+        )
+    for i, (layer, kind) in enumerate(zip(layers, kinds)):
+        linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+        fits = linear if kind == "linear_attention" else not linear and hasattr(layer, "update_indexer")
+        if not fits:
+            raise ValueError(
+                f"{who}: cache layer {i} is a {type(layer).__name__} but model layer {i} is {kind!r}; {fix}"
+            )
+
+
+def check_left_padding(valid: torch.Tensor, name: str = "attention_mask") -> None:
+    """Raise ``ValueError`` unless every row of the bool ``[B, L]`` padding mask ``valid`` is ``[padding][real
+    tokens]`` with at least one real token (what a generation cache and ``generate`` support). The message names
+    the row: an all-zero row has nothing to generate from; a 0 after a 1 (a hole, or right padding) is refused, as
+    KDA's recurrence cannot skip a masked token inside a row the way attention masks a key."""
+    empty = ~valid.any(dim=1)
+    if bool(empty.any()):
+        row = int(empty.nonzero()[0, 0])
+        raise ValueError(
+            f"{name} row {row} is all zeros: the row has no real token to generate from; give every row at least "
+            "one real token (1 in the mask) or leave the row out"
+        )
+    after = valid[:, :-1] & ~valid[:, 1:]
+    if bool(after.any()):
+        row, col = (int(x) for x in after.nonzero()[0])
+        raise ValueError(
+            f"{name} row {row} has padding (0) after a real token (position {col + 1}): a generation cache and "
+            "generate support left padding only (each row: padding, then one document); a 0 inside a row is not "
+            "skipped as a masked key. Left-pad the batch (tokenizer padding_side='left'); for a forward over such "
+            "a batch without generation, call the model with use_cache=False"
+        )
+
+
+def check_cache_continuation(cache, input_len: int, mask_len: int | None) -> None:
+    """Raise ``ValueError`` when ``generate`` gets a ``cache`` that already holds tokens but inputs that cannot
+    continue it. transformers' convention: a filled cache is continued, ``input_ids`` being the whole sequence
+    (cached tokens first, only the tokens beyond the cache are run) or only the new tokens with an
+    ``attention_mask`` over the whole sequence; so the mask (or, without one, the input) must be longer than the
+    cache. ``mask_len=None``: no mask given."""
+    past = cache_seq_length(cache) if isinstance(cache, Cache) else 0
+    width = input_len if mask_len is None else mask_len
+    if past > 0 and width <= past:
+        raise ValueError(
+            f"the cache passed to generate already holds {past} tokens but the inputs cover {width} "
+            f"(input length {input_len}, attention_mask width {mask_len}); to continue from the cache pass the "
+            "whole sequence (the cached tokens, then the new ones) as input_ids, as transformers' generate "
+            "expects; for a new prompt pass a fresh cache or none"
         )
 
 
@@ -145,11 +216,12 @@ def build_cache_context(
 
     Raises:
         ValueError: packed documents with a cache; a static cache whose ``max_cache_len`` is below ``past + S``
-            (eager calls); a mask that is not 2-D or does not cover ``past + S``
-            tokens; padding after a real token (checked on multi-token eager calls only, so a decode step costs no
-            host sync). Under ``torch.compile`` the past length is ``attention_mask.shape[1] - S`` when a mask is
-            given, and otherwise the cache's length tensor (``StaticCache``; every token is then real, which is
-            what ``generate`` means when it drops an all-ones mask); the data checks are skipped.
+            (eager calls); a mask that is not 2-D or does not cover ``past + S`` tokens; padding after a real
+            token or a row without one (:func:`check_left_padding`, on eager multi-token or first calls only, so a
+            decode step costs no host sync). Under ``torch.compile`` the past length is
+            ``attention_mask.shape[1] - S`` when a mask is given, and otherwise the cache's length tensor
+            (``StaticCache``; every token is then real, which is what ``generate`` means when it drops an all-ones
+            mask); the data checks are skipped.
     """
     for key in _PACKING_KWARGS:
         if kwargs.get(key) is not None:
@@ -195,12 +267,8 @@ def build_cache_context(
             f"the {type(cache).__name__} holds {capacity} tokens (max_cache_len) but this call needs {total} "
             f"({past} cached + {seq_len} new); make the cache with max_cache_len >= {total}"
         )
-    if seq_len > 1 and not torch.compiler.is_compiling():  # checks that read the data: eager only
-        if bool((valid_full[:, :-1] & ~valid_full[:, 1:]).any()):
-            raise ValueError(
-                "a generation cache supports left padding only (each row: padding, then one document); the "
-                "attention_mask has padding after a real token. Use use_cache=False for such batches."
-            )
+    if (seq_len > 1 or past == 0) and not torch.compiler.is_compiling():  # checks that read the data: eager only
+        check_left_padding(valid_full)
         if position_ids is not None:
             pos = position_ids.to(device)
             pos = pos.unsqueeze(0) if pos.dim() == 1 else pos
@@ -235,17 +303,20 @@ def build_cache_context(
 
 class Glm53FlashKDACacheLayer(LinearAttentionLayer):
     """transformers' ``LinearAttentionLayer`` (conv state ``[B, 3*H*K, W]``, recurrent state fp32 ``[B, H, K, V]``)
-    that ``crop(-n)`` can roll back exactly while past recording is on.
+    that ``crop(-n)`` can roll back exactly, across every call since the last crop, while past recording is on.
 
-    * Conv state: transformers' recording as is. While ``record_past``, the KDA layer hands the call's raw conv
-      inputs ``[B, 3*H*K, S]`` to ``update_conv_state``, which keeps ``[old W | S new]``; ``crop(-n)`` keeps the
-      ``W`` inputs that end ``n`` tokens before the last (``LinearAttentionCacheLayerMixin.crop``).
-    * Recurrent state: a multi-token call continuing a state while recording (a verification call of assisted
-      decoding: the last accepted token + drafts) runs the decode recurrence token by token
-      (:meth:`.kda.Glm53FlashLinearAttention.forward`) and stores every state after each token,
-      ``per_token_states`` fp32 ``[S, B, H, K, V]``. ``crop(-n)`` restores the state after token ``S - 1 - n``.
-      ``crop(0)`` keeps the final state. Each crop drops the stored states (transformers crops after every
-      verification forward).
+    * Conv state: transformers' recording as is. While ``record_past``, the KDA layer hands each call's raw conv
+      inputs ``[B, 3*H*K, S]`` to ``update_conv_state`` (a first call behind ``W`` zero columns, the inputs before
+      a row's first token), which keeps ``[old W | every new input]``; ``crop(-n)`` keeps the ``W`` inputs that end
+      ``n`` tokens before the last (``LinearAttentionCacheLayerMixin.crop``).
+    * Recurrent state: every recorded call adds one entry to ``history`` (see :meth:`update_recurrent_state`): a
+      decode step or a multi-token continuation (assisted decoding's verification call, run token by token by
+      :meth:`.kda.Glm53FlashLinearAttention.forward`) hands its per-token states ``[S, B, H, K, V]``; a first call
+      (a prefill, which may end with the candidate tokens of transformers' assisted decoding) hands a ``replay``
+      that recomputes the state after any prefix of its tokens. ``crop(-n)`` restores the state after the first
+      ``T - n`` of the ``T`` tokens recorded since the last crop, so the candidate generators that crop several
+      calls at once (an assistant model's own cache, prompt lookup's first verification inside the prefill) roll
+      back as exactly as a single verification call. Each crop clears the history.
 
     ``is_croppable`` is True once the layer holds a state and recording is on. Without recording the layer behaves
     exactly as transformers' (plain ``generate`` never creates it anyway; see :func:`make_croppable`).
@@ -253,7 +324,8 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.per_token_states: dict[int, torch.Tensor | None] = dict.fromkeys(range(self.number_of_states))
+        self.history: dict[int, list] = {i: [] for i in range(self.number_of_states)}
+        self.history_start: dict[int, torch.Tensor | None] = dict.fromkeys(range(self.number_of_states))
 
     @property
     def is_croppable(self) -> bool:
@@ -264,59 +336,96 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
         return not self.record_past
 
     def update_recurrent_state(
-        self, recurrent_states: torch.Tensor, state_idx: int = 0, per_token_states: torch.Tensor | None = None,
+        self,
+        recurrent_states: torch.Tensor,
+        state_idx: int = 0,
+        per_token_states: torch.Tensor | None = None,
+        replay: tuple | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """Store the final state (in place, as transformers) and, while recording, ``per_token_states``
-        (``[S, B, H, K, V]``, or ``None`` for a call that cannot be cropped into: a prefill or one token)."""
-        out = super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
-        self.per_token_states[state_idx] = per_token_states if self.record_past else None
-        return out
+        """Store the final state (in place, as transformers) and, while recording, this call's history entry.
+
+        Args:
+            recurrent_states: fp32 ``[B, H, K, V]``, the state after the call.
+            per_token_states: fp32 ``[S, B, H, K, V]``, the state after each of the call's ``S`` tokens.
+            replay: ``(S, fn)`` instead, for a call of ``S`` tokens from the zero state: ``fn(j)`` returns the state
+                after its first ``j`` tokens (``1 <= j < S``).
+                A recorded call with neither cannot be cropped into (:meth:`crop` raises).
+        """
+        if self.record_past:
+            if not self.history[state_idx]:  # the first call since the last crop: keep the state it starts from
+                initialized = self.is_recurrent_states_initialized[state_idx]
+                self.history_start[state_idx] = self.recurrent_states[state_idx].clone() if initialized else None
+            if per_token_states is not None:
+                entry = (per_token_states.shape[0], per_token_states, None, per_token_states[-1])
+            elif replay is not None:
+                entry = (replay[0], None, replay[1], recurrent_states.clone())
+            else:
+                entry = (None, None, None, recurrent_states.clone())
+            self.history[state_idx].append(entry)
+        return super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens of the last call (conv window and recurrent state).
+        """Remove the last ``-tokens_to_remove`` tokens recorded since the last crop (conv window and recurrent
+        state); ``crop(0)`` keeps the current state and shrinks the conv window back to ``W``.
 
         Raises:
             RuntimeError: not recording, a positive argument (transformers' messages), or more tokens removed than
-                the last recorded multi-token call holds minus one (its first token is always kept).
+                the calls recorded since the last crop hold (counted back to the last call recorded without
+                per-token states or replay).
         """
         super().crop(tokens_to_remove)
         n = abs(tokens_to_remove)
         for i in range(self.number_of_states):
-            states = self.per_token_states[i]
-            self.per_token_states[i] = None
+            history, start = self.history[i], self.history_start[i]
+            self.history[i], self.history_start[i] = [], None
             if n == 0 or not self.is_recurrent_states_initialized[i]:
                 continue
-            if states is None or n >= states.shape[0]:
-                held = 0 if states is None else states.shape[0]
+            # the restorable tail: the calls after the last one recorded without per-token states or replay
+            first = max((k + 1 for k, entry in enumerate(history) if entry[0] is None), default=0)
+            before = history[first - 1][3] if first else start
+            tail = history[first:]
+            restorable = sum(entry[0] for entry in tail)
+            if n > restorable:
                 raise RuntimeError(
-                    f"Glm53FlashKDACacheLayer.crop({tokens_to_remove}): the last recorded call holds {held} "
-                    f"per-token recurrent states; can remove at most {max(held - 1, 0)} tokens"
+                    f"Glm53FlashKDACacheLayer.crop({tokens_to_remove}): the calls recorded since the last crop hold "
+                    f"{restorable} restorable tokens; can remove at most {restorable} tokens"
                 )
-            self.recurrent_states[i].copy_(states[states.shape[0] - 1 - n])
+            keep, offset = restorable - n, 0
+            for length, states, replay, final in tail:
+                if keep < offset + length:
+                    j = keep - offset
+                    state = before if j == 0 else states[j - 1] if states is not None else replay(j)
+                    break
+                offset, before = offset + length, final
+            if state is None:
+                self.recurrent_states[i].zero_()
+            else:
+                self.recurrent_states[i].copy_(state)
 
     def reset(self) -> None:
         super().reset()
-        self.per_token_states = dict.fromkeys(range(self.number_of_states))
+        self.history = {i: [] for i in range(self.number_of_states)}
+        self.history_start = dict.fromkeys(range(self.number_of_states))
 
 
 class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
-    """transformers' ``DynamicIndexedLayer`` whose ``crop`` also undoes the KPool pool keys written by the last call
-    for pools that the crop makes incomplete again.
+    """transformers' ``DynamicIndexedLayer`` whose ``crop`` also undoes the KPool pool keys written since the last
+    crop for pools that the crop makes incomplete again.
 
     :meth:`.dsa.Glm53FlashIndexer.forward_cached` writes the key of pool ``j`` into the first ``Dk`` columns of
     slot ``j`` when the pool's last token arrives. If that token is a rejected draft, a crop removes it and the
     pool is completed (and its key written) again later, which is exact unless slot ``j`` itself is one of the
     token slots the rebuilt pool reads (pool 0 of a row starting at slot 0: a prompt shorter than
-    ``index_kpool - 1`` tokens). While recording, the indexer hands the overwritten values to
-    :meth:`record_pool_keys`; ``crop`` puts them back for every pool whose last token it removes and whose slot it
-    keeps, so the state equals that of a cache that never saw the rejected tokens.
+    ``index_kpool - 1`` tokens). While recording, the indexer hands each call's overwritten values to
+    :meth:`record_pool_keys`; ``crop`` puts them back, newest call first, for every pool whose last token it
+    removes and whose slot it keeps, so the state equals that of a cache that never saw the removed tokens.
     """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.record_past = False
-        self.pool_key_undo = None
+        self.pool_key_undo: list[tuple] = []
 
     def activate_past_recording(self) -> None:
         self.record_past = True
@@ -324,46 +433,51 @@ class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
     def record_pool_keys(
         self, slots: torch.Tensor, old_keys: torch.Tensor, pool_last: torch.Tensor, written: torch.Tensor
     ) -> None:
-        """Remember the last call's pool-key writes (recording only): ``slots`` long ``[B, c]`` (the slot each
-        candidate pool key went to), ``old_keys`` ``[B, c, Dk]`` (the values it replaced), ``pool_last`` long
-        ``[B, c]`` (row position of each pool's last token), ``written`` bool ``[B, c]`` (the pool completed in
-        this call)."""
+        """Remember one call's pool-key writes (recording only; kept until the next crop): ``slots`` long
+        ``[B, c]`` (the slot each candidate pool key went to), ``old_keys`` ``[B, c, Dk]`` (the values it replaced),
+        ``pool_last`` long ``[B, c]`` (row position of each pool's last token), ``written`` bool ``[B, c]`` (the
+        pool completed in this call)."""
         if self.record_past:
-            self.pool_key_undo = (slots, old_keys, pool_last, written)
+            self.pool_key_undo.append((slots, old_keys, pool_last, written))
 
     def crop(self, tokens_to_remove: int) -> None:
-        undo, self.pool_key_undo = self.pool_key_undo, None
+        undo, self.pool_key_undo = self.pool_key_undo, []
         super().crop(tokens_to_remove)
-        if tokens_to_remove == 0 or undo is None or not self.is_indexer_initialized:
+        if tokens_to_remove == 0 or not self.is_indexer_initialized:
             return
-        slots, old_keys, pool_last, written = undo
         length = self.indexer_keys.shape[1]
-        restore = written & (pool_last >= length) & (slots < length)
-        if bool(restore.any()):
-            head_dim = old_keys.shape[-1]
-            self.indexer_keys = self.indexer_keys.clone()
-            cols = self.indexer_keys[..., :head_dim]
-            where = slots.clamp(max=length - 1)[..., None].expand(-1, -1, head_dim)
-            cols.scatter_(1, where, torch.where(restore[..., None], old_keys, cols.gather(1, where)))
+        for slots, old_keys, pool_last, written in reversed(undo):
+            restore = written & (pool_last >= length) & (slots < length)
+            if bool(restore.any()):
+                head_dim = old_keys.shape[-1]
+                self.indexer_keys = self.indexer_keys.clone()
+                cols = self.indexer_keys[..., :head_dim]
+                where = slots.clamp(max=length - 1)[..., None].expand(-1, -1, head_dim)
+                cols.scatter_(1, where, torch.where(restore[..., None], old_keys, cols.gather(1, where)))
 
     def reset(self) -> None:
         super().reset()
-        self.pool_key_undo = None
+        self.pool_key_undo = []
 
 
 def make_croppable(cache: Cache) -> Cache:
     """Swap, in place, the still-empty ``LinearAttentionLayer`` / ``DynamicIndexedLayer`` layers of a
     ``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` / :class:`Glm53FlashIndexedCacheLayer` (what
-    ``generate`` calls for assisted / MTP decoding). Other caches and filled layers are left as they are (a
+    ``generate`` calls for assisted / MTP decoding, and for the cache of a model serving as another's assistant);
+    a layer that already records its past keeps recording. Other caches and filled layers are left as they are (a
     ``StaticCache`` or a filled user cache then fails transformers' ``is_croppable`` check with its own message).
     Returns ``cache``."""
     if not isinstance(cache, DynamicCache):
         return cache
     for i, layer in enumerate(cache.layers):
         if type(layer) is LinearAttentionLayer and not any(layer.is_conv_states_initialized.values()):
-            cache.layers[i] = Glm53FlashKDACacheLayer(number_of_states=layer.number_of_states)
+            new = Glm53FlashKDACacheLayer(number_of_states=layer.number_of_states)
         elif type(layer) is DynamicIndexedLayer and not layer.is_initialized:
-            cache.layers[i] = Glm53FlashIndexedCacheLayer()
+            new = Glm53FlashIndexedCacheLayer()
+        else:
+            continue
+        new.record_past = getattr(layer, "record_past", False)  # an assistant's cache records from its creation
+        cache.layers[i] = new
     return cache
 
 

@@ -272,10 +272,12 @@ class Glm53FlashLinearAttention(nn.Module):
                 padding is zeroed first: a zero input gives ``q = k = v = 0`` after the conv, so the state and the
                 conv history stay zero until the row's first real token, the same numbers as the uncached forward,
                 which restarts a segment there. While the cache records its past (``cache.is_recording_past``,
-                assisted / MTP decoding with :class:`~.generation_cache.Glm53FlashKDACacheLayer`), a continuation
-                of ``S > 1`` tokens runs the decode recurrence token by token (the maths of ``S`` decode steps)
-                and hands the ``S`` per-token states and the raw conv inputs to the cache, so that ``crop(-n)``
-                restores the states after token ``S - 1 - n`` exactly.
+                assisted / MTP decoding with :class:`~.generation_cache.Glm53FlashKDACacheLayer`), every call
+                hands the cache its raw conv inputs and what restores the state after any of its tokens: a
+                continuation of ``S > 1`` tokens runs the decode recurrence token by token (the maths of ``S``
+                decode steps) and hands the ``S`` per-token states, a decode step its one state, and a first call
+                (run chunked) a replay over a prefix of its inputs, so that ``crop(-n)`` restores the state ``n``
+                tokens back exactly.
             cache_context: unused here (accepted for a uniform layer signature).
 
         Sequence parallelism: when ``layout.sequence_parallel`` is set (:mod:`.sequence_parallel`), the first
@@ -304,9 +306,13 @@ class Glm53FlashLinearAttention(nn.Module):
             conv_state = cache.get_conv_state(self.layer_idx)
             recurrent_state = cache.get_recurrent_state(self.layer_idx)
         continuing = conv_state is not None and recurrent_state is not None
+        recording = cache is not None and cache.is_recording_past(self.layer_idx)
+        if recording and conv_state is not None:
+            # a recording layer keeps every input since the last crop; the convolution reads the last W
+            conv_state = conv_state[..., -self.conv_kernel_size :]
         # a multi-token continuation while the cache records its past (assisted decoding's verification call) runs
         # the decode recurrence token by token and keeps each state, so crop(-n) can restore any of them
-        stepwise = continuing and S > 1 and cache.is_recording_past(self.layer_idx)
+        stepwise = continuing and S > 1 and recording
         ops = self.bind_ops(hidden_states, decode=continuing and (S == 1 or stepwise))
         if not layout.trivial:
             # masked_fill, not a multiply: garbage (even non-finite) padding embeddings cannot reach any gradient.
@@ -348,17 +354,29 @@ class Glm53FlashLinearAttention(nn.Module):
             o, recurrent_final = ops.core(q, k, v, g, beta, initial_state=recurrent_state, **states, **varlen)
         if cache is not None:
             # the final conv state holds exactly the last W inputs: stored as is, first call or continuation. While
-            # the cache records its past, a continuation hands transformers' layer the raw new inputs instead
-            # [B, 3*H*K, S], which it appends to the recorded window so that crop(-n) can cut it back
-            recording = continuing and cache.is_recording_past(self.layer_idx)
-            conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype) if recording else conv_final
+            # the cache records its past, the call hands transformers' layer its raw inputs [B, 3*H*K, S] instead
+            # (a first call behind W zero columns, the inputs before the row's first token), which it appends to the
+            # recorded window so that crop(-n) can cut it back
+            conv_update = conv_final
+            if recording:
+                conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
+                if not continuing:
+                    conv_update = torch.nn.functional.pad(conv_update, (self.conv_kernel_size, 0))
             cache.update_conv_state(conv_update, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-            if per_token_states is not None:
-                cache.update_recurrent_state(
-                    recurrent_final.float(), self.layer_idx, per_token_states=per_token_states
-                )
-            else:
-                cache.update_recurrent_state(recurrent_final.float(), self.layer_idx)
+            history = {}
+            if recording and per_token_states is not None:
+                history = {"per_token_states": per_token_states}
+            elif recording and S == 1:
+                history = {"per_token_states": recurrent_final.float()[None]}
+            elif recording and not continuing:
+                # a recorded first call (assisted decoding's prefill, which may end with candidate tokens): the
+                # state after any prefix is recomputed from these inputs if a crop reaches into the call
+                def replay(j, core=ops.core, inputs=(q, k, v, g, beta)):
+                    prefix = (x[:, :j].contiguous() for x in inputs)
+                    return core(*prefix, initial_state=None, output_final_state=True)[1].float()
+
+                history = {"replay": (S, replay)}
+            cache.update_recurrent_state(recurrent_final.float(), self.layer_idx, **history)
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
         return self.o_proj(ops.norm(o.reshape(B, S, H, K), gate).reshape(B, S, self.qkv_dim))
 

@@ -40,7 +40,13 @@ from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
-from .generation_cache import build_cache_context, check_cache
+from .generation_cache import (
+    build_cache_context,
+    check_cache,
+    check_cache_continuation,
+    check_cache_layers,
+    check_left_padding,
+)
 from .graph_ops import in_graph, module_op, module_parameters, register_module
 from .input_checks import check_input_ids, check_inputs_embeds, check_labels, check_vision_inputs
 from .kda import Glm53FlashLinearAttention, init_kda_weights
@@ -457,6 +463,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         cache_context = None
         if cache is not None:
             check_cache(cache, type(self).__name__)
+            check_cache_layers(cache, self.config, type(self).__name__)
             if self.sequence_parallel_group is not None:
                 raise ValueError(
                     "sequence parallelism runs uncached forwards only; got a cache with sequence_parallel_group set "
@@ -742,14 +749,17 @@ class _Glm53FlashGenerationHooks:
     mtp_stats: dict | None = None  # the last generate(use_mtp=True): drafted, accepted, acceptance_rate, mtp_calls
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
-        """transformers' cache preparation; for assisted generation the fresh ``DynamicCache`` then gets croppable
-        KDA / indexer layers (:func:`.generation_cache.make_croppable`)."""
+        """transformers' cache preparation; for assisted generation, and when this model is another's assistant
+        (``generation_config.is_assistant``), the fresh ``DynamicCache`` then gets croppable KDA / indexer layers
+        (:func:`.generation_cache.make_croppable`)."""
         from transformers.generation.configuration_utils import GenerationMode
 
         from .generation_cache import make_croppable
 
         out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
-        if generation_mode == GenerationMode.ASSISTED_GENERATION and model_kwargs.get("cache") is not None:
+        # generation_config.is_assistant: this model drafts for another, and transformers crops its cache
+        assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+        if assisted and model_kwargs.get("cache") is not None:
             make_croppable(model_kwargs["cache"])
         return out
 
@@ -774,22 +784,38 @@ class _Glm53FlashGenerationHooks:
         )
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
-        """``GenerationMixin.generate``, after checking that a ``cache`` / ``past_key_values`` of fixed size
-        (``StaticCache``) holds the prompt plus every new token.
+        """``GenerationMixin.generate``, after checking the inputs it cannot serve: a 2-D ``attention_mask`` must be
+        left padding with a real token in every row; a ``cache`` / ``past_key_values`` that already holds tokens is
+        continued (transformers' convention: ``input_ids`` is the whole sequence, or the new tokens with a mask over
+        the whole sequence), so the inputs must reach beyond it; a cache of fixed size (``StaticCache``) must hold the
+        prompt plus every new token.
 
         Raises:
-            ValueError: ``max_cache_len`` below the prompt length plus ``max_new_tokens`` (or below ``max_length``
-                when no ``max_new_tokens`` is set); the message names both numbers.
+            ValueError: an ``attention_mask`` row that is all zeros or has a 0 after a 1 (the row is named;
+                :func:`.generation_cache.check_left_padding`); a cache built for another layer count or layer kinds
+                (:func:`.generation_cache.check_cache_layers`); a filled cache no shorter than the inputs (both
+                lengths named; :func:`.generation_cache.check_cache_continuation`); ``max_cache_len`` below the
+                prompt length plus ``max_new_tokens`` (or below ``max_length`` when no ``max_new_tokens`` is set); the
+                message names both numbers.
+            NotImplementedError: a cache that is not a transformers ``Cache``.
         """
         cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        if prompt is None:
+            prompt = kwargs.get("inputs_embeds")
+        prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else 0
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not torch.compiler.is_compiling():
+            check_left_padding(mask.bool())
+        if cache is not None:
+            check_cache(cache, "generate")
+            check_cache_layers(cache, self.config.get_text_config(decoder=True), "generate")
+        if cache is not None and prompt_len:
+            check_cache_continuation(cache, prompt_len, mask.shape[1] if isinstance(mask, torch.Tensor) else None)
         capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
         if capacity > 0:
-            prompt = inputs if inputs is not None else kwargs.get("input_ids")
-            if prompt is None:
-                prompt = kwargs.get("inputs_embeds")
             config = generation_config if generation_config is not None else self.generation_config
             max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-            prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else 0
             if max_new is not None:
                 needed, how = prompt_len + max_new, f"prompt {prompt_len} + max_new_tokens {max_new}"
             else:

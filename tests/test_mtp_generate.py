@@ -2,7 +2,7 @@
 
 Model: ``configuration/tiny.json`` (KDA, full and shared DSA, MoE, mHC, one MTP layer, vision tower), randomised
 (``tests/tiny.py``), fp32. A random MTP layer drafts badly (acceptance ~0), so the "drafty" variant
-(:func:`_drafty_`) scales every layer's output projections by ``eps`` and makes the MTP layer read the next
+(:func:`tiny.drafty_`) scales every layer's output projections by ``eps`` and makes the MTP layer read the next
 token's embedding through an identity ``eh_proj`` block: the main model then mostly predicts from the current
 token and the MTP layer mostly predicts the same thing one step later, so drafts are both accepted and rejected,
 with all KDA / DSA / MoE / mHC paths active.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ckpt_fixtures import tiny_config
-from tiny import randomize_, rel_err
+from tiny import drafty_, randomize_, rel_err
 from transformers import DynamicCache
 
 from glm53flash_hf.generation_cache import Glm53FlashIndexedCacheLayer, Glm53FlashKDACacheLayer, make_croppable
@@ -28,23 +28,6 @@ PATCH_DIM = 3 * 2 * 14 * 14
 # fp32 rounding of the same maths over a different number of rows (a 3-token call vs a 1-token one); a missed
 # rollback moves the states by O(1) (checked below)
 STATE_TOL = 1e-5
-
-
-def _drafty_(model, eps: float):
-    """Scale the text layers' output projections by ``eps``; MTP ``eh_proj = [I | eps * W_h]``, ``enorm = 1``,
-    ``shared_head.norm = norm`` (so the MTP layer's prediction at ``t`` ~ the main model's at ``t + 1``)."""
-    text = getattr(model.model, "language_model", model.model)
-    n, d = text.config.num_hidden_layers, text.config.hidden_size
-    with torch.no_grad():
-        for name, p in text.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
-                p.mul_(eps)
-        mtp = text.layers[n]
-        mtp.eh_proj.weight[:, :d] = torch.eye(d)
-        mtp.eh_proj.weight[:, d:] *= eps
-        mtp.enorm.weight.fill_(1.0)
-        mtp.shared_head.norm.weight.copy_(text.norm.weight)
-    return model
 
 
 def _ready(model):
@@ -66,7 +49,7 @@ def drafty():
     torch.manual_seed(0)
     model = Glm53FlashForCausalLM(tiny_config())
     randomize_(model, seed=5)
-    return _ready(_drafty_(model, 0.05))
+    return _ready(drafty_(model, 0.05))
 
 
 def _prompt(n, seed):
@@ -123,7 +106,7 @@ def test_image_prompt_greedy_equals_plain_and_mtp_sees_image_features():
     torch.manual_seed(0)
     vl = Glm53FlashForConditionalGeneration(tiny_config())
     randomize_(vl, seed=5)
-    vl = _ready(_drafty_(vl, 0.05))
+    vl = _ready(drafty_(vl, 0.05))
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 1990, (9,), generator=gen).tolist() + [BOI] + [IMG] * 4 + [EOI]
     ids += torch.randint(1, 1990, (6,), generator=gen).tolist()

@@ -173,6 +173,24 @@ def fp64_error_tol(fp32: torch.Tensor, fp64: torch.Tensor, margin: float = 4.0) 
     return margin * max(rel_err(fp32, fp64), FP32_U)
 
 
+def drafty_(model, eps: float):
+    """Scale the text layers' output projections by ``eps``; MTP ``eh_proj = [I | eps * W_h]``, ``enorm = 1``,
+    ``shared_head.norm = norm`` (so the MTP layer's prediction at ``t`` ~ the main model's at ``t + 1``, and a
+    model cropped to fewer layers predicts mostly as the whole one: drafts are both accepted and rejected)."""
+    text = getattr(model.model, "language_model", model.model)
+    n, d = text.config.num_hidden_layers, text.config.hidden_size
+    with torch.no_grad():
+        for name, p in text.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+                p.mul_(eps)
+        mtp = text.layers[n]
+        mtp.eh_proj.weight[:, :d] = torch.eye(d)
+        mtp.eh_proj.weight[:, d:] *= eps
+        mtp.enorm.weight.fill_(1.0)
+        mtp.shared_head.norm.weight.copy_(text.norm.weight)
+    return model
+
+
 def read_checkpoint_tensors(folder) -> dict:
     """Every tensor of a safetensors checkpoint folder (through its index, or ``model.safetensors``); a key stored
     twice fails the test."""
