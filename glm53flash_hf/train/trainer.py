@@ -350,6 +350,73 @@ class Glm53FlashTrainer(Trainer):
         self.sp_mesh = sp_mesh
         self.sp_group = sp_mesh["sp"].get_group() if sp_mesh is not None else None
 
+    def _get_output_dir(self, trial):
+        staging = getattr(self, "_checkpoint_staging", None)
+        return staging if staging is not None else super()._get_output_dir(trial)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if getattr(self, "_checkpoint_staging", None) is not None:
+            self._checkpoint_push = True  # pushed from the final folder, once it is in place
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint`` that never leaves a partial ``checkpoint-N`` (which
+        ``trainer_utils.get_last_checkpoint`` and ``resume_from_checkpoint=True`` would take for complete).
+
+        Everything the Trainer writes (model, optimizer, scheduler, RNG states, ``trainer_state.json``) goes into
+        ``{output_dir}/.checkpoint-N.partial/checkpoint-N`` (the same name on every process), which is renamed to
+        ``{output_dir}/checkpoint-N`` once every process has finished writing; an existing ``checkpoint-N`` is
+        exchanged with it atomically (:func:`glm53flash_hf.checkpoint.exchange_paths`; without that call it is
+        moved aside first, and a kill in between leaves no ``checkpoint-N``: resuming takes the one before). Then old
+        checkpoints are rotated (``save_total_limit``) and the Hub push (``push_to_hub``) runs from the final
+        folder. A process killed midway leaves only the hidden ``.checkpoint-N.partial``, which no resume picks up
+        and the next checkpoint save deletes.
+        """
+        import shutil
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from ..checkpoint import exchange_paths
+
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        staging = os.path.join(run_dir, f".{name}.partial")
+        if self.args.should_save:
+            if os.path.isdir(run_dir):
+                for entry in os.listdir(run_dir):  # left by a killed checkpoint save
+                    if entry.startswith(f".{PREFIX_CHECKPOINT_DIR}-") and entry.endswith(".partial"):
+                        shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+            os.makedirs(staging, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+        self._checkpoint_staging, self._checkpoint_push = staging, False
+        try:
+            super()._save_checkpoint(model, trial)  # its rotation sees only the one checkpoint in `staging`
+        finally:
+            self._checkpoint_staging = None
+        self.accelerator.wait_for_everyone()
+        written = os.path.join(staging, name)
+        if self.state.best_model_checkpoint == written:
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(written, "trainer_state.json"))
+        if self.args.should_save and os.path.isdir(written):
+            if not (os.path.isdir(final) and exchange_paths(written, final)):
+                if os.path.isdir(final):
+                    os.rename(final, os.path.join(staging, "replaced"))
+                os.rename(written, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
+        if self._checkpoint_push:
+            super()._push_from_checkpoint(final)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids, labels = inputs["input_ids"], inputs["labels"]
         self.trained_tokens += int(((ids != self.pad_token_id) | (labels != IGNORE_INDEX)).sum())
