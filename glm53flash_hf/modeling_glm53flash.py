@@ -343,7 +343,8 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         truncated shard, or an integer or bool tensor of a local checkpoint that loads into a weight (one the model
         does not take is an unexpected key), raises ``ValueError`` naming the file or key. A text-only class skips
         the vision tower's tensors of a multimodal checkpoint and says so in one info line. ``save_pretrained``
-        then writes the canonical layout whatever variant was read.
+        then writes the canonical layout whatever variant was read. A local folder that a killed ``save_pretrained``
+        left unfinished is first completed or restored (:func:`.checkpoint.recover_interrupted_save`).
         """
         from .checkpoint import load_pretrained
 

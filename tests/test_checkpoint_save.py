@@ -148,10 +148,11 @@ def _fork_save(model, folder: str, mode: str, on_op) -> str:
     raise RuntimeError(f"the child saving {folder} failed (status {status}; traceback above)")
 
 
-# Kinds of operation of which only every BULK_STRIDE-th is a kill point (each is one of many alike: files written
-# into the unfinished folder, files of a hidden copy deleted, entries moved into an uncommitted journal); every
-# other operation (exchange, links, folder creation and removal, the journal's replacements) is one each.
-BULK_KINDS, BULK_STRIDE = ("open", "unlink", "remove", "rename"), 5
+# Kinds of operation of which only every BULK_STRIDE-th and the last are kill points (each is one of many alike:
+# files written into the unfinished folder, files of a hidden copy deleted, entries moved into an uncommitted
+# journal, files moved from a committed journal into place); every other operation (the exchange, links, folder
+# creation and removal) is one each.
+BULK_KINDS, BULK_STRIDE = ("open", "unlink", "remove", "rename", "replace"), 8
 
 
 def _kill_points_server(old_folder: str, root: str, modes: list[str]) -> dict:
@@ -179,7 +180,8 @@ def _kill_points_server(old_folder: str, root: str, modes: list[str]) -> dict:
         seen, points = {}, []
         for k, kind in enumerate(ops, start=1):
             seen[kind] = seen.get(kind, 0) + 1
-            if kind not in BULK_KINDS or seen[kind] % BULK_STRIDE == 1:
+            last = kind not in ops[k:]
+            if kind not in BULK_KINDS or seen[kind] % BULK_STRIDE == 1 or last:
                 points.append(k)
         results = {}
         for k in points:
