@@ -442,3 +442,17 @@ def test_trainer_checkpoints_rotate_and_track_the_best(tmp_path):
     for step in (1, 3):
         with open(tmp_path / f"checkpoint-{step}" / "trainer_state.json") as f:
             assert json.load(f)["best_model_checkpoint"] == best
+
+
+def test_trainer_resume_restores_the_saved_weights(tmp_path):
+    """Resuming reads the checkpoint's weights (saved in the published layout) into the model: after
+    ``_load_from_checkpoint`` the model equals ``from_pretrained(checkpoint-1)``, which differs from the fresh
+    model the Trainer was built with."""
+    _trainer(tmp_path, max_steps=1).train()
+    folder = str(tmp_path / "checkpoint-1")
+    saved = Glm53FlashForCausalLM.from_pretrained(folder).state_dict()
+    trainer = _trainer(tmp_path, max_steps=1)
+    assert not torch.equal(trainer.model.state_dict()[PROBE], saved[PROBE])
+    trainer._load_from_checkpoint(folder)
+    state = trainer.model.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)

@@ -417,6 +417,33 @@ class Glm53FlashTrainer(Trainer):
         if self._checkpoint_push:
             super()._push_from_checkpoint(final)
 
+    def _load_saved_weights(self, folder: str, model) -> bool:
+        """Load the weights of a checkpoint folder that ``save_pretrained`` wrote (the published layout) into
+        ``model`` through ``from_pretrained``; the Trainer's own resume and best-model loading read the file's keys
+        into ``load_state_dict(strict=False)``, which matches none of them (the saved names are not the in-memory
+        ones) and keeps the current weights. Returns False (the Trainer's path applies) for a PEFT, FSDP or
+        DeepSpeed model, another model class, or a folder without safetensors weights."""
+        from transformers.trainer import _is_peft_model
+
+        target = self.accelerator.unwrap_model(model)
+        ours = any(c.__name__ == "Glm53FlashPreTrainedModel" for c in type(target).__mro__)
+        weights = any(os.path.isfile(os.path.join(folder, n))
+                      for n in ("model.safetensors", "model.safetensors.index.json"))
+        if not ours or not weights or _is_peft_model(target) or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return False
+        dtype = next(target.parameters()).dtype
+        loaded = type(target).from_pretrained(folder, config=target.config, dtype=dtype)
+        target.load_state_dict(loaded.state_dict(), strict=True)
+        return True
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._load_saved_weights(resume_from_checkpoint, self.model if model is None else model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if not self._load_saved_weights(self.state.best_model_checkpoint, self.model):
+            super()._load_best_model()
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids, labels = inputs["input_ids"], inputs["labels"]
         self.trained_tokens += int(((ids != self.pad_token_id) | (labels != IGNORE_INDEX)).sum())
