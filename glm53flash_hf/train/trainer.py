@@ -304,6 +304,9 @@ class Glm53FlashTrainer(Trainer):
       trained target (the packing collator pads with ``pad`` ids and -100 labels; a trained ``<|endoftext|>`` equal
       to ``pad`` has a label);
     * ``mtp=False`` passed to the model when ``mtp`` is off;
+    * checkpoints that a kill cannot leave half-written under a ``checkpoint-N`` name (:meth:`_save_checkpoint`),
+      and resume / ``load_best_model_at_end`` that read their weights (saved in the published layout) through
+      ``from_pretrained`` (:meth:`_load_saved_weights`);
     * sequence parallelism (the extension point; transformers' own context parallelism drives SDPA models only):
       with ``sp_mesh`` (a ``DeviceMesh`` with an ``"sp"`` dimension, e.g. ``init_device_mesh("cuda", (dp, sp),
       mesh_dim_names=("dp_shard", "sp"))``) or ``sequence_parallel_size=N`` (that mesh over all processes, ranks
