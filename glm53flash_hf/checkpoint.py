@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -828,36 +829,36 @@ def strict_load_report(
             raise ValueError(message)
 
 
-_FINITE_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+def nonfinite_tensors(named_tensors, chunk: int = 1 << 24) -> list[str]:
+    """Describe the floating-point tensors of ``named_tensors`` that hold NaN or Inf values.
 
-
-def check_finite_weights(model, source, *, allow: bool = False, chunk: int = 1 << 24) -> None:
-    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf values (a damaged or diverged
-    checkpoint would otherwise load silently and give NaN logits).
-
-    Every floating-point tensor is read once, in ``chunk``-element pieces (no full-size temporary); tensors on the
-    meta device (offloaded to disk by a device map) and FP8 storage are skipped.
+    Every tensor is read once, in ``chunk``-element pieces (no full-size temporary; FP8 pieces are upcast to
+    float32 one piece at a time); a ``DTensor`` is checked on this process's shard; tensors on the meta device
+    (offloaded to disk by a device map), empty ones and non-floating ones are skipped.
 
     Args:
-        model: the loaded model.
-        source: what was loaded (named in the message).
-        allow: ``from_pretrained(..., allow_nonfinite_weights=True)``: warn instead.
+        named_tensors: iterable of ``(name, tensor)`` (e.g. ``model.named_parameters()`` or ``state_dict.items()``);
+            entries that are not tensors are skipped.
 
-    Raises:
-        ValueError: naming the source, the count of such tensors and, for the first 10, the parameter, its number
-            of NaN and Inf values and the index of the first (for a fused expert stack its dim 0 is the expert).
+    Returns:
+        ``["name (n NaN, m Inf; first at index (i, j, ...))", ...]`` in the order given; ``[]`` when all are finite.
+        For a fused expert stack the index's dim 0 is the expert.
     """
     bad = []
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.device.type == "meta" or tensor.dtype not in _FINITE_CHECK_DTYPES or not tensor.numel():
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             continue
         local = tensor.detach()
         local = local.to_local() if hasattr(local, "to_local") else local  # a DTensor: this rank's shard
+        if local.device.type == "meta" or not local.numel():
+            continue
         flat = local.reshape(-1)
         n_nan = n_inf = 0
         first = None
         for start in range(0, flat.numel(), chunk):
             piece = flat[start : start + chunk]
+            if piece.element_size() == 1:  # FP8 storage: isfinite/isnan are not defined for it on every device
+                piece = piece.float()
             finite = torch.isfinite(piece)
             if bool(finite.all()):
                 continue
@@ -869,11 +870,29 @@ def check_finite_weights(model, source, *, allow: bool = False, chunk: int = 1 <
                 first = tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), local.shape))
         if first is not None:
             bad.append(f"{name} ({n_nan} NaN, {n_inf} Inf; first at index {first})")
+    return bad
+
+
+def _listing_bad(bad: list[str], limit: int = 10) -> str:
+    return f"{'; '.join(bad[:limit])}{' ...' if len(bad) > limit else ''}"
+
+
+def check_finite_weights(model, source, *, allow: bool = False) -> None:
+    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf values (a damaged or diverged
+    checkpoint would otherwise load silently and give NaN logits); the scan is :func:`nonfinite_tensors`.
+
+    Args:
+        model: the loaded model.
+        source: what was loaded (named in the message).
+        allow: ``from_pretrained(..., allow_nonfinite_weights=True)``: warn instead.
+
+    Raises:
+        ValueError: naming the source, the count of such tensors and, for the first 10, the parameter, its number
+            of NaN and Inf values and the index of the first.
+    """
+    bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
     if bad:
-        message = (
-            f"{source}: {len(bad)} loaded weights hold NaN or Inf values: {'; '.join(bad[:10])}"
-            f"{' ...' if len(bad) > 10 else ''}"
-        )
+        message = f"{source}: {len(bad)} loaded weights hold NaN or Inf values: {_listing_bad(bad)}"
         if not allow:
             raise ValueError(message + " (pass allow_nonfinite_weights=True to load them anyway)")
         logger.warning(message + " (allow_nonfinite_weights=True: loaded as they are)")
@@ -969,6 +988,7 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     Returns:
         the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
     """
+    recover_interrupted_save(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
     want_info = kwargs.pop("output_loading_info", False)
     # a caller who asks for the loading info gets the key report there (and a warning), as transformers reports it
     allow_missing = kwargs.pop("allow_missing_keys", False) or want_info
@@ -1027,22 +1047,239 @@ def replaced_by_save(name: str) -> bool:
     return bool(_REPLACED_NAMES.match(name))
 
 
+# Names of what a save leaves while it runs: siblings ``.{name}.tmp-*`` (the new folder being written; after the
+# swap, the old content awaiting deletion) and ``.{name}.old-*`` (the old folder moved aside by the two-rename
+# fallback); inside the folder, journal folders ``.glm53flash-save.tmp-*`` (staged, uncommitted) and
+# ``.glm53flash-save.commit-*`` (committed, holding the new entries not yet moved into place).
+_JOURNAL_TMP = ".glm53flash-save.tmp-"
+_JOURNAL_COMMIT = ".glm53flash-save.commit-"
+_JOURNAL_MANIFEST = ".glm53flash-save.manifest.json"
+_JOURNAL_PREFIXES = (_JOURNAL_TMP, _JOURNAL_COMMIT)
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap the two existing paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(..., RENAME_EXCHANGE)``,
+    called through ctypes). Returns False when that call is unavailable: not Linux, a C library without
+    ``renameat2`` (glibc < 2.28), or a kernel / file system that refuses the flag (``ENOSYS``, ``EINVAL``,
+    ``ENOTSUP``: e.g. NFS); nothing has changed then.
+
+    Raises:
+        OSError: any other failure of the call (e.g. ``EBUSY`` / ``EXDEV`` for a mount point), naming both paths.
+    """
+    import ctypes
+    import errno
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
+class _FolderLock:
+    """An exclusive ``flock`` on a folder (held by a running save on the folder it writes), so that
+    :func:`recover_interrupted_save` never removes the work of a save that is still running. ``acquire(wait=False)``
+    returns False when another process holds it. Without ``fcntl`` (Windows) or where the file system refuses locks,
+    nothing is locked and every leftover counts as abandoned."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = None
+
+    def acquire(self, wait: bool = True) -> bool:
+        try:
+            import fcntl
+        except ImportError:
+            return True
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return True  # gone already
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            self.release()
+            return False
+        except OSError:
+            pass  # no locks on this file system
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _remove(path: str) -> None:
+    """Delete a file, link or folder tree (a link is removed, never followed)."""
+    import shutil
+
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _link_copy(src: str, dst: str) -> None:
+    """Copy the entry ``src`` to ``dst`` without touching ``src``: files as hard links (no data copied; a real copy
+    where the file system has no hard links), folders recursively, symbolic links as links."""
+    import shutil
+
+    def link(a, b):
+        try:
+            os.link(a, b, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(a, b, follow_symlinks=False)
+
+    if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    else:
+        link(src, dst)
+
+
+def _roll_forward(target: str, journal: str) -> None:
+    """Finish a committed journal ``journal`` inside ``target``: remove the checkpoint files
+    (:func:`replaced_by_save`) that the new save did not write, move every staged entry into place (a file by one
+    ``os.replace``; an existing folder of the same name is first moved into the journal) and delete the journal.
+    Idempotent: a roll-forward cut short is completed by running it again."""
+    manifest = os.path.join(journal, _JOURNAL_MANIFEST)
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            written = json.load(f)
+        for entry in sorted(os.listdir(target)):
+            if replaced_by_save(entry) and entry not in written:
+                _remove(os.path.join(target, entry))
+        for entry in written:
+            src, dst = os.path.join(journal, entry), os.path.join(target, entry)
+            if not os.path.lexists(src):
+                continue  # moved by an earlier run
+            if os.path.lexists(dst) and (os.path.isdir(src) or (os.path.isdir(dst) and not os.path.islink(dst))):
+                trash = os.path.join(journal, ".trash-" + entry)
+                _remove(trash)
+                os.rename(dst, trash)
+            os.replace(src, dst)
+        os.unlink(manifest)
+    _remove(journal)
+
+
+def recover_interrupted_save(save_directory, subfolder: str = "") -> None:
+    """Undo or finish what a killed :func:`atomic_save` of ``save_directory`` left (called by every save and at the
+    start of ``from_pretrained``): a committed journal inside the folder is rolled forward, an uncommitted one
+    removed; when the folder itself is absent (killed between the two renames of the fallback) its ``.old-`` copy is
+    renamed back; the hidden sibling copies are deleted. Leftovers of a save that is still running (it holds a lock
+    on its work folder) are left alone. A no-op for anything that is not a local path, and when nothing was left
+    (no writes then: a read-only folder loads).
+
+    Args:
+        save_directory: the folder (str or path-like; anything else, e.g. ``None``, is ignored).
+        subfolder: a subfolder of it to treat as the folder (``from_pretrained(..., subfolder=...)``).
+
+    Raises:
+        OSError: a rename needed to restore or finish the folder failed (e.g. read-only file system).
+    """
+    if not isinstance(save_directory, (str, os.PathLike)):
+        return
+    target = os.path.realpath(os.path.abspath(os.path.join(os.fspath(save_directory), subfolder or "")))
+    parent, name = os.path.split(target)
+    if os.path.isdir(target):
+        for entry in sorted(os.listdir(target)):
+            if entry.startswith(_JOURNAL_PREFIXES):
+                path = os.path.join(target, entry)
+                lock = _FolderLock(path)
+                if not lock.acquire(wait=False):
+                    continue
+                try:
+                    _roll_forward(target, path) if entry.startswith(_JOURNAL_COMMIT) else _remove(path)
+                finally:
+                    lock.release()
+    try:
+        siblings = sorted(s for s in os.listdir(parent) if s.startswith((f".{name}.tmp-", f".{name}.old-")))
+    except OSError:
+        return
+    locks = [_FolderLock(os.path.join(parent, s)) for s in siblings]
+    try:
+        if not all(lock.acquire(wait=False) for lock in locks):
+            return  # a save of this folder is running
+        if not os.path.lexists(target):
+            olds = [os.path.join(parent, s) for s in siblings if s.startswith(f".{name}.old-")]
+            olds = [p for p in olds if os.path.isdir(p) and os.listdir(p)]
+            if olds:
+                os.rename(max(olds, key=lambda p: os.stat(p).st_ctime), target)
+        for s in siblings:
+            _remove(os.path.join(parent, s))
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _journal_save(target: str, write=None, staged: str | None = None) -> None:
+    """Save into ``target`` in place through a journal: the new entries are staged in a hidden folder inside
+    ``target`` (by ``write(folder)``, or moved there from the folder ``staged``), listed in a manifest, committed by
+    renaming the staging folder, then moved into place (:func:`_roll_forward`). Used when ``target`` itself cannot be
+    renamed (a mount point)."""
+    import tempfile
+
+    journal = tempfile.mkdtemp(prefix=_JOURNAL_TMP, dir=target)
+    lock = _FolderLock(journal)
+    lock.acquire()
+    try:
+        if staged is None:
+            write(journal)
+        else:
+            import shutil
+
+            for entry in os.listdir(staged):
+                shutil.move(os.path.join(staged, entry), os.path.join(journal, entry))
+        written = sorted(os.listdir(journal))
+        with open(os.path.join(journal, _JOURNAL_MANIFEST), "w") as f:
+            json.dump(written, f)
+        committed = os.path.join(target, _JOURNAL_COMMIT + os.path.basename(journal)[len(_JOURNAL_TMP):])
+        os.rename(journal, committed)
+    except BaseException:
+        _remove(journal)
+        raise
+    finally:
+        lock.release()
+    _roll_forward(target, committed)
+
+
 def atomic_save(save_directory, write) -> str:
     """Write a folder with ``write(tmp)`` and swap it in at ``save_directory`` only when ``write`` returned.
 
-    Steps: ``write`` fills a fresh sibling ``.{name}.tmp-XXXXXXXX`` (same parent, same file system); then the
-    entries of the existing folder that the new save did not write and that are not checkpoint files
-    (:func:`replaced_by_save`: weights in any layout, their indexes, ``config.json``, ``generation_config.json``) are
-    moved into it: a README, ``adapter/``, loss logs, tokenizer and processor files, trainer states, ``.git`` and any
-    subfolder are kept, while stale shards or a ``model.safetensors`` of another layout do not survive. The old folder
-    is renamed to a sibling ``.{name}.old-XXXXXXXX``, the new one renamed into place and the old one deleted.
+    Steps: first :func:`recover_interrupted_save` cleans up what an earlier killed save left. ``write`` fills a fresh
+    sibling ``.{name}.tmp-XXXXXXXX`` (same parent, same file system); the entries of the existing folder that the
+    new save did not write and that are not checkpoint files (:func:`replaced_by_save`: weights in any layout, their
+    indexes, ``config.json``, ``generation_config.json``) are copied into it as hard links (a README, ``adapter/``,
+    loss logs, tokenizer and processor files, trainer states, ``.git`` and any subfolder are kept; stale shards or a
+    ``model.safetensors`` of another layout do not survive); then the two folders are exchanged in one atomic step
+    (Linux ``renameat2(RENAME_EXCHANGE)``) and the old content, now at the sibling's name, is deleted.
 
-    Guarantees: on any failure (an exception in ``write``, a full disk) the previous folder is left as it was (the
-    carried entries are moved back) and the temporary folder is removed; the folder is never written in place, so a
-    save never writes through a symbolic or hard link into another folder (the old folder's links are removed, not
-    followed). Between the two renames (microseconds) ``save_directory`` is absent and the old content sits in the
-    ``.old-`` sibling. A ``save_directory`` that is a symbolic link to a folder is resolved: the folder it points to
-    is replaced and the link kept.
+    Guarantees: at every instant ``save_directory`` holds the complete old or the complete new folder, also when
+    the process is killed (``kill -9``); a kill leaves a hidden sibling that the next save or ``from_pretrained`` of
+    the folder removes. On any failure (an exception in ``write``, a full disk) the previous folder is left as it
+    was and the temporary folder is removed. The folder is never written in place, so a save never writes through a
+    symbolic or hard link into another folder. A ``save_directory`` that is a symbolic link to a folder is resolved:
+    the folder it points to is replaced and the link kept. Not covered: power loss (files are not ``fsync``-ed).
+
+    Fallbacks: where the atomic exchange is unavailable (not Linux, file systems such as NFS) the old folder is
+    renamed to ``.{name}.old-XXXXXXXX`` and the new one renamed into place; a kill between those two renames
+    (microseconds) leaves ``save_directory`` absent, and the next save or load renames the old folder back. A
+    ``save_directory`` that cannot be renamed (a mount point, e.g. a container volume: ``EBUSY`` / ``EXDEV``) is
+    saved in place through a journal: the new entries are staged in a hidden subfolder, committed by a rename, then
+    moved into place one by one; a kill after the commit leaves a mix of old and new files that the next save or
+    ``from_pretrained`` completes to the new folder before anything is read (other readers may see the mix until
+    then), a kill before it leaves the old folder.
 
     Args:
         save_directory: the folder to (re)write; its parent is created when missing.
@@ -1055,7 +1292,7 @@ def atomic_save(save_directory, write) -> str:
         ValueError: ``save_directory`` is an existing file.
         Whatever ``write`` raises (after the clean-up above).
     """
-    import shutil
+    import errno
     import tempfile
 
     target = os.path.realpath(os.path.abspath(os.fspath(save_directory)))
@@ -1063,9 +1300,15 @@ def atomic_save(save_directory, write) -> str:
         raise ValueError(f"save_directory={os.fspath(save_directory)!r} is a file; expected a folder")
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
+    recover_interrupted_save(target)
+    if os.path.isdir(target) and os.path.ismount(target):
+        _journal_save(target, write)
+        return target
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    lock = _FolderLock(tmp)
+    lock.acquire()
     mode = os.stat(target).st_mode if os.path.isdir(target) else None
-    moved: list[str] = []
+    carried: list[str] = []
     backup = None
     try:
         write(tmp)
@@ -1075,32 +1318,56 @@ def atomic_save(save_directory, write) -> str:
             os.chmod(tmp, 0o777 & ~umask)
         else:
             os.chmod(tmp, mode & 0o7777)
-        if os.path.isdir(target):
-            written = set(os.listdir(tmp))
-            for entry in sorted(os.listdir(target)):
-                if entry not in written and not replaced_by_save(entry):
-                    os.rename(os.path.join(target, entry), os.path.join(tmp, entry))
-                    moved.append(entry)
-            backup = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.rename(target, backup)  # replaces the empty backup folder
-            try:
-                os.rename(tmp, target)
-            except BaseException:
-                os.rename(backup, target)
-                raise
-            moved = []
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
+        if not os.path.isdir(target):
             os.rename(tmp, target)
-    except BaseException:
-        for entry in moved:
-            if os.path.lexists(os.path.join(tmp, entry)) and not os.path.lexists(os.path.join(target, entry)):
-                os.rename(os.path.join(tmp, entry), os.path.join(target, entry))
-        shutil.rmtree(tmp, ignore_errors=True)
+            return target
+        written = set(os.listdir(tmp))
+        for entry in sorted(os.listdir(target)):
+            if entry not in written and not replaced_by_save(entry) and not entry.startswith(_JOURNAL_PREFIXES):
+                _link_copy(os.path.join(target, entry), os.path.join(tmp, entry))
+                carried.append(entry)
+        try:
+            if not exchange_paths(tmp, target):
+                backup = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+                os.rename(target, backup)  # replaces the empty backup folder
+                try:
+                    os.rename(tmp, target)
+                except BaseException:
+                    os.rename(backup, target)
+                    raise
+                tmp, backup = backup, None
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.EXDEV):
+                raise
+            for entry in carried:  # the folder cannot be renamed (a mount point): save into it through a journal
+                _remove(os.path.join(tmp, entry))
+            _journal_save(target, staged=tmp)
+    finally:
+        lock.release()
+        _remove(tmp)  # the unfinished new folder, or the old content after the swap
         if backup is not None and os.path.isdir(backup) and not os.listdir(backup):
             os.rmdir(backup)
-        raise
     return target
+
+
+def check_finite_for_save(state_dict, owner: str) -> None:
+    """Refuse to save NaN or Inf values: the check :meth:`save_pretrained` runs before writing (the scan is
+    :func:`nonfinite_tensors`).
+
+    Args:
+        state_dict: ``{name: tensor}``.
+        owner: what the tensors belong to, for the message (e.g. the model's class name).
+
+    Raises:
+        ValueError: naming the count of offending tensors, the first 10 (NaN / Inf counts, first index) and
+            ``allow_nonfinite_weights=True``.
+    """
+    bad = nonfinite_tensors(state_dict.items())
+    if bad:
+        raise ValueError(
+            f"{owner}: {len(bad)} weight tensors hold NaN or Inf values: {_listing_bad(bad)}; refusing to save them "
+            "(pass allow_nonfinite_weights=True to save anyway)"
+        )
 
 
 def check_state_dict_dtypes(model, state_dict) -> None:

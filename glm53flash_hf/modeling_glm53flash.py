@@ -269,7 +269,7 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
             if isinstance(module, Glm53FlashTextModel):
                 module.sequence_parallel_group = group
 
-    def save_pretrained(self, save_directory, *args, processor=None, **kwargs):
+    def save_pretrained(self, save_directory, *args, processor=None, allow_nonfinite_weights: bool = False, **kwargs):
         """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
         weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
         with ``model_type: glm5_next`` and ``auto_map`` entries for every Auto class this package serves, and a
@@ -281,23 +281,32 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         plus the entries of the old folder that the save does not write and that are not checkpoint files (a README,
         ``adapter/``, logs, tokenizer/processor files, trainer states, subfolders are kept; weights of another layout,
         stale shards and indexes, ``config.json`` and ``generation_config.json`` are not). Nothing is written through
-        a symbolic or hard link into another folder.
+        a symbolic or hard link into another folder. A process killed during the save leaves the old or the new
+        folder, never a mix, and the next save or ``from_pretrained`` of the folder cleans up (details and the
+        fallbacks for mount points and file systems without an atomic exchange: :func:`.checkpoint.atomic_save`).
 
         Args:
             save_directory: target folder (created with its parent when missing).
             processor: optional processor (anything with ``save_pretrained(folder)``) saved into the same folder in
                 the same swap.
+            allow_nonfinite_weights: save weights holding NaN or Inf too; by default they are refused
+                (:func:`.checkpoint.check_finite_for_save`, on the ``state_dict`` passed or the model's own).
             *args, **kwargs: ``PreTrainedModel.save_pretrained``'s (``max_shard_size``, ``state_dict``,
                 ``is_main_process``, ...). A process that does not save (``is_main_process=False``) takes part in
                 the collectives and writes nothing. ``distributed_checkpoint=True`` (every rank writes) saves in
                 place, not atomically.
 
         Raises:
-            ValueError: ``save_directory`` is an existing file.
+            ValueError: ``save_directory`` is an existing file; a floating-point weight holds NaN or Inf (names the
+                first tensors) and ``allow_nonfinite_weights`` is False.
         """
         import tempfile
 
-        from .checkpoint import atomic_save, own_conversions
+        from .checkpoint import atomic_save, check_finite_for_save, own_conversions
+
+        if not allow_nonfinite_weights:
+            state_dict = kwargs.get("state_dict")
+            check_finite_for_save(self.state_dict() if state_dict is None else state_dict, type(self).__name__)
 
         self.config.auto_map = dict(getattr(self.config, "auto_map", None) or {}, **AUTO_MAP)
         super_save = super().save_pretrained
@@ -351,7 +360,8 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         the vision tower's tensors of a multimodal checkpoint and says so in one info line. ``save_pretrained``
         then writes the canonical layout whatever variant was read. Loading and saving use the key conversions of
         this class's own module (:func:`.checkpoint.own_conversions`), whatever other copy of it (a remote-code
-        folder's) was imported or used before.
+        folder's) was imported or used before. A local folder that a killed ``save_pretrained``
+        left unfinished is first completed or restored (:func:`.checkpoint.recover_interrupted_save`).
         """
         from .checkpoint import load_pretrained, own_conversions
 

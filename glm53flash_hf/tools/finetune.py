@@ -169,16 +169,18 @@ def check_finite(model, what: str, accelerator=None) -> None:
     Raises:
         FloatingPointError: naming ``what``, the number of tensors holding NaN / inf and the first few names.
     """
+    import itertools
+
     import torch
 
-    from ..train.trainer import nonfinite_tensors
+    from ..checkpoint import nonfinite_tensors
 
-    bad = nonfinite_tensors(model)
+    bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
     count = len(bad)
     if accelerator is not None and accelerator.num_processes > 1:
         count = int(accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="sum"))
     if count:
-        names = f": {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else " (on other processes)"
+        names = f": {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else " (on other processes)"
         raise FloatingPointError(f"{what} holds non-finite values (NaN / inf) in {count} tensors{names}; nothing "
                                  "was saved")
 

@@ -3,7 +3,7 @@ aux-loss-free expert-balancing callback and the job's progress / loss-log callba
 
 * :class:`Glm53FlashTrainer` is ``transformers.Trainer`` plus the MTP loss in the logs, a count of the trained
   (non-padding) tokens, ``mtp=False`` passed to the model when the MTP loss is off, a ``FloatingPointError`` on a
-  non-finite loss or gradient norm (:func:`nonfinite_tensors` checks weights), and sequence parallelism
+  non-finite loss or gradient norm, and sequence parallelism
   (``sp_mesh=`` / ``sequence_parallel_size=``, :func:`sp_micro_batches`).
 
 * :func:`default_lora_config` builds a ``peft.LoraConfig`` that adapts the attention projections (MLA and KDA),
@@ -29,7 +29,6 @@ transformers ``TrainerCallback`` events (``on_train_begin`` / ``on_step_end`` / 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -312,6 +311,9 @@ class Glm53FlashTrainer(Trainer):
       ``logging_nan_inf_filter``, which would log the mean of the earlier losses in its place) and after the
       optimizer step whose gradient norm (the Trainer's, before clipping) is NaN / inf, unless the optimizer
       skipped that step (fp16 loss scaling). Each process checks its own loss; the gradient norm is global;
+    * checkpoints that a kill cannot leave half-written under a ``checkpoint-N`` name (:meth:`_save_checkpoint`),
+      and resume / ``load_best_model_at_end`` that read their weights (saved in the published layout) through
+      ``from_pretrained`` (:meth:`_load_saved_weights`);
     * sequence parallelism (the extension point; transformers' own context parallelism drives SDPA models only):
       with ``sp_mesh`` (a ``DeviceMesh`` with an ``"sp"`` dimension, e.g. ``init_device_mesh("cuda", (dp, sp),
       mesh_dim_names=("dp_shard", "sp"))``) or ``sequence_parallel_size=N`` (that mesh over all processes, ranks
@@ -358,6 +360,100 @@ class Glm53FlashTrainer(Trainer):
                 )
         self.sp_mesh = sp_mesh
         self.sp_group = sp_mesh["sp"].get_group() if sp_mesh is not None else None
+
+    def _get_output_dir(self, trial):
+        staging = getattr(self, "_checkpoint_staging", None)
+        return staging if staging is not None else super()._get_output_dir(trial)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if getattr(self, "_checkpoint_staging", None) is not None:
+            self._checkpoint_push = True  # pushed from the final folder, once it is in place
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint`` that never leaves a partial ``checkpoint-N`` (which
+        ``trainer_utils.get_last_checkpoint`` and ``resume_from_checkpoint=True`` would take for complete).
+
+        Everything the Trainer writes (model, optimizer, scheduler, RNG states, ``trainer_state.json``) goes into
+        ``{output_dir}/.checkpoint-N.partial/checkpoint-N`` (the same name on every process), which is renamed to
+        ``{output_dir}/checkpoint-N`` once every process has finished writing; an existing ``checkpoint-N`` is
+        exchanged with it atomically (:func:`glm53flash_hf.checkpoint.exchange_paths`; without that call it is
+        moved aside first, and a kill in between leaves no ``checkpoint-N``: resuming takes the one before). Then old
+        checkpoints are rotated (``save_total_limit``) and the Hub push (``push_to_hub``) runs from the final
+        folder. A process killed midway leaves only the hidden ``.checkpoint-N.partial``, which no resume picks up
+        and the next checkpoint save deletes.
+        """
+        import shutil
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from ..checkpoint import exchange_paths
+
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        staging = os.path.join(run_dir, f".{name}.partial")
+        if self.args.should_save:
+            if os.path.isdir(run_dir):
+                for entry in os.listdir(run_dir):  # left by a killed checkpoint save
+                    if entry.startswith(f".{PREFIX_CHECKPOINT_DIR}-") and entry.endswith(".partial"):
+                        shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+            os.makedirs(staging, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+        self._checkpoint_staging, self._checkpoint_push = staging, False
+        try:
+            super()._save_checkpoint(model, trial)  # its rotation sees only the one checkpoint in `staging`
+        finally:
+            self._checkpoint_staging = None
+        self.accelerator.wait_for_everyone()
+        written = os.path.join(staging, name)
+        if self.state.best_model_checkpoint == written:
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(written, "trainer_state.json"))
+        if self.args.should_save and os.path.isdir(written):
+            if not (os.path.isdir(final) and exchange_paths(written, final)):
+                if os.path.isdir(final):
+                    os.rename(final, os.path.join(staging, "replaced"))
+                os.rename(written, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
+        if self._checkpoint_push:
+            super()._push_from_checkpoint(final)
+
+    def _load_saved_weights(self, folder: str, model) -> bool:
+        """Load the weights of a checkpoint folder that ``save_pretrained`` wrote (the published layout) into
+        ``model`` through ``from_pretrained``; the Trainer's own resume and best-model loading read the file's keys
+        into ``load_state_dict(strict=False)``, which matches none of them (the saved names are not the in-memory
+        ones) and keeps the current weights. Returns False (the Trainer's path applies) for a PEFT, FSDP or
+        DeepSpeed model, another model class, or a folder without safetensors weights."""
+        from transformers.trainer import _is_peft_model
+
+        target = self.accelerator.unwrap_model(model)
+        ours = any(c.__name__ == "Glm53FlashPreTrainedModel" for c in type(target).__mro__)
+        weights = any(os.path.isfile(os.path.join(folder, n))
+                      for n in ("model.safetensors", "model.safetensors.index.json"))
+        if not ours or not weights or _is_peft_model(target) or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return False
+        dtype = next(target.parameters()).dtype
+        loaded = type(target).from_pretrained(folder, config=target.config, dtype=dtype)
+        target.load_state_dict(loaded.state_dict(), strict=True)
+        return True
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._load_saved_weights(resume_from_checkpoint, self.model if model is None else model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if not self._load_saved_weights(self.state.best_model_checkpoint, self.model):
+            super()._load_best_model()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = self._training_step(model, inputs, num_items_in_batch)
@@ -419,18 +515,6 @@ class Glm53FlashTrainer(Trainer):
             logs["mtp_loss"] = round(self._mtp_sum / steps, 6)
             self._mtp_sum, self._mtp_logged_step = 0.0, self.state.global_step
         return super().log(logs, start_time)
-
-
-def nonfinite_tensors(model: torch.nn.Module) -> list[str]:
-    """Names of ``model``'s floating-point parameters and buffers that hold a NaN or an inf (of a ``DTensor``, this
-    process's shard only). Returns ``[]`` when every value is finite."""
-    bad = []
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if tensor.is_floating_point():
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            if local.numel() and not bool(torch.isfinite(local.detach()).all()):
-                bad.append(name)
-    return bad
 
 
 def sequence_parallel_mesh(sp: int, device_type: str | None = None):
