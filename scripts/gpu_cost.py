@@ -203,7 +203,7 @@ def valid_ids(tokens: int, topk: int, kp: int, tail: bool) -> int:
 
 
 def sparse_mla(tokens: int, heads: int, dim: int, width: int, valid: int, act: int = BF16,
-               backward: bool = True) -> list[Kernel]:
+               backward: bool = True, kv_tokens: int | None = None) -> list[Kernel]:
     """``dsa_fused`` sparse MLA (``W`` ids per query, ``valid`` valid ids over all queries; blocks of ``_blocks``:
     ``BD = p2(Dl)``, ``BH = min(p2(H), 64, tile // BD)``, ``BW = min(64, tile // BD)`` with ``tile`` 16384 forward,
     8192 backward; grid ``(T, cdiv(H, BH))``).
@@ -215,7 +215,9 @@ def sparse_mla(tokens: int, heads: int, dim: int, width: int, valid: int, act: i
     Backward: same grid; loads ``q``, ``dO``, ``out``, ``lse``; per block the ids and rows, five dots (``s``, ``dp``,
     ``dq``, two for ``dc``) and an fp32 ``atomic_add`` of the ``[BW, Dl]`` ``dc`` rows (read + write, valid rows);
     stores ``dq``; plus the zeroed fp32 ``dlatent`` buffer and its cast (``4 + 4 + 2`` bytes per element).
+    ``kv_tokens`` (default ``tokens``): rows of the latent (the gathered sequence under SP).
     """
+    kv = tokens if kv_tokens is None else kv_tokens
     bd = p2(dim, 16)
     out = []
     for tag, tile, dots in (("fwd", 16384, 2), ("bwd", 8192, 5)):
@@ -225,14 +227,14 @@ def sparse_mla(tokens: int, heads: int, dim: int, width: int, valid: int, act: i
         hp = cdiv(heads, bh)
         flops = tokens * hp * cdiv(width, bw) * dots * 2.0 * bh * bw * bd
         gather = hp * (I32 * tokens * width + act * dim * valid)
-        once = I32 * tokens * width + act * tokens * dim  # ids and latent, each crossing HBM once
+        once = I32 * tokens * width + act * kv * dim  # ids and latent, each crossing HBM once
         if tag == "fwd":
             nbytes = act * 2 * tokens * heads * dim + FP32 * tokens * heads + gather
             floor = act * 2 * tokens * heads * dim + FP32 * tokens * heads + once
         else:
             nbytes = (act * 4 * tokens * heads * dim + FP32 * tokens * heads + gather + hp * 2 * FP32 * dim * valid
-                      + (FP32 + FP32 + act) * tokens * dim)
-            floor = act * 4 * tokens * heads * dim + FP32 * tokens * heads + once + (FP32 + FP32 + act) * tokens * dim
+                      + (FP32 + FP32 + act) * kv * dim)
+            floor = act * 4 * tokens * heads * dim + FP32 * tokens * heads + once + (FP32 + FP32 + act) * kv * dim
         out.append(Kernel(f"sparse_mla {tag}", flops, nbytes, "bf16", floor_bytes=floor))
     return out
 
@@ -262,7 +264,7 @@ def dsa_indexer(tokens: int, n_heads: int, head_dim: int, topk: int, kp: int,
 
 # ------------------------------------------------------------------------------------------------------------- KDA
 def kda_core(tokens: int, heads: int, dk: int, dv: int, chunk: int = 64, act: int = BF16,
-             backward: bool = True) -> list[Kernel]:
+             backward: bool = True, bv: int = 64) -> list[Kernel]:
     """fla's chunked KDA (``chunk_kda_fwd`` / ``chunk_kda_bwd``, ``BT = chunk``, ``NT = T / BT`` chunks; per head;
     ``Aqk``, ``Akk`` ``[T, H, BT]`` in the input dtype, ``h`` ``[NT, H, K, V]`` in the input dtype, the gate's cumsum
     fp32). Dots per chunk and head (causal intra-chunk blocks: fla computes the ``BC = 16`` sub-blocks on and below
@@ -273,14 +275,18 @@ def kda_core(tokens: int, heads: int, dk: int, dv: int, chunk: int = 64, act: in
       intra: ``Aqk = (q e^g)(k e^-g)^T``, ``Akk`` likewise (``2 * 2 BT^2 K tri``), the ``BT x BT`` triangular
         inverse (``BT^3 / 3 * 2``), ``w = A (beta k e^g)`` (``2 BT^2 K``), ``u = A (beta v)`` (``2 BT^2 V``); reads
         q, k, v, g, beta, writes ``Aqk``, ``Akk``, ``w``, ``u``, ``kg``;
-      state ``fwd_h`` (sequential over chunks): ``v_new = u - w h`` and ``h <- h e^g + kg^T v_new``
-        (``2 * 2 BT K V``); reads w, u, kg, the chunk-end gates; writes ``h``, ``v_new``;
-      output ``fwd_o``: ``o = (q e^g) h + Aqk v_new`` (``2 BT K V + 2 BT^2 V tri``); reads q, g, h, Aqk, v_new.
+      state ``fwd_h`` (grid ``cdiv(V, BV) * H``, sequential over chunks): ``v_new = u - w h`` and
+        ``h <- h e^g + kg^T v_new`` (``2 * 2 BT K V``); every V-block program reads all of w and kg (``nvb =
+        cdiv(V, BV)`` times), its part of u and of the chunk-end gates; writes ``h``, ``v_new``;
+      output ``fwd_o`` (grid ``cdiv(V, BV) NT, H``): ``o = (q e^g) h + Aqk v_new`` (``2 BT K V + 2 BT^2 V tri``);
+        reads q, g, Aqk (``nvb`` times), h, v_new; writes o.
     backward (``disable_recompute=False``: gate, ``w u kg`` and ``h v_new`` recomputed: the three first forward stages
     again without ``Aqk``), then
       ``dAv``: ``dAqk = dO v_new^T``, ``dv = Aqk^T dO`` (``2 * 2 BT^2 V tri``); writes ``dA`` fp32, ``dv``;
-      ``bwd_dhu`` (sequential): ``dh <- dh e^g + (q e^g)^T dO - w^T dv2``, ``dv2 = dv + kg dh`` (``3 * 2 BT K V``);
-        writes ``dh`` ``[NT, H, K, V]``, ``dv2``;
+      ``bwd_dhu`` (grid ``cdiv(V, BV) * H``, sequential): ``dh <- dh e^g + (q e^g)^T dO - w^T dv2``,
+        ``dv2 = dv + kg dh`` (``3 * 2 BT K V``); reads q, kg, w (``nvb`` times), dO, dv; writes ``dh``, ``dv2``;
+    ``BV`` is autotuned (fla's candidates on Hopper: 32 and 64 for the state kernels, 64 and 128 for the output);
+    the model takes ``bv`` (64) for all three.
       ``wy_dqkg_fused``: ``dq = dO h^T``, ``dk = v_new dh^T``, ``dw = dv2 h^T`` (``3 * 2 BT K V``), and through the
         WY form ``A^T dw``, ``A^T du``, ``dA`` (``2 BT^2 (2K + 2V)``); writes dq, dk, dg, dA fp32, dv;
       ``bwd_intra``: ``dq``, ``dk`` from ``dAqk``, ``dAkk`` (``4 * 2 BT^2 K tri``); reads and rewrites dq, dk, dg,
@@ -288,6 +294,7 @@ def kda_core(tokens: int, heads: int, dk: int, dv: int, chunk: int = 64, act: in
     """
     t, h = tokens, heads
     nt = cdiv(t, chunk)
+    nvb = cdiv(dv, bv)
     tri = 10 / 16
     thk, thv, tha = t * h * dk, t * h * dv, t * h * chunk
     state = nt * h * dk * dv
@@ -298,9 +305,9 @@ def kda_core(tokens: int, heads: int, dk: int, dv: int, chunk: int = 64, act: in
                    act * (3 * thk) + FP32 * (thk + t * h) + act * (2 * tha + 2 * thk + thv) + FP32 * t * h * 16,
                    "bf16")
     fwd_h = Kernel("kda state fwd_h", 2 * 2.0 * t * h * dk * dv,
-                   act * (2 * thk + thv) + FP32 * nt * h * dk + act * (state + thv), "bf16")
+                   act * (nvb * 2 * thk + thv) + FP32 * nt * h * dk + act * (state + thv), "bf16")
     fwd_o = Kernel("kda output fwd_o", t * h * (2.0 * dk * dv + 2.0 * chunk * dv * tri),
-                   act * (thk + thv + tha + state + thv) + FP32 * thk, "bf16")
+                   act * (nvb * (thk + tha) + thv + state + thv) + FP32 * nvb * thk, "bf16")
     out = [gate, l2, intra, fwd_h, fwd_o]
     if backward:
         recompute_wu = Kernel("kda bwd: recompute w, u",
@@ -313,7 +320,7 @@ def kda_core(tokens: int, heads: int, dk: int, dv: int, chunk: int = 64, act: in
             Kernel("kda bwd dAv", t * h * 2 * 2.0 * chunk * dv * tri,
                    act * (2 * thv + tha + thv) + FP32 * tha, "bf16"),
             Kernel("kda bwd dhu", t * h * 3 * 2.0 * dk * dv,
-                   act * (3 * thk + 2 * thv + state + thv) + FP32 * nt * h * dk, "bf16"),
+                   act * (nvb * 3 * thk + 2 * thv + state + thv) + FP32 * nt * h * dk, "bf16"),
             Kernel("kda bwd wy_dqkg", t * h * (3 * 2.0 * dk * dv + 2.0 * chunk * (2 * dk + 2 * dv)),
                    act * (2 * thk + 3 * thv + tha + 2 * state + thv) + FP32 * (thk + t * h)
                    + FP32 * (3 * thk + tha + t * h), "bf16"),
@@ -340,6 +347,17 @@ def kda_layer_extra(tokens: int, c, train_weights: bool, backward: bool = True) 
         ks = linear_fwd_bwd(name, tokens, n_in, n_out, train_weights)
         out += ks if backward else ks[:1]
     return out
+
+
+def kda_sp_extra(tokens: int, c, sp: int) -> list[Kernel]:
+    """Sequence parallelism's extra KDA work per rank (``sp > 1``): the shard's affine state map ``(A_r, B_r)``
+    (fla's CP pre-process, one more ``fwd_h``-like pass over the shard) in the forward and its reverse in the
+    backward; nothing for ``sp == 1``."""
+    if sp == 1:
+        return []
+    fwd_h = kda_core(tokens, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim, backward=False)[3]
+    return [dataclasses.replace(fwd_h, name="kda SP state map"),
+            dataclasses.replace(fwd_h, name="kda SP state map bwd")]
 
 
 def dsa_layer_extra(tokens: int, c, train_weights: bool, backward: bool = True) -> list[Kernel]:
@@ -426,7 +444,8 @@ def predict_step(c, gpus: int, ep: int, sp: int, seq: int, full: bool, layers: i
                  recompute: bool = True, device=H200, floor: bool = False) -> dict:
     """Predicted time of one training step per GPU: one packed row of ``seq`` tokens per ``sp`` ranks (``T = seq /
     sp`` tokens per GPU), experts split over ``ep`` ranks (``T k`` rows per rank after the all-to-all, ``E / ep``
-    experts each), ``layers`` main layers (default all; fewer = a prefix crop) plus the config's MTP layers.
+    experts each), ``layers`` main layers (default all; fewer = a prefix crop) plus the config's MTP layers (one
+    depth each: DSA, MoE, ``eh_proj`` and the shared ``lm_head``; no mHC).
 
     ``full`` trains every weight (GEMM backward = ``dx`` + ``dW``); LoRA (``full=False``) trains only adapters,
     whose GEMMs are neglected (backward = ``dx`` only). ``recompute``: per-layer activation checkpointing, one more
@@ -460,7 +479,7 @@ def predict_step(c, gpus: int, ep: int, sp: int, seq: int, full: bool, layers: i
     for attn, mlp, has_hc in kinds:
         if attn == "linear_attention":
             add("kda", kda_core(t, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim)
-                + kda_layer_extra(t, c, full))
+                + kda_layer_extra(t, c, full) + kda_sp_extra(t, c, sp))
             parts["comm_sp"] += 1e3 * 2 * sp_bytes["kda_total"] / device["nvlink_bytes_s"]
         else:
             width = c.index_topk + (c.index_kpool - 1 if c.index_kpool_always_select_tail else 0)
@@ -468,7 +487,7 @@ def predict_step(c, gpus: int, ep: int, sp: int, seq: int, full: bool, layers: i
             valid = valid_ids(seq, c.index_topk, c.index_kpool, c.index_kpool_always_select_tail) // sp
             idx = dsa_indexer(seq, c.index_n_heads, c.index_head_dim, c.index_topk, c.index_kpool)[0]
             idx = dataclasses.replace(idx, flops=idx.flops / sp, bytes=idx.bytes / sp)
-            add("dsa", sparse_mla(t, c.num_attention_heads, c.kv_lora_rank, width, valid) + [idx]
+            add("dsa", sparse_mla(t, c.num_attention_heads, c.kv_lora_rank, width, valid, kv_tokens=seq) + [idx]
                 + dsa_layer_extra(t, c, full))
             parts["comm_sp"] += 1e3 * 2 * sp_bytes["dsa_total"] / device["nvlink_bytes_s"]
         if has_hc:
@@ -493,6 +512,9 @@ def predict_step(c, gpus: int, ep: int, sp: int, seq: int, full: bool, layers: i
             add("moe", ks)
             parts["comm_ep"] += 1e3 * (2 + 2 + (2 if recompute else 0)) * a2a / device["nvlink_bytes_s"]
     add("head", linear_fwd_bwd("lm_head", t, c.hidden_size, c.vocab_size, full))
+    for _ in range(int(c.num_nextn_predict_layers or 0)):  # each MTP depth: eh_proj and the shared head again
+        add("head", linear_fwd_bwd("mtp eh_proj", t, 2 * c.hidden_size, c.hidden_size, full)
+            + linear_fwd_bwd("mtp lm_head", t, c.hidden_size, c.vocab_size, full))
     step_ms = sum(parts.values())
     return dict(parts=parts, step_ms=step_ms, tokens_per_gpu=t, tokens_s_gpu=t / (step_ms / 1e3), gpus=gpus, ep=ep,
                 sp=sp, seq=seq, full=full, layers=n_main, recompute=recompute)
@@ -542,7 +564,8 @@ def kda_layer_sp_ms(c, seq: int, sp: int, device=H200) -> float:
     """One KDA layer forward + backward per rank at ``seq`` tokens over ``sp`` ranks (core, conv, norm, trained
     projections; the SP exchange at NVLink bandwidth): the quantity of xtuner's 44.35 ms figure."""
     t = seq // sp
-    ks = kda_core(t, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim) + kda_layer_extra(t, c, True)
+    ks = (kda_core(t, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim) + kda_layer_extra(t, c, True)
+          + kda_sp_extra(t, c, sp))
     return total_ms(ks, device) + 1e3 * 2 * bytes_per_layer(c, seq, sp)["kda_total"] / device["nvlink_bytes_s"]
 
 

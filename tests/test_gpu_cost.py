@@ -115,6 +115,9 @@ def test_predict_step(cost):
     assert lora["parts"]["comm_sp"] == 0.0 and lora["parts"]["comm_ep"] > 0
     ep1 = cost.predict_step(c, gpus=8, ep=1, sp=1, seq=4096, full=False, layers=5)
     assert ep1["parts"]["comm_ep"] == 0.0
+    sp2 = cost.predict_step(c, gpus=8, ep=8, sp=2, seq=8192, full=False, layers=5)  # same 4096 tokens per GPU
+    assert sp2["tokens_per_gpu"] == 4096 and sp2["parts"]["comm_sp"] > 0
+    assert sp2["parts"]["kda"] > lora["parts"]["kda"]  # the shard's state map, forward and backward
     with pytest.raises(ValueError, match="sp=3 must be >= 1 and divide 4096"):
         cost.predict_step(c, gpus=3, ep=1, sp=3, seq=4096, full=False)
     with pytest.raises(ValueError, match="layers=99 must be in 1..45"):
