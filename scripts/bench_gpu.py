@@ -365,6 +365,11 @@ def ratio(a, b):
     return None
 
 
+def fmt_pred(ms):
+    """A predicted time: two decimals, or two significant digits below 0.01 ms (the smoke run's tiny shapes)."""
+    return "-" if ms is None else (f"{ms:.2f}" if ms >= 0.01 else f"{ms:.2g}")
+
+
 def measured_over_predicted(res, predicted_ms):
     """Measured ms of a variant over the roofline prediction, or None when either is missing."""
     if res and res.get("status") == "ok" and predicted_ms:
@@ -435,7 +440,7 @@ def write_report(path, results, header: dict):
             r["family"], str(r["seq"]), fmt_ms(v.get("hf")), fmt_gib(v.get("hf")), fmt_ms(v.get("ours")),
             fmt_gib(v.get("ours")), "-" if sp is None else f"{sp:.1f}x", fmt_ms(v.get("ours_torch")),
             fmt_ms(v.get("entry")), fmt_ms(v.get("raw")), "-" if ov is None else f"{100 * (ov - 1):+.1f}%",
-            "-" if pred is None else f"{pred:.2f}", "-" if mp is None else f"{mp:.2f}",
+            fmt_pred(pred), "-" if mp is None else f"{mp:.2f}",
             "; ".join(notes).replace("|", "/"),
         ]) + " |")
     text = ["# GPU benchmark: glm53flash-hf vs transformers' glm5_next", ""]
@@ -535,7 +540,7 @@ def main(argv=None) -> int:
                 mp = measured_over_predicted(res, entry["predicted_ms"]) if name in ("raw", "entry") else None
                 print(f"[bench] {family} S={seq} {name}: {fmt_ms(res)} ms, peak {fmt_gib(res)} GiB"
                       f"{' (fallback)' if res.get('fallback') else ''}"
-                      + ("" if mp is None else f", predicted {entry['predicted_ms']:.2f} ms (H200 roofline), "
+                      + ("" if mp is None else f", predicted {fmt_pred(entry['predicted_ms'])} ms (H200 roofline), "
                                                f"measured/predicted {mp:.2f}"), flush=True)
                 free_memory(device, collect=res["status"] != "ok")
         del case
