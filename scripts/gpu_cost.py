@@ -522,17 +522,23 @@ def predict_step(c, gpus: int, ep: int, sp: int, seq: int, full: bool, layers: i
 
 # ------------------------------------------------------------------------------------------------------- printing
 RELEASE_SHAPES = [("kda", 4096), ("kda", 32768), ("kda", 131072), ("dsa", 4096), ("dsa", 32768), ("dsa", 131072),
-                  ("mhc", 8192), ("moe", 8192)]
+                  ("mhc", 8192), ("moe", 8192), ("moe", 8192, 8)]
 
 
 def kernel_table(c, shapes=RELEASE_SHAPES, device=H200) -> list[str]:
-    """Markdown rows: every kernel of every (family, T) with GFLOP, GB, predicted ms and its bound; one total row
-    per (family, T); DSA rows add the indexer's scoring (not in bench_gpu's raw timing)."""
+    """Markdown rows: every kernel of every ``(family, T[, ep])`` with GFLOP, GB, predicted ms and its bound; one
+    total row per entry; DSA rows add the indexer's scoring and MoE rows the dispatch gather (neither is in
+    bench_gpu's raw timing); ``moe EP8``: 8k tokens per rank whose ``T k`` rows go to ``E / 8`` local experts."""
     rows = ["| op | T | kernel | GFLOP | GB | predicted ms | bound | ms, re-reads in L2 |", "|" + "---|" * 8]
-    for family, t in shapes:
+    for family, t, *ep in shapes:
+        ep = ep[0] if ep else 1
         ks = family_cost(family, c, t)
         if family == "dsa":
             ks = ks + dsa_indexer(t, c.index_n_heads, c.index_head_dim, c.index_topk, c.index_kpool)
+        if family == "moe":  # with the routing gather (dispatch) and its backward; E / ep experts on this rank
+            ks = moe_experts(t, c.hidden_size, c.moe_intermediate_size, c.n_routed_experts // ep,
+                             c.num_experts_per_tok)
+            family = "moe" if ep == 1 else f"moe EP{ep}"
         for k in ks:
             rows.append(f"| {family} | {t} | {k.name} | {k.flops / 1e9:.1f} | {k.bytes / 1e9:.3f} | "
                         f"{1e3 * k.seconds(device):.3f} | {k.bound(device)} | "
