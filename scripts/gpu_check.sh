@@ -105,7 +105,7 @@ fi
 # 4b. The roofline model the benchmark's "predicted ms" column comes from (arithmetic only, a few seconds).
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "roofline model (scripts/gpu_cost.py: predictions, not measurements)"
-  timeout 120 "$PY" scripts/gpu_cost.py > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
+  timeout 60 "$PY" scripts/gpu_cost.py > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
 fi
 
 # 5. One KDA layer: our sequence parallelism vs one device (issue 14; the SP part needs >= 2 GPUs).

@@ -185,9 +185,8 @@ def hc_pre(tokens: int, n: int, d: int, sinkhorn_iters: int, act: int = BF16, fn
             Kernel("hc_pre dpre", 2.0 * tokens * n * d, act * (tokens * d + tokens * k) + FP32 * tokens * n),
             Kernel("hc_pre sinkhorn bwd (torch)", 2 * 2 * sinkhorn_iters * 2 * tokens * n * n, 2 * small),
             Kernel("hc_pre dx", 2.0 * tokens * mp * n * d + 4.0 * tokens * n * d,
-                   FP32 * progs_dx * bt * m + fn_bytes * cdiv(tokens, bt) * m * k + act * (2 * tokens * k + tokens * n
-                                                                                            * d)
-                   + FP32 * tokens * n * 2),
+                   # dproj and (dsumsq, pre) per program; fn once per token block; x, dcollapsed (per stream), dx
+                   FP32 * progs_dx * bt * (m + 2) + fn_bytes * cdiv(tokens, bt) * m * k + act * 3 * tokens * k),
             Kernel("hc_pre dfn", 2.0 * mp * tokens * k,
                    FP32 * cdiv(k, bk) * tokens * m + act * tokens * k + FP32 * m * k),
         ]

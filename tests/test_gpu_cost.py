@@ -122,3 +122,16 @@ def test_predict_step(cost):
         cost.predict_step(c, gpus=3, ep=1, sp=3, seq=4096, full=False)
     with pytest.raises(ValueError, match="layers=99 must be in 1..45"):
         cost.predict_step(c, gpus=8, ep=8, sp=1, seq=4096, full=False, layers=99)
+
+
+def test_hc_pre_reduce_reads_each_tensor_once(cost):
+    """T <= BT: one program, so x and fn are read once and proj, sumsq written once; the fp32 dot runs on the padded
+    MP = 32 mix columns: 2 T K MP + 2 T K (sum of squares)."""
+    t, n, d = 16, 4, 16
+    x, fn = torch.empty(t, n * d, dtype=torch.bfloat16), torch.empty(n * (n + 2), n * d, dtype=torch.bfloat16)
+    proj, sumsq = torch.empty(t, n * (n + 2)), torch.empty(t)
+    reduce = cost.hc_pre(t, n, d, sinkhorn_iters=20, backward=False)[0]
+    assert reduce.name == "hc_pre reduce"
+    assert reduce.bytes == nbytes(x, fn, proj, sumsq)
+    assert reduce.flops == 2 * t * n * d * 32 + 2 * t * n * d
+    assert reduce.peak == "fp32"  # ieee fp32 tl.dot: CUDA cores, not bf16 tensor cores
