@@ -25,6 +25,10 @@ the memory allocated just before it (weights, inputs excluded). An out-of-memory
 built-in's dense DSA keeps ``[S, S]`` masks and ``[S, 32, S/4]`` fp32 indexer scores); any other error is reported
 with its type and the run goes on. "fused" requests that fall back to torch are reported in the notes.
 
+Each (family, S) also carries ``predicted_ms``: :func:`gpu_cost.family_cost`'s H200 roofline of the kernels the
+``raw`` variant launches (forward + backward, ``scripts/gpu_cost.py``); the report shows it and ``raw / predicted``,
+and the progress lines of ``raw`` and ``entry`` print ``measured/predicted``, so a GPU run checks the model too.
+
 Targets checked in the report (issue 6): KDA module >= 10x and mHC >= 4x faster than the built-in; DSA at 32k >= 5x
 faster with peak memory linear in S (peak ratio between the longest and the shortest run <= their length ratio *
 1.25; 32k/8k: <= 5); our entry point's overhead over the raw kernel <= 15%.
@@ -56,6 +60,7 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # gpu_modules: sizes and set-up shared with tests/test_gpu.py
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # gpu_cost: the roofline prediction of each raw variant
 
 import torch  # noqa: E402
 
@@ -65,6 +70,7 @@ import torch  # noqa: E402
 _FLA_HIDDEN = "fla" not in sys.modules
 if _FLA_HIDDEN:
     sys.modules["fla"] = None
+import gpu_cost  # noqa: E402
 from gpu_modules import RELEASE_TEXT, TINY_TEXT, randomize_, to_model_dtypes_  # noqa: E402
 from transformers.models.glm5_next import modeling_glm5_next as hf  # noqa: E402
 
@@ -359,6 +365,24 @@ def ratio(a, b):
     return None
 
 
+def fmt_pred(ms):
+    """A predicted time: two decimals, or two significant digits below 0.01 ms (the smoke run's tiny shapes)."""
+    return "-" if ms is None else (f"{ms:.2f}" if ms >= 0.01 else f"{ms:.2g}")
+
+
+def measured_over_predicted(res, predicted_ms):
+    """Measured ms of a variant over the roofline prediction, or None when either is missing."""
+    if res and res.get("status") == "ok" and predicted_ms:
+        return res["ms"] / predicted_ms
+    return None
+
+
+def predicted_ms(family: str, sizes: dict, seq: int) -> float:
+    """``scripts/gpu_cost.py``'s H200 prediction (ms) of the ``raw`` variant of ``family`` at ``seq`` tokens."""
+    config = Glm53FlashTextConfig(**sizes)
+    return gpu_cost.total_ms(gpu_cost.family_cost(family, config, seq))
+
+
 def targets(results: list[dict]) -> list[str]:
     by = {(r["family"], r["seq"]): r["variants"] for r in results}
     lines = []
@@ -396,11 +420,13 @@ def targets(results: list[dict]) -> list[str]:
 
 def write_report(path, results, header: dict):
     rows = ["| family | S | built-in ms | built-in GiB | ours ms | ours GiB | speed-up | ours torch ms | entry ms | "
-            "raw ms | overhead | notes |", "|" + "---|" * 12]
+            "raw ms | overhead | predicted ms | raw / predicted | notes |", "|" + "---|" * 14]
     for r in results:
         v = r["variants"]
         sp = ratio(v.get("hf"), v.get("ours"))
         ov = ratio(v.get("entry"), v.get("raw"))
+        pred = r.get("predicted_ms")
+        mp = measured_over_predicted(v.get("raw"), pred)
         notes = []
         for name in VARIANTS:
             res = v.get(name) or {}
@@ -414,12 +440,15 @@ def write_report(path, results, header: dict):
             r["family"], str(r["seq"]), fmt_ms(v.get("hf")), fmt_gib(v.get("hf")), fmt_ms(v.get("ours")),
             fmt_gib(v.get("ours")), "-" if sp is None else f"{sp:.1f}x", fmt_ms(v.get("ours_torch")),
             fmt_ms(v.get("entry")), fmt_ms(v.get("raw")), "-" if ov is None else f"{100 * (ov - 1):+.1f}%",
+            fmt_pred(pred), "-" if mp is None else f"{mp:.2f}",
             "; ".join(notes).replace("|", "/"),
         ]) + " |")
     text = ["# GPU benchmark: glm53flash-hf vs transformers' glm5_next", ""]
     text += [f"- {k}: {v}" for k, v in header.items()]
     text += ["", "Forward + backward, batch 1, bf16; median of the timed calls; peak = extra memory during a call.",
-             "speed-up = built-in / ours; overhead = entry / raw - 1 (see scripts/bench_gpu.py).", ""]
+             "speed-up = built-in / ours; overhead = entry / raw - 1 (see scripts/bench_gpu.py).",
+             "predicted ms: scripts/gpu_cost.py's H200 roofline of the raw variant's kernels (forward + backward; "
+             "a prediction, not a measurement); raw / predicted: measured raw time over it.", ""]
     text += rows + ["", "## Targets", ""] + (targets(results) or ["- no comparable runs"]) + [""]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -483,7 +512,7 @@ def main(argv=None) -> int:
              for family in (sorted(args.families, key=lambda f: f != "dsa") if seq == max(args.seqs) > min(args.seqs)
                             else args.families)]
     for seq, family in order:
-        entry = dict(family=family, seq=seq, variants={})
+        entry = dict(family=family, seq=seq, variants={}, predicted_ms=predicted_ms(family, sizes, seq))
         results.append(entry)
         if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
             entry["skipped"] = f"skipped: time budget of {args.budget_s:.0f} s spent"
@@ -508,8 +537,11 @@ def main(argv=None) -> int:
                     continue
                 res = run_variant(name, case.run[name], case.leaves, device, args.warmup, args.repeats)
                 entry["variants"][name] = res
+                mp = measured_over_predicted(res, entry["predicted_ms"]) if name in ("raw", "entry") else None
                 print(f"[bench] {family} S={seq} {name}: {fmt_ms(res)} ms, peak {fmt_gib(res)} GiB"
-                      f"{' (fallback)' if res.get('fallback') else ''}", flush=True)
+                      f"{' (fallback)' if res.get('fallback') else ''}"
+                      + ("" if mp is None else f", predicted {fmt_pred(entry['predicted_ms'])} ms (H200 roofline), "
+                                               f"measured/predicted {mp:.2f}"), flush=True)
                 free_memory(device, collect=res["status"] != "ok")
         del case
         free_memory(device, collect=device.type == "cuda")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU machine (issue 6): installs what it needs, runs the `gpu` tests, then the GPU benchmark,
-# and writes a report. Sized for an H200 within ~8 minutes (the device budget is 15 min, machine start included).
+# and writes a report (with scripts/gpu_cost.py's roofline: the benchmark prints measured / predicted for each kernel it
+# times). Sized for an H200 within ~8 minutes (the device budget is 15 min, machine start included).
 #
 # Prepare (on a machine with pip's package index, once):   bash scripts/gpu_wheels.sh     (fills .whl/, ignored by git)
 # Run (repo root, on the GPU machine; the device tool carries .whl with carry=[".whl"]):
@@ -101,6 +102,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "benchmark: $BENCH_STATUS"
 fi
 
+# 4b. The roofline model the benchmark's "predicted ms" column comes from (arithmetic only, a few seconds).
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  stamp "roofline model (scripts/gpu_cost.py: predictions, not measurements)"
+  timeout 60 "$PY" scripts/gpu_cost.py > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
+fi
+
 # 5. One KDA layer: our sequence parallelism vs one device (issue 14; the SP part needs >= 2 GPUs).
 SP_KDA_STATUS="not run"
 if [ "${SKIP_SP_KDA:-0}" != 1 ]; then
@@ -149,6 +156,10 @@ if os.path.exists(errs):
 bench = os.path.join(out, "bench.md")
 if os.path.exists(bench):
     lines += ["## Benchmark", ""] + open(bench).read().splitlines()[2:]
+cost = os.path.join(out, ".cost.md")
+if os.path.exists(cost):
+    lines += ["", "## Roofline model (scripts/gpu_cost.py, predicted, not measured)", ""] + open(cost).read().splitlines()
+    os.remove(cost)
 sp_kda = os.path.join(out, "sp_kda.md")
 if os.path.exists(sp_kda):
     lines += ["", "## KDA layer: sequence parallel vs one device", ""] + open(sp_kda).read().splitlines()[2:]

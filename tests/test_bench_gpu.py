@@ -49,6 +49,13 @@ def test_smoke_run(tmp_path):
         assert v["ours"]["fallback"] and "not on a CUDA device" in v["ours"]["fallback"][0]
         assert "fallback" not in v["ours_torch"]
         assert v["raw"]["skip"].startswith("n/a")
+    # the roofline prediction of every case (gpu_cost.family_cost at the tiny shapes), shown in the report
+    bench = load_bench()
+    for r in data["results"]:
+        assert r["predicted_ms"] == pytest.approx(bench.predicted_ms(r["family"], bench.TINY_TEXT, r["seq"]))
+        assert r["predicted_ms"] > 0
+    entry_lines = [line for line in proc.stdout.splitlines() if re.match(r"\[bench\] \w+ S=\d+ entry:", line)]
+    assert len(entry_lines) == 8 and all("(H200 roofline), measured/predicted" in line for line in entry_lines)
     text = report.read_text()
     assert text.count("| kda |") == 2 and "## Targets" in text and "device: cpu (smoke)" in text
 
@@ -56,7 +63,8 @@ def test_smoke_run(tmp_path):
 def synthetic_results():
     ok = lambda ms, gib=1.0: dict(status="ok", ms=ms, peak_gib=gib)  # noqa: E731
     return [
-        dict(family="kda", seq=8192, variants=dict(hf=ok(120.0), ours=ok(10.0), entry=ok(5.2), raw=ok(5.0))),
+        dict(family="kda", seq=8192, variants=dict(hf=ok(120.0), ours=ok(10.0), entry=ok(5.2), raw=ok(5.0)),
+             predicted_ms=2.5),
         dict(family="kda", seq=32768, variants=dict(hf=dict(status="OOM"), ours=ok(40.0), entry=ok(23.0),
                                                      raw=ok(20.0))),
         dict(family="mhc", seq=8192, variants=dict(hf=ok(30.0), ours=ok(10.0, 0.5), ours_torch=dict(skip="-"),
@@ -86,7 +94,8 @@ def test_targets_and_report_on_synthetic_results(tmp_path):
     bench.write_report(str(path), results, dict(device="test"))
     text = path.read_text()
     assert "| kda | 32768 | OOM | - | 40.0 | 1.00 | - |" in text
-    assert "| mhc | 8192 | 30.0 | 1.00 | 10.0 | 0.50 | 3.0x | - | error: RuntimeError: boom | 1.0 | - |" in text
+    assert "| mhc | 8192 | 30.0 | 1.00 | 10.0 | 0.50 | 3.0x | - | error: RuntimeError: boom | 1.0 | - | - | - |" in text
+    assert "| kda | 8192 | 120.0 | 1.00 | 10.0 | 1.00 | 12.0x | - | 5.2 | 5.0 | +4.0% | 2.50 | 2.00 |" in text
     assert "entry: fell back to torch" in text and "skipped: time budget" in text
     header = [line for line in text.splitlines() if line.startswith("| family")][0]
     assert all(line.count("|") == header.count("|") for line in text.splitlines() if line.startswith("| kda"))
