@@ -634,6 +634,10 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         counted = loss_kwargs.get("num_items_in_batch") is not None
+        # the MTP targets' source: the caller's shift_labels, else the labels (rolled per document by depth + 1);
+        # never the sequence-parallel shift below, a row-wise shift that would let a document's first label become
+        # an MTP target of the previous document
+        given_shift = loss_kwargs.get("shift_labels")
         sp = getattr(getattr(outputs, "document_layout", None), "sequence_parallel", None)
         if sp is not None:
             loss_kwargs = sp_loss_kwargs(sp, labels, loss_kwargs)
@@ -655,17 +659,16 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     mtp_value = mtp_logits = None
     mtp_hidden = getattr(outputs, "mtp_hidden_states", None)
     if labels is not None and mtp_hidden:
-        shifted = loss_kwargs.get("shift_labels")
         # without a given count, each depth's mean (under SP: over the group's targets of that depth)
         per_depth_mean = sp is not None and not counted
         mtp_value, mtp_logits = mtp_loss(
             head_model.lm_head,
             mtp_hidden,
-            shifted if shifted is not None else labels,
+            given_shift if given_shift is not None else labels,
             outputs.document_layout,
             num_items_in_batch=None if per_depth_mean else loss_kwargs.get("num_items_in_batch"),
             ignore_index=loss_kwargs.get("ignore_index", -100),
-            shifted=shifted is not None,
+            shifted=given_shift is not None,
             count_total=sp.global_count if per_depth_mean else None,
         )
         loss = loss + head_model.config.get_text_config(decoder=True).mtp_loss_weight * mtp_value
