@@ -42,7 +42,14 @@ from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import build_cache_context, check_cache
 from .graph_ops import in_graph, module_op, module_parameters, register_module
-from .input_checks import check_input_ids, check_inputs_embeds, check_labels, check_vision_inputs
+from .input_checks import (
+    check_input_ids,
+    check_inputs_embeds,
+    check_labels,
+    check_loss_arguments,
+    check_not_meta,
+    check_vision_inputs,
+)
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
@@ -370,7 +377,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ``pre_norm_hidden_state`` and ``mtp_inputs_embeds`` (``[B,S,D]``), what the MTP layer reads when drafting.
 
     Raises:
-        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; ``input_ids`` not an integer ``[B, S]``
+        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; an input on the meta device while the
+            weights hold data (:func:`.input_checks.check_not_meta`); ``input_ids`` not an integer ``[B, S]``
             tensor, empty, or (eagerly) holding ids outside ``[0, vocab_size)``; ``inputs_embeds`` not a float
             ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
             float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
@@ -422,6 +430,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashTextModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_not_meta({"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                        "position_ids": position_ids}, self)
         if input_ids is not None:
             check_input_ids(input_ids, self.config.vocab_size)
         else:
@@ -601,9 +611,13 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
     return config.mtp_depth
 
 
-def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, kwargs) -> None:
-    """The heads' checks of ``labels`` / ``shift_labels`` (integer, the inputs' ``[B, S]`` shape, entries
-    ``ignore_index`` or ids in ``[0, vocab_size)``; :func:`.input_checks.check_labels`), before the forward."""
+def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
+    """The heads' checks, before the forward: ``labels`` / ``shift_labels`` (not on the meta device, integer, the
+    inputs' ``[B, S]`` shape, entries ``ignore_index`` or ids in ``[0, vocab_size)``;
+    :func:`.input_checks.check_labels`), ``num_items_in_batch`` and ``logits_to_keep``
+    (:func:`.input_checks.check_loss_arguments`)."""
+    check_not_meta({"labels": labels, "shift_labels": kwargs.get("shift_labels")}, head_model)
+    check_loss_arguments(kwargs.get("num_items_in_batch"), logits_to_keep)
     source = input_ids if input_ids is not None else inputs_embeds
     if source is None or source.dim() < 2:
         return  # the model raises, naming the inputs
@@ -764,13 +778,18 @@ class _Glm53FlashGenerationHooks:
         )
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
-        """``GenerationMixin.generate``, after checking that a ``cache`` / ``past_key_values`` of fixed size
+        """``GenerationMixin.generate``, after checking that no input is on the meta device
+        (:func:`.input_checks.check_not_meta`) and that a ``cache`` / ``past_key_values`` of fixed size
         (``StaticCache``) holds the prompt plus every new token.
 
         Raises:
-            ValueError: ``max_cache_len`` below the prompt length plus ``max_new_tokens`` (or below ``max_length``
-                when no ``max_new_tokens`` is set); the message names both numbers.
+            ValueError: ``inputs`` / ``input_ids`` / ``inputs_embeds`` / ``attention_mask`` / ``pixel_values`` /
+                ``pixel_values_videos`` on the meta device while the weights hold data (names the argument);
+                ``max_cache_len`` below the prompt length plus ``max_new_tokens`` (or below ``max_length`` when no
+                ``max_new_tokens`` is set); the message names both numbers.
         """
+        names = ("input_ids", "inputs_embeds", "attention_mask", "pixel_values", "pixel_values_videos")
+        check_not_meta({"inputs": inputs, **{name: kwargs.get(name) for name in names}}, self)
         cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
         capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
         if capacity > 0:
@@ -813,9 +832,11 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
     ``mtp_loss == 0.0`` with zero gradients, never NaN (a warning says so in eager calls).
 
     Raises:
-        ValueError: ``labels`` / ``shift_labels`` not integer, not of the inputs' ``[B, S]`` shape, or (eagerly)
-            holding entries other than ``ignore_index`` and ids in ``[0, vocab_size)``; and the text model's
-            input errors (:class:`Glm53FlashTextModel`).
+        ValueError: ``labels`` / ``shift_labels`` on the meta device, not integer, not of the inputs' ``[B, S]``
+            shape, or (eagerly) holding entries other than ``ignore_index`` and ids in ``[0, vocab_size)``;
+            ``num_items_in_batch`` 0 or negative, ``logits_to_keep`` negative
+            (:func:`.input_checks.check_loss_arguments`); and the text model's input errors
+            (:class:`Glm53FlashTextModel`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -845,7 +866,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
-        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, logits_to_keep, kwargs)
         kwargs["use_cache"] = use_cache
         mtp_depth = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(
@@ -934,7 +955,8 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             message names both counts); ``pixel_values`` / ``pixel_values_videos`` without their grid, of another
             width than ``in_channels * temporal_patch_size * patch_size**2``, or (eagerly) whose grid rows are not
             positive multiples of the merge size or do not add up to the pixel rows
-            (:func:`.input_checks.check_vision_inputs`); and the text model's input errors.
+            (:func:`.input_checks.check_vision_inputs`); an input (ids, embeddings, pixels, grids, masks) on the
+            meta device while the weights hold data; and the text model's input errors.
     """
 
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
@@ -1035,6 +1057,10 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_not_meta({"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                        "position_ids": position_ids, "pixel_values": pixel_values,
+                        "pixel_values_videos": pixel_values_videos, "image_grid_thw": image_grid_thw,
+                        "video_grid_thw": video_grid_thw, "mm_token_type_ids": mm_token_type_ids}, self)
         text_config = self.config.get_text_config(decoder=True)
         if input_ids is not None:
             check_input_ids(input_ids, text_config.vocab_size)
@@ -1153,7 +1179,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
-        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, logits_to_keep, kwargs)
         kwargs["use_cache"] = use_cache
         kwargs["mtp_depth"] = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(

@@ -155,6 +155,8 @@ def _sp_run(rank, world, ref, out):
     with torch.no_grad():  # without num_items_in_batch: the ranks' losses sum to the one-process mean
         nocount = model(**shard_sequence(global_batch(1), rank, world)).loss.detach().clone()
         ids_nocount = model(**shard_sequence(ids_batch(1), rank, world)).loss.detach().clone()
+        ignored = {**global_batch(1), "labels": torch.full((len(DOCS), SEQ), -100)}
+        out["ignored_loss"] = model(**shard_sequence(ignored, rank, world)).loss.item()  # this rank's share
     dist.all_reduce(nocount, group=group)
     dist.all_reduce(ids_nocount, group=group)
     out["loss_nocount"] = nocount.item()

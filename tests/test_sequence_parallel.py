@@ -112,6 +112,13 @@ def test_sp2_labels_input_ids_equals_one_process(reference):
           f"{results[0]['ids_nocount']} vs {ref['ids_nocount']}; grad {results[0]['ids_grad_rel_err']}")
 
 
+def test_sp2_all_ignored_labels_give_zero_loss(reference):
+    """Labels all -100 without ``num_items_in_batch``: every rank's loss is 0.0, as one device's (the heads'
+    convention), not NaN from a group count of 0."""
+    _, results = _launch(reference, "sp", 2)
+    assert [res["ignored_loss"] for res in results] == [0.0, 0.0]
+
+
 def test_sp2_refuses_uneven_shards_and_pads_trainer_micro_batches(reference):
     """Shards of 48 and 40 tokens raise ``ValueError`` naming both shapes on both ranks; the Trainer's
     :func:`~glm53flash_hf.train.trainer.sp_micro_batches` pads the ranks' 5- and 7-token rows to 8 (a multiple of
