@@ -832,7 +832,8 @@ class Glm53FlashProcessor(ProcessorMixin):
             ``pixel_values_videos`` / ``video_grid_thw`` for the media kept.
 
         Raises:
-            ValueError: a conversation without an assistant turn (names the sample and its roles); a truncation
+            ValueError: a message without a role (names the sample, the message index and its keys); a
+                conversation without an assistant turn (names the sample and its roles); a truncation
                 through a visual span (names the sample, the lengths and the span); a visual placeholder inside a
                 trained span; marker/media count mismatches (from transformers).
 
@@ -841,13 +842,20 @@ class Glm53FlashProcessor(ProcessorMixin):
                 cut off by ``max_length``).
         """
         name = f"sample {sample_id!r}" if sample_id is not None else "sample"
-        roles = [m.get("role") for m in messages] if isinstance(messages, (list, tuple)) else []
+        # transformers' normalisation (message objects to dicts, None values dropped: content=None is no content)
+        conversations, _ = self._normalize_conversations(messages) if messages else ([[]], False)
+        roles = [m.get("role") for m in conversations[0]]
+        for i, (message, role) in enumerate(zip(conversations[0], roles)):
+            if role is None:
+                raise ValueError(
+                    f"{name}: message {i} has no role (keys: {', '.join(message)}); expected role system, user, "
+                    "assistant or tool"
+                )
         if "assistant" not in roles:
             raise ValueError(
                 f"{name}: the conversation has no assistant turn (roles {roles}), so no token would be trained; an "
                 "SFT example needs at least one assistant message"
             )
-        conversations, _ = self._normalize_conversations(messages)
         if images is None and videos is None:
             batch_images, batch_videos, _, _ = self._multimodal_inputs_from_conversations(conversations, {}, False)
             images, videos = batch_images[0], batch_videos[0]
