@@ -191,3 +191,39 @@ def test_content_none_renders_as_no_content(processor):
     a, b = processor.build_sft_example(with_none), processor.build_sft_example(empty)
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
     assert (a["labels"] != -100).any()
+
+
+# ------------------------------------------------------------------------------------------------ label conventions
+
+
+def _packed():
+    ids = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in (7, 1, 10, 6)]).expand(2, -1)
+    return ids, pos
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_mtp_targets_from_row_shifted_labels_stay_in_the_document(depth):
+    """transformers' row-wise ``shift_labels`` of ``labels = input_ids`` hold each document's first token at the
+    previous document's last position: the MTP targets made from them equal those made from ``labels`` (targets
+    inside each document only), for every depth."""
+    from glm53flash_hf.mtp import mtp_targets
+    from glm53flash_hf.packing import build_document_layout
+
+    ids, pos = _packed()
+    layout = build_document_layout(2, 24, "cpu", position_ids=pos)
+    shift = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    expect = mtp_targets(ids, layout, depth)
+    assert torch.equal(mtp_targets(shift, layout, depth, shifted=True), expect)
+    assert (expect != -100).sum() == sum(max(n - 1 - depth, 0) for n in (7, 1, 10, 6)) * 2
+
+
+def test_shift_labels_given_equal_labels_only(lm):
+    """The head with ``labels`` and transformers' row-wise ``shift_labels`` gives the loss and MTP loss of
+    ``labels`` alone (packed rows, ``labels = input_ids``)."""
+    ids, pos = _packed()
+    shift = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    with torch.no_grad():
+        alone = lm(input_ids=ids, position_ids=pos, labels=ids)
+        given = lm(input_ids=ids, position_ids=pos, labels=ids, shift_labels=shift)
+    assert given.mtp_loss.item() == alone.mtp_loss.item() and given.loss.item() == alone.loss.item()
