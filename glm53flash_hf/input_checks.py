@@ -18,6 +18,8 @@ __all__ = [
     "check_input_ids",
     "check_integer_tensor",
     "check_labels",
+    "check_loss_arguments",
+    "check_not_meta",
     "check_vision_inputs",
 ]
 
@@ -113,6 +115,67 @@ def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_i
         raise ValueError(
             f"{name} holds {int(labels[tuple(where)])} at {where}; entries must be ids in [0, vocab_size="
             f"{vocab_size}) or ignore_index={ignore_index} ({int(bad.sum())} bad entries)"
+        )
+
+
+def check_not_meta(tensors: dict, module) -> None:
+    """Refuse inputs on the ``meta`` device (a shape without data) given to a model whose weights hold data.
+
+    Args:
+        tensors: ``{argument name: value}``; values that are not tensors (``None``) are skipped.
+        module: the model; its parameters' device is read only when an input is on ``meta`` (a model itself on
+            ``meta``, e.g. built under ``init_empty_weights``, accepts meta inputs).
+
+    Raises:
+        ValueError: ``"<name> is on the meta device ..."``, naming the argument, its shape and the model's device.
+    """
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            param = next(module.parameters(), None)
+            device = param.device if param is not None else torch.device("cpu")
+            if device.type == "meta":
+                return
+            raise ValueError(
+                f"{name} is on the meta device (shape {tuple(value.shape)}, no data) but the model's weights are on "
+                f"{device}; pass a tensor that holds data, on {device}"
+            )
+
+
+def check_loss_arguments(num_items_in_batch, logits_to_keep) -> None:
+    """``num_items_in_batch`` (``None``, a number or a one-element tensor, Trainer's count of supervised tokens) must
+    be positive; ``logits_to_keep`` an ``int >= 0`` (0: every position) or a tensor of positions.
+
+    The value of a tensor ``num_items_in_batch`` is read only on the CPU and in eager calls (on an accelerator the
+    read would wait for the device).
+
+    Raises:
+        ValueError: ``num_items_in_batch`` 0 or negative (the loss would be inf, NaN or negative), not a number, or a
+            tensor of more than one element; ``logits_to_keep`` negative or neither an int nor a tensor.
+    """
+    if num_items_in_batch is not None:
+        value = num_items_in_batch
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"num_items_in_batch must be a number or a one-element tensor; got shape {tuple(value.shape)}"
+                )
+            value = value.item() if value.device.type == "cpu" and not in_graph() else None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"num_items_in_batch must be a positive number; got {type(value).__name__} {value!r}")
+        if value is not None and not value > 0:
+            raise ValueError(
+                f"num_items_in_batch must be positive (the number of supervised tokens the summed loss is divided "
+                f"by); got {value}"
+            )
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, (int, torch.Tensor)):
+        raise ValueError(
+            f"logits_to_keep must be an int >= 0 (0 keeps every position) or a tensor of positions; got "
+            f"{type(logits_to_keep).__name__} {logits_to_keep!r}"
+        )
+    if isinstance(logits_to_keep, int) and logits_to_keep < 0:
+        raise ValueError(
+            f"logits_to_keep must be >= 0 (the number of last positions whose logits are computed, 0 for every "
+            f"position); got {logits_to_keep}"
         )
 
 

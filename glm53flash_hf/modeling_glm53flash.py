@@ -48,7 +48,14 @@ from .generation_cache import (
     check_left_padding,
 )
 from .graph_ops import in_graph, module_op, module_parameters, register_module
-from .input_checks import check_input_ids, check_inputs_embeds, check_labels, check_vision_inputs
+from .input_checks import (
+    check_input_ids,
+    check_inputs_embeds,
+    check_labels,
+    check_loss_arguments,
+    check_not_meta,
+    check_vision_inputs,
+)
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
@@ -398,7 +405,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ``pre_norm_hidden_state`` and ``mtp_inputs_embeds`` (``[B,S,D]``), what the MTP layer reads when drafting.
 
     Raises:
-        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; ``input_ids`` not an integer ``[B, S]``
+        ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; an input on the meta device while the
+            weights hold data (:func:`.input_checks.check_not_meta`); ``input_ids`` not an integer ``[B, S]``
             tensor, empty, or (eagerly) holding ids outside ``[0, vocab_size)``; ``inputs_embeds`` not a float
             ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
             float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
@@ -451,6 +459,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashTextModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_not_meta({"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                        "position_ids": position_ids}, self)
         if input_ids is not None:
             check_input_ids(input_ids, self.config.vocab_size)
         else:
@@ -631,9 +641,13 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
     return config.mtp_depth
 
 
-def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, kwargs) -> None:
-    """The heads' checks of ``labels`` / ``shift_labels`` (integer, the inputs' ``[B, S]`` shape, entries
-    ``ignore_index`` or ids in ``[0, vocab_size)``; :func:`.input_checks.check_labels`), before the forward."""
+def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
+    """The heads' checks, before the forward: ``labels`` / ``shift_labels`` (not on the meta device, integer, the
+    inputs' ``[B, S]`` shape, entries ``ignore_index`` or ids in ``[0, vocab_size)``;
+    :func:`.input_checks.check_labels`), ``num_items_in_batch`` and ``logits_to_keep``
+    (:func:`.input_checks.check_loss_arguments`)."""
+    check_not_meta({"labels": labels, "shift_labels": kwargs.get("shift_labels")}, head_model)
+    check_loss_arguments(kwargs.get("num_items_in_batch"), logits_to_keep)
     source = input_ids if input_ids is not None else inputs_embeds
     if source is None or source.dim() < 2:
         return  # the model raises, naming the inputs
@@ -664,6 +678,10 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         counted = loss_kwargs.get("num_items_in_batch") is not None
+        # the MTP targets' source: the caller's shift_labels, else the labels (rolled per document by depth + 1);
+        # never the sequence-parallel shift below, a row-wise shift that would let a document's first label become
+        # an MTP target of the previous document
+        given_shift = loss_kwargs.get("shift_labels")
         sp = getattr(getattr(outputs, "document_layout", None), "sequence_parallel", None)
         if sp is not None:
             loss_kwargs = sp_loss_kwargs(sp, labels, loss_kwargs)
@@ -685,17 +703,16 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     mtp_value = mtp_logits = None
     mtp_hidden = getattr(outputs, "mtp_hidden_states", None)
     if labels is not None and mtp_hidden:
-        shifted = loss_kwargs.get("shift_labels")
         # without a given count, each depth's mean (under SP: over the group's targets of that depth)
         per_depth_mean = sp is not None and not counted
         mtp_value, mtp_logits = mtp_loss(
             head_model.lm_head,
             mtp_hidden,
-            shifted if shifted is not None else labels,
+            given_shift if given_shift is not None else labels,
             outputs.document_layout,
             num_items_in_batch=None if per_depth_mean else loss_kwargs.get("num_items_in_batch"),
             ignore_index=loss_kwargs.get("ignore_index", -100),
-            shifted=shifted is not None,
+            shifted=given_shift is not None,
             count_total=sp.global_count if per_depth_mean else None,
         )
         loss = loss + head_model.config.get_text_config(decoder=True).mtp_loss_weight * mtp_value
@@ -794,14 +811,16 @@ class _Glm53FlashGenerationHooks:
         )
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
-        """``GenerationMixin.generate``, after checking the inputs it cannot serve: a 2-D ``attention_mask`` must be
-        left padding with a real token in every row; a ``cache`` / ``past_key_values`` that already holds tokens is
-        continued (transformers' convention: ``input_ids`` is the whole sequence, or the new tokens with a mask over
-        the whole sequence), so the inputs must reach beyond it; a cache of fixed size (``StaticCache``) must hold the
-        prompt plus every new token.
+        """``GenerationMixin.generate``, after checking the inputs it cannot serve: no input on the meta device
+        (:func:`.input_checks.check_not_meta`); a 2-D ``attention_mask`` must be left padding with a real token in
+        every row; a ``cache`` / ``past_key_values`` that already holds tokens is continued (transformers' convention:
+        ``input_ids`` is the whole sequence, or the new tokens with a mask over the whole sequence), so the inputs
+        must reach beyond it; a cache of fixed size (``StaticCache``) must hold the prompt plus every new token.
 
         Raises:
-            ValueError: an ``attention_mask`` row that is all zeros or has a 0 after a 1 (the row is named;
+            ValueError: ``inputs`` / ``input_ids`` / ``inputs_embeds`` / ``attention_mask`` / ``pixel_values`` /
+                ``pixel_values_videos`` on the meta device while the weights hold data (names the argument); an
+                ``attention_mask`` row that is all zeros or has a 0 after a 1 (the row is named;
                 :func:`.generation_cache.check_left_padding`); a cache built for another layer count or layer kinds
                 (:func:`.generation_cache.check_cache_layers`); a filled cache no shorter than the inputs (both
                 lengths named; :func:`.generation_cache.check_cache_continuation`); ``max_cache_len`` below the
@@ -809,6 +828,8 @@ class _Glm53FlashGenerationHooks:
                 message names both numbers.
             NotImplementedError: a cache that is not a transformers ``Cache``.
         """
+        names = ("input_ids", "inputs_embeds", "attention_mask", "pixel_values", "pixel_values_videos")
+        check_not_meta({"inputs": inputs, **{name: kwargs.get(name) for name in names}}, self)
         cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
         if prompt is None:
@@ -859,9 +880,11 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
     ``mtp_loss == 0.0`` with zero gradients, never NaN (a warning says so in eager calls).
 
     Raises:
-        ValueError: ``labels`` / ``shift_labels`` not integer, not of the inputs' ``[B, S]`` shape, or (eagerly)
-            holding entries other than ``ignore_index`` and ids in ``[0, vocab_size)``; and the text model's
-            input errors (:class:`Glm53FlashTextModel`).
+        ValueError: ``labels`` / ``shift_labels`` on the meta device, not integer, not of the inputs' ``[B, S]``
+            shape, or (eagerly) holding entries other than ``ignore_index`` and ids in ``[0, vocab_size)``;
+            ``num_items_in_batch`` 0 or negative, ``logits_to_keep`` negative
+            (:func:`.input_checks.check_loss_arguments`); and the text model's input errors
+            (:class:`Glm53FlashTextModel`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -891,7 +914,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
-        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, logits_to_keep, kwargs)
         kwargs["use_cache"] = use_cache
         mtp_depth = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(
@@ -980,7 +1003,8 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             message names both counts); ``pixel_values`` / ``pixel_values_videos`` without their grid, of another
             width than ``in_channels * temporal_patch_size * patch_size**2``, or (eagerly) whose grid rows are not
             positive multiples of the merge size or do not add up to the pixel rows
-            (:func:`.input_checks.check_vision_inputs`); and the text model's input errors.
+            (:func:`.input_checks.check_vision_inputs`); an input (ids, embeddings, pixels, grids, masks) on the
+            meta device while the weights hold data; and the text model's input errors.
     """
 
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
@@ -1081,6 +1105,10 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     ) -> Glm53FlashModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_not_meta({"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                        "position_ids": position_ids, "pixel_values": pixel_values,
+                        "pixel_values_videos": pixel_values_videos, "image_grid_thw": image_grid_thw,
+                        "video_grid_thw": video_grid_thw, "mm_token_type_ids": mm_token_type_ids}, self)
         text_config = self.config.get_text_config(decoder=True)
         if input_ids is not None:
             check_input_ids(input_ids, text_config.vocab_size)
@@ -1199,7 +1227,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
-        _check_head_inputs(self, input_ids, inputs_embeds, labels, kwargs)
+        _check_head_inputs(self, input_ids, inputs_embeds, labels, logits_to_keep, kwargs)
         kwargs["use_cache"] = use_cache
         kwargs["mtp_depth"] = _mtp_depth_for(self, labels, kwargs)
         outputs = self.model(

@@ -63,8 +63,13 @@ def mtp_targets(labels: torch.Tensor, layout: DocumentLayout, depth: int, ignore
                 shifted: bool = False) -> torch.Tensor:
     """Targets ``[B, S]`` of MTP depth ``depth`` (1-based): ``labels[t + 1 + depth]`` inside the document, else
     ``ignore_index`` (see the module docstring). With ``shifted=True`` ``labels`` are already the main loss's
-    ``shift_labels`` (``shift_labels[t] = labels[t + 1]``) and are rolled by ``depth`` only."""
-    return doc_roll(labels, layout, depth if shifted else depth + 1, fill=ignore_index)
+    ``shift_labels`` (``shift_labels[t] = labels[t + 1]``, e.g. transformers' row-wise shift): the entry at each
+    document's last position (the next document's first token) is dropped, then they are rolled by ``depth``."""
+    if not shifted:
+        return doc_roll(labels, layout, depth + 1, fill=ignore_index)
+    inside = doc_roll(torch.ones_like(labels), layout, 1, fill=0) != 0  # t + 1 lies in t's document
+    labels = torch.where(inside, labels, torch.full_like(labels, ignore_index))
+    return doc_roll(labels, layout, depth, fill=ignore_index)
 
 
 def mtp_loss(

@@ -128,6 +128,39 @@ def _positive_number(value) -> bool:
         math.isfinite(value) and value > 0
 
 
+def _frame_shape(frame) -> tuple | None:
+    """``(height, width, channels)`` of a PIL image, the shape of a 2-D / 3-D array or tensor, else ``None``."""
+    if hasattr(frame, "getbands") and hasattr(frame, "size"):  # PIL.Image
+        return (frame.size[1], frame.size[0], len(frame.getbands()))
+    shape = getattr(frame, "shape", None)
+    return tuple(shape) if shape is not None and len(shape) in (2, 3) else None
+
+
+def _check_frame_sizes(videos) -> None:
+    """Videos given as lists of frames (PIL images or ``[H, W, C]`` arrays) must have frames of one size (they are
+    stacked into one ``[T, H, W, C]`` array).
+
+    Args:
+        videos: one video (a list of frames) or a list of videos; other forms (4-D arrays, paths) are skipped.
+
+    Raises:
+        ValueError: naming the video, the first frame of another size and both sizes.
+    """
+    nested = isinstance(videos, (list, tuple)) and len(videos) > 0 and isinstance(videos[0], (list, tuple))
+    for index, video in enumerate(videos if nested else [videos]):
+        if not isinstance(video, (list, tuple)) or not video:
+            continue
+        shapes = [_frame_shape(frame) for frame in video]
+        if any(shape is None for shape in shapes):
+            continue
+        for j, shape in enumerate(shapes):
+            if shape != shapes[0]:
+                raise ValueError(
+                    f"video {index}: frame {j} has size {shape} but frame 0 has {shapes[0]} ((height, width, "
+                    "channels)); the frames of a video must share one size (resize them first)"
+                )
+
+
 def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
     """Check video ``index``'s metadata against its clip of ``frames`` frames.
 
@@ -314,8 +347,10 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         """Batch the videos and their metadata, decode paths/URLs, and sample frames when asked.
 
         Raises:
-            ValueError: metadata that does not describe its clip (:func:`_check_video_metadata`).
+            ValueError: a video given as frames of different sizes (:func:`_check_frame_sizes`); metadata that does
+                not describe its clip (:func:`_check_video_metadata`).
         """
+        _check_frame_sizes(videos)
         videos = make_batched_videos(videos)
         if videos and not is_valid_video(videos[0]):
             if isinstance(videos[0], (str, os.PathLike)):
@@ -554,6 +589,18 @@ class Glm53FlashProcessor(ProcessorMixin):
             return VideoProcessorMixin
         return super().check_argument_for_proper_class(argument_name, argument)
 
+    def validate_inputs(self, images=None, text=None, videos=None, audio=None, **kwargs):
+        """transformers' input validation (placeholder counts), after :func:`_check_frame_sizes` (it stacks each
+        video's frames first).
+
+        Raises:
+            ValueError: a video given as frames of different sizes (names the video and both sizes); transformers'
+                placeholder count errors.
+        """
+        if videos is not None:
+            _check_frame_sizes(videos)
+        return super().validate_inputs(images=images, text=text, videos=videos, audio=audio, **kwargs)
+
     @staticmethod
     def _lookup_token_ids(tokenizer) -> dict[str, int]:
         """``{token: id}`` for :data:`REQUIRED_TOKENS`, checking each is one entry of ``tokenizer``'s vocabulary."""
@@ -785,7 +832,8 @@ class Glm53FlashProcessor(ProcessorMixin):
             ``pixel_values_videos`` / ``video_grid_thw`` for the media kept.
 
         Raises:
-            ValueError: a conversation without an assistant turn (names the sample and its roles); a truncation
+            ValueError: a message without a role (names the sample, the message index and its keys); a
+                conversation without an assistant turn (names the sample and its roles); a truncation
                 through a visual span (names the sample, the lengths and the span); a visual placeholder inside a
                 trained span; marker/media count mismatches (from transformers).
 
@@ -794,13 +842,20 @@ class Glm53FlashProcessor(ProcessorMixin):
                 cut off by ``max_length``).
         """
         name = f"sample {sample_id!r}" if sample_id is not None else "sample"
-        roles = [m.get("role") for m in messages] if isinstance(messages, (list, tuple)) else []
+        # transformers' normalisation (message objects to dicts, None values dropped: content=None is no content)
+        conversations, _ = self._normalize_conversations(messages) if messages else ([[]], False)
+        roles = [m.get("role") for m in conversations[0]]
+        for i, (message, role) in enumerate(zip(conversations[0], roles)):
+            if role is None:
+                raise ValueError(
+                    f"{name}: message {i} has no role (keys: {', '.join(message)}); expected role system, user, "
+                    "assistant or tool"
+                )
         if "assistant" not in roles:
             raise ValueError(
                 f"{name}: the conversation has no assistant turn (roles {roles}), so no token would be trained; an "
                 "SFT example needs at least one assistant message"
             )
-        conversations, _ = self._normalize_conversations(messages)
         if images is None and videos is None:
             batch_images, batch_videos, _, _ = self._multimodal_inputs_from_conversations(conversations, {}, False)
             images, videos = batch_images[0], batch_videos[0]

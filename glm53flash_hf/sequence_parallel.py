@@ -400,7 +400,8 @@ def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None
 def sp_loss_kwargs(sp: SequenceParallelContext, labels: torch.Tensor, loss_kwargs: dict) -> dict:
     """Loss kwargs of a sequence-parallel shard: ``shift_labels`` (when not given) from the global causal shift
     (:meth:`SequenceParallelContext.shift_labels`), and ``num_items_in_batch`` (when not given) the group's total of
-    supervised shifted labels (an all-reduce), so the ranks' main losses sum to the single-device loss. (The MTP
+    supervised shifted labels (an all-reduce; at least 1), so the ranks' main losses sum to the single-device loss
+    (0.0 when every label is ignored). (The MTP
     loss without a given count is normalised per depth by that depth's group total: :func:`.mtp.mtp_loss`'s
     ``count_total``.)
 
@@ -413,7 +414,8 @@ def sp_loss_kwargs(sp: SequenceParallelContext, labels: torch.Tensor, loss_kwarg
     if out.get("shift_labels") is None:
         out["shift_labels"] = sp.shift_labels(labels, ignore)
     if out.get("num_items_in_batch") is None:
-        out["num_items_in_batch"] = sp.global_count((out["shift_labels"] != ignore).sum())
+        # at least 1: labels all ignore_index give loss 0.0 (the single-device convention), not 0 / 0
+        out["num_items_in_batch"] = sp.global_count((out["shift_labels"] != ignore).sum()).clamp_min(1)
     return out
 
 

@@ -58,8 +58,20 @@ def global_batch(step: int) -> dict:
     return {"input_ids": ids, "position_ids": pos, "labels": labels}
 
 
+def ids_batch(step: int) -> dict:
+    """:func:`global_batch` with ``labels = input_ids`` (the README's packed example): no -100 at the document
+    starts, so a document's first token is a label of the previous document's last position in the main loss (as
+    transformers' row-wise shift gives it on one device) but never an MTP target of the previous document."""
+    batch = global_batch(step)
+    return {**batch, "labels": batch["input_ids"].clone()}
+
+
 def num_items(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def reference_run(path: str, steps: int = 2) -> None:
@@ -69,6 +81,12 @@ def reference_run(path: str, steps: int = 2) -> None:
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():  # the loss without num_items_in_batch: main and every MTP depth each a mean
         loss_nocount = model(**global_batch(1)).loss.item()
+        ids_nocount = model(**ids_batch(1)).loss.item()
+    batch = ids_batch(1)
+    loss = model(**batch, num_items_in_batch=num_items(batch)).loss
+    loss.backward()
+    ids_loss, ids_grads = loss.item(), _grads(model)
+    model.zero_grad(set_to_none=True)
     opt = make_optimizer(model.parameters())
     losses, grads = [], None
     for step in range(1, steps + 1):
@@ -76,16 +94,17 @@ def reference_run(path: str, steps: int = 2) -> None:
         loss = model(**batch, num_items_in_batch=num_items(batch)).loss
         loss.backward()
         if step == 1:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads = _grads(model)
         else:
-            grads2 = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads2 = _grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     updates = {n: p - start[n] for n, p in params.items()}
     torch.save({"losses": losses, "grads": grads, "grads2": grads2, "params": params, "updates": updates,
-                "loss_nocount": loss_nocount}, path)
+                "loss_nocount": loss_nocount, "ids_nocount": ids_nocount, "ids_loss": ids_loss, "ids_grads": ids_grads},
+               path)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,19 +121,19 @@ def _worst(mine: dict, ref: dict) -> tuple[float, str]:
     return worst
 
 
-def _sp_step(model, opt, step, rank, world, group, out_grads=None):
+def _sp_step(model, opt, step, rank, world, group, out_grads=None, make_batch=global_batch):
     import torch.distributed as dist
 
     from glm53flash_hf.sequence_parallel import shard_sequence
 
-    batch = global_batch(step)
+    batch = make_batch(step)
     loss = model(**shard_sequence(batch, rank, world), num_items_in_batch=num_items(batch)).loss
     loss.backward()
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
     if out_grads is not None:
-        out_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        out_grads.update(_grads(model))
     if opt is not None:
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -135,8 +154,19 @@ def _sp_run(rank, world, ref, out):
     model.set_sequence_parallel(group)
     with torch.no_grad():  # without num_items_in_batch: the ranks' losses sum to the one-process mean
         nocount = model(**shard_sequence(global_batch(1), rank, world)).loss.detach().clone()
+        ids_nocount = model(**shard_sequence(ids_batch(1), rank, world)).loss.detach().clone()
+        ignored = {**global_batch(1), "labels": torch.full((len(DOCS), SEQ), -100)}
+        out["ignored_loss"] = model(**shard_sequence(ignored, rank, world)).loss.item()  # this rank's share
     dist.all_reduce(nocount, group=group)
+    dist.all_reduce(ids_nocount, group=group)
     out["loss_nocount"] = nocount.item()
+    # labels = input_ids: loss and gradients of one step (no update), against the one-process run
+    ids_grads: dict = {}
+    out["ids_loss"] = _sp_step(model, None, 1, rank, world, group, ids_grads, make_batch=ids_batch)
+    out["ids_nocount"] = ids_nocount.item()
+    out["ids_grad_rel_err"] = _worst(ids_grads, ref["ids_grads"])
+    out["ids_grad_names_match"] = sorted(ids_grads) == sorted(ref["ids_grads"])
+    model.zero_grad(set_to_none=True)
     opt = make_optimizer(model.parameters())
     grads: dict = {}
     grads2: dict = {}

@@ -98,6 +98,29 @@ def test_sp4_equals_one_process(reference):
     _check_sp(reference, 4)
 
 
+def test_sp2_labels_input_ids_equals_one_process(reference):
+    """``labels = input_ids`` on packed rows (no -100 at the document starts, :func:`sp_worker.ids_batch`): the main
+    loss keeps transformers' row-wise shift (a document's first token is the label of the previous document's last
+    position, on one device as under SP), while the MTP targets stay inside each document. Loss (with and without
+    ``num_items_in_batch``) and every gradient of one step equal the one-process run within 1e-5."""
+    ref, results = _launch(reference, "sp", 2)
+    for res in results:
+        for key in ("ids_loss", "ids_nocount"):
+            assert abs(res[key] - ref[key]) <= TOL * abs(ref[key]), (key, res[key], ref[key])
+        assert res["ids_grad_names_match"]
+        err, name = res["ids_grad_rel_err"]
+        assert err <= TOL, f"SP=2, labels = input_ids: gradient of {name} off by {err:.2e} (relative to its max)"
+    print(f"SP=2 labels=input_ids: loss {results[0]['ids_loss']} vs {ref['ids_loss']}, without count "
+          f"{results[0]['ids_nocount']} vs {ref['ids_nocount']}; grad {results[0]['ids_grad_rel_err']}")
+
+
+def test_sp2_all_ignored_labels_give_zero_loss(reference):
+    """Labels all -100 without ``num_items_in_batch``: every rank's loss is 0.0, as one device's (the heads'
+    convention), not NaN from a group count of 0."""
+    _, results = _launch(reference, "sp", 2)
+    assert [res["ignored_loss"] for res in results] == [0.0, 0.0]
+
+
 def test_sp2_refuses_uneven_shards_and_pads_trainer_micro_batches(reference):
     """Shards of 48 and 40 tokens raise ``ValueError`` naming both shapes on both ranks; the Trainer's
     :func:`~glm53flash_hf.train.trainer.sp_micro_batches` pads the ranks' 5- and 7-token rows to 8 (a multiple of
