@@ -345,6 +345,11 @@ def _pre_blocks(t: int, k: int, d: int) -> tuple[int, int, int]:
     return bt, bk, bd
 
 
+# Column blocks of the two backward dot kernels (dX: BD, dfn: BK): their fp32 ``ieee`` dots unroll to FMAs whose
+# [BT, BD] / [MP, BK] accumulators must stay in registers at 4 warps; larger tiles spill to local memory.
+_DX_BD, _DFN_BK = 32, 64
+
+
 def _small_graph(proj, sumsq, base, scale, n, k, cfg):
     """The torch part of hc_pre on ``[T, M]`` (:func:`~glm53flash_hf.mhc_ops.mix_weights`, the torch path's ops)."""
     sinkhorn_iters, hc_eps, norm_eps = cfg
@@ -406,6 +411,7 @@ def _hc_pre_dx_impl(x: torch.Tensor, fn: torch.Tensor, dproj: torch.Tensor, dsum
     b, s, n, d = x.shape
     t, m = b * s, fn.shape[0]
     bt, _, bd = _pre_blocks(t, n * d, d)
+    bd = min(bd, _DX_BD)
     x_c, fn_c, dproj, dsumsq, pre = (v.contiguous() for v in (x, fn, dproj, dsumsq, pre))
     dc = dcollapsed.contiguous() if dcollapsed is not None else None
     dx = torch.empty_like(x_c)
@@ -426,6 +432,7 @@ def _hc_pre_dfn_impl(x: torch.Tensor, dproj: torch.Tensor) -> torch.Tensor:
     b, s, n, d = x.shape
     t, k, m = b * s, n * d, dproj.shape[1]
     bt, bk, _ = _pre_blocks(t, k, d)
+    bk = min(bk, _DFN_BK)
     x_c, dproj = x.contiguous(), dproj.contiguous()
     dfn = torch.zeros(m, k, dtype=torch.float32, device=x.device)
     if t > 0 and k > 0:
