@@ -67,6 +67,7 @@ def test_cli_parts_add_up_and_verdict(folder):
         (["--gpus", "4", "--ep", "3"], r"--ep=3 must divide --gpus=4"),
         (["--gpus", "3", "--ep", "3", "--fsdp", "3"], r"--ep=3 must divide the routed-expert count n_routed_experts=8"),
         (["--gpus", "4", "--fsdp", "2"], r"--fsdp must be 1 or --gpus=4"),
+        (["--gpus", "4", "--ep", "2", "--sp", "2"], r"--ep and --sp cannot be combined.*--ep=2 --sp=2"),
         (["--gpus", "2", "--sp", "2", "--seq-len", "255"], r"--sp=2 must divide --seq-len=255"),
         (["--base", "int4"], r"--base must be one of .*got 'int4'"),
         (["--lora-rank", "-1"], r"--lora-rank must be >= 0"),

@@ -110,6 +110,9 @@ def check_setup(setup: Setup, config) -> None:
         raise ValueError(f"--sp={setup.sp} must divide --gpus={setup.gpus}")
     if setup.seq_len % setup.sp:
         raise ValueError(f"--sp={setup.sp} must divide --seq-len={setup.seq_len}")
+    if setup.ep > 1 and setup.sp > 1:
+        raise ValueError(f"--ep and --sp cannot be combined (glm53flash-finetune refuses it); got --ep={setup.ep} "
+                         f"--sp={setup.sp}")
     if config.n_routed_experts % setup.ep:
         raise ValueError(f"--ep={setup.ep} must divide the routed-expert count n_routed_experts="
                          f"{config.n_routed_experts}")
@@ -369,34 +372,39 @@ def format_plan(plan: MemoryPlan, setup: Setup) -> str:
     return "\n".join(lines)
 
 
-#: The README's release table: (GPU name, GiB per GPU) x (LoRA rank, 0 = full) x base x sequence length.
-RELEASE_GPUS = (("8xH100 80GB", 80.0), ("8xH200 141GB", 141.0))
+#: The README's release table's GPUs: (name, GiB per GPU as CUDA reports it: 81559 MiB, 143771 MiB).
+RELEASE_GPUS = (("8xH100 80GB", 79.6), ("8xH200 141GB", 140.4))
 
 
-def release_setup(memory: float, lora_rank: int, base: str, seq_len: int) -> Setup:
-    """The setup used for a row of the release table: 8 GPUs, FSDP2 over all 8, EP 8, SP 1 at 4k tokens and SP 8
-    at 32k, activation checkpointing, micro-batch 1, bf16 compute, 4 GiB reserve."""
-    return Setup(gpus=8, gpu_memory_gib=memory, fsdp=8, ep=8, sp=1 if seq_len <= 4096 else 8, seq_len=seq_len,
-                 micro_batch=1, lora_rank=lora_rank, base=base, compute_dtype="bf16", checkpointing=True,
-                 reserve_gib=4.0)
+def release_setup(config, memory: float, lora_rank: int, base: str, seq_len: int) -> tuple[Setup, MemoryPlan]:
+    """The setup of a row of the release table and its plan: 8 GPUs, FSDP2 over all 8, activation checkpointing,
+    micro-batch 1, bf16 compute, 4 GiB reserve, and of EP 8 (SP 1) or SP 8 (EP 1) the one needing less memory."""
+    best = None
+    for ep, sp in ((8, 1), (1, 8)):
+        s = Setup(gpus=8, gpu_memory_gib=memory, fsdp=8, ep=ep, sp=sp, seq_len=seq_len, micro_batch=1,
+                  lora_rank=lora_rank, base=base, compute_dtype="bf16", checkpointing=True, reserve_gib=4.0)
+        p = plan_memory(config, s)
+        if best is None or p.total < best[1].total:
+            best = (s, p)
+    return best
 
 
 def release_table(config) -> str:
     """Markdown table of :func:`release_setup` over :data:`RELEASE_GPUS`, LoRA r=16 / full, BF16 / FP8, 4k / 32k."""
     rows = ["| GPUs | training | base | tokens | FSDP2 / EP / SP | ckpt | weights | grads + optim | activations "
-            "| comm | total GiB | fits |", "|" + "---|" * 12]
+            "| comm | total GiB | usable GiB | fits |", "|" + "---|" * 13]
     for gpu, memory in RELEASE_GPUS:
         for rank in (16, 0):
             for base in ("bf16", "fp8"):
                 for seq in (4096, 32768):
-                    s = release_setup(memory, rank, base, seq)
-                    p = plan_memory(config, s)
+                    s, p = release_setup(config, memory, rank, base, seq)
                     g = {k: v / GIB for k, v in p.parts.items()}
                     rows.append(
                         f"| {gpu} | {'LoRA r=' + str(rank) if rank else 'full'} | {base.upper()} | {seq // 1024}k "
                         f"| {s.fsdp} / {s.ep} / {s.sp} | yes | {g['weights']:.1f} "
                         f"| {g['gradients'] + g['optimizer_states']:.1f} | {g['activations']:.1f} "
-                        f"| {g['communication_buffers']:.1f} | {p.total / GIB:.1f} | {'yes' if p.fits else 'no'} |")
+                        f"| {g['communication_buffers']:.1f} | {p.total / GIB:.1f} | {p.budget / GIB:.1f} "
+                        f"| {'yes' if p.fits else 'no'} |")
     return "\n".join(rows)
 
 
