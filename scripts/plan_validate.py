@@ -13,7 +13,7 @@ setup (``compute_dtype`` / ``base`` fp32, as measured).
 
 Usage::
 
-    python scripts/plan_validate.py              # the six setups (a few minutes on 2 cores)
+    python scripts/plan_validate.py              # every setup (a few minutes on 2 cores)
     python scripts/plan_validate.py --only tiny-1-full
 """
 
@@ -37,6 +37,7 @@ SETUPS = {
     "tiny-1-full": ("tiny", 1, 1, 1, 1, 512, 2, 0, True),
     "tiny-1-lora": ("tiny", 1, 1, 1, 1, 512, 2, 8, True),
     "wide-1-full-nockpt": ("wide", 1, 1, 1, 1, 512, 1, 0, False),
+    "tiny-fsdp2-full": ("tiny", 2, 2, 1, 1, 512, 2, 0, True),
     "wide-fsdp2-full": ("wide", 2, 2, 1, 1, 1024, 2, 0, True),
     "wide-ep2-dp2-lora": ("wide", 4, 4, 2, 1, 1024, 2, 8, True),
     "wide-sp2-full": ("wide", 2, 2, 1, 2, 2048, 1, 0, True),
