@@ -123,6 +123,7 @@ class _LiveTensors:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 for t in tree_flatten(out)[0]:
+                    t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2): its local shard's storage
                     if getattr(t, "device", None) is not None and t.device.type == "cpu":
                         storage = t.untyped_storage()
                         ptr, size = storage.data_ptr(), storage.nbytes()

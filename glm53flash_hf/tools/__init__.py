@@ -1,7 +1,8 @@
 """The command-line tools: ``glm53flash-finetune`` (:mod:`.finetune`, with its SFT data :mod:`.sft_data` and
 fresh-process check :mod:`.reload_check`), ``glm53flash-make-tiny`` (:mod:`.make_tiny`, the embedded tiny
-checkpoint; its config is ``tiny_config.json`` here), ``glm53flash-crop``, ``glm53flash-export`` and
-``glm53flash-demo``; FP8 block quantization helpers in :mod:`.fp8`.
+checkpoint; its config is ``tiny_config.json`` here), ``glm53flash-crop``, ``glm53flash-export``,
+``glm53flash-demo`` and ``glm53flash-plan`` (:mod:`.plan`, memory per GPU of a training setup); FP8 block
+quantization helpers in :mod:`.fp8`.
 
 Not part of the remote code a checkpoint carries; these modules import the flat modules, never the reverse.
 """
