@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU machine (issue 6): installs what it needs, runs the `gpu` tests, then the GPU benchmark,
 # and writes a report (with scripts/gpu_cost.py's roofline: the benchmark prints measured / predicted for each kernel it
-# times). Sized for an H200 within ~8 minutes (the device budget is 15 min, machine start included).
+# times). Its step limits add up to 500 s (tests 180, benchmark 170, roofline 30, KDA SP 120), within 10 minutes on
+# one H200 (the device budget is 15 min, machine start included).
 #
 # Prepare (on a machine with pip's package index, once):   bash scripts/gpu_wheels.sh     (fills .whl/, ignored by git)
 # Run (repo root, on the GPU machine; the device tool carries .whl with carry=[".whl"]):
@@ -12,10 +13,10 @@
 # 64 x 128 heads, fwd+bwd on one device, and our sequence parallelism over every visible GPU through torchrun when
 # there are >= 2; with one GPU it says SP was not measured). Six files: the device tool brings back at most eight.
 #
-# Knobs (environment): PYTHON (default python3), GPU_TEST_TIMEOUT (s, whole pytest run, default 240),
-# GPU_TEST_PER_TEST (s, default 150), BENCH_BUDGET (s after which the benchmark starts no new case, default 150),
-# BENCH_TIMEOUT (s, hard limit, default 220), BENCH_ARGS (extra arguments), SKIP_TESTS=1, SKIP_BENCH=1, NO_WHEELS=1,
-# SP_KDA_TIMEOUT (s, default 200), SP_KDA_ARGS (extra arguments of bench_sp_kda.py; --smoke is added when BENCH_ARGS
+# Knobs (environment): PYTHON (default python3), GPU_TEST_TIMEOUT (s, whole pytest run, default 180),
+# GPU_TEST_PER_TEST (s, default 120), BENCH_BUDGET (s after which the benchmark starts no new case, default 120),
+# BENCH_TIMEOUT (s, hard limit, default 170), BENCH_ARGS (extra arguments), SKIP_TESTS=1, SKIP_BENCH=1, NO_WHEELS=1,
+# SP_KDA_TIMEOUT (s, default 120), SP_KDA_ARGS (extra arguments of bench_sp_kda.py; --smoke is added when BENCH_ARGS
 # has it), SKIP_SP_KDA=1.
 # A CPU dry run of the whole pipeline (tests skip, benchmark in its smoke mode):
 #     NO_WHEELS=1 PYTHON=.venv/bin/python OUT=/tmp/gpu-dry BENCH_ARGS=--smoke bash scripts/gpu_check.sh
@@ -79,12 +80,12 @@ TEST_STATUS="not run"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   mapfile -t FILES < <(grep -l -E "mark\.gpu" tests/*.py | sort)
   stamp "gpu tests in: ${FILES[*]}"
-  timeout "${GPU_TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider \
-    --timeout="${GPU_TEST_PER_TEST:-150}" "${FILES[@]}" 2>&1 | tee "$OUT_DIR/.pytest.out"
+  timeout "${GPU_TEST_TIMEOUT:-180}" "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider \
+    --timeout="${GPU_TEST_PER_TEST:-120}" "${FILES[@]}" 2>&1 | tee "$OUT_DIR/.pytest.out"
   rc=${PIPESTATUS[0]}
   case $rc in
     0) TEST_STATUS="passed" ;;
-    124) TEST_STATUS="stopped by the ${GPU_TEST_TIMEOUT:-240} s limit" ;;
+    124) TEST_STATUS="stopped by the ${GPU_TEST_TIMEOUT:-180} s limit" ;;
     5) TEST_STATUS="no tests collected" ;;
     *) TEST_STATUS="failed (pytest exit $rc)" ;;
   esac
@@ -96,16 +97,16 @@ BENCH_STATUS="not run"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "benchmark"
   # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-220}" "$PY" scripts/bench_gpu.py --report "$OUT_DIR/bench.md" --json "$OUT_DIR/bench.json" \
-    --budget-s "${BENCH_BUDGET:-150}" ${BENCH_ARGS:-}
-  BENCH_STATUS=$(run_status $? "${BENCH_TIMEOUT:-220}" " (partial)")
+  timeout "${BENCH_TIMEOUT:-170}" "$PY" scripts/bench_gpu.py --report "$OUT_DIR/bench.md" --json "$OUT_DIR/bench.json" \
+    --budget-s "${BENCH_BUDGET:-120}" ${BENCH_ARGS:-}
+  BENCH_STATUS=$(run_status $? "${BENCH_TIMEOUT:-170}" " (partial)")
   stamp "benchmark: $BENCH_STATUS"
 fi
 
 # 4b. The roofline model the benchmark's "predicted ms" column comes from (arithmetic only, a few seconds).
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "roofline model (scripts/gpu_cost.py: predictions, not measurements)"
-  timeout 60 "$PY" scripts/gpu_cost.py > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
+  timeout 30 "$PY" scripts/gpu_cost.py > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
 fi
 
 # 5. One KDA layer: our sequence parallelism vs one device (issue 14; the SP part needs >= 2 GPUs).
@@ -115,9 +116,9 @@ if [ "${SKIP_SP_KDA:-0}" != 1 ]; then
   case " ${BENCH_ARGS:-} " in *" --smoke "*) SP_SMOKE="--smoke" ;; esac
   stamp "KDA layer, sequence parallel vs one device ${SP_SMOKE}"
   # shellcheck disable=SC2086
-  timeout "${SP_KDA_TIMEOUT:-200}" "$PY" scripts/bench_sp_kda.py --report "$OUT_DIR/sp_kda.md" $SP_SMOKE \
+  timeout "${SP_KDA_TIMEOUT:-120}" "$PY" scripts/bench_sp_kda.py --report "$OUT_DIR/sp_kda.md" $SP_SMOKE \
     ${SP_KDA_ARGS:-}
-  SP_KDA_STATUS=$(run_status $? "${SP_KDA_TIMEOUT:-200}")
+  SP_KDA_STATUS=$(run_status $? "${SP_KDA_TIMEOUT:-120}")
   stamp "KDA layer SP: $SP_KDA_STATUS"
 fi
 
