@@ -919,10 +919,26 @@ _MODEL_LOADING_KWARGS = {
 }  # fmt: skip
 
 
-def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict) -> None:
-    """Make transformers load ``ckpt`` (FP8) dequantized: pass ``FineGrainedFP8Config(dequantize=True)`` (merged
-    into the file's config as loading attributes), and make sure the model's config carries the file's
-    ``quantization_config``, which is what marks a checkpoint as pre-quantized (``quantizers.auto.get_hf_quantizer``).
+def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
+    """Names, relative to the text model, of the modules whose weights ``ckpt`` stores in FP8: the FP8 keys without
+    their text prefix and ``.weight``; per-expert keys (``mlp.experts.N.gate_proj.weight``) name the merged
+    ``mlp.experts`` module."""
+    out = set()
+    for key in ckpt.fp8_weights:
+        name = key.removesuffix(".weight")
+        for prefix in TEXT_PREFIXES[:-1]:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        out.add(re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", name))
+    return out
+
+
+def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, dequantize: bool = True) -> None:
+    """Make transformers load ``ckpt`` (FP8) dequantized (``dequantize=True``) or kept in FP8: pass
+    ``FineGrainedFP8Config(dequantize=...)`` (merged into the file's config as loading attributes), and make sure
+    the model's config carries the file's ``quantization_config``, which is what marks a checkpoint as
+    pre-quantized (``quantizers.auto.get_hf_quantizer``).
 
     The text model's config is the ``text_config`` part of ``config.json`` and loses the top-level
     ``quantization_config``; without it transformers would take our config for on-the-fly quantization, load the
@@ -933,8 +949,9 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict) -
 
     qc = dict(ckpt.quantization_config)
     kwargs["quantization_config"] = FineGrainedFP8Config(
-        weight_block_size=fp8_block_size(qc), dequantize=True, modules_to_not_convert=qc.get("modules_to_not_convert")
-    )
+        weight_block_size=fp8_block_size(qc), dequantize=dequantize,
+        modules_to_not_convert=qc.get("modules_to_not_convert"),
+    )  # fmt: skip
 
     def has_qc(config) -> bool:
         text = config.get_text_config(decoder=True)
@@ -1006,11 +1023,21 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
             ckpt, fields, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
             allow_mismatched=allow_mismatched,
         )  # fmt: skip
-    if ckpt is not None and ckpt.is_fp8 and kwargs.get("quantization_config") is None:
-        _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs)
-    model, info = parent_from_pretrained(
-        pretrained_model_name_or_path, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
-    )
+    dequantize_fp8 = kwargs.pop("dequantize_fp8", False)
+    if not isinstance(dequantize_fp8, bool):
+        raise ValueError(f"dequantize_fp8 must be a bool; got {dequantize_fp8!r}")
+    keep_fp8 = contextlib.nullcontext()
+    if ckpt is not None and ckpt.is_fp8:
+        if kwargs.get("quantization_config") is None:
+            _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs, dequantize=dequantize_fp8)
+        if not getattr(kwargs.get("quantization_config"), "dequantize", False):
+            from .fp8_kept import fp8_quantizer_for_load
+
+            keep_fp8 = fp8_quantizer_for_load(fp8_module_names(ckpt))
+    with keep_fp8:
+        model, info = parent_from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
     if ckpt is not None:
         check_loaded_dtypes(ckpt, info.get("unexpected_keys"))
     strict_load_report(
