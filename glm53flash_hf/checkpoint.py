@@ -1046,6 +1046,15 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     source = ckpt.folder if ckpt is not None else pretrained_model_name_or_path or "state_dict"
     check_finite_weights(model, source, allow=allow_nonfinite)
     model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer.quantization_config, "dequantize", True):
+        # FP8 kept: the expert converters also split the merged *_scale_inv back into per-expert scales on save
+        scale_copies = [
+            c for c in quantizer.update_weight_conversions(model._weight_conversions, model)
+            if isinstance(c, WeightConverter) and all(t.endswith("_scale_inv") for t in c.target_patterns)
+            and any("experts" in t for t in c.target_patterns)
+        ]  # fmt: skip
+        model._weight_conversions = model._weight_conversions + scale_copies
     if getattr(cls, "_skips_vision_tower", False):
         keys = list(ckpt.weight_map) if ckpt is not None else checkpoint_keys(pretrained_model_name_or_path)
         vision = count_matching(keys, VISION_KEY_PATTERNS)

@@ -201,6 +201,46 @@ class Glm53FlashFP8Experts(FP8Experts):
         gate, up = gate_up.chunk(2, dim=-1)
         return clamped_swiglu(gate, up, self.swiglu_limit)
 
+    def _weight_and_delta(self, name: str):
+        """``(fp8 weight [E, out, in], scale_inv, delta [E, out, in] or None)`` of projection ``name``. Under a PEFT
+        ``target_parameters`` adapter the parameter is parametrized (``W + delta``, which PEFT would round back to
+        e4m3 without the scales): the FP8 original and the adapters' ``delta_weight`` are read separately."""
+        scale = getattr(self, name + "_scale_inv")
+        if not nn.utils.parametrize.is_parametrized(self, name):
+            return getattr(self, name), scale, None
+        parametrization = self.parametrizations[name]
+        deltas = []
+        for proxy in parametrization:
+            delta = getattr(proxy, "delta_weight", None)
+            if delta is None:
+                raise TypeError(
+                    f"{name}: parametrization {type(proxy).__name__} has no delta_weight; an FP8 expert weight "
+                    "takes LoRA adapters (PEFT's _LoraParameterProxy) only"
+                )
+            deltas.append(delta)
+        return parametrization.original, scale, sum(deltas)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        """``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: per hit expert, the FP8
+        projections (:meth:`linear`) plus, under a LoRA adapter, ``x @ delta[e].T``; accumulated in fp32."""
+        gate_up, gate_up_scale, gate_up_delta = self._weight_and_delta("gate_up_proj")
+        down, down_scale, down_delta = self._weight_and_delta("down_proj")
+
+        def project(x, w, s, delta, e):
+            y = self.linear(x, w[e], s[e])
+            return y if delta is None else y + x @ delta[e].to(x.dtype).T
+
+        out = torch.zeros_like(hidden_states, dtype=torch.float32)
+        for e in torch.unique(top_k_index).tolist():
+            if not 0 <= e < self.num_experts:
+                continue
+            token_idx, pos = torch.where(top_k_index == e)
+            x = hidden_states[token_idx]
+            h = self._apply_gate(project(x, gate_up, gate_up_scale, gate_up_delta, e))
+            y = project(h, down, down_scale, down_delta, e)
+            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None].to(y.dtype)).float())
+        return out.to(hidden_states.dtype)
+
     def linear(self, input, weight, weight_scale_inv, activation_scale=None):
         if weight.element_size() > 1 or _transformers_kernel_usable(weight, weight_scale_inv, self.block_size):
             return super().linear(input, weight, weight_scale_inv, activation_scale=activation_scale)

@@ -176,3 +176,120 @@ def test_bad_dequantize_flag_and_excluded_fp8_module(tiny_fp8, tmp_path):
         Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32, dequantize_fp8=True)
     assert not _converted(model)
+
+
+def test_fp8_save_reload_keeps_fp8_tensors(tiny_fp8, models, tmp_path):
+    """save_pretrained of the FP8-kept model writes the published layout with the source's FP8 tensors and scales
+    bit for bit (per-expert scales split back from the merged ones); it reloads to the same logits."""
+    from safetensors import safe_open
+
+    kept, _ = models
+    out = str(tmp_path / "resaved")
+    kept.save_pretrained(out)
+
+    def tensors(folder):
+        got = {}
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(folder, f), "pt") as s:
+                    got.update({k: s.get_tensor(k) for k in s.keys() if k.endswith("_scale_inv") or "proj" in k})
+        return got
+
+    src, new = tensors(tiny_fp8), tensors(out)
+    fp8_src = {k: v for k, v in src.items() if v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")}
+    assert len(fp8_src) > 100
+    for k, v in fp8_src.items():
+        assert new[k].dtype == v.dtype and torch.equal(new[k].view(torch.uint8), v.view(torch.uint8)), k
+    reloaded = Glm53FlashForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 2000, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, kept(input_ids=ids).logits)
+
+
+def _lora(model, seed=0, b_std=0.0):
+    from peft import get_peft_model
+
+    from glm53flash_hf.train.trainer import default_lora_config
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, default_lora_config(r=4))
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05 if "lora_A" in n else b_std)
+    return peft_model
+
+
+def test_lora_on_fp8_base_equals_lora_on_dequantized_and_trains(tiny_fp8):
+    """default_lora_config (routed experts included) on the FP8 base: logits and adapter gradients equal the same
+    adapter on the dequantized base (fp32); a few AdamW steps lower the loss; the FP8 weights are unchanged."""
+    ids = torch.randint(0, 2000, (2, 12), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for deq in (False, True):
+        base = Glm53FlashForCausalLM.from_pretrained(tiny_fp8, dtype=torch.float32, dequantize_fp8=deq)
+        peft_model = _lora(base, b_std=0.02)
+        out = peft_model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+        results[deq] = (out.logits.detach(), grads, peft_model)
+    (a, ga, kept), (b, gb, _) = results[False], results[True]
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert ga.keys() == gb.keys() and any(".experts." in n for n in ga)
+    for n in gb:
+        assert ga[n] is not None and (ga[n] - gb[n]).abs().max() <= 1e-4 * gb[n].abs().max(), n
+    before = {n: p.clone() for n, p in kept.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    opt = torch.optim.AdamW([p for p in kept.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = kept(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    for n, p in kept.named_parameters():
+        if n in before:
+            assert p.dtype == torch.float8_e4m3fn and torch.equal(p.view(torch.uint8), before[n].view(torch.uint8))
+
+
+def test_merge_lora_into_fp8_and_dense(tiny_fp8, tmp_path):
+    """merge_lora_fp8: dense (fp32) merge gives the adapter model's logits (within finetune.MERGE_RTOL) and
+    drops FP8; FP8 merge re-quantizes dequantize(W) + delta with block scales within the e4m3 bound (reported),
+    stays FP8, and merge -> save -> reload gives the merged model's logits bit for bit."""
+    from glm53flash_hf.tools.finetune import MERGE_RTOL
+    from glm53flash_hf.train.fp8_lora import merge_lora_fp8
+
+    ids = torch.randint(0, 2000, (2, 12), generator=torch.Generator().manual_seed(2))
+    for fp8 in (False, True):
+        peft_model = _lora(Glm53FlashForCausalLM.from_pretrained(tiny_fp8, dtype=torch.float32), b_std=0.002)
+        with torch.no_grad():
+            ref = peft_model(input_ids=ids).logits
+        merged, report = merge_lora_fp8(peft_model, fp8=fp8, dtype=torch.float32)
+        assert report["merged_fp8_weights"] == 49  # 37 FP8Linear + 2 per routed-experts module
+        assert bool(_converted(merged)) == fp8
+        with torch.no_grad():
+            got = merged(input_ids=ids).logits
+        if fp8:
+            assert 0 < report["max_rel_roundtrip_error"] <= 2.0**-4  # e4m3: 3 mantissa bits
+            assert fp8_weight_bytes(merged)["fp8"] > 0
+        else:
+            assert report["max_rel_roundtrip_error"] == 0
+            assert (got - ref).abs().max() <= MERGE_RTOL * max(1.0, ref.abs().max().item())
+        out = str(tmp_path / f"merged-{fp8}")
+        merged.save_pretrained(out)
+        reloaded = Glm53FlashForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert bool(_converted(reloaded)) == fp8
+        with torch.no_grad():
+            assert torch.equal(reloaded(input_ids=ids).logits, got)
+
+
+def test_merge_lora_fp8_rejects_two_adapters(tiny_fp8):
+    from glm53flash_hf.train.fp8_lora import merge_lora_fp8
+    from glm53flash_hf.train.trainer import default_lora_config
+
+    peft_model = _lora(Glm53FlashForCausalLM.from_pretrained(tiny_fp8, dtype=torch.float32))
+    peft_model.add_adapter("second", default_lora_config(r=2))
+    peft_model.base_model.set_adapter(["default", "second"])
+    with pytest.raises(ValueError, match=r"one active adapter; got active_adapters=\['default', 'second'\]"):
+        merge_lora_fp8(peft_model)
