@@ -35,8 +35,11 @@ uses the first target) writes the *first* source, ``model.language_model.``. Aft
 matched the checkpoint) by the full registered list, so a model loaded from the ``model.`` or un-prefixed variant
 also saves ``model.language_model.*``. The text model's prefix renaming is load-only: it saves its own names.
 
-FP8 (block-scaled e4m3, ``<name>_scale_inv``): transformers' ``FineGrainedFP8HfQuantizer`` dequantizes on load
-(forced on CPU; we request it everywhere, since our fused modules have no FP8 compute path). Its
+FP8 (block-scaled e4m3, ``<name>_scale_inv``): by default the FP8 tensors stay FP8
+(:mod:`glm53flash_hf.fp8_kept`: transformers' ``FP8Linear`` / ``FP8Experts`` subclasses built by our subclass of
+its quantizer for the modules :func:`fp8_module_names` finds in the checkpoint; the expert converters get copies
+that merge, and on save split, the per-expert scales). With ``dequantize_fp8=True`` transformers'
+``FineGrainedFP8HfQuantizer`` dequantizes on load instead. Its
 ``update_weight_conversions`` prepends ``Fp8Dequantize`` to our converters, so per-expert weight + scale pairs
 are dequantized before the expert merge, and a catch-all converter handles the other weights. The checkpoint's
 shards are opened lazily together (``safe_open`` slices), so a scale in another shard than its weight is found,
@@ -986,8 +989,9 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     consistency; then :func:`check_config_matches_checkpoint`: the config's layer and expert counts and the sizes
     of the large tensors against the headers, before transformers builds a model of the config's size. Each raises
     ``ValueError`` naming the file, key or config field. After the load, an integer or bool tensor that went into a
-    weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8 checkpoint is loaded with
-    ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a ``quantization_config``.
+    weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8 checkpoint is loaded kept in FP8
+    (:mod:`glm53flash_hf.fp8_kept`), or with ``FineGrainedFP8Config(dequantize=True)`` when the caller passes
+    ``dequantize_fp8=True`` (a bool, else ``ValueError``), unless the caller passes a ``quantization_config``.
 
     After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
     ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;

@@ -293,3 +293,10 @@ def test_merge_lora_fp8_rejects_two_adapters(tiny_fp8):
     peft_model.base_model.set_adapter(["default", "second"])
     with pytest.raises(ValueError, match=r"one active adapter; got active_adapters=\['default', 'second'\]"):
         merge_lora_fp8(peft_model)
+
+
+def test_merge_adapter_rejects_unknown_format(tiny_fp8):
+    from glm53flash_hf.tools.finetune import merge_adapter
+
+    with pytest.raises(ValueError, match="merged_format must be 'fp8' or 'dense'; got 'bf8'"):
+        merge_adapter(tiny_fp8, "unused", torch.float32, "bf8")
