@@ -99,6 +99,19 @@ def test_fp8_kept_logits_equal_dequantized(models):
     assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def test_fp8_kept_text_model_equals_dequantized(tiny_fp8):
+    """The text-only class (config from text_config, which lacks quantization_config) also keeps FP8."""
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashTextModel
+
+    kept = Glm53FlashTextModel.from_pretrained(tiny_fp8, dtype=torch.float32).eval()
+    deq = Glm53FlashTextModel.from_pretrained(tiny_fp8, dtype=torch.float32, dequantize_fp8=True).eval()
+    assert len(_converted(kept)) == len(fp8_module_names(inspect_checkpoint(tiny_fp8))) and not _converted(deq)
+    ids = torch.randint(0, 2000, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a, b = kept(input_ids=ids).last_hidden_state, deq(input_ids=ids).last_hidden_state
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 def test_fp8_kept_fwd_bwd_peak_and_input_gradients(models):
     """One forward+backward (gradients to the inputs only, base frozen): the input-embedding gradients equal the
     dequantized model's; weights plus the live-tensor high-water of the step is smaller on the FP8 base; the FP8
