@@ -35,8 +35,11 @@ uses the first target) writes the *first* source, ``model.language_model.``. Aft
 matched the checkpoint) by the full registered list, so a model loaded from the ``model.`` or un-prefixed variant
 also saves ``model.language_model.*``. The text model's prefix renaming is load-only: it saves its own names.
 
-FP8 (block-scaled e4m3, ``<name>_scale_inv``): transformers' ``FineGrainedFP8HfQuantizer`` dequantizes on load
-(forced on CPU; we request it everywhere, since our fused modules have no FP8 compute path). Its
+FP8 (block-scaled e4m3, ``<name>_scale_inv``): by default the FP8 tensors stay FP8
+(:mod:`glm53flash_hf.fp8_kept`: transformers' ``FP8Linear`` / ``FP8Experts`` subclasses built by our subclass of
+its quantizer for the modules :func:`fp8_module_names` finds in the checkpoint; the expert converters get copies
+that merge, and on save split, the per-expert scales). With ``dequantize_fp8=True`` transformers'
+``FineGrainedFP8HfQuantizer`` dequantizes on load instead. Its
 ``update_weight_conversions`` prepends ``Fp8Dequantize`` to our converters, so per-expert weight + scale pairs
 are dequantized before the expert merge, and a catch-all converter handles the other weights. The checkpoint's
 shards are opened lazily together (``safe_open`` slices), so a scale in another shard than its weight is found,
@@ -919,10 +922,26 @@ _MODEL_LOADING_KWARGS = {
 }  # fmt: skip
 
 
-def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict) -> None:
-    """Make transformers load ``ckpt`` (FP8) dequantized: pass ``FineGrainedFP8Config(dequantize=True)`` (merged
-    into the file's config as loading attributes), and make sure the model's config carries the file's
-    ``quantization_config``, which is what marks a checkpoint as pre-quantized (``quantizers.auto.get_hf_quantizer``).
+def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
+    """Names, relative to the text model, of the modules whose weights ``ckpt`` stores in FP8: the FP8 keys without
+    their text prefix and ``.weight``; per-expert keys (``mlp.experts.N.gate_proj.weight``) name the merged
+    ``mlp.experts`` module."""
+    out = set()
+    for key in ckpt.fp8_weights:
+        name = key.removesuffix(".weight")
+        for prefix in TEXT_PREFIXES[:-1]:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        out.add(re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", name))
+    return out
+
+
+def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, dequantize: bool = True) -> None:
+    """Make transformers load ``ckpt`` (FP8) dequantized (``dequantize=True``) or kept in FP8: pass
+    ``FineGrainedFP8Config(dequantize=...)`` (merged into the file's config as loading attributes), and make sure
+    the model's config carries the file's ``quantization_config``, which is what marks a checkpoint as
+    pre-quantized (``quantizers.auto.get_hf_quantizer``).
 
     The text model's config is the ``text_config`` part of ``config.json`` and loses the top-level
     ``quantization_config``; without it transformers would take our config for on-the-fly quantization, load the
@@ -933,8 +952,9 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict) -
 
     qc = dict(ckpt.quantization_config)
     kwargs["quantization_config"] = FineGrainedFP8Config(
-        weight_block_size=fp8_block_size(qc), dequantize=True, modules_to_not_convert=qc.get("modules_to_not_convert")
-    )
+        weight_block_size=fp8_block_size(qc), dequantize=dequantize,
+        modules_to_not_convert=qc.get("modules_to_not_convert"),
+    )  # fmt: skip
 
     def has_qc(config) -> bool:
         text = config.get_text_config(decoder=True)
@@ -969,8 +989,9 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     consistency; then :func:`check_config_matches_checkpoint`: the config's layer and expert counts and the sizes
     of the large tensors against the headers, before transformers builds a model of the config's size. Each raises
     ``ValueError`` naming the file, key or config field. After the load, an integer or bool tensor that went into a
-    weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8 checkpoint is loaded with
-    ``FineGrainedFP8Config(dequantize=True)`` unless the caller passes a ``quantization_config``.
+    weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8 checkpoint is loaded kept in FP8
+    (:mod:`glm53flash_hf.fp8_kept`), or with ``FineGrainedFP8Config(dequantize=True)`` when the caller passes
+    ``dequantize_fp8=True`` (a bool, else ``ValueError``), unless the caller passes a ``quantization_config``.
 
     After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
     ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;
@@ -1006,11 +1027,21 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
             ckpt, fields, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
             allow_mismatched=allow_mismatched,
         )  # fmt: skip
-    if ckpt is not None and ckpt.is_fp8 and kwargs.get("quantization_config") is None:
-        _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs)
-    model, info = parent_from_pretrained(
-        pretrained_model_name_or_path, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
-    )
+    dequantize_fp8 = kwargs.pop("dequantize_fp8", False)
+    if not isinstance(dequantize_fp8, bool):
+        raise ValueError(f"dequantize_fp8 must be a bool; got {dequantize_fp8!r}")
+    keep_fp8 = contextlib.nullcontext()
+    if ckpt is not None and ckpt.is_fp8:
+        if kwargs.get("quantization_config") is None:
+            _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs, dequantize=dequantize_fp8)
+        if not getattr(kwargs.get("quantization_config"), "dequantize", False):
+            from .fp8_kept import fp8_quantizer_for_load
+
+            keep_fp8 = fp8_quantizer_for_load(fp8_module_names(ckpt))
+    with keep_fp8:
+        model, info = parent_from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
     if ckpt is not None:
         check_loaded_dtypes(ckpt, info.get("unexpected_keys"))
     strict_load_report(
@@ -1019,6 +1050,15 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     source = ckpt.folder if ckpt is not None else pretrained_model_name_or_path or "state_dict"
     check_finite_weights(model, source, allow=allow_nonfinite)
     model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer.quantization_config, "dequantize", True):
+        # FP8 kept: the expert converters also split the merged *_scale_inv back into per-expert scales on save
+        scale_copies = [
+            c for c in quantizer.update_weight_conversions(model._weight_conversions, model)
+            if isinstance(c, WeightConverter) and all(t.endswith("_scale_inv") for t in c.target_patterns)
+            and any("experts" in t for t in c.target_patterns)
+        ]  # fmt: skip
+        model._weight_conversions = model._weight_conversions + scale_copies
     if getattr(cls, "_skips_vision_tower", False):
         keys = list(ckpt.weight_map) if ckpt is not None else checkpoint_keys(pretrained_model_name_or_path)
         vision = count_matching(keys, VISION_KEY_PATTERNS)

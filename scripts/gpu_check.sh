@@ -75,7 +75,8 @@ print("glm53flash_hf", glm53flash_hf.__file__)
 EOF
 nvidia-smi || stamp "nvidia-smi failed"
 
-# 3. The gpu tests: every test file that marks tests `gpu`.
+# 3. The gpu tests: every test file that marks tests `gpu` (tests/test_fp8_kept.py::test_cuda_fp8_path is the CUDA
+#    FP8-kept check: transformers' FP8 kernel or the block-row forward, LoRA fwd+bwd on the FP8 base).
 TEST_STATUS="not run"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   mapfile -t FILES < <(grep -l -E "mark\.gpu" tests/*.py | sort)

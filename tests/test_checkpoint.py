@@ -60,7 +60,8 @@ def reference(ckpts):
 
 
 def _load(path, cls=Glm53FlashForCausalLM, dtype=torch.bfloat16, **kw):
-    return cls.from_pretrained(path, dtype=dtype, **kw)
+    """``from_pretrained`` with FP8 checkpoints dequantized (the FP8-kept load is tested in test_fp8_kept.py)."""
+    return cls.from_pretrained(path, dtype=dtype, dequantize_fp8=True, **kw)
 
 
 def _dequantized_file(folder) -> dict[str, torch.Tensor]:
@@ -377,7 +378,7 @@ def test_fp8_subfolder_load(ckpts, tmp_path):
 
     shutil.copytree(ckpts[(CANONICAL_TEXT, True)], tmp_path / "repo" / "weights")
     for cls in (Glm53FlashTextModel, Glm53FlashForCausalLM):
-        model = cls.from_pretrained(tmp_path / "repo", subfolder="weights", dtype=torch.float32)
+        model = cls.from_pretrained(tmp_path / "repo", subfolder="weights", dtype=torch.float32, dequantize_fp8=True)
         assert getattr(model.config, "quantization_config", None) is None
 
 

@@ -8,6 +8,7 @@ the final rounding of the dequantized value ``y`` to bf16 (8 significant bits).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -158,14 +159,15 @@ def test_cropped_model_loads_and_runs(src, crops, tmp_path):
     full model loaded in bf16."""
     fp32_crop = str(tmp_path / "fp32")
     assert crop.main([src["fp8"], fp32_crop, "--layers", str(N), "--dtype", "fp32", "--no-progress"]) == 0
-    full = Glm53FlashForCausalLM.from_pretrained(src["fp8"], dtype=torch.float32).eval()
+    full = Glm53FlashForCausalLM.from_pretrained(src["fp8"], dtype=torch.float32, dequantize_fp8=True).eval()
     cropped = Glm53FlashForCausalLM.from_pretrained(fp32_crop, dtype=torch.float32).eval()
     assert cropped.config.text_config.num_hidden_layers == N and len(cropped.model.layers) == N + 1
     full_sd = full.state_dict()
     for k, v in cropped.state_dict().items():
         assert torch.equal(v, full_sd[_source_key(k)]), k
-    full_bf16 = Glm53FlashForCausalLM.from_pretrained(src["fp8"], dtype=torch.bfloat16).state_dict()
-    for k, v in Glm53FlashForCausalLM.from_pretrained(crops["fp8"], dtype=torch.bfloat16).state_dict().items():
+    load = functools.partial(Glm53FlashForCausalLM.from_pretrained, dequantize_fp8=True)
+    full_bf16 = load(src["fp8"], dtype=torch.bfloat16).state_dict()
+    for k, v in load(crops["fp8"], dtype=torch.bfloat16).state_dict().items():
         assert v.dtype == full_bf16[_source_key(k)].dtype and torch.equal(v, full_bf16[_source_key(k)]), k
     ids = torch.randint(0, 2000, (2, 23), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -173,8 +175,8 @@ def test_cropped_model_loads_and_runs(src, crops, tmp_path):
         full.config.text_config.num_hidden_layers = N  # the full model run through its first N layers only
         ref = full(input_ids=ids).logits
     assert torch.isfinite(logits).all() and torch.equal(logits, ref)
-    lm = Glm53FlashForCausalLM.from_pretrained(crops["fp8_lm"], dtype=torch.float32).state_dict()
-    for k, v in Glm53FlashForCausalLM.from_pretrained(crops["fp8"], dtype=torch.float32).state_dict().items():
+    lm = load(crops["fp8_lm"], dtype=torch.float32).state_dict()
+    for k, v in load(crops["fp8"], dtype=torch.float32).state_dict().items():
         assert torch.equal(v, lm[k]), k  # the language_model.-prefixed crop loads the same weights
 
 

@@ -191,7 +191,7 @@ def test_failed_merge_keeps_the_old_adapter_weights_and_loss_log(tiny, old_outpu
     out, snapshot = old_output
     seen = []
 
-    def failing_merge(base_path, adapter_dir, dtype):
+    def failing_merge(base_path, adapter_dir, dtype, merged_format):
         seen.append(_snapshot(out) == snapshot and os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")))
         raise RuntimeError(f"merge failed on {adapter_dir}")
 

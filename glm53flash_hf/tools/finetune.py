@@ -281,16 +281,34 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
     return files
 
 
-def merge_adapter(base_path: str, adapter_dir: str, dtype):
+def merge_adapter(base_path: str, adapter_dir: str, dtype, merged_format: str = "fp8"):
     """Load the base VL model from ``base_path`` (this package's class, on CPU, ``dtype``), apply the LoRA adapter
     saved in ``adapter_dir`` with ``peft.PeftModel.from_pretrained`` and return ``merge_and_unload()``: a plain
     ``Glm53FlashForConditionalGeneration`` with the deltas added to the base weights (experts' 3-D weights
     included). Works the same after single-process and sharded (FSDP) training, since the adapter on disk is
-    complete."""
+    complete.
+
+    A base kept in FP8 is merged by :func:`glm53flash_hf.train.fp8_lora.merge_lora_fp8`: ``merged_format="fp8"``
+    re-quantizes the merged weights with block scales (the model stays FP8), ``"dense"`` keeps them in ``dtype``;
+    the merge report is attached as ``model.fp8_merge_report`` (None for a dense base).
+
+    Raises:
+        ValueError: ``merged_format`` not ``"fp8"`` or ``"dense"``.
+    """
     from peft import PeftModel
 
+    if merged_format not in ("fp8", "dense"):
+        raise ValueError(f"merged_format must be 'fp8' or 'dense'; got {merged_format!r}")
     base = load_model(base_path, dtype)
-    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    peft_model = PeftModel.from_pretrained(base, adapter_dir)
+    if getattr(base, "hf_quantizer", None) is None:
+        model, report = peft_model.merge_and_unload(), None
+    else:
+        from ..train.fp8_lora import merge_lora_fp8
+
+        model, report = merge_lora_fp8(peft_model, fp8=merged_format == "fp8", dtype=dtype)
+    model.fp8_merge_report = report
+    return model
 
 
 #: Largest ``max |logit difference| / max(1, max |logit|)`` accepted between the trained LoRA model (adapter applied
@@ -298,6 +316,9 @@ def merge_adapter(base_path: str, adapter_dir: str, dtype):
 #: ``(W + s B A) x`` (float32 eps 1.2e-7 per operation, compounded over the layers); a lost or misplaced delta
 #: moves trained logits by 1e-1 or more.
 MERGE_RTOL = 2e-5
+#: Largest ``max |requantized - merged| / max |merged|`` of one weight merged into an FP8 base and re-quantized to
+#: e4m3 (3 mantissa bits: rounding to nearest errs by at most 2**-4 of the value).
+FP8_ROUNDTRIP_RTOL = 2.0**-4
 
 
 def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[float, float]:
@@ -369,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: %(default)s, no EP)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer after training")
     parser.add_argument("--no-reload", action="store_true", help="skip the fresh-process reload and generation")
+    parser.add_argument("--merged-format", choices=("fp8", "dense"), default="fp8",
+                        help="LoRA on an FP8 checkpoint: write the merged model re-quantized to block-scaled FP8 "
+                             "(default) or dense in --dtype")
     return parser
 
 
@@ -676,7 +700,11 @@ def save(job: Job, trainer, processor):
         else:
             _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
-            saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype)
+            saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype, job.args.merged_format)
+            report = getattr(saved_model, "fp8_merge_report", None)
+            if report is not None:
+                job.say(f"merged into the FP8 base as {job.args.merged_format}: {report['merged_fp8_weights']} FP8 "
+                        f"weights, max relative re-quantization error {report['max_rel_roundtrip_error']:.2e}")
             check_finite(saved_model, "the merged model")
             saved_model.save_pretrained(stage, processor=processor)
     if job.main_process:
@@ -700,7 +728,16 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
     question = explain_prompt(args.held_out)
     single_cpu_fp32 = trainer.accelerator.num_processes == 1 and job.dtype == torch.float32 and \
         next(trainer.model.parameters()).device.type == "cpu"
-    if not args.full and single_cpu_fp32:
+    report = getattr(saved_model, "fp8_merge_report", None)
+    if not args.full and report is not None and report["fp8"]:
+        # re-quantized to e4m3: each merged weight is within the e4m3 rounding bound (3 mantissa bits)
+        diff, scale = max_logit_difference(trainer.model, saved_model, processor, question)
+        ok = report["max_rel_roundtrip_error"] <= FP8_ROUNDTRIP_RTOL
+        job.say(f"FP8-merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}); "
+                f"weight re-quantization error {report['max_rel_roundtrip_error']:.2e} "
+                + ("ok" if ok else f"ERROR: above {FP8_ROUNDTRIP_RTOL:g}"))
+        status = status if ok else 1
+    elif not args.full and single_cpu_fp32:
         diff, scale = max_logit_difference(trainer.model, saved_model, processor, question)
         ok = diff <= MERGE_RTOL * max(1.0, scale)
         job.say(f"merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}) "

@@ -29,7 +29,9 @@ FP8_KEY_PATTERNS = (
     r"\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$",
 )
 
-# `quantization_config.modules_to_not_convert` written with FP8 checkpoints (module-name fragments).
+# `quantization_config.modules_to_not_convert` written with FP8 checkpoints (module-name fragments; transformers
+# matches each as a prefix or a suffix of a module name, so KDA's `b_proj` is named with its parent to leave the
+# FP8 `q_b_proj` converted).
 MODULES_TO_NOT_CONVERT = [
     "lm_head",
     "embed_tokens",
@@ -41,7 +43,7 @@ MODULES_TO_NOT_CONVERT = [
     "q_proj",
     "k_proj",
     "v_proj",
-    "b_proj",
+    "self_attn.b_proj",
     "f_a_proj",
     "f_b_proj",
     "g_a_proj",

@@ -1,0 +1,146 @@
+"""Merging LoRA adapters into a base kept in block-scaled FP8 (:mod:`glm53flash_hf.fp8_kept`).
+
+PEFT's ``merge_and_unload`` adds the delta to the stored tensor, which for an FP8 base is the e4m3 value without its
+block scale; :func:`merge_lora_fp8` instead merges ``dequantize(W) + delta`` in fp32 and either re-quantizes it with
+fresh block scales (``fp8=True``: the model stays FP8; the round-trip error is reported) or keeps it dense in
+``dtype`` (``fp8=False``: the modules become plain ``nn.Linear`` / our routed experts and the model loses its
+quantizer). LoRA layers on non-FP8 modules are merged by PEFT as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..fp8_kept import _row_groups, _tiles
+from ..tools.fp8 import quantize_fp8_blockwise
+
+
+def dequantize_rows(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """fp32 ``[out, in]`` of one FP8 weight (plain grid or separately blocked halves), tile by tile."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    for r0, r1, w, s in _tiles(weight, scale_inv, tuple(block)):
+        out[r0:r1] = _dequantize_fp8_weight(w, s, list(block), torch.float32)
+    return out
+
+
+def quantize_rows(dense: torch.Tensor, scale_rows: int, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize fp32 ``[out, in]`` into the grid layout of :func:`fp8_kept._row_groups` with ``scale_rows``
+    rows; returns ``(e4m3 [out, in], scale_inv [scale_rows, ceil(in/bc)])``."""
+    parts = [
+        quantize_fp8_blockwise(dense[r0:r1], tuple(block))
+        for r0, r1, _ in _row_groups(dense.shape[0], scale_rows, block[0])
+    ]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _merge_one(weight, scale, delta, block, fp8: bool, errors: list):
+    dense = dequantize_rows(weight, scale, block) + delta.float()
+    if not fp8:
+        return dense, None
+    q, s = quantize_rows(dense, scale.shape[0], block)
+    back = dequantize_rows(q, s, block)
+    errors.append(((back - dense).abs().max() / dense.abs().max().clamp_min(1e-30)).item())
+    return q, s
+
+
+@torch.no_grad()
+def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bfloat16):
+    """Merge the active LoRA adapter of ``peft_model`` into its base and return ``(model, report)``.
+
+    Args:
+        peft_model: a ``peft.PeftModel`` whose base has :class:`~glm53flash_hf.fp8_kept.Glm53FlashFP8Linear` /
+            :class:`~glm53flash_hf.fp8_kept.Glm53FlashFP8Experts` modules (LoRA on them through ``target_modules`` /
+            ``target_parameters``), and possibly LoRA layers on dense modules.
+        fp8: re-quantize each merged FP8 weight with fresh block scales (True) or keep the merged weights dense in
+            ``dtype`` (False).
+        dtype: dtype of the dense merged weights (``fp8=False``).
+
+    Returns:
+        the merged base model (no LoRA layers) and ``{"fp8": fp8, "merged_fp8_weights": n,
+        "max_rel_roundtrip_error": e}``: ``e`` is the largest ``max |requantized - merged| / max |merged|`` over the
+        re-quantized weights (0 with ``fp8=False``).
+
+    Raises:
+        ValueError: when ``peft_model`` has more than one active adapter.
+    """
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    from ..fp8_kept import FP8_DTYPE, Glm53FlashFP8Experts, Glm53FlashFP8Linear
+    from ..moe import Glm53FlashExperts
+
+    adapters = peft_model.active_adapters
+    if len(adapters) != 1:
+        raise ValueError(f"merge_lora_fp8 merges one active adapter; got active_adapters={adapters!r}")
+    adapter = adapters[0]
+    errors: list[float] = []
+    merged = 0
+    for _, layer in list(peft_model.named_modules()):
+        if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
+            continue
+        base = layer.get_base_layer()
+        if isinstance(layer, ParamWrapper) and isinstance(base, Glm53FlashFP8Experts):
+            name = layer.parameter_name
+            weight, scale = getattr(base, name), getattr(base, name + "_scale_inv")
+            delta = layer.get_delta_weight(adapter)
+            pairs = [
+                _merge_one(weight[e], scale[e], delta[e], base.block_size, fp8, errors) for e in range(len(weight))
+            ]
+            if fp8:
+                weight.data.copy_(torch.stack([p[0] for p in pairs]))
+                scale.data.copy_(torch.stack([p[1] for p in pairs]))
+            else:
+                base._dense = getattr(base, "_dense", {})
+                base._dense[name] = torch.stack([p[0] for p in pairs]).to(dtype)
+            merged += 1
+        elif isinstance(base, Glm53FlashFP8Linear) and base.weight.dtype == FP8_DTYPE:
+            delta = layer.get_delta_weight(adapter)
+            q, s = _merge_one(base.weight, base.weight_scale_inv, delta, base.block_size, fp8, errors)
+            if fp8:
+                base.weight.data.copy_(q)
+                base.weight_scale_inv.data.copy_(s)
+            else:
+                base._dense = {"weight": q.to(dtype)}
+            merged += 1
+        else:
+            continue
+        layer.lora_A.pop(adapter)
+        layer.lora_B.pop(adapter)
+    model = peft_model.merge_and_unload()
+    if not fp8:
+        _densify(model, dtype, Glm53FlashFP8Linear, Glm53FlashFP8Experts, Glm53FlashExperts)
+    return model, {"fp8": fp8, "merged_fp8_weights": merged, "max_rel_roundtrip_error": max(errors, default=0.0)}
+
+
+def _densify(model, dtype, linear_cls, experts_cls, dense_experts_cls) -> None:
+    """Replace every FP8 module of ``model`` by its dense counterpart in ``dtype`` (merged weights where
+    :func:`merge_lora_fp8` left them, else the dequantized FP8 weights) and drop the model's FP8 quantizer."""
+    for name, module in list(model.named_modules()):
+        dense = getattr(module, "_dense", {})
+        if isinstance(module, linear_cls):
+            w = dense.get("weight")
+            if w is None:
+                w = dequantize_rows(module.weight, module.weight_scale_inv, module.block_size).to(dtype)
+            new = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
+            new.weight = nn.Parameter(w, requires_grad=False)
+            if module.bias is not None:
+                new.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
+        elif isinstance(module, experts_cls):
+            new = dense_experts_cls(module.config).to(dtype)
+            for p in ("gate_up_proj", "down_proj"):
+                w = dense.get(p)
+                if w is None:
+                    fp8, scale = getattr(module, p), getattr(module, p + "_scale_inv")
+                    w = torch.stack([
+                        dequantize_rows(fp8[e], scale[e], module.block_size) for e in range(len(fp8))
+                    ]).to(dtype)  # fmt: skip
+                setattr(new, p, nn.Parameter(w, requires_grad=False))
+        else:
+            continue
+        model.set_submodule(name, new)
+    for config in (model.config, model.config.get_text_config(decoder=True)):
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+    model.hf_quantizer = None
