@@ -84,23 +84,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import os
-import re
-from types import SimpleNamespace
 
 import torch
 
 from .dispatch import local_tensor
+from .fla_compat import call_checked, cp_device_error, import_error, load, load_cp
 from .graph_ops import define_op
 from .kda_ops import LayerOps, check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
 
 __all__ = [
     "fused_kda_available",
-    "call_checked",
-    "accepted_keywords",
-    "KWARGS_READ",
     "chunk_kda_fused",
     "chunk_kda_gate_in_kernel",
     "chunk_kda_context_parallel",
@@ -109,85 +104,19 @@ __all__ = [
     "rms_norm_gated_fused",
     "fused_recurrent_step",
     "bind_layer_fused",
-    "OPS",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MIN_HEAD_DIM = 16  # tl.dot's smallest K; fla 0.4.2 silently dropped backward grads below it
+MIN_HEAD_DIM = 16  # tl.dot's smallest K
 MAX_HEAD_DIM = 256  # asserted by fla's chunk_kda
 FLA_CHUNK_SIZES = (32, 64)
 SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
 
-# fla function name -> keywords it reads from its **kwargs, accepted only where the installed source reads them. Empty:
-# every keyword passed to fla-core 0.6.0's functions here is a named parameter (chunk_kda_bwd and fused_recurrent_kda
-# also take **kwargs, which would swallow a renamed keyword: the guard refuses it).
-KWARGS_READ: dict[str, tuple[str, ...]] = {"chunk_kda": ("A_log", "dt_bias", "chunk_size")}
-
-_ACCEPTED: dict = {}  # function object -> frozenset of accepted keywords
-
 
 # ========================================================================================================= fla access
-@functools.lru_cache(maxsize=1)
-def _load_fla() -> SimpleNamespace:
-    """Import fla-core's entry points once. Raises ``ImportError`` (with the cause) when fla cannot be imported."""
-    try:
-        import fla
-        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd, causal_conv1d_fwd
-        from fla.modules.norm.fused_norm_gate import layer_norm_gated_bwd, layer_norm_gated_fwd
-        from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
-        from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
-        from fla.ops.kda import fused_recurrent_kda
-        from fla.ops.kda.chunk_bwd import chunk_kda_bwd
-        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
-        from fla.ops.utils.index import prepare_chunk_indices
-    except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
-        raise ImportError(
-            f"fla-core cannot be imported ({type(exc).__name__}: {exc}); pip install fla-core==0.6.0"
-        ) from exc
-    return SimpleNamespace(
-        version=getattr(fla, "__version__", "unknown"),
-        l2norm_fwd=l2norm_fwd,
-        l2norm_bwd=l2norm_bwd,
-        fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
-        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd,
-        prepare_chunk_indices=prepare_chunk_indices,
-        chunk_kda_fwd=chunk_kda_fwd,
-        chunk_kda_bwd=chunk_kda_bwd,
-        causal_conv1d_fwd=causal_conv1d_fwd,
-        causal_conv1d_bwd=causal_conv1d_bwd,
-        layer_norm_gated_fwd=layer_norm_gated_fwd,
-        layer_norm_gated_bwd=layer_norm_gated_bwd,
-        fused_recurrent_kda=fused_recurrent_kda,
-    )
-
-
-def _fla() -> SimpleNamespace:
-    """fla's functions: a namespace with ``version`` and the fla-core 0.6.0 functions of the same names
-    (``fla.modules.norm.l2norm``: ``l2norm_fwd``, ``l2norm_bwd``; ``fla.ops.common.gate``:
-    ``fused_beta_sigmoid_fwd``, ``fused_beta_sigmoid_bwd``; ``fla.ops.utils.index.prepare_chunk_indices``;
-    ``fla.ops.kda.chunk_fwd.chunk_kda_fwd``; ``fla.ops.kda.chunk_bwd.chunk_kda_bwd``;
-    ``fla.modules.causal_conv1d.ops``: ``causal_conv1d_fwd``, ``causal_conv1d_bwd``;
-    ``fla.modules.norm.fused_norm_gate``: ``layer_norm_gated_fwd``, ``layer_norm_gated_bwd``;
-    ``fla.ops.kda.fused_recurrent_kda``). The op bodies look it up at every call; tests replace it to inject
-    fakes."""
-    return _load_fla()
-
-
-@functools.lru_cache(maxsize=1)
-def _load_fla_cp() -> SimpleNamespace:
-    """Import fla-core's context-parallel KDA once: ``chunk_kda`` (the entry point that takes ``cp_context``),
-    ``build_cp_context`` and the module ``fla.ops.cp.context`` (whose ``_check_cp_device`` is looked up at each
-    probe). Raises ``ImportError`` with the cause."""
-    try:
-        from fla.ops.cp import build_cp_context
-        from fla.ops.cp import context as cp_context_module
-        from fla.ops.kda import chunk_kda
-    except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
-        raise ImportError(
-            f"fla-core's context-parallel KDA cannot be imported ({type(exc).__name__}: {exc}); "
-            "pip install fla-core==0.6.0"
-        ) from exc
-    return SimpleNamespace(chunk_kda=chunk_kda, build_cp_context=build_cp_context, context=cp_context_module)
+def _fla():
+    """fla's functions (:func:`.fla_compat.load`); the op bodies look it up at every call."""
+    return load()
 
 
 def fla_cp_available(device: torch.device) -> tuple[bool, str]:
@@ -198,23 +127,12 @@ def fla_cp_available(device: torch.device) -> tuple[bool, str]:
         the device (it requires an NVIDIA GPU of compute capability >= 8.0, or Ascend).
     """
     try:
-        cp = _load_fla_cp()
+        error = cp_device_error(device)
     except ImportError as exc:
         return False, str(exc)
-    try:
-        cp.context._check_cp_device(torch.device(device))
-    except RuntimeError as exc:
-        return False, f"fla refuses the device {device}: {exc}"
+    if error is not None:
+        return False, f"fla refuses the device {device}: {error}"
     return True, ""
-
-
-@functools.lru_cache(maxsize=1)
-def _fla_import_error() -> str | None:
-    try:
-        _load_fla()
-    except ImportError as exc:
-        return str(exc)
-    return None
 
 
 def _interpreting() -> bool:
@@ -248,77 +166,10 @@ def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     if not all(t.is_cuda for t in tensors):
         if not (_interpreting() and all(t.device.type == "cpu" for t in tensors)):
             return False, "the tensors are not on a CUDA device"
-    error = _fla_import_error()
+    error = import_error()
     if error is not None:
         return False, error
     return True, ""
-
-
-# ============================================================================================================== guard
-def accepted_keywords(fn, name: str, kwargs_names: tuple[str, ...] = ()) -> frozenset:
-    """The keywords a call of ``fn`` may pass without being silently ignored.
-
-    Args:
-        fn: the installed function (decorators are unwrapped through ``__wrapped__``).
-        name: its name, for messages.
-        kwargs_names: names the function is documented to read from its ``**kwargs``.
-
-    Returns:
-        The named parameters of ``fn`` (positional-or-keyword and keyword-only), plus each of ``kwargs_names`` that
-        the function's source reads from its ``**kwargs`` (``kwargs.get("x")``, ``kwargs.pop("x", ...)``,
-        ``kwargs["x"]``). A function without ``**kwargs``, or whose source cannot be read, gets no extras.
-
-    Raises:
-        TypeError: ``fn`` has no inspectable signature (naming ``name``).
-    """
-    base = inspect.unwrap(fn)
-    try:
-        params = inspect.signature(base).parameters.values()
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"cannot read the signature of fla's {name} ({exc}); refusing to call it unchecked") from exc
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    var_kw = [p.name for p in params if p.kind is p.VAR_KEYWORD]
-    extra = set()
-    if var_kw and kwargs_names:
-        try:
-            source = inspect.getsource(base)
-        except (OSError, TypeError):
-            source = ""
-        kw = re.escape(var_kw[0])
-        for n in kwargs_names:
-            q = re.escape(n)
-            if re.search(rf"\b{kw}\s*(?:\.\s*(?:get|pop)\s*\(\s*|\[\s*)['\"]{q}['\"]", source):
-                extra.add(n)
-    return frozenset(named | extra)
-
-
-def call_checked(fn, name: str, **kwargs):
-    """Call the fla function ``fn`` with keyword arguments only, after checking that it accepts every one.
-
-    The accepted set (:func:`accepted_keywords` with ``KWARGS_READ[name]``) is computed once per function object.
-
-    Args:
-        fn: the fla function.
-        name: its fla name (``"chunk_kda_fwd"``, ...), used for :data:`KWARGS_READ` and messages.
-        kwargs: the arguments.
-
-    Returns:
-        Whatever ``fn`` returns.
-
-    Raises:
-        TypeError: a keyword is not accepted (naming the function and the argument(s)): fla would ignore it silently.
-    """
-    accepted = _ACCEPTED.get(fn)
-    if accepted is None:
-        accepted = _ACCEPTED[fn] = accepted_keywords(fn, name, KWARGS_READ.get(name, ()))
-    unknown = [k for k in kwargs if k not in accepted]
-    if unknown:
-        raise TypeError(
-            f"fla's {name} does not accept the argument(s) {unknown} (not a named parameter, and not read from its "
-            f"**kwargs); calling it would silently ignore them. The installed fla-core is not the version this "
-            f"package was written for (0.6.0); use kernels={{'kda': 'torch'}} or install fla-core==0.6.0"
-        )
-    return fn(**kwargs)
 
 
 # ============================================================================================================ helpers
@@ -817,17 +668,6 @@ def _recurrent_backward(ctx, *grads):
 
 _RECURRENT = define_op("fla_fused_recurrent_kda", _recurrent_impl, _recurrent_fake, backward=_recurrent_backward)
 
-# op name -> op, for tests and tools (torch.ops.glm53flash.<name> as well)
-OPS = {
-    "fla_chunk_kda_fwd": _CHUNK_FWD,
-    "fla_chunk_kda_bwd": _CHUNK_BWD,
-    "fla_causal_conv1d_fwd": _CONV_FWD,
-    "fla_causal_conv1d_bwd": _CONV_BWD,
-    "fla_rms_norm_gated_fwd": _NORM_FWD,
-    "fla_rms_norm_gated_bwd": _NORM_BWD,
-    "fla_fused_recurrent_kda": _RECURRENT,
-}
-
 
 # ============================================================================================== kernels, one by one
 def chunk_kda_fused(
@@ -1012,7 +852,7 @@ def chunk_kda_context_parallel(
     if q.shape[0] != 1:
         raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
     K = q.shape[3]
-    cp = _load_fla_cp()
+    cp = load_cp()
     with _device(q):
         o, _ = call_checked(
             cp.chunk_kda,

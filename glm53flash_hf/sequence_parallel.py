@@ -355,10 +355,10 @@ class SequenceParallelContext:
                 package would split the row differently.
         """
         if self._fla_cp is None:
-            from .kda_fused import _load_fla_cp
+            from .fla_compat import load_cp
 
             glob = self.global_layout.cu_seqlens
-            ctx = _load_fla_cp().build_cp_context(cu_seqlens=glob, group=self.group, cu_seqlens_cpu=glob.cpu())
+            ctx = load_cp().build_cp_context(cu_seqlens=glob, group=self.group, cu_seqlens_cpu=glob.cpu())
             mine = cu_seqlens.tolist()
             if ctx.cu_seqlens_cpu.tolist() != mine:
                 raise RuntimeError(

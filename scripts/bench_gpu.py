@@ -6,7 +6,8 @@ module, of ours with ``kernels={family: "fused"}``, of our kernel entry point an
 Families and what each variant runs (bf16, batch 1, release sizes of model-spec §1, the same weights everywhere):
 
 * kda -- hf: ``Glm5NextTextLinearAttention`` (its torch reference: fla is hidden while transformers binds it);
-  ours: ``Glm53FlashLinearAttention``; entry: ``kda.kda_chunk(backend="fused")``; raw: fla's ``chunk_kda``.
+  ours: ``Glm53FlashLinearAttention``; entry: ``kda_fused.chunk_kda_fused`` (CPU: ``kda_ops.chunk_kda_torch``); raw:
+  fla's ``chunk_kda``.
 * dsa -- hf: ``Glm5NextTextAttention`` (SDPA over the dense top-k mask); ours: ``Glm53FlashAttention``;
   entry: ``dsa.sparse_mla(backend="fused")``; raw: ``dsa_fused.sparse_mla_fused``; the selection is our
   indexer's on the same input.
@@ -135,8 +136,11 @@ def case_kda(sizes, seq, device, dtype, with_torch):
     g = leaf(-5.0 * torch.sigmoid(rand((1, seq, heads, dim), device, torch.float32, gen)))
     beta = leaf(torch.sigmoid(rand((1, seq, heads), device, torch.float32, gen)))
     go_core = rand((1, seq, heads, dim), device, dtype, gen)
-    c.run["entry"] = lambda: kda.kda_chunk(q, k, v, g, beta, backend="fused",
-                                           use_qk_l2norm_in_kernel=True)[0].backward(go_core)
+    if device.type == "cuda":
+        from glm53flash_hf.kda_fused import chunk_kda_fused as entry
+    else:
+        from glm53flash_hf.kda_ops import chunk_kda_torch as entry
+    c.run["entry"] = lambda: entry(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(go_core)
     if device.type == "cuda":
         from fla.ops.kda import chunk_kda
 

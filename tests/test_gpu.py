@@ -107,9 +107,9 @@ def cuda_session():
                                             "dsa": ("dsa_fused", "fused_dsa_available"),
                                             "moe": ("moe_fused", "fused_moe_available")}.items():
                 dispatch.FUSED_AVAILABILITY[family] = dispatch._lazy_probe(module, probe)
-        kernels = sys.modules.get("glm53flash_hf.kda_fused")  # its own cache of fla's import failure
-        for name in ("_fla_import_error", "_load_fla"):
-            cached = getattr(kernels, name, None)
+        compat = sys.modules.get("glm53flash_hf.fla_compat")  # its own cache of fla's import failure
+        for name in ("import_error", "load", "load_cp"):
+            cached = getattr(compat, name, None)
             if hasattr(cached, "cache_clear"):
                 cached.cache_clear()
     matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

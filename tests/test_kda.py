@@ -22,7 +22,6 @@ from glm53flash_hf.kda import (
     Glm53FlashLinearAttention,
     Glm53FlashRMSNormGated,
     init_kda_weights,
-    kda_chunk,
 )
 from glm53flash_hf.kda_ops import causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
 from glm53flash_hf.packing import build_document_layout
@@ -716,8 +715,6 @@ def test_bad_inputs_raise():
         chunk_kda_torch(*(torch.cat([t, t]) for t in (q, k, v, g, beta)), cu_seqlens=torch.tensor([0, 10]))
     with pytest.raises(ValueError, match="initial_state"):  # N documents, not B rows
         chunk_kda_torch(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 10]), initial_state=h0)
-    with pytest.raises(ValueError, match="backend"):
-        kda_chunk(q, k, v, g, beta, backend="triton")
     x = torch.randn(1, 10, 8)
     with pytest.raises(ValueError, match="weight"):
         causal_conv1d_torch(x, torch.randn(7, 4))

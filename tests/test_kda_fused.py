@@ -331,8 +331,8 @@ def test_layer_checkpoint_recompute_takes_the_fused_path(force_fused):
 
 
 @pytest.mark.interpreter
-def test_chunk_and_conv_entry_points_with_states(force_fused):
-    """``kda_chunk`` / ``kda_conv`` with backend "fused" vs the torch functions:
+def test_chunk_and_conv_entry_points_with_states(fla_interp):
+    """``chunk_kda_fused`` / ``causal_conv1d_fused`` vs the torch functions:
     activated gate, packed documents of 7, 33 and 8 tokens (chunk 32: one document spans two chunks), per-document
     initial states, final states; values and gradients of every input including the initial states.
 
@@ -357,7 +357,7 @@ def test_chunk_and_conv_entry_points_with_states(force_fused):
         do, dht = (torch.randn(t.shape, generator=torch.Generator().manual_seed(8)) for t in (o, ht))
         return (o, ht), torch.autograd.grad((o * do).sum() + (ht * dht).sum(), core_inputs)
 
-    (o, ht), grads = core(kda_module.kda_chunk, backend="fused")
+    (o, ht), grads = core(fla_interp.chunk_kda_fused)
     (ro, rht), rgrads = core(chunk_kda_torch)
     assert_rel(o, ro, "o", log=log)
     assert_rel(ht, rht, "final state", log=log)
@@ -369,7 +369,7 @@ def test_chunk_and_conv_entry_points_with_states(force_fused):
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
         return (y, yt), torch.autograd.grad((y * dy).sum(), [x, w, c0])
 
-    (y, yt), cgrads = conv(kda_module.kda_conv, backend="fused")
+    (y, yt), cgrads = conv(fla_interp.causal_conv1d_fused)
     (ry, ryt), rcgrads = conv(causal_conv1d_torch)
     assert_rel(y.contiguous(), ry.contiguous(), "conv y", log=log)
     assert torch.equal(yt, ryt), "conv final state (a copy of inputs) differs"
@@ -464,13 +464,13 @@ def test_opcheck_chunk_kda(fla_interp, monkeypatch, case):
             beta.copy_(torch.sigmoid(beta))
         A_log = dt_bias = h0 = None
         cu, flags = torch.tensor([0, 7, 20]), (True, False, False, False, None, 32)
-    op = fla_interp.OPS["fla_chunk_kda_fwd"]
+    op = torch.ops.glm53flash.fla_chunk_kda_fwd
     args = (q, k, v, g, beta, A_log, dt_bias, h0, cu, K**-0.5, True, *flags)
     opcheck(op, *args)
     detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
     o, final, *residuals = op(*detached)
     do, dht = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
-    opcheck(fla_interp.OPS["fla_chunk_kda_bwd"], do, dht, *detached[:9], *residuals, K**-0.5, *flags)
+    opcheck(torch.ops.glm53flash.fla_chunk_kda_bwd, do, dht, *detached[:9], *residuals, K**-0.5, *flags)
 
 
 @pytest.mark.interpreter
@@ -482,24 +482,25 @@ def test_opcheck_conv_norm_recurrent(fla_interp):
     w = torch.randn(32, 4, generator=gen).requires_grad_()
     c0 = torch.randn(2, 32, 4, generator=gen).requires_grad_()
     cu = torch.tensor([0, 7, 20])
-    conv = fla_interp.OPS["fla_causal_conv1d_fwd"]
+    conv = torch.ops.glm53flash.fla_causal_conv1d_fwd
     opcheck(conv, x, w, c0, cu, "silu", True)
     y, _, indices = conv(x.detach(), w.detach(), c0.detach(), cu, "silu", True)
     dy, dht = torch.randn(y.shape, generator=gen), torch.randn(c0.shape, generator=gen)
-    opcheck(fla_interp.OPS["fla_causal_conv1d_bwd"], dy, dht, x.detach(), w.detach(), c0.detach(), cu, indices, "silu")
+    opcheck(torch.ops.glm53flash.fla_causal_conv1d_bwd, dy, dht, x.detach(), w.detach(), c0.detach(), cu, indices,
+            "silu")
 
     xn, gate = (torch.randn(1, 6, 2, 16, generator=gen).requires_grad_() for _ in range(2))
     weight = torch.rand(16, generator=gen).requires_grad_()
-    norm = fla_interp.OPS["fla_rms_norm_gated_fwd"]
+    norm = torch.ops.glm53flash.fla_rms_norm_gated_fwd
     opcheck(norm, xn, gate, weight, 1e-5)
     _, rstd = norm(xn.detach(), gate.detach(), weight.detach(), 1e-5)
-    opcheck(fla_interp.OPS["fla_rms_norm_gated_bwd"], torch.randn(xn.shape, generator=gen), xn.detach(),
+    opcheck(torch.ops.glm53flash.fla_rms_norm_gated_bwd, torch.randn(xn.shape, generator=gen), xn.detach(),
             gate.detach(), weight.detach(), rstd, 1e-5)
 
     q, k, v, g = (torch.randn(2, 1, 2, 16, generator=gen) for _ in range(4))
     beta = torch.randn(2, 1, 2, generator=gen)
     state = torch.randn(2, 2, 16, 16, generator=gen)
-    opcheck(fla_interp.OPS["fla_fused_recurrent_kda"], q, k, v, g, beta, torch.randn(2, generator=gen),
+    opcheck(torch.ops.glm53flash.fla_fused_recurrent_kda, q, k, v, g, beta, torch.randn(2, generator=gen),
             torch.randn(32, generator=gen), state, None, -5.0)
 
 
@@ -691,7 +692,7 @@ def test_cpu_fused_warns_once_and_runs_torch(monkeypatch):
 @pytest.mark.skipif(INTERPRETING, reason="main-process test (fla hidden by conftest)")
 def test_probe_reasons(monkeypatch):
     """fused_kda_available: dtype, head dim, device and import checks, each with its reason."""
-    from glm53flash_hf import kda_fused
+    from glm53flash_hf import fla_compat, kda_fused
 
     x = torch.zeros(1, 2, 2, 16)
     assert kda_fused.fused_kda_available() == (False, "no tensors given")
@@ -703,11 +704,11 @@ def test_probe_reasons(monkeypatch):
     assert kda_fused.fused_kda_available(x, torch.tensor([0, 2])) == (False, "the tensors are not on a CUDA device")
     # Interpreter mode accepts CPU tensors; then fla must import (here conftest hides it).
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kda_fused._fla_import_error.cache_clear()
+    fla_compat.import_error.cache_clear()
     try:
         ok, reason = kda_fused.fused_kda_available(x)
     finally:
-        kda_fused._fla_import_error.cache_clear()
+        fla_compat.import_error.cache_clear()
     assert not ok and "fla-core cannot be imported" in reason
     # The layer's own call: the head dim reaches the probe through o_norm.weight viewed [1, 1, 1, K].
     seen = []
@@ -723,22 +724,22 @@ def test_guard_rejects_keywords_the_function_would_ignore(monkeypatch):
     """call_checked raises TypeError naming the function and the argument for a keyword that is neither a named
     parameter nor read from **kwargs; kwargs names (listed in KWARGS_READ) are accepted only where the source reads
     them."""
-    from glm53flash_hf import kda_fused
+    from glm53flash_hf import fla_compat
 
     def no_safe_gate(q, k, *, scale=None):
         return "called"
 
-    assert kda_fused.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, scale=0.5) == "called"
+    assert fla_compat.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, scale=0.5) == "called"
     with pytest.raises(TypeError, match=r"no_safe_gate.*\['safe_gate'\]"):
-        kda_fused.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, safe_gate=True)
+        fla_compat.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, safe_gate=True)
 
     def chunk_kda(q, **kwargs):  # reads A_log and chunk_size from **kwargs, swallows the rest (as fla's does)
         return kwargs.get("A_log"), kwargs.pop("chunk_size", 64)
 
-    monkeypatch.setitem(kda_fused.KWARGS_READ, "chunk_kda", ("A_log", "dt_bias", "chunk_size"))
-    assert kda_fused.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, chunk_size=32) == (3, 32)
+    monkeypatch.setitem(fla_compat.KWARGS_READ, "chunk_kda", ("A_log", "dt_bias", "chunk_size"))
+    assert fla_compat.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, chunk_size=32) == (3, 32)
     with pytest.raises(TypeError, match=r"chunk_kda.*\['dt_bias'\]"):
-        kda_fused.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, dt_bias=4)
+        fla_compat.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, dt_bias=4)
 
 
 def _fake_fla(record):
