@@ -56,7 +56,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # gpu_modules: sizes and set-up shared with tests/test_gpu.py
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # gpu_modules: sizes and set-up shared with tests/test_gpu.py
 
 import torch  # noqa: E402
 

@@ -77,7 +77,7 @@ def gpu_test(fn):
     return fn
 
 
-# the release's sizes (tests/gpu_modules.py) with 64 of its 288 experts (module docstring)
+# the release's sizes (scripts/gpu_modules.py) with 64 of its 288 experts (module docstring)
 RELEASE_TEXT = dict(gpu_modules.RELEASE_TEXT, n_routed_experts=64)
 
 FLOORS = {"mhc": 2.0**-8, "moe": 2.0**-8, "dsa": 1e-2, "kda": 2e-2}
