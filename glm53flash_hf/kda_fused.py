@@ -1,83 +1,33 @@
-"""The fused KDA path: fla-core's Triton kernels (the chunked KDA core of ``chunk_kda``, ``causal_conv1d``,
-``rms_norm_gated``, ``fused_recurrent_kda``) as ``torch.library`` custom ops, called with checked keyword arguments.
+"""The fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops, with the maths of the torch path in
+:mod:`glm53flash_hf.kda_ops` (which equals transformers' ``Glm5NextTextLinearAttention``).
 
-Same maths as the torch path in :mod:`glm53flash_hf.kda_ops` (the oracle of ``tests/test_kda_fused.py``), which equals
-transformers' ``Glm5NextTextLinearAttention`` (``models/glm5_next/modeling_glm5_next.py``; Kimi Linear,
-arXiv:2510.26692 §3). The contracts are those of fla-core 0.6.0: ``fla.ops.kda.chunk_kda``,
-``fla.ops.kda.fused_recurrent_kda``, ``fla.modules.causal_conv1d.causal_conv1d`` and
-``fla.modules.norm.fused_norm_gate.rms_norm_gated``.
+What runs where in one call of the KDA layer bound by :func:`bind_layer_fused` (each function's docstring states its
+contract):
 
-What runs where (one call of the KDA layer bound by :func:`bind_layer_fused`):
+* the projections: torch ``nn.Linear``, as in the torch path;
+* the short convolution + SiLU over ``[q|k|v]``: :func:`causal_conv1d_fused`;
+* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: :func:`chunk_kda_gate_in_kernel`
+  (one call of fla's chunked kernels; gradients reach ``A_log`` and ``dt_bias`` from the kernel), or, for a cached
+  decode step without gradients, :func:`fused_recurrent_step`;
+* the gated RMSNorm of the output: :func:`rms_norm_gated_fused`;
+* a sequence-parallel shard, where fla's context-parallel path applies: :func:`chunk_kda_context_parallel`.
 
-* the projections ``q_proj``/``k_proj``/``v_proj``, ``f_a_proj``/``f_b_proj``, ``b_proj``, ``g_a_proj``/``g_b_proj`` and
-  ``o_proj``: torch ``nn.Linear`` (cuBLAS), as in the torch path;
-* the short convolution + SiLU over ``[q|k|v]``: fla's causal convolution (Triton, varlen through ``cu_seqlens``, the
-  cached conv state as its initial state);
-* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: fla's chunked KDA with
-  ``use_gate_in_kernel=True`` (``g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, or
-  ``-exp(A_log) * softplus(g_raw + dt_bias)`` without a lower bound), the beta sigmoid and the q/k l2-norm in fla's
-  kernels, ``safe_gate=True`` when the lower bound is in fla's safe range ``[-5, 0)`` (GLM's -5 is), fp32 state,
-  ``cu_seqlens`` for packed documents. Gradients flow to ``A_log`` and ``dt_bias`` from the kernel;
-* a cached decode step without gradients: fla ``fused_recurrent_kda`` with the same in-kernel gate, beta and l2-norm
-  (:func:`fused_recurrent_step`; the kernel has no autograd, so it refuses inputs that require grad while grad mode
-  is on instead of silently returning a result without ``grad_fn``);
-* the gated RMSNorm of the output: fla's ``rms_norm_gated(activation="sigmoid")`` kernels with the module's own
-  weight.
+:func:`chunk_kda_fused` is the chunked core with an activated gate and beta (the contract of
+:func:`glm53flash_hf.kda_ops.chunk_kda_torch`).
 
-Entry points used by :func:`glm53flash_hf.kda.kda_chunk` / :func:`~glm53flash_hf.kda.kda_conv` when the dispatcher
-answers ``"fused"``: :func:`chunk_kda_fused` (activated gate and beta, the contract of ``chunk_kda_torch``) and
-:func:`causal_conv1d_fused` (the contract of ``causal_conv1d_torch``).
+Custom ops (namespace ``glm53flash``, :func:`glm53flash_hf.graph_ops.define_op`, registered at import without
+importing fla): ``fla_chunk_kda_fwd`` / ``_bwd``, ``fla_causal_conv1d_fwd`` / ``_bwd``, ``fla_rms_norm_gated_fwd`` /
+``_bwd`` (forward and backward ops whose bodies are those of fla's ``ChunkKDAFunction``, ``CausalConv1dFunction``
+and ``LayerNormGatedFunction``; what those Functions save for backward is returned as extra non-differentiable
+outputs of the forward op) and the inference-only ``fla_fused_recurrent_kda``. Each has a fake implementation, so
+``torch.compile(fullgraph=True)`` traces these functions without a graph break; the checks that read ``cu_seqlens``
+(one host sync) run inside the ops, every other check in the Python functions before the op.
 
-**Custom ops.** fla's entry points are autograd Functions around autotuned Triton launches, and ``chunk_kda`` is
-wrapped in ``torch.compiler.disable`` (a graph break under ``torch.compile``). Each kernel call here is a custom op in
-the namespace ``glm53flash`` (:func:`glm53flash_hf.graph_ops.define_op`, registered at import), listed in
-:data:`OPS`:
-
-* ``fla_chunk_kda_fwd`` / ``fla_chunk_kda_bwd``, ``fla_causal_conv1d_fwd`` / ``fla_causal_conv1d_bwd``,
-  ``fla_rms_norm_gated_fwd`` / ``fla_rms_norm_gated_bwd``: forward and backward ops whose bodies are those of fla's
-  ``ChunkKDAFunction``, ``CausalConv1dFunction`` and ``LayerNormGatedFunction`` (fla's ``l2norm_fwd``/``l2norm_bwd``,
-  ``fused_beta_sigmoid_fwd``/``_bwd``, ``chunk_kda_fwd``/``chunk_kda_bwd``, ``causal_conv1d_fwd``/``_bwd``,
-  ``layer_norm_gated_fwd``/``_bwd``, ``prepare_chunk_indices``), called with the arguments those Functions pass, so
-  results equal fla's entry points bit for bit (``tests/test_kda_fused.py`` compares them). What the Functions save
-  for backward (the normalised q/k and their reciprocal norms, the activated beta, the gate's chunk cumsum,
-  ``Aqk``/``Akk``, the chunk indices of the documents) are extra non-differentiable outputs of the forward op; the
-  autograd formula (``register_autograd``) passes them to the backward op. ``Aqk`` is fla's buffer as its kernels
-  leave it: only the blocks they read back are written. Missing tensors are empty tensors in the op signatures
-  (custom ops return no ``None``);
-* ``fla_fused_recurrent_kda``: the inference-only kernel; its autograd formula raises.
-
-Each op has a fake implementation (output shapes from the input shapes; the chunk-index output of packed documents
-has a data-dependent length), so ``torch.compile(fullgraph=True)`` traces these functions without a graph break. The
-checks that read the document boundaries (``cu_seqlens``: one host sync) run inside the ops, so a compiled graph does
-not read them; every other check runs in the Python functions before the op.
-
-**Argument guard.** Every fla function is called through :func:`call_checked`: all arguments by keyword, each checked
-against the installed function's signature (computed once per function). Some fla functions take ``**kwargs`` and
-ignore what they do not read: fla 0.4.2's ``chunk_kda`` took ``A_log``/``dt_bias`` that way and trained a wrong
-gate without any error. A keyword that is not a named parameter raises ``TypeError`` naming the function and the
-argument; the only exceptions are names listed in :data:`KWARGS_READ` for a function, and those are accepted only if
-the installed function's source visibly reads them from its ``**kwargs`` (so an fla that drops them is caught too).
-
-**Selection.** :func:`fused_kda_available` is the probe behind ``dispatch.choose_backend("kda", ...)``: CUDA tensors
-(CPU tensors only under ``TRITON_INTERPRET=1``, for the interpreter tests), float32/bfloat16/float16, head dim in
-``[16, 256]`` (fla asserts ``K <= 256``; below 16 fla 0.4.2 silently dropped gradients), fla importable. The choice
-depends on the tensors only, never on ``module.training`` or grad mode, so an activation-checkpoint recompute runs
-the same kernels as the forward it replays (an uncached forward always uses the chunked kernels, never the no-grad
-recurrent kernel).
-
-**Precision.** fla computes the gate, the state and its dot products in fp32 (TF32 on GPUs unless disabled), in base
-2 and in sub-chunks of 16, so results differ from the torch path by fp32 rounding; the gradients of ``A_log`` and
-``dt_bias`` (sums of the per-token gate gradient over all tokens) carry the largest differences
-(``tests/test_kda_fused.py`` states the bounds).
-
-**Imports.** fla is imported lazily inside ``try`` blocks (transformers' remote-code ``check_imports`` ignores those),
-only when a kernel runs: importing this module never imports fla (it imports :mod:`.triton_utils`, which imports
-triton when installed), and CPU runs never reach this module outside the interpreter tests. (transformers' own
-``glm5_next`` modeling module, which the configuration imports, binds fla at import when fla-core is installed; that
-is outside this package.)
-
-**Parameters** handed to kernels pass through :func:`glm53flash_hf.dispatch.local_tensor` (replicated DTensors are
-unwrapped, sharded ones raise naming the parameter).
+fla's functions are reached only through :mod:`.fla_compat` (every call by keyword through
+:func:`.fla_compat.call_checked`). :func:`fused_kda_available` is the probe behind
+``dispatch.choose_backend("kda", ...)``. Importing this module never imports fla. Parameters handed to kernels pass
+through :func:`glm53flash_hf.dispatch.local_tensor`. Reasons and the precision of fla's kernels: ``docs/design.md``,
+section "KDA".
 """
 
 from __future__ import annotations
@@ -228,13 +178,6 @@ def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.
 
 
 # ======================================================================================================= custom ops
-# Every fla kernel runs inside a torch.library custom op (namespace glm53flash, see graph_ops.define_op): fla's
-# entry points are autograd Functions (chunk_kda is also wrapped in torch.compiler.disable) that torch.compile cannot
-# trace. Each trainable call is a forward op and a backward op whose bodies are the bodies of fla's own autograd
-# Functions (ChunkKDAFunction, CausalConv1dFunction, LayerNormGatedFunction in fla-core 0.6.0): the same fla
-# functions, called with the same arguments, so the results are those of fla's entry points bit for bit. The forward
-# ops also return what fla's Functions save for backward (the residuals) as extra, non-differentiable outputs.
-
 # ---------------------------------------------------------------------------------------------------------- chunk_kda
 def _chunk_fwd_impl(
     q: torch.Tensor,

@@ -3,7 +3,7 @@
 module, of ours with ``kernels={family: "fused"}``, of our kernel entry point and of the raw kernel alone, at 8k and
 32k tokens.
 
-Families and what each variant runs (bf16, batch 1, release sizes of model-spec §1, the same weights everywhere):
+Families and what each variant runs (bf16, batch 1, release sizes from ``gpu_modules.py``, the same weights everywhere):
 
 * kda -- hf: ``Glm5NextTextLinearAttention`` (its torch reference: fla is hidden while transformers binds it);
   ours: ``Glm53FlashLinearAttention``; entry: ``kda_fused.chunk_kda_fused`` (CPU: ``kda_ops.chunk_kda_torch``); raw:
@@ -26,7 +26,7 @@ the memory allocated just before it (weights, inputs excluded). An out-of-memory
 built-in's dense DSA keeps ``[S, S]`` masks and ``[S, 32, S/4]`` fp32 indexer scores); any other error is reported
 with its type and the run goes on. "fused" requests that fall back to torch are reported in the notes.
 
-Targets checked in the report (issue 6): KDA module >= 10x and mHC >= 4x faster than the built-in; DSA at 32k >= 5x
+Targets checked in the report: KDA module >= 10x and mHC >= 4x faster than the built-in; DSA at 32k >= 5x
 faster with peak memory linear in S (peak ratio between the longest and the shortest run <= their length ratio *
 1.25; 32k/8k: <= 5); our entry point's overhead over the raw kernel <= 15%.
 
@@ -382,7 +382,7 @@ def targets(results: list[dict]) -> list[str]:
     speed("mhc", 4)
     dsa_seqs = sorted(seq for fam, seq in by if fam == "dsa")
     if dsa_seqs:
-        speed("dsa", 5, seqs={dsa_seqs[-1]})  # the issue's target is at 32k, the longest run
+        speed("dsa", 5, seqs={dsa_seqs[-1]})  # the target is at 32k, the longest run
     if len(dsa_seqs) >= 2:
         lo, hi = dsa_seqs[0], dsa_seqs[-1]
         a, b = by[("dsa", lo)].get("ours"), by[("dsa", hi)].get("ours")
