@@ -1,6 +1,6 @@
 """Shared tiny configurations and the transformers oracle for the tests.
 
-Every config here contains each layer kind the issue asks to exercise: KDA, DSA with a ``full`` and a
+Every config here contains each layer kind the tests exercise: KDA, DSA with a ``full`` and a
 ``shared`` indexer layer, dense and MoE MLP, ``hc_mult=4``, ``index_kpool>1`` with a tail,
 ``index_topk`` well below the test sequence lengths, and ``n_group>1``.
 """
