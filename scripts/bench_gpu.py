@@ -480,7 +480,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     header = dict(versions(), device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), warmup=args.warmup, repeats=args.repeats,
-                  sizes="release (model-spec §1), MoE 288 experts" if not args.smoke else "tiny (smoke)")
+                  sizes="release (gpu_modules.RELEASE_TEXT), MoE 288 experts" if not args.smoke else "tiny (smoke)")
     results = []
     order = [(seq, family) for seq in args.seqs
              # the longest S runs DSA first: its 32k target matters most if the time budget runs out

@@ -844,7 +844,7 @@ def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
         raise AssertionError("must not be called")
 
     working = _fake_fla({})
-    fake = SimpleNamespace(version="0.4.2", l2norm_fwd=working.l2norm_fwd,
+    fake = SimpleNamespace(version="old", l2norm_fwd=working.l2norm_fwd,
                            fused_beta_sigmoid_fwd=working.fused_beta_sigmoid_fwd, chunk_kda_fwd=old_chunk_kda_fwd,
                            fused_recurrent_kda=narrow, causal_conv1d_fwd=narrow, layer_norm_gated_fwd=narrow)
     monkeypatch.setattr(kda_fused, "_fla", lambda: fake)
