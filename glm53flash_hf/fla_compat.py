@@ -44,6 +44,14 @@ __all__ = [
     "cp_device_error",
     "accepted_keywords",
     "call_checked",
+    "chunk_indices_of",
+    "chunk_forward",
+    "chunk_backward",
+    "conv_forward",
+    "conv_backward",
+    "norm_forward",
+    "norm_backward",
+    "recurrent_step",
 ]
 
 FLA_REQUIREMENT = ">=0.6,<0.7"  # the fla-core range of setup.cfg's extras
@@ -206,3 +214,218 @@ def call_checked(fn, name: str, **kwargs):
             f"package was checked against ({', '.join(FLA_CHECKED)}); use kernels={{'kda': 'torch'}} or {_INSTALL}"
         )
     return fn(**kwargs)
+
+
+# ================================================================================== the bodies of fla's Functions
+# fla-core's ChunkKDAFunction, CausalConv1dFunction and LayerNormGatedFunction, forward and backward: the fla calls
+# of each, with the arguments those Functions pass, so that results equal fla's entry points bit for bit. What the
+# forward of a Function saves for its backward is returned to the caller (the custom ops of .kda_fused keep it).
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def chunk_indices_of(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """fla's chunk indices ``[NT, 2]`` (long) of the documents ``cu_seqlens`` (long, with its host copy)."""
+    return call_checked(load().prepare_chunk_indices, "prepare_chunk_indices", cu_seqlens=cu_seqlens,
+                        chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def chunk_forward(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+                  scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                  safe_gate, lower_bound, chunk_size):
+    """The forward of fla's ``ChunkKDAFunction`` on contiguous inputs (the arguments of ``chunk_kda``).
+
+    Returns:
+        ``(o, final_state or None, q, q_rstd, k, k_rstd, beta_act, g_cumsum or None, Aqk, Akk)``: ``q``/``k``
+        l2-normalised with their reciprocal norms when ``use_qk_l2norm_in_kernel`` (else the inputs and ``None``),
+        ``beta_act`` the sigmoid of ``beta`` when ``use_beta_sigmoid_in_kernel`` (else ``beta``).
+    """
+    fla = load()
+    q_rstd = k_rstd = None
+    if use_qk_l2norm_in_kernel:
+        q, q_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=q)
+        k, k_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=k)
+    beta_act = beta
+    if use_beta_sigmoid_in_kernel:
+        beta_act = call_checked(fla.fused_beta_sigmoid_fwd, "fused_beta_sigmoid_fwd", x=beta, scale=1.0)
+    o, final, g_cumsum, Aqk, Akk = call_checked(
+        fla.chunk_kda_fwd,
+        "chunk_kda_fwd",
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta_act,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=False,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+        chunk_size=chunk_size,
+        safe_gate=safe_gate,
+        lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        disable_recompute=False,
+        return_intermediate_states=False,
+        cp_context=None,
+        use_graph=False,
+        chunk_offsets=None,
+    )[:5]
+    return o, final, q, q_rstd, k, k_rstd, beta_act, g_cumsum, Aqk, Akk
+
+
+def chunk_backward(do, dht, q, k, v, beta, beta_act, g, g_cumsum, A_log, dt_bias, initial_state, Aqk, Akk,
+                   cu_seqlens, chunk_indices, *, q_normed, q_rstd, k_normed, k_rstd, scale, use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, chunk_size):
+    """The backward of fla's ``ChunkKDAFunction``: ``q``/``k`` as the kernel read them (normalised when
+    ``use_qk_l2norm_in_kernel``), the rest as :func:`chunk_forward` took and returned them.
+
+    Returns:
+        ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (fla's; ``None`` where fla has none).
+    """
+    fla = load()
+    dq, dk, dv, db, dg, dh0, dA, dbias = call_checked(
+        fla.chunk_kda_bwd,
+        "chunk_kda_bwd",
+        q=q,
+        k=k,
+        v=v.contiguous(),
+        beta=beta_act if use_beta_sigmoid_in_kernel else beta.contiguous(),
+        Aqk=Aqk,
+        Akk=Akk,
+        scale=scale,
+        initial_state=initial_state,
+        do=do.contiguous(),
+        dht=_contiguous(dht),
+        g=None if use_gate_in_kernel else g_cumsum,
+        g_org=g if use_gate_in_kernel else None,
+        state_v_first=False,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+        chunk_indices=chunk_indices if cu_seqlens is not None else None,
+        chunk_size=chunk_size,
+        safe_gate=safe_gate,
+        lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        disable_recompute=False,
+        cp_context=None,
+        use_graph=False,
+        chunk_offsets=None,
+    )
+    if use_qk_l2norm_in_kernel:
+        dq = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=q_normed, rstd=q_rstd, dy=dq)
+        dk = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=k_normed, rstd=k_rstd, dy=dk)
+    if use_beta_sigmoid_in_kernel:
+        db = call_checked(fla.fused_beta_sigmoid_bwd, "fused_beta_sigmoid_bwd", x=beta.contiguous(), dy=db,
+                          scale=1.0)
+    return dq, dk, dv, db, dg, dh0, dA, dbias
+
+
+def conv_forward(x, weight, *, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu,
+                 chunk_indices, chunk_size):
+    """The forward of fla's ``CausalConv1dFunction`` without bias or residual: ``(y, final_state or None)``."""
+    return call_checked(
+        load().causal_conv1d_fwd,
+        "causal_conv1d_fwd",
+        x=x,
+        weight=weight,
+        bias=None,
+        residual=None,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        activation=activation,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+        chunk_size=chunk_size,
+    )
+
+
+def conv_backward(x, dy, dht, weight, *, initial_state, activation, cu_seqlens, chunk_indices, chunk_size):
+    """The backward of fla's ``CausalConv1dFunction`` without bias or residual: ``(dx, dweight, dh0 or None)``."""
+    dx, dw, _, _, dh0 = call_checked(
+        load().causal_conv1d_bwd,
+        "causal_conv1d_bwd",
+        x=x,
+        dy=dy,
+        dht=_contiguous(dht),
+        weight=weight.contiguous(),
+        bias=None,
+        residual=None,
+        initial_state=_contiguous(initial_state),
+        activation=activation,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+        chunk_indices=chunk_indices if cu_seqlens is not None else None,
+        chunk_size=chunk_size,
+    )
+    return dx, dw, dh0
+
+
+def norm_forward(x, g, weight, eps):
+    """The forward of fla's ``LayerNormGatedFunction`` as RMSNorm with a sigmoid gate, no bias or residual, on rows
+    ``[N, D]``: ``(y, rstd)``."""
+    y, _, rstd, _ = call_checked(
+        load().layer_norm_gated_fwd,
+        "layer_norm_gated_fwd",
+        x=x,
+        g=g,
+        weight=weight,
+        bias=None,
+        activation="sigmoid",
+        eps=eps,
+        residual=None,
+        residual_dtype=None,
+        is_rms_norm=True,
+    )
+    return y, rstd
+
+
+def norm_backward(dy, x, g, weight, rstd, eps, x_dtype):
+    """The backward of :func:`norm_forward`: ``(dx, dg, dweight)``."""
+    dx, dg, dw, _, _ = call_checked(
+        load().layer_norm_gated_bwd,
+        "layer_norm_gated_bwd",
+        dy=dy,
+        x=x,
+        g=g,
+        weight=weight,
+        bias=None,
+        activation="sigmoid",
+        eps=eps,
+        mean=None,
+        rstd=rstd,
+        dresidual=None,
+        has_residual=False,
+        is_rms_norm=True,
+        x_dtype=x_dtype,
+    )
+    return dx, dg, dw
+
+
+def recurrent_step(q, k, v, g, beta, A_log, dt_bias, *, initial_state, scale, lower_bound):
+    """fla's ``fused_recurrent_kda`` with the gate, the beta sigmoid and the q/k l2-norm in the kernel, K-first state:
+    ``(o, final_state)``."""
+    return tuple(call_checked(
+        load().fused_recurrent_kda,
+        "fused_recurrent_kda",
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=lower_bound,
+        state_v_first=False,
+    ))

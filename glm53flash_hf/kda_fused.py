@@ -40,7 +40,20 @@ import os
 import torch
 
 from .dispatch import local_tensor
-from .fla_compat import call_checked, cp_device_error, import_error, load, load_cp
+from .fla_compat import (
+    call_checked,
+    chunk_backward,
+    chunk_forward,
+    chunk_indices_of,
+    conv_backward,
+    conv_forward,
+    cp_device_error,
+    import_error,
+    load_cp,
+    norm_backward,
+    norm_forward,
+    recurrent_step,
+)
 from .graph_ops import define_op
 from .kda_ops import LayerOps, check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
 
@@ -64,11 +77,6 @@ SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lo
 
 
 # ========================================================================================================= fla access
-def _fla():
-    """fla's functions (:func:`.fla_compat.load`); the op bodies look it up at every call."""
-    return load()
-
-
 def fla_cp_available(device: torch.device) -> tuple[bool, str]:
     """Whether fla's context-parallel KDA kernels (``fla.ops.cp``) can run on ``device``.
 
@@ -160,15 +168,14 @@ def _or_none(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
     return t if exists else None
 
 
-def _chunk_indices(fla, cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
+def _chunk_indices(cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
     """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2] long)`` for the validated boundaries
     ``cu_host`` (whose check made the one host sync), or three ``None``."""
     if cu_seqlens is None:
         return None, None, None
     cu = cu_seqlens.to(torch.long)
     cu_cpu = torch.tensor(cu_host, dtype=torch.long)
-    return cu, cu_cpu, call_checked(fla.prepare_chunk_indices, "prepare_chunk_indices", cu_seqlens=cu,
-                                    chunk_size=chunk_size, cu_seqlens_cpu=cu_cpu)
+    return cu, cu_cpu, chunk_indices_of(cu, cu_cpu, chunk_size)
 
 
 def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -204,45 +211,16 @@ def _chunk_fwd_impl(
     if cu_seqlens is not None:  # the checks that read the boundaries run here: a traced graph cannot read data
         cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]")
         check_state(initial_state, len(cu_host) - 1, H, K, v.shape[-1])
-    fla = _fla()
     with _device(q):
         q, k, v, g, beta, A_log, dt_bias, initial_state = map(
             _contiguous, (q, k, v, g, beta, A_log, dt_bias, initial_state))
-        cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, chunk_size)
-        q_rstd = k_rstd = None
-        if use_qk_l2norm_in_kernel:
-            q, q_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=q)
-            k, k_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=k)
-        beta_act = beta
-        if use_beta_sigmoid_in_kernel:
-            beta_act = call_checked(fla.fused_beta_sigmoid_fwd, "fused_beta_sigmoid_fwd", x=beta, scale=1.0)
-        o, final, g_cumsum, Aqk, Akk = call_checked(
-            fla.chunk_kda_fwd,
-            "chunk_kda_fwd",
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta_act,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            state_v_first=False,
-            cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu,
-            chunk_indices=indices,
-            chunk_size=chunk_size,
-            safe_gate=safe_gate,
-            lower_bound=lower_bound,
-            use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            disable_recompute=False,
-            return_intermediate_states=False,
-            cp_context=None,
-            use_graph=False,
-            chunk_offsets=None,
-        )[:5]
+        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, chunk_size)
+        o, final, q, q_rstd, k, k_rstd, beta_act, g_cumsum, Aqk, Akk = chunk_forward(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu, chunk_indices=indices, scale=scale, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
+            chunk_size=chunk_size)
     l2 = use_qk_l2norm_in_kernel
     return (
         o.type_as(q),
@@ -312,47 +290,17 @@ def _chunk_bwd_impl(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
-    fla = _fla()
     l2 = use_qk_l2norm_in_kernel
     with _device(q):
         qk_q = q_normed if l2 else q.contiguous()
         qk_k = k_normed if l2 else k.contiguous()
         g_in, A_log_in, dt_bias_in, h0 = map(_contiguous, (g, A_log, dt_bias, initial_state))
-        dq, dk, dv, db, dg, dh0, dA, dbias = call_checked(
-            fla.chunk_kda_bwd,
-            "chunk_kda_bwd",
-            q=qk_q,
-            k=qk_k,
-            v=v.contiguous(),
-            beta=beta_act if use_beta_sigmoid_in_kernel else beta.contiguous(),
-            Aqk=Aqk,
-            Akk=Akk,
-            scale=scale,
-            initial_state=h0,
-            do=do.contiguous(),
-            dht=_contiguous(dht),
-            g=None if use_gate_in_kernel else g_cumsum,
-            g_org=g_in if use_gate_in_kernel else None,
-            state_v_first=False,
-            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-            chunk_indices=chunk_indices if cu_seqlens is not None else None,
-            chunk_size=chunk_size,
-            safe_gate=safe_gate,
-            lower_bound=lower_bound,
-            use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log_in,
-            dt_bias=dt_bias_in,
-            disable_recompute=False,
-            cp_context=None,
-            use_graph=False,
-            chunk_offsets=None,
-        )
-        if l2:
-            dq = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=q_normed, rstd=q_rstd, dy=dq)
-            dk = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=k_normed, rstd=k_rstd, dy=dk)
-        if use_beta_sigmoid_in_kernel:
-            db = call_checked(fla.fused_beta_sigmoid_bwd, "fused_beta_sigmoid_bwd", x=beta.contiguous(), dy=db,
-                              scale=1.0)
+        dq, dk, dv, db, dg, dh0, dA, dbias = chunk_backward(
+            do, dht, qk_q, qk_k, v, beta, beta_act, g_in, g_cumsum, A_log_in, dt_bias_in, h0, Aqk, Akk, cu_seqlens,
+            chunk_indices, q_normed=q_normed, q_rstd=q_rstd, k_normed=k_normed, k_rstd=k_rstd, scale=scale,
+            use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
+            chunk_size=chunk_size)
     return (dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), dA if dA is not None else _empty(q),
             dbias if dbias is not None else _empty(q), dh0 if dh0 is not None else _empty(q))
 
@@ -406,25 +354,12 @@ def _conv_fwd_impl(
     cu_host = None
     if cu_seqlens is not None:  # reads the boundaries (one host sync); the shape checks ran in the caller
         cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
-    fla = _fla()
     with _device(x):
         weight, initial_state = weight.contiguous(), _contiguous(initial_state)
-        cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, _CONV_CHUNK)
-        y, final = call_checked(
-            fla.causal_conv1d_fwd,
-            "causal_conv1d_fwd",
-            x=x,
-            weight=weight,
-            bias=None,
-            residual=None,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            activation=activation,
-            cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu,
-            chunk_indices=indices,
-            chunk_size=_CONV_CHUNK,
-        )
+        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, _CONV_CHUNK)
+        y, final = conv_forward(x, weight, initial_state=initial_state, output_final_state=output_final_state,
+                                activation=activation, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=indices,
+                                chunk_size=_CONV_CHUNK)
     return (y, final if final is not None else _empty(x),
             indices if indices is not None else x.new_empty((0, 2), dtype=torch.long))
 
@@ -445,23 +380,9 @@ def _conv_bwd_impl(
     chunk_indices: torch.Tensor,
     activation: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fla = _fla()
     with _device(x):
-        dx, dw, _, _, dh0 = call_checked(
-            fla.causal_conv1d_bwd,
-            "causal_conv1d_bwd",
-            x=x,
-            dy=dy,
-            dht=_contiguous(dht),
-            weight=weight.contiguous(),
-            bias=None,
-            residual=None,
-            initial_state=_contiguous(initial_state),
-            activation=activation,
-            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-            chunk_indices=chunk_indices if cu_seqlens is not None else None,
-            chunk_size=_CONV_CHUNK,
-        )
+        dx, dw, dh0 = conv_backward(x, dy, dht, weight, initial_state=initial_state, activation=activation,
+                                    cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=_CONV_CHUNK)
     return dx, dw, dh0 if dh0 is not None else _empty(x)
 
 
@@ -494,22 +415,10 @@ _CONV_FWD = define_op("fla_causal_conv1d_fwd", _conv_fwd_impl, _conv_fwd_fake, b
 # ---------------------------------------------------------------------------------------------------- rms_norm_gated
 def _norm_fwd_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    fla = _fla()
     dim = x.shape[-1]
     with _device(x):
-        y, _, rstd, _ = call_checked(
-            fla.layer_norm_gated_fwd,
-            "layer_norm_gated_fwd",
-            x=x.contiguous().reshape(-1, dim),
-            g=gate.contiguous().reshape(-1, dim),
-            weight=weight.contiguous(),
-            bias=None,
-            activation="sigmoid",
-            eps=eps,
-            residual=None,
-            residual_dtype=None,
-            is_rms_norm=True,
-        )
+        y, rstd = norm_forward(x.contiguous().reshape(-1, dim), gate.contiguous().reshape(-1, dim),
+                               weight.contiguous(), eps)
     return y.reshape(x.shape), rstd
 
 
@@ -519,26 +428,10 @@ def _norm_fwd_fake(x, gate, weight, eps):
 
 def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fla = _fla()
     dim = x.shape[-1]
     with _device(x):
-        dx, dg, dw, _, _ = call_checked(
-            fla.layer_norm_gated_bwd,
-            "layer_norm_gated_bwd",
-            dy=dy.contiguous().reshape(-1, dim),
-            x=x.contiguous().reshape(-1, dim),
-            g=gate.contiguous().reshape(-1, dim),
-            weight=weight.contiguous(),
-            bias=None,
-            activation="sigmoid",
-            eps=eps,
-            mean=None,
-            rstd=rstd,
-            dresidual=None,
-            has_residual=False,
-            is_rms_norm=True,
-            x_dtype=x.dtype,
-        )
+        dx, dg, dw = norm_backward(dy.contiguous().reshape(-1, dim), x.contiguous().reshape(-1, dim),
+                                   gate.contiguous().reshape(-1, dim), weight.contiguous(), rstd, eps, x.dtype)
     return dx.reshape(x.shape), dg.reshape(gate.shape), dw
 
 
@@ -577,26 +470,8 @@ def _recurrent_impl(
     scale: float | None,
     lower_bound: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fla = _fla()
-    return tuple(call_checked(
-        fla.fused_recurrent_kda,
-        "fused_recurrent_kda",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        lower_bound=lower_bound,
-        state_v_first=False,
-    ))
+    return recurrent_step(q, k, v, g, beta, A_log, dt_bias, initial_state=initial_state, scale=scale,
+                          lower_bound=lower_bound)
 
 
 def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):

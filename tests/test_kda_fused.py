@@ -785,11 +785,11 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     flags (recurrent kernel), the packed documents' cu_seqlens (device and host copies) and the norm's weight and eps;
     every call passes the guard. Every parameter handed to a kernel goes through ``dispatch.local_tensor`` (DTensor
     unwrapping; its own behaviour is tested in tests/test_dispatch.py) under a name that identifies it."""
-    from glm53flash_hf import kda_fused
+    from glm53flash_hf import fla_compat, kda_fused
 
     record = {}
     unwrapped = []
-    monkeypatch.setattr(kda_fused, "_fla", lambda: _fake_fla(record))
+    monkeypatch.setattr(fla_compat, "load", lambda: _fake_fla(record))
     monkeypatch.setattr(kda_fused, "local_tensor",
                         lambda t, name: unwrapped.append(name) or dispatch.local_tensor(t, name))
     monkeypatch.setattr(kda_module, "choose_backend", lambda family, requested, *tensors: "fused")
@@ -834,7 +834,7 @@ def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
     """An fla whose functions lack parameters we pass (here a ``chunk_kda_fwd`` without A_log/dt_bias/lower_bound that
     would swallow them in **kwargs) makes every wrapper raise TypeError naming the function, before that function is
     called."""
-    from glm53flash_hf import kda_fused
+    from glm53flash_hf import fla_compat, kda_fused
 
     def old_chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None,
                           chunk_size=64, **kwargs):
@@ -847,7 +847,7 @@ def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
     fake = SimpleNamespace(version="old", l2norm_fwd=working.l2norm_fwd,
                            fused_beta_sigmoid_fwd=working.fused_beta_sigmoid_fwd, chunk_kda_fwd=old_chunk_kda_fwd,
                            fused_recurrent_kda=narrow, causal_conv1d_fwd=narrow, layer_norm_gated_fwd=narrow)
-    monkeypatch.setattr(kda_fused, "_fla", lambda: fake)
+    monkeypatch.setattr(fla_compat, "load", lambda: fake)
     q = torch.zeros(1, 4, 2, 16)
     beta = torch.zeros(1, 4, 2)
     A_log, dt_bias = torch.zeros(2), torch.zeros(32)
@@ -866,9 +866,9 @@ def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
 def test_argument_errors(monkeypatch):
     """Bad inputs raise ValueError/RuntimeError naming the problem before fla is touched."""
-    from glm53flash_hf import kda_fused
+    from glm53flash_hf import fla_compat, kda_fused
 
-    monkeypatch.setattr(kda_fused, "_fla", lambda: pytest.fail("fla must not be reached"))
+    monkeypatch.setattr(fla_compat, "load", lambda: pytest.fail("fla must not be reached"))
     q = torch.zeros(1, 4, 2, 16)
     beta = torch.zeros(1, 4, 2)
     A_log, dt_bias = torch.zeros(2), torch.zeros(32)
