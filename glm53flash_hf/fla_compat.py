@@ -1,8 +1,10 @@
 """fla-core as this package calls it: the only module that imports ``fla``.
 
-:mod:`.kda_fused` runs fla-core's KDA kernels inside its own custom ops, so it calls the functions behind fla's
-autograd Functions, which are not in fla's public API (no package ``__all__`` lists them). Every such name is
-imported here and nowhere else:
+:mod:`.kda_fused` runs fla-core's KDA kernels inside its own custom ops, so it needs the bodies of fla's autograd
+Functions (``ChunkKDAFunction``, ``CausalConv1dFunction``, ``LayerNormGatedFunction``: :func:`chunk_forward`,
+:func:`chunk_backward`, :func:`conv_forward`, :func:`conv_backward`, :func:`norm_forward`, :func:`norm_backward`,
+plus :func:`chunk_indices_of` and :func:`recurrent_step`), which call functions that are not in fla's public API (no
+package ``__all__`` lists them). Those bodies and every such name are here and nowhere else:
 
 * ``fla.modules.norm.l2norm``: ``l2norm_fwd``, ``l2norm_bwd``;
 * ``fla.ops.common.gate``: ``fused_beta_sigmoid_fwd``, ``fused_beta_sigmoid_bwd``;

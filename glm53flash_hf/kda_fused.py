@@ -23,8 +23,8 @@ outputs of the forward op) and the inference-only ``fla_fused_recurrent_kda``. E
 ``torch.compile(fullgraph=True)`` traces these functions without a graph break; the checks that read ``cu_seqlens``
 (one host sync) run inside the ops, every other check in the Python functions before the op.
 
-fla's functions are reached only through :mod:`.fla_compat` (every call by keyword through
-:func:`.fla_compat.call_checked`). :func:`fused_kda_available` is the probe behind
+The fla calls of those bodies, with fla's argument lists, are in :mod:`.fla_compat` (every call by keyword through
+:func:`.fla_compat.call_checked`); this module names no fla function. :func:`fused_kda_available` is the probe behind
 ``dispatch.choose_backend("kda", ...)``. Importing this module never imports fla. Parameters handed to kernels pass
 through :func:`glm53flash_hf.dispatch.local_tensor`. Reasons and the precision of fla's kernels: ``docs/design.md``,
 section "KDA".
