@@ -3,8 +3,7 @@
 The layer :class:`Glm53FlashLinearAttention` with its :class:`Glm53FlashForgetGate` and
 :class:`Glm53FlashRMSNormGated` (parameter names and dtypes equal to transformers' ``Glm5NextTextLinearAttention``,
 ``models/glm5_next/modeling_glm5_next.py``, so state dicts are interchangeable), :func:`init_kda_weights` (the
-from-scratch initialisation of transformers' ``_init_weights``), and the per-call dispatch of the two operators
-:func:`kda_chunk` and :func:`kda_conv`.
+from-scratch initialisation of transformers' ``_init_weights``).
 
 The maths is in :mod:`glm53flash_hf.kda_ops` (the torch path: short convolution, chunked and recurrent delta rule;
 Kimi Linear, arXiv:2510.26692 §3). The fused CUDA path is :mod:`glm53flash_hf.kda_fused` (fla-core's
@@ -33,52 +32,8 @@ __all__ = [
     "Glm53FlashForgetGate",
     "Glm53FlashRMSNormGated",
     "Glm53FlashLinearAttention",
-    "kda_conv",
-    "kda_chunk",
     "init_kda_weights",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Per-call dispatch of the operators
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def kda_chunk(q, k, v, g, beta, *, backend: str = "torch", **kwargs):
-    """Chunked KDA through the chosen backend (``"auto"``, ``"torch"``, ``"fused"``), with an activated gate and beta.
-
-    ``"fused"`` runs fla's ``chunk_kda`` (:func:`glm53flash_hf.kda_fused.chunk_kda_fused`: CUDA, head dims in
-    ``[16, 256]``, ``chunk_size`` 32 or 64); otherwise :func:`glm53flash_hf.kda_ops.chunk_kda_torch`. Same arguments
-    and results either way: ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H, K]``, ``beta [B, T, H]`` ->
-    ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``.
-
-    Raises:
-        ValueError: unknown backend, or the chosen implementation's argument errors. ``"fused"`` without a usable
-        kernel warns once and runs torch (:func:`.dispatch.choose_backend`).
-    """
-    if choose_backend("kda", backend, q, k, v, g, beta) == "fused":
-        from .kda_fused import chunk_kda_fused
-
-        return chunk_kda_fused(q, k, v, g, beta, **kwargs)
-    return chunk_kda_torch(q, k, v, g, beta, **kwargs)
-
-
-def kda_conv(x, weight, *, backend: str = "torch", **kwargs):
-    """Short causal convolution through the chosen backend (``"auto"``, ``"torch"``, ``"fused"``).
-
-    ``"fused"`` runs fla's Triton ``causal_conv1d`` (:func:`glm53flash_hf.kda_fused.causal_conv1d_fused`); otherwise
-    :func:`glm53flash_hf.kda_ops.causal_conv1d_torch`. Same arguments and results either way: ``x [B, T, D]``,
-    ``weight [D, W]`` -> ``(y [B, T, D] in x's dtype, final_state [N, D, W] or None)``.
-
-    Raises:
-        ValueError: unknown backend, or the chosen implementation's argument errors. ``"fused"`` without a usable
-        kernel warns once and runs torch (:func:`.dispatch.choose_backend`).
-    """
-    if choose_backend("kda", backend, x, weight) == "fused":
-        from .kda_fused import causal_conv1d_fused
-
-        return causal_conv1d_fused(x, weight, **kwargs)
-    return causal_conv1d_torch(x, weight, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

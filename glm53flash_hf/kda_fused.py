@@ -1,106 +1,64 @@
-"""The fused KDA path: fla-core's Triton kernels (the chunked KDA core of ``chunk_kda``, ``causal_conv1d``,
-``rms_norm_gated``, ``fused_recurrent_kda``) as ``torch.library`` custom ops, called with checked keyword arguments.
+"""The fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops, with the maths of the torch path in
+:mod:`glm53flash_hf.kda_ops` (which equals transformers' ``Glm5NextTextLinearAttention``).
 
-Same maths as the torch path in :mod:`glm53flash_hf.kda_ops` (the oracle of ``tests/test_kda_fused.py``), which equals
-transformers' ``Glm5NextTextLinearAttention`` (``models/glm5_next/modeling_glm5_next.py``; Kimi Linear,
-arXiv:2510.26692 §3). The contracts are those of fla-core 0.6.0: ``fla.ops.kda.chunk_kda``,
-``fla.ops.kda.fused_recurrent_kda``, ``fla.modules.causal_conv1d.causal_conv1d`` and
-``fla.modules.norm.fused_norm_gate.rms_norm_gated``.
+What runs where in one call of the KDA layer bound by :func:`bind_layer_fused` (each function's docstring states its
+contract):
 
-What runs where (one call of the KDA layer bound by :func:`bind_layer_fused`):
+* the projections: torch ``nn.Linear``, as in the torch path;
+* the short convolution + SiLU over ``[q|k|v]``: :func:`causal_conv1d_fused`;
+* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: :func:`chunk_kda_gate_in_kernel`
+  (one call of fla's chunked kernels; gradients reach ``A_log`` and ``dt_bias`` from the kernel), or, for a cached
+  decode step without gradients, :func:`fused_recurrent_step`;
+* the gated RMSNorm of the output: :func:`rms_norm_gated_fused`;
+* a sequence-parallel shard, where fla's context-parallel path applies: :func:`chunk_kda_context_parallel`.
 
-* the projections ``q_proj``/``k_proj``/``v_proj``, ``f_a_proj``/``f_b_proj``, ``b_proj``, ``g_a_proj``/``g_b_proj`` and
-  ``o_proj``: torch ``nn.Linear`` (cuBLAS), as in the torch path;
-* the short convolution + SiLU over ``[q|k|v]``: fla's causal convolution (Triton, varlen through ``cu_seqlens``, the
-  cached conv state as its initial state);
-* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: fla's chunked KDA with
-  ``use_gate_in_kernel=True`` (``g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, or
-  ``-exp(A_log) * softplus(g_raw + dt_bias)`` without a lower bound), the beta sigmoid and the q/k l2-norm in fla's
-  kernels, ``safe_gate=True`` when the lower bound is in fla's safe range ``[-5, 0)`` (GLM's -5 is), fp32 state,
-  ``cu_seqlens`` for packed documents. Gradients flow to ``A_log`` and ``dt_bias`` from the kernel;
-* a cached decode step without gradients: fla ``fused_recurrent_kda`` with the same in-kernel gate, beta and l2-norm
-  (:func:`fused_recurrent_step`; the kernel has no autograd, so it refuses inputs that require grad while grad mode
-  is on instead of silently returning a result without ``grad_fn``);
-* the gated RMSNorm of the output: fla's ``rms_norm_gated(activation="sigmoid")`` kernels with the module's own
-  weight.
+:func:`chunk_kda_fused` is the chunked core with an activated gate and beta (the contract of
+:func:`glm53flash_hf.kda_ops.chunk_kda_torch`).
 
-Entry points used by :func:`glm53flash_hf.kda.kda_chunk` / :func:`~glm53flash_hf.kda.kda_conv` when the dispatcher
-answers ``"fused"``: :func:`chunk_kda_fused` (activated gate and beta, the contract of ``chunk_kda_torch``) and
-:func:`causal_conv1d_fused` (the contract of ``causal_conv1d_torch``).
+Custom ops (namespace ``glm53flash``, :func:`glm53flash_hf.graph_ops.define_op`, registered at import without
+importing fla): ``fla_chunk_kda_fwd`` / ``_bwd``, ``fla_causal_conv1d_fwd`` / ``_bwd``, ``fla_rms_norm_gated_fwd`` /
+``_bwd`` (forward and backward ops whose bodies are those of fla's ``ChunkKDAFunction``, ``CausalConv1dFunction``
+and ``LayerNormGatedFunction``; what those Functions save for backward is returned as extra non-differentiable
+outputs of the forward op) and the inference-only ``fla_fused_recurrent_kda``. Each has a fake implementation, so
+``torch.compile(fullgraph=True)`` traces these functions without a graph break; the checks that read ``cu_seqlens``
+(one host sync) run inside the ops, every other check in the Python functions before the op.
 
-**Custom ops.** fla's entry points are autograd Functions around autotuned Triton launches, and ``chunk_kda`` is
-wrapped in ``torch.compiler.disable`` (a graph break under ``torch.compile``). Each kernel call here is a custom op in
-the namespace ``glm53flash`` (:func:`glm53flash_hf.graph_ops.define_op`, registered at import), listed in
-:data:`OPS`:
-
-* ``fla_chunk_kda_fwd`` / ``fla_chunk_kda_bwd``, ``fla_causal_conv1d_fwd`` / ``fla_causal_conv1d_bwd``,
-  ``fla_rms_norm_gated_fwd`` / ``fla_rms_norm_gated_bwd``: forward and backward ops whose bodies are those of fla's
-  ``ChunkKDAFunction``, ``CausalConv1dFunction`` and ``LayerNormGatedFunction`` (fla's ``l2norm_fwd``/``l2norm_bwd``,
-  ``fused_beta_sigmoid_fwd``/``_bwd``, ``chunk_kda_fwd``/``chunk_kda_bwd``, ``causal_conv1d_fwd``/``_bwd``,
-  ``layer_norm_gated_fwd``/``_bwd``, ``prepare_chunk_indices``), called with the arguments those Functions pass, so
-  results equal fla's entry points bit for bit (``tests/test_kda_fused.py`` compares them). What the Functions save
-  for backward (the normalised q/k and their reciprocal norms, the activated beta, the gate's chunk cumsum,
-  ``Aqk``/``Akk``, the chunk indices of the documents) are extra non-differentiable outputs of the forward op; the
-  autograd formula (``register_autograd``) passes them to the backward op. ``Aqk`` is fla's buffer as its kernels
-  leave it: only the blocks they read back are written. Missing tensors are empty tensors in the op signatures
-  (custom ops return no ``None``);
-* ``fla_fused_recurrent_kda``: the inference-only kernel; its autograd formula raises.
-
-Each op has a fake implementation (output shapes from the input shapes; the chunk-index output of packed documents
-has a data-dependent length), so ``torch.compile(fullgraph=True)`` traces these functions without a graph break. The
-checks that read the document boundaries (``cu_seqlens``: one host sync) run inside the ops, so a compiled graph does
-not read them; every other check runs in the Python functions before the op.
-
-**Argument guard.** Every fla function is called through :func:`call_checked`: all arguments by keyword, each checked
-against the installed function's signature (computed once per function). Some fla functions take ``**kwargs`` and
-ignore what they do not read: fla 0.4.2's ``chunk_kda`` took ``A_log``/``dt_bias`` that way and trained a wrong
-gate without any error. A keyword that is not a named parameter raises ``TypeError`` naming the function and the
-argument; the only exceptions are names listed in :data:`KWARGS_READ` for a function, and those are accepted only if
-the installed function's source visibly reads them from its ``**kwargs`` (so an fla that drops them is caught too).
-
-**Selection.** :func:`fused_kda_available` is the probe behind ``dispatch.choose_backend("kda", ...)``: CUDA tensors
-(CPU tensors only under ``TRITON_INTERPRET=1``, for the interpreter tests), float32/bfloat16/float16, head dim in
-``[16, 256]`` (fla asserts ``K <= 256``; below 16 fla 0.4.2 silently dropped gradients), fla importable. The choice
-depends on the tensors only, never on ``module.training`` or grad mode, so an activation-checkpoint recompute runs
-the same kernels as the forward it replays (an uncached forward always uses the chunked kernels, never the no-grad
-recurrent kernel).
-
-**Precision.** fla computes the gate, the state and its dot products in fp32 (TF32 on GPUs unless disabled), in base
-2 and in sub-chunks of 16, so results differ from the torch path by fp32 rounding; the gradients of ``A_log`` and
-``dt_bias`` (sums of the per-token gate gradient over all tokens) carry the largest differences
-(``tests/test_kda_fused.py`` states the bounds).
-
-**Imports.** fla is imported lazily inside ``try`` blocks (transformers' remote-code ``check_imports`` ignores those),
-only when a kernel runs: importing this module never imports fla (it imports :mod:`.triton_utils`, which imports
-triton when installed), and CPU runs never reach this module outside the interpreter tests. (transformers' own
-``glm5_next`` modeling module, which the configuration imports, binds fla at import when fla-core is installed; that
-is outside this package.)
-
-**Parameters** handed to kernels pass through :func:`glm53flash_hf.dispatch.local_tensor` (replicated DTensors are
-unwrapped, sharded ones raise naming the parameter).
+The fla calls of those bodies, with fla's argument lists, are in :mod:`.fla_compat` (every call by keyword through
+:func:`.fla_compat.call_checked`); this module names no fla function. :func:`fused_kda_available` is the probe behind
+``dispatch.choose_backend("kda", ...)``. Importing this module never imports fla. Parameters handed to kernels pass
+through :func:`glm53flash_hf.dispatch.local_tensor`. Reasons and the precision of fla's kernels: ``docs/design.md``,
+section "KDA".
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import os
-import re
-from types import SimpleNamespace
 
 import torch
 
 from .dispatch import local_tensor
+from .fla_compat import (
+    call_checked,
+    chunk_backward,
+    chunk_forward,
+    chunk_indices_of,
+    conv_backward,
+    conv_forward,
+    cp_device_error,
+    import_error,
+    load_cp,
+    norm_backward,
+    norm_forward,
+    recurrent_step,
+)
 from .graph_ops import define_op
 from .kda_ops import LayerOps, check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
 
 __all__ = [
     "fused_kda_available",
-    "call_checked",
-    "accepted_keywords",
-    "KWARGS_READ",
     "chunk_kda_fused",
     "chunk_kda_gate_in_kernel",
     "chunk_kda_context_parallel",
@@ -109,87 +67,16 @@ __all__ = [
     "rms_norm_gated_fused",
     "fused_recurrent_step",
     "bind_layer_fused",
-    "OPS",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MIN_HEAD_DIM = 16  # tl.dot's smallest K; fla 0.4.2 silently dropped backward grads below it
+MIN_HEAD_DIM = 16  # tl.dot's smallest K
 MAX_HEAD_DIM = 256  # asserted by fla's chunk_kda
 FLA_CHUNK_SIZES = (32, 64)
 SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
 
-# fla function name -> keywords it reads from its **kwargs, accepted only where the installed source reads them. Empty:
-# every keyword passed to fla-core 0.6.0's functions here is a named parameter (chunk_kda_bwd and fused_recurrent_kda
-# also take **kwargs, which would swallow a renamed keyword: the guard refuses it).
-KWARGS_READ: dict[str, tuple[str, ...]] = {"chunk_kda": ("A_log", "dt_bias", "chunk_size")}
-
-_ACCEPTED: dict = {}  # function object -> frozenset of accepted keywords
-
 
 # ========================================================================================================= fla access
-@functools.lru_cache(maxsize=1)
-def _load_fla() -> SimpleNamespace:
-    """Import fla-core's entry points once. Raises ``ImportError`` (with the cause) when fla cannot be imported."""
-    try:
-        import fla
-        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd, causal_conv1d_fwd
-        from fla.modules.norm.fused_norm_gate import layer_norm_gated_bwd, layer_norm_gated_fwd
-        from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
-        from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
-        from fla.ops.kda import fused_recurrent_kda
-        from fla.ops.kda.chunk_bwd import chunk_kda_bwd
-        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
-        from fla.ops.utils.index import prepare_chunk_indices
-    except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
-        raise ImportError(
-            f"fla-core cannot be imported ({type(exc).__name__}: {exc}); pip install fla-core==0.6.0"
-        ) from exc
-    return SimpleNamespace(
-        version=getattr(fla, "__version__", "unknown"),
-        l2norm_fwd=l2norm_fwd,
-        l2norm_bwd=l2norm_bwd,
-        fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
-        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd,
-        prepare_chunk_indices=prepare_chunk_indices,
-        chunk_kda_fwd=chunk_kda_fwd,
-        chunk_kda_bwd=chunk_kda_bwd,
-        causal_conv1d_fwd=causal_conv1d_fwd,
-        causal_conv1d_bwd=causal_conv1d_bwd,
-        layer_norm_gated_fwd=layer_norm_gated_fwd,
-        layer_norm_gated_bwd=layer_norm_gated_bwd,
-        fused_recurrent_kda=fused_recurrent_kda,
-    )
-
-
-def _fla() -> SimpleNamespace:
-    """fla's functions: a namespace with ``version`` and the fla-core 0.6.0 functions of the same names
-    (``fla.modules.norm.l2norm``: ``l2norm_fwd``, ``l2norm_bwd``; ``fla.ops.common.gate``:
-    ``fused_beta_sigmoid_fwd``, ``fused_beta_sigmoid_bwd``; ``fla.ops.utils.index.prepare_chunk_indices``;
-    ``fla.ops.kda.chunk_fwd.chunk_kda_fwd``; ``fla.ops.kda.chunk_bwd.chunk_kda_bwd``;
-    ``fla.modules.causal_conv1d.ops``: ``causal_conv1d_fwd``, ``causal_conv1d_bwd``;
-    ``fla.modules.norm.fused_norm_gate``: ``layer_norm_gated_fwd``, ``layer_norm_gated_bwd``;
-    ``fla.ops.kda.fused_recurrent_kda``). The op bodies look it up at every call; tests replace it to inject
-    fakes."""
-    return _load_fla()
-
-
-@functools.lru_cache(maxsize=1)
-def _load_fla_cp() -> SimpleNamespace:
-    """Import fla-core's context-parallel KDA once: ``chunk_kda`` (the entry point that takes ``cp_context``),
-    ``build_cp_context`` and the module ``fla.ops.cp.context`` (whose ``_check_cp_device`` is looked up at each
-    probe). Raises ``ImportError`` with the cause."""
-    try:
-        from fla.ops.cp import build_cp_context
-        from fla.ops.cp import context as cp_context_module
-        from fla.ops.kda import chunk_kda
-    except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
-        raise ImportError(
-            f"fla-core's context-parallel KDA cannot be imported ({type(exc).__name__}: {exc}); "
-            "pip install fla-core==0.6.0"
-        ) from exc
-    return SimpleNamespace(chunk_kda=chunk_kda, build_cp_context=build_cp_context, context=cp_context_module)
-
-
 def fla_cp_available(device: torch.device) -> tuple[bool, str]:
     """Whether fla's context-parallel KDA kernels (``fla.ops.cp``) can run on ``device``.
 
@@ -198,23 +85,12 @@ def fla_cp_available(device: torch.device) -> tuple[bool, str]:
         the device (it requires an NVIDIA GPU of compute capability >= 8.0, or Ascend).
     """
     try:
-        cp = _load_fla_cp()
+        error = cp_device_error(device)
     except ImportError as exc:
         return False, str(exc)
-    try:
-        cp.context._check_cp_device(torch.device(device))
-    except RuntimeError as exc:
-        return False, f"fla refuses the device {device}: {exc}"
+    if error is not None:
+        return False, f"fla refuses the device {device}: {error}"
     return True, ""
-
-
-@functools.lru_cache(maxsize=1)
-def _fla_import_error() -> str | None:
-    try:
-        _load_fla()
-    except ImportError as exc:
-        return str(exc)
-    return None
 
 
 def _interpreting() -> bool:
@@ -248,77 +124,10 @@ def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     if not all(t.is_cuda for t in tensors):
         if not (_interpreting() and all(t.device.type == "cpu" for t in tensors)):
             return False, "the tensors are not on a CUDA device"
-    error = _fla_import_error()
+    error = import_error()
     if error is not None:
         return False, error
     return True, ""
-
-
-# ============================================================================================================== guard
-def accepted_keywords(fn, name: str, kwargs_names: tuple[str, ...] = ()) -> frozenset:
-    """The keywords a call of ``fn`` may pass without being silently ignored.
-
-    Args:
-        fn: the installed function (decorators are unwrapped through ``__wrapped__``).
-        name: its name, for messages.
-        kwargs_names: names the function is documented to read from its ``**kwargs``.
-
-    Returns:
-        The named parameters of ``fn`` (positional-or-keyword and keyword-only), plus each of ``kwargs_names`` that
-        the function's source reads from its ``**kwargs`` (``kwargs.get("x")``, ``kwargs.pop("x", ...)``,
-        ``kwargs["x"]``). A function without ``**kwargs``, or whose source cannot be read, gets no extras.
-
-    Raises:
-        TypeError: ``fn`` has no inspectable signature (naming ``name``).
-    """
-    base = inspect.unwrap(fn)
-    try:
-        params = inspect.signature(base).parameters.values()
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"cannot read the signature of fla's {name} ({exc}); refusing to call it unchecked") from exc
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    var_kw = [p.name for p in params if p.kind is p.VAR_KEYWORD]
-    extra = set()
-    if var_kw and kwargs_names:
-        try:
-            source = inspect.getsource(base)
-        except (OSError, TypeError):
-            source = ""
-        kw = re.escape(var_kw[0])
-        for n in kwargs_names:
-            q = re.escape(n)
-            if re.search(rf"\b{kw}\s*(?:\.\s*(?:get|pop)\s*\(\s*|\[\s*)['\"]{q}['\"]", source):
-                extra.add(n)
-    return frozenset(named | extra)
-
-
-def call_checked(fn, name: str, **kwargs):
-    """Call the fla function ``fn`` with keyword arguments only, after checking that it accepts every one.
-
-    The accepted set (:func:`accepted_keywords` with ``KWARGS_READ[name]``) is computed once per function object.
-
-    Args:
-        fn: the fla function.
-        name: its fla name (``"chunk_kda_fwd"``, ...), used for :data:`KWARGS_READ` and messages.
-        kwargs: the arguments.
-
-    Returns:
-        Whatever ``fn`` returns.
-
-    Raises:
-        TypeError: a keyword is not accepted (naming the function and the argument(s)): fla would ignore it silently.
-    """
-    accepted = _ACCEPTED.get(fn)
-    if accepted is None:
-        accepted = _ACCEPTED[fn] = accepted_keywords(fn, name, KWARGS_READ.get(name, ()))
-    unknown = [k for k in kwargs if k not in accepted]
-    if unknown:
-        raise TypeError(
-            f"fla's {name} does not accept the argument(s) {unknown} (not a named parameter, and not read from its "
-            f"**kwargs); calling it would silently ignore them. The installed fla-core is not the version this "
-            f"package was written for (0.6.0); use kernels={{'kda': 'torch'}} or install fla-core==0.6.0"
-        )
-    return fn(**kwargs)
 
 
 # ============================================================================================================ helpers
@@ -359,15 +168,14 @@ def _or_none(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
     return t if exists else None
 
 
-def _chunk_indices(fla, cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
+def _chunk_indices(cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
     """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2] long)`` for the validated boundaries
     ``cu_host`` (whose check made the one host sync), or three ``None``."""
     if cu_seqlens is None:
         return None, None, None
     cu = cu_seqlens.to(torch.long)
     cu_cpu = torch.tensor(cu_host, dtype=torch.long)
-    return cu, cu_cpu, call_checked(fla.prepare_chunk_indices, "prepare_chunk_indices", cu_seqlens=cu,
-                                    chunk_size=chunk_size, cu_seqlens_cpu=cu_cpu)
+    return cu, cu_cpu, chunk_indices_of(cu, cu_cpu, chunk_size)
 
 
 def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -377,13 +185,6 @@ def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.
 
 
 # ======================================================================================================= custom ops
-# Every fla kernel runs inside a torch.library custom op (namespace glm53flash, see graph_ops.define_op): fla's
-# entry points are autograd Functions (chunk_kda is also wrapped in torch.compiler.disable) that torch.compile cannot
-# trace. Each trainable call is a forward op and a backward op whose bodies are the bodies of fla's own autograd
-# Functions (ChunkKDAFunction, CausalConv1dFunction, LayerNormGatedFunction in fla-core 0.6.0): the same fla
-# functions, called with the same arguments, so the results are those of fla's entry points bit for bit. The forward
-# ops also return what fla's Functions save for backward (the residuals) as extra, non-differentiable outputs.
-
 # ---------------------------------------------------------------------------------------------------------- chunk_kda
 def _chunk_fwd_impl(
     q: torch.Tensor,
@@ -410,45 +211,16 @@ def _chunk_fwd_impl(
     if cu_seqlens is not None:  # the checks that read the boundaries run here: a traced graph cannot read data
         cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]")
         check_state(initial_state, len(cu_host) - 1, H, K, v.shape[-1])
-    fla = _fla()
     with _device(q):
         q, k, v, g, beta, A_log, dt_bias, initial_state = map(
             _contiguous, (q, k, v, g, beta, A_log, dt_bias, initial_state))
-        cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, chunk_size)
-        q_rstd = k_rstd = None
-        if use_qk_l2norm_in_kernel:
-            q, q_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=q)
-            k, k_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=k)
-        beta_act = beta
-        if use_beta_sigmoid_in_kernel:
-            beta_act = call_checked(fla.fused_beta_sigmoid_fwd, "fused_beta_sigmoid_fwd", x=beta, scale=1.0)
-        o, final, g_cumsum, Aqk, Akk = call_checked(
-            fla.chunk_kda_fwd,
-            "chunk_kda_fwd",
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta_act,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            state_v_first=False,
-            cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu,
-            chunk_indices=indices,
-            chunk_size=chunk_size,
-            safe_gate=safe_gate,
-            lower_bound=lower_bound,
-            use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            disable_recompute=False,
-            return_intermediate_states=False,
-            cp_context=None,
-            use_graph=False,
-            chunk_offsets=None,
-        )[:5]
+        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, chunk_size)
+        o, final, q, q_rstd, k, k_rstd, beta_act, g_cumsum, Aqk, Akk = chunk_forward(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu, chunk_indices=indices, scale=scale, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
+            chunk_size=chunk_size)
     l2 = use_qk_l2norm_in_kernel
     return (
         o.type_as(q),
@@ -518,47 +290,17 @@ def _chunk_bwd_impl(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
-    fla = _fla()
     l2 = use_qk_l2norm_in_kernel
     with _device(q):
         qk_q = q_normed if l2 else q.contiguous()
         qk_k = k_normed if l2 else k.contiguous()
         g_in, A_log_in, dt_bias_in, h0 = map(_contiguous, (g, A_log, dt_bias, initial_state))
-        dq, dk, dv, db, dg, dh0, dA, dbias = call_checked(
-            fla.chunk_kda_bwd,
-            "chunk_kda_bwd",
-            q=qk_q,
-            k=qk_k,
-            v=v.contiguous(),
-            beta=beta_act if use_beta_sigmoid_in_kernel else beta.contiguous(),
-            Aqk=Aqk,
-            Akk=Akk,
-            scale=scale,
-            initial_state=h0,
-            do=do.contiguous(),
-            dht=_contiguous(dht),
-            g=None if use_gate_in_kernel else g_cumsum,
-            g_org=g_in if use_gate_in_kernel else None,
-            state_v_first=False,
-            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-            chunk_indices=chunk_indices if cu_seqlens is not None else None,
-            chunk_size=chunk_size,
-            safe_gate=safe_gate,
-            lower_bound=lower_bound,
-            use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log_in,
-            dt_bias=dt_bias_in,
-            disable_recompute=False,
-            cp_context=None,
-            use_graph=False,
-            chunk_offsets=None,
-        )
-        if l2:
-            dq = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=q_normed, rstd=q_rstd, dy=dq)
-            dk = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=k_normed, rstd=k_rstd, dy=dk)
-        if use_beta_sigmoid_in_kernel:
-            db = call_checked(fla.fused_beta_sigmoid_bwd, "fused_beta_sigmoid_bwd", x=beta.contiguous(), dy=db,
-                              scale=1.0)
+        dq, dk, dv, db, dg, dh0, dA, dbias = chunk_backward(
+            do, dht, qk_q, qk_k, v, beta, beta_act, g_in, g_cumsum, A_log_in, dt_bias_in, h0, Aqk, Akk, cu_seqlens,
+            chunk_indices, q_normed=q_normed, q_rstd=q_rstd, k_normed=k_normed, k_rstd=k_rstd, scale=scale,
+            use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
+            chunk_size=chunk_size)
     return (dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), dA if dA is not None else _empty(q),
             dbias if dbias is not None else _empty(q), dh0 if dh0 is not None else _empty(q))
 
@@ -612,25 +354,12 @@ def _conv_fwd_impl(
     cu_host = None
     if cu_seqlens is not None:  # reads the boundaries (one host sync); the shape checks ran in the caller
         cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
-    fla = _fla()
     with _device(x):
         weight, initial_state = weight.contiguous(), _contiguous(initial_state)
-        cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, _CONV_CHUNK)
-        y, final = call_checked(
-            fla.causal_conv1d_fwd,
-            "causal_conv1d_fwd",
-            x=x,
-            weight=weight,
-            bias=None,
-            residual=None,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            activation=activation,
-            cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu,
-            chunk_indices=indices,
-            chunk_size=_CONV_CHUNK,
-        )
+        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, _CONV_CHUNK)
+        y, final = conv_forward(x, weight, initial_state=initial_state, output_final_state=output_final_state,
+                                activation=activation, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=indices,
+                                chunk_size=_CONV_CHUNK)
     return (y, final if final is not None else _empty(x),
             indices if indices is not None else x.new_empty((0, 2), dtype=torch.long))
 
@@ -651,23 +380,9 @@ def _conv_bwd_impl(
     chunk_indices: torch.Tensor,
     activation: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fla = _fla()
     with _device(x):
-        dx, dw, _, _, dh0 = call_checked(
-            fla.causal_conv1d_bwd,
-            "causal_conv1d_bwd",
-            x=x,
-            dy=dy,
-            dht=_contiguous(dht),
-            weight=weight.contiguous(),
-            bias=None,
-            residual=None,
-            initial_state=_contiguous(initial_state),
-            activation=activation,
-            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-            chunk_indices=chunk_indices if cu_seqlens is not None else None,
-            chunk_size=_CONV_CHUNK,
-        )
+        dx, dw, dh0 = conv_backward(x, dy, dht, weight, initial_state=initial_state, activation=activation,
+                                    cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=_CONV_CHUNK)
     return dx, dw, dh0 if dh0 is not None else _empty(x)
 
 
@@ -700,22 +415,10 @@ _CONV_FWD = define_op("fla_causal_conv1d_fwd", _conv_fwd_impl, _conv_fwd_fake, b
 # ---------------------------------------------------------------------------------------------------- rms_norm_gated
 def _norm_fwd_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    fla = _fla()
     dim = x.shape[-1]
     with _device(x):
-        y, _, rstd, _ = call_checked(
-            fla.layer_norm_gated_fwd,
-            "layer_norm_gated_fwd",
-            x=x.contiguous().reshape(-1, dim),
-            g=gate.contiguous().reshape(-1, dim),
-            weight=weight.contiguous(),
-            bias=None,
-            activation="sigmoid",
-            eps=eps,
-            residual=None,
-            residual_dtype=None,
-            is_rms_norm=True,
-        )
+        y, rstd = norm_forward(x.contiguous().reshape(-1, dim), gate.contiguous().reshape(-1, dim),
+                               weight.contiguous(), eps)
     return y.reshape(x.shape), rstd
 
 
@@ -725,26 +428,10 @@ def _norm_fwd_fake(x, gate, weight, eps):
 
 def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fla = _fla()
     dim = x.shape[-1]
     with _device(x):
-        dx, dg, dw, _, _ = call_checked(
-            fla.layer_norm_gated_bwd,
-            "layer_norm_gated_bwd",
-            dy=dy.contiguous().reshape(-1, dim),
-            x=x.contiguous().reshape(-1, dim),
-            g=gate.contiguous().reshape(-1, dim),
-            weight=weight.contiguous(),
-            bias=None,
-            activation="sigmoid",
-            eps=eps,
-            mean=None,
-            rstd=rstd,
-            dresidual=None,
-            has_residual=False,
-            is_rms_norm=True,
-            x_dtype=x.dtype,
-        )
+        dx, dg, dw = norm_backward(dy.contiguous().reshape(-1, dim), x.contiguous().reshape(-1, dim),
+                                   gate.contiguous().reshape(-1, dim), weight.contiguous(), rstd, eps, x.dtype)
     return dx.reshape(x.shape), dg.reshape(gate.shape), dw
 
 
@@ -783,26 +470,8 @@ def _recurrent_impl(
     scale: float | None,
     lower_bound: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fla = _fla()
-    return tuple(call_checked(
-        fla.fused_recurrent_kda,
-        "fused_recurrent_kda",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        lower_bound=lower_bound,
-        state_v_first=False,
-    ))
+    return recurrent_step(q, k, v, g, beta, A_log, dt_bias, initial_state=initial_state, scale=scale,
+                          lower_bound=lower_bound)
 
 
 def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):
@@ -816,17 +485,6 @@ def _recurrent_backward(ctx, *grads):
 
 
 _RECURRENT = define_op("fla_fused_recurrent_kda", _recurrent_impl, _recurrent_fake, backward=_recurrent_backward)
-
-# op name -> op, for tests and tools (torch.ops.glm53flash.<name> as well)
-OPS = {
-    "fla_chunk_kda_fwd": _CHUNK_FWD,
-    "fla_chunk_kda_bwd": _CHUNK_BWD,
-    "fla_causal_conv1d_fwd": _CONV_FWD,
-    "fla_causal_conv1d_bwd": _CONV_BWD,
-    "fla_rms_norm_gated_fwd": _NORM_FWD,
-    "fla_rms_norm_gated_bwd": _NORM_BWD,
-    "fla_fused_recurrent_kda": _RECURRENT,
-}
 
 
 # ============================================================================================== kernels, one by one
@@ -1012,7 +670,7 @@ def chunk_kda_context_parallel(
     if q.shape[0] != 1:
         raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
     K = q.shape[3]
-    cp = _load_fla_cp()
+    cp = load_cp()
     with _device(q):
         o, _ = call_checked(
             cp.chunk_kda,

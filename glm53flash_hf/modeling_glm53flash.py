@@ -234,10 +234,12 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         "ffn_hc.scale",
     ]
 
-    # Routed experts: ``moe.Glm53FlashExperts`` is decorated with ``@use_experts_implementation``. transformers looks
-    # for that literal in the source of a model class's module (this file) to decide whether
-    # ``set_experts_implementation`` / ``from_pretrained(experts_implementation=...)`` may dispatch the experts
-    # (``PreTrainedModel._can_set_experts_implementation``), so it is named here.
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """``True``: the routed experts (:class:`.moe.Glm53FlashExperts`) carry transformers' experts-implementation
+        decorator, so ``set_experts_implementation`` / ``from_pretrained(experts_implementation=...)`` may switch
+        them (transformers' own answer reads the model module's source text; ``docs/design.md``, section "MoE")."""
+        return True
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """The experts implementation to use: ``requested_experts`` when given (``"eager"``, ``"grouped_mm"``,

@@ -27,9 +27,8 @@ How the routed experts run
   does not check that ``H`` and ``I`` are multiples of 16 bytes, which the torch kernel needs (it raises "strides
   should be multiple of 16 bytes"); :func:`glm53flash_hf.moe_ops.grouped_mm` falls back instead. ``batched_mm``
   gathers one ``[2I, H]`` weight per (token, expert) pair, so its memory grows with ``T * k * 2I * H``.
-* ``PreTrainedModel`` lets ``set_experts_implementation`` / ``from_pretrained(experts_implementation=...)`` switch
-  implementations only if the model's module source (``modeling_glm53flash.py``) contains the literal
-  ``@use_experts_implementation`` (it does, in a comment naming this class). With nothing requested, our models use
+* ``set_experts_implementation`` / ``from_pretrained(experts_implementation=...)`` switch implementations
+  (``Glm53FlashPreTrainedModel._can_set_experts_implementation`` answers yes). With nothing requested, our models use
   ``"eager"`` (``Glm53FlashPreTrainedModel.get_correct_experts_implementation``), i.e. the forward below, where
   transformers would default to its ``"grouped_mm"``.
 * The undecorated forward (what transformers calls ``"eager"``, also used when ``_experts_implementation`` is

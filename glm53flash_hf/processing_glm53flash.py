@@ -798,7 +798,7 @@ class Glm53FlashProcessor(ProcessorMixin):
         return_tensors: str | None = "pt",
         **processor_kwargs,
     ) -> BatchFeature:
-        """One supervised fine-tuning example from a conversation (spec section 12's label rules).
+        """One supervised fine-tuning example from a conversation, with its training labels.
 
         The conversation is rendered by the chat template with ``end_of_text_after_assistant=True`` (so the
         text is the plain GLM rendering plus ``<|endoftext|>`` after every assistant turn that no user/tool

@@ -19,9 +19,9 @@ What crosses the shard boundaries (everything else, mHC and MoE, is per token an
 * **KDA recurrence** (:meth:`SequenceParallelContext.kda_core`): the delta rule is affine in its state,
   ``S_end = A_r S_start + B_r``; each rank computes ``(A_r, B_r)`` of its shard, they are all-gathered, every rank
   folds the prefix over the previous ranks to get its incoming state, and re-runs its first segment from it
-  (the scheme of xtuner PR #2153 "FLA sequence parallelism" and fla's ``fla.ops.cp``; maths: Kimi Linear,
-  arXiv:2510.26692 §3). On the fused path, when the global batch is one row and fla's CP kernels accept the device
-  (CUDA, compute capability >= 8.0), the shard runs in fla's own context-parallel ``chunk_kda`` instead
+  (the scheme of fla's ``fla.ops.cp``; maths: Kimi Linear, arXiv:2510.26692 §3; sources: ``docs/design.md``,
+  section "Sequence parallelism"). On the fused path, when the global batch is one row and fla's CP kernels accept
+  the device (CUDA, compute capability >= 8.0), the shard runs in fla's own context-parallel ``chunk_kda`` instead
   (:meth:`SequenceParallelContext.fla_cp_refusal`).
 * **DSA** (:meth:`SequenceParallelContext.gather_sequence`): the MLA latent and the indexer's per-token state are
   all-gathered; the local queries (at row offset ``r * L``) select and attend over the global keys, causal within
@@ -355,10 +355,10 @@ class SequenceParallelContext:
                 package would split the row differently.
         """
         if self._fla_cp is None:
-            from .kda_fused import _load_fla_cp
+            from .fla_compat import load_cp
 
             glob = self.global_layout.cu_seqlens
-            ctx = _load_fla_cp().build_cp_context(cu_seqlens=glob, group=self.group, cu_seqlens_cpu=glob.cpu())
+            ctx = load_cp().build_cp_context(cu_seqlens=glob, group=self.group, cu_seqlens_cpu=glob.cpu())
             mine = cu_seqlens.tolist()
             if ctx.cu_seqlens_cpu.tolist() != mine:
                 raise RuntimeError(

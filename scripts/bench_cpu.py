@@ -33,7 +33,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,31 +45,13 @@ if "fla" not in sys.modules:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from tiny import WIDE_TEXT, randomize_  # noqa: E402  (the benchmark config, shared with the tests)
-
-TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=256,
-                   projection_intermediate_size=48)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from _common import WIDE_TEXT, cap_address_space, load, make_weights, run_child  # noqa: E402
 
 
 def _rss_kib() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
-
-
-def make_weights(folder: str, **text_overrides) -> None:
-    """Random weights of the wide tiny config (``WIDE_TEXT`` updated by ``text_overrides``), saved by transformers'
-    ``Glm5NextForConditionalGeneration`` into ``folder``."""
-    import torch
-    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = Glm5NextForConditionalGeneration(
-        Glm5NextConfig(text_config={**WIDE_TEXT, **text_overrides}, vision_config=TINY_VISION)
-    )
-    randomize_(model, seed=0, std=0.04)
-    model.save_pretrained(folder)
 
 
 IMPLS = ("hf", "ours", "hf-compiled", "ours-compiled")
@@ -89,49 +70,6 @@ def gemm_flops_per_s(threads: int, n: int = 2048, repeats: int = 10) -> float:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
-
-
-def load(impl: str, folder: str):
-    import torch
-
-    if impl.startswith("hf"):
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-
-        return Glm5NextForConditionalGeneration.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager"
-        )
-    from glm53flash_hf import Glm53FlashForCausalLM
-
-    return Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32)
-
-
-def cap_address_space(mem_gib: float) -> None:
-    """Cap this process's address space at ``mem_gib`` GiB (``RLIMIT_AS``; 0 or less: no cap), so that a run that
-    needs more fails with an allocation error instead of swapping."""
-    if mem_gib > 0:
-        limit = int(mem_gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-OOM_MESSAGES = ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
-
-
-def run_child(cmd: list[str], timeout: float, label: dict) -> dict:
-    """Run one worker process ``cmd`` whose last stdout line is a JSON object and return that object.
-
-    A failed run comes back as ``{**label, "failed": "OOM" | "timeout" | "error"}``: ``timeout`` when it ran past
-    ``timeout`` seconds, ``OOM`` when it was killed (signal 9) or its stderr names an allocation failure."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**label, "failed": "timeout"}
-    if proc.returncode != 0:
-        err = proc.stderr[-3000:]
-        oom = proc.returncode == -9 or any(m in err for m in OOM_MESSAGES)
-        where = " ".join(f"{k} {v}" for k, v in label.items())
-        print(f"  {where} failed (rc {proc.returncode}):\n{err[-1200:]}", file=sys.stderr)
-        return {**label, "failed": "OOM" if oom else "error"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float) -> dict:

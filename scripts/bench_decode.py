@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU decode benchmark: glm53flash-hf vs transformers' built-in glm5_next, same weights, greedy ``generate``.
 
-Config: ``bench_cpu.py``'s wide tiny model (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts, ``index_kpool`` 4,
+Config: the wide tiny model of ``_common.py`` (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts, ``index_kpool`` 4,
 ``index_topk`` 256, fp32). transformers' ``Glm5NextForConditionalGeneration`` (eager attention) writes the weights;
 both implementations load that folder. Four implementations, each run in its own process:
 
@@ -60,7 +60,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 # same weights, loading and worker handling as the training benchmark
-from bench_cpu import WIDE_TEXT, cap_address_space, load, make_weights, run_child  # noqa: E402
+from _common import WIDE_TEXT, cap_address_space, load, make_weights, randomize_, run_child  # noqa: E402
 
 IMPLS = ("hf", "ours", "hf-compiled", "ours-compiled")
 
@@ -131,9 +131,6 @@ def make_mtp_weights(folder: str) -> None:
     """Random weights of the wide tiny config with one MTP layer, written by our class (transformers' glm5_next
     has no MTP layer)."""
     import torch
-
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from tiny import randomize_
 
     from glm53flash_hf import Glm53FlashForCausalLM
     from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig

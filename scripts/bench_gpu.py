@@ -3,10 +3,11 @@
 module, of ours with ``kernels={family: "fused"}``, of our kernel entry point and of the raw kernel alone, at 8k and
 32k tokens.
 
-Families and what each variant runs (bf16, batch 1, release sizes of model-spec §1, the same weights everywhere):
+Families and what each variant runs (bf16, batch 1, release sizes from ``gpu_modules.py``, the same weights everywhere):
 
 * kda -- hf: ``Glm5NextTextLinearAttention`` (its torch reference: fla is hidden while transformers binds it);
-  ours: ``Glm53FlashLinearAttention``; entry: ``kda.kda_chunk(backend="fused")``; raw: fla's ``chunk_kda``.
+  ours: ``Glm53FlashLinearAttention``; entry: ``kda_fused.chunk_kda_fused`` (CPU: ``kda_ops.chunk_kda_torch``); raw:
+  fla's ``chunk_kda``.
 * dsa -- hf: ``Glm5NextTextAttention`` (SDPA over the dense top-k mask); ours: ``Glm53FlashAttention``;
   entry: ``dsa.sparse_mla(backend="fused")``; raw: ``dsa_fused.sparse_mla_fused``; the selection is our
   indexer's on the same input.
@@ -29,7 +30,7 @@ Each (family, S) also carries ``predicted_ms``: :func:`gpu_cost.family_cost`'s H
 ``raw`` variant launches (forward + backward, ``scripts/gpu_cost.py``); the report shows it and ``raw / predicted``,
 and the progress lines of ``raw`` and ``entry`` print ``measured/predicted``, so a GPU run checks the model too.
 
-Targets checked in the report (issue 6): KDA module >= 10x and mHC >= 4x faster than the built-in; DSA at 32k >= 5x
+Targets checked in the report: KDA module >= 10x and mHC >= 4x faster than the built-in; DSA at 32k >= 5x
 faster with peak memory linear in S (peak ratio between the longest and the shortest run <= their length ratio *
 1.25; 32k/8k: <= 5); our entry point's overhead over the raw kernel <= 15%.
 
@@ -59,8 +60,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # gpu_modules: sizes and set-up shared with tests/test_gpu.py
-sys.path.insert(0, os.path.join(ROOT, "scripts"))  # gpu_cost: the roofline prediction of each raw variant
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # gpu_modules (sizes shared with tests/test_gpu.py), gpu_cost
 
 import torch  # noqa: E402
 
@@ -141,8 +141,11 @@ def case_kda(sizes, seq, device, dtype, with_torch):
     g = leaf(-5.0 * torch.sigmoid(rand((1, seq, heads, dim), device, torch.float32, gen)))
     beta = leaf(torch.sigmoid(rand((1, seq, heads), device, torch.float32, gen)))
     go_core = rand((1, seq, heads, dim), device, dtype, gen)
-    c.run["entry"] = lambda: kda.kda_chunk(q, k, v, g, beta, backend="fused",
-                                           use_qk_l2norm_in_kernel=True)[0].backward(go_core)
+    if device.type == "cuda":
+        from glm53flash_hf.kda_fused import chunk_kda_fused as entry
+    else:
+        from glm53flash_hf.kda_ops import chunk_kda_torch as entry
+    c.run["entry"] = lambda: entry(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(go_core)
     if device.type == "cuda":
         from fla.ops.kda import chunk_kda
 
@@ -402,7 +405,7 @@ def targets(results: list[dict]) -> list[str]:
     speed("mhc", 4)
     dsa_seqs = sorted(seq for fam, seq in by if fam == "dsa")
     if dsa_seqs:
-        speed("dsa", 5, seqs={dsa_seqs[-1]})  # the issue's target is at 32k, the longest run
+        speed("dsa", 5, seqs={dsa_seqs[-1]})  # the target is at 32k, the longest run
     if len(dsa_seqs) >= 2:
         lo, hi = dsa_seqs[0], dsa_seqs[-1]
         a, b = by[("dsa", lo)].get("ours"), by[("dsa", hi)].get("ours")
@@ -505,7 +508,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     header = dict(versions(), device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), warmup=args.warmup, repeats=args.repeats,
-                  sizes="release (model-spec §1), MoE 288 experts" if not args.smoke else "tiny (smoke)")
+                  sizes="release (gpu_modules.RELEASE_TEXT), MoE 288 experts" if not args.smoke else "tiny (smoke)")
     results = []
     order = [(seq, family) for seq in args.seqs
              # the longest S runs DSA first: its 32k target matters most if the time budget runs out

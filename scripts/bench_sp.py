@@ -10,7 +10,7 @@
      B [H, K, V])`` fp32;
    * DSA: all-gather of the latent ``[L, kv_lora_rank]`` and of the indexer state ``[L, 2 index_head_dim]`` fp32.
 
-2. Peak memory (``--measure``): ``WIDE_TEXT`` of ``scripts/bench_cpu.py`` (hidden 256, 3 KDA + 1 DSA layers, MoE,
+2. Peak memory (``--measure``): ``WIDE_TEXT`` of ``scripts/_common.py`` (hidden 256, 3 KDA + 1 DSA layers, MoE,
    4 mHC streams), fp32, one packed row of ``--seq`` tokens (4 documents), forward + backward with per-layer
    activation checkpointing, SP = 1, 2, 4 processes on gloo. Peak = the process's peak RSS during the step minus
    its RSS before it (Linux ``ru_maxrss``; after a warm-up step on a short row, with the gradients allocated), the
@@ -143,7 +143,7 @@ def _worker(rank: int, world: int, port: int, seq: int, out_dir: str, budget: in
 
     sys.modules.setdefault("fla", None)
     torch.set_num_threads(1)
-    from bench_cpu import WIDE_TEXT
+    from _common import WIDE_TEXT
 
     from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
     from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         parser.error("--tokens must divide by --sp and --seq by 4")
     print_bytes(args.tokens, args.sp)
     if args.measure:
-        print(f"peak memory, WIDE_TEXT of scripts/bench_cpu.py, fp32, one row of {args.seq} tokens, per-layer "
+        print(f"peak memory, WIDE_TEXT of scripts/_common.py, fp32, one row of {args.seq} tokens, per-layer "
               f"checkpointing, DSA budgets {args.budget or 'default'} elements, MALLOC_MMAP_THRESHOLD_ "
               f"{args.mmap_threshold or 'unset'}, gloo:")
         measure(args.seq, budget=args.budget, mmap_threshold=args.mmap_threshold, live=args.live)

@@ -1,6 +1,6 @@
 """One KDA layer, forward + backward: our sequence parallelism over N devices against one device.
 
-The issue's comparison point: one ``Glm53FlashLinearAttention`` layer with hidden 4096 and 64 x 128 KDA heads (the
+The comparison point: one ``Glm53FlashLinearAttention`` layer with hidden 4096 and 64 x 128 KDA heads (the
 release text config's), one document of ``--tokens`` (128k) tokens, batch 1, bf16 on CUDA. Timed: forward +
 ``backward`` of ``out.float().square().mean()`` (gradients of the input and of every parameter), median over
 ``--iters`` after ``--warmup`` untimed steps, CUDA-synchronised; under SP the slowest rank's time (the ranks wait for
@@ -244,7 +244,8 @@ def main(argv=None) -> int:
     else:
         notes.append(f"SP not measured: sequence parallelism needs >= 2 GPUs, {gpus} visible "
                      f"(asked for SP={world or 'all'}); the one-device time only")
-    notes.append("target (issue 14): <= 44.35 ms per layer fwd+bwd at SP8, 128k tokens (xtuner PR #2153, 8 x H200)")
+    notes.append("target: <= 44.35 ms per layer fwd+bwd at SP8, 128k tokens (xtuner's FLA sequence parallelism, "
+                 "8 x H200)")
     write(args, rows, notes)
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """bf16 precision audit: which ops dominate the bf16-vs-fp32 error of the logits and the gradients.
 
-Model: ``bench_cpu.py``'s wide tiny config (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts, mHC 4 streams), random
+Model: the wide tiny config of ``_common.py`` (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts, mHC 4 streams),
 weights written by transformers' ``Glm5NextForConditionalGeneration``, with every token routed to all 8 experts
 (``num_experts_per_tok = n_routed_experts``); ``index_topk`` (256 tokens) covers the whole sequence (``--seq`` 256).
 So the indexer selects every causal token and the router every expert in every precision: no selection flips
@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import torch  # noqa: E402
-from bench_cpu import WIDE_TEXT, make_weights  # noqa: E402
+from _common import WIDE_TEXT, make_weights  # noqa: E402
 from torch import nn  # noqa: E402
 
 BF16 = torch.bfloat16

@@ -28,7 +28,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 MIB = 1024 * 1024
 
@@ -45,7 +44,7 @@ SETUPS = {
 
 
 def model_config(name: str):
-    """The text config of ``"tiny"`` (``glm53flash_hf/tools/tiny_config.json``) or ``"wide"`` (``tests/tiny.py``
+    """The text config of ``"tiny"`` (``glm53flash_hf/tools/tiny_config.json``) or ``"wide"`` (``scripts/_common.py``
     ``WIDE_TEXT``), ``kernels="torch"``."""
     from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
     from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
@@ -55,7 +54,7 @@ def model_config(name: str):
         config.kernels = {f: "torch" for f in config.kernels}
         return config
     if name == "wide":
-        from tiny import WIDE_TEXT
+        from _common import WIDE_TEXT
 
         return Glm53FlashTextConfig(**WIDE_TEXT, kernels="torch")
     raise ValueError(f"config must be 'tiny' or 'wide'; got {name!r}")

@@ -2,7 +2,7 @@
 
 transformers' ``glm5_next`` (our oracle) binds ``fla.ops.kda.chunk_kda`` at import when fla-core is installed
 (``use_kernel_func_from_hub_with_fallback``), and fla's Triton kernels then fail on CPU tensors with
-"0 active drivers" (kernels.md §1.7, pitfall 1). fla-core is in the ``test`` extra for the interpreter tests of
+"0 active drivers" (``docs/design.md``, section "KDA"). fla-core is in the ``test`` extra for the interpreter tests of
 ``glm53flash_hf.kda_fused``, so in the main process we hide it *before* transformers' module is imported: the oracle
 keeps its torch reference. Interpreter children (``TRITON_INTERPRET=1``) keep fla importable; they compare our fused
 paths with our torch paths, not with transformers'.
@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
+
+# the helpers shared with the scripts (scripts/_common.py, scripts/gpu_modules.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 if os.environ.get("TRITON_INTERPRET") != "1" and "fla" not in sys.modules:
     sys.modules["fla"] = None  # ``import fla`` raises ImportError: transformers falls back to its torch reference

@@ -227,7 +227,8 @@ def _compare(model, plan, ref_variant: dict, balance, out: dict) -> None:
 
 
 def _planted(mesh, plan_world: int, out: dict) -> None:
-    """xtuner PR #2156's bug: a non-expert parameter (the final norm) sharded on the EP-only submesh."""
+    """A non-expert parameter (the final norm) sharded on the EP-only submesh (``docs/design.md``, section "Expert
+    parallelism")."""
     from torch.distributed.fsdp import fully_shard
 
     from glm53flash_hf.train import expert_parallel as ep

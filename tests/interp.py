@@ -94,9 +94,9 @@ def fla_interpreter_patches(cp: bool = False):
     from triton.runtime import autotuner, interpreter
     from triton.runtime.interpreter import interpreter_semantic
 
-    from glm53flash_hf import kda_fused
+    from glm53flash_hf import fla_compat
 
-    kda_fused._load_fla()  # imports every fla module whose kernels we run
+    fla_compat.load()  # imports every fla module whose kernels we run
     import fla.ops.kda.chunk_intra as chunk_intra
 
     class _LoopIndex(int):

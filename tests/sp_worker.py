@@ -31,8 +31,8 @@ LR = 0.1
 def make_optimizer(params):
     """SGD with momentum: the update is linear in the gradients, so "equal parameters" is checked at the gradients'
     precision. (AdamW divides every element by its own RMS: gradient elements 1e-4 of their tensor's largest, e.g.
-    ``attn_hc.base``, get full-size updates from a few fp32 ulps of summation-order noise; measured 7.5e-4 of the
-    largest parameter after two AdamW steps at SP=2 while the gradients agreed to 1e-6.)"""
+    ``attn_hc.base``, get full-size updates from a few fp32 ulps of summation-order noise, so parameters would differ
+    far more than the gradients do.)"""
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 DOCS = [(10, 14, 1, 5, 50, 16), (20, 26, 2, 1, 21, 26)]
 

@@ -140,7 +140,7 @@ def test_gpu_check_uses_existing_bench_options():
 
 def test_bench_sp_kda_smoke(tmp_path):
     """The SP KDA-layer benchmark's smoke mode: a one-device row and an SP=2 row (two torchrun processes, gloo) with
-    times, the JSON rows, and the note naming the issue's target; the release shape without CUDA exits 2."""
+    times, the JSON rows, and the note naming the target; the release shape without CUDA exits 2."""
     script = os.path.join(ROOT, "scripts", "bench_sp_kda.py")
     report, results = tmp_path / "sp.md", tmp_path / "sp.json"
     proc = subprocess.run([sys.executable, script, "--smoke", "--iters", "2", "--warmup", "1", "--report", str(report),

@@ -1,4 +1,4 @@
-"""Generation with the hybrid cache (issue 5): ``generate`` equals the uncached forward, step by step.
+"""Generation with the hybrid cache: ``generate`` equals the uncached forward, step by step.
 
 Model: ``configuration/tiny.json`` (KDA, full and shared DSA, MoE, mHC, vision tower) with 8 indexer heads (2 heads
 tie on relu zeros), randomised (``tests/tiny.py``: KPool gate/ape random, so the selection is non-degenerate),

@@ -2,9 +2,9 @@
 module with ``"torch"``, both in bf16, each measured against an fp32 evaluation of the same module (torch path) on the
 same bf16-rounded weights and inputs. Marked ``gpu``; skipped without CUDA (run by ``scripts/gpu_check.sh``).
 
-Shapes: the release's (model-spec §1): hidden 4096; KDA 64 heads x 128; DSA 64 heads, q_lora 1536, kv_lora 512,
-qk_nope 256, v 256, indexer 32 x 128, top-k 2048, k-pool 4 (width 2051); mHC 4 streams, 20 Sinkhorn steps; MoE expert
-width 2048, top-8 of 64 experts (the release has 288: 64 keeps the fp32 reference copy and its gradients within
+Shapes: the release's (``scripts/gpu_modules.py``): hidden 4096; KDA 64 heads x 128; DSA 64 heads, q_lora 1536, kv_lora
+512, qk_nope 256, v 256, indexer 32 x 128, top-k 2048, k-pool 4 (width 2051); mHC 4 streams, 20 Sinkhorn steps; MoE
+expert width 2048, top-8 of 64 experts (the release has 288: 64 keeps the fp32 reference copy and its gradients within
 memory, and 1024 rows per expert is as much GEMM work per expert as the release at 36k tokens). S = 8192 tokens for
 every family, plus 32768 for KDA and DSA. bf16 activations and weights; the parameters transformers keeps in fp32
 (``_keep_in_fp32_modules_strict``: conv1d, A_log, dt_bias, router weight and bias, mHC base/scale) stay fp32.
@@ -22,10 +22,10 @@ where the fused kernel by design computes in lower precision than our torch path
   sqrt(16384) * 6e-8 = 8e-6) with a margin of 10 for the Sinkhorn steps (tests/test_mhc_fused.py's GPU test).
 * DSA: floor ``1e-2``: the sparse kernel feeds bf16 operands to its tensor-core products (scores and P @ V with P
   rounded to bf16, relative 2**-9 each, over 2051 keys); xtuner's bound for its FlashMLA sparse kernel against its torch
-  path is 1e-2 relative L2 for the gradients (kernels.md §4.3).
+  path is 1e-2 relative L2 for the gradients (``docs/design.md``, section "DSA").
 * KDA: floor ``2e-2``: fla's ``chunk_kda`` rounds the operands of its chunk products to bf16 and chains about four of
   them per chunk plus the state update; xtuner's bound for the same kernel against an fp32 token loop is 2e-2 relative
-  L2 for the gradients (model-spec §14 "KDA chunk vs fp32 token loop").
+  L2 for the gradients (``docs/design.md``, section "KDA").
 
 For MoE the routed experts' fused and torch bf16 outputs are also compared directly: at most one bf16 ulp apart (both
 round the same fp32 sums; CUDA's ``index_add_`` in the torch path adds in an unspecified order) plus ``2**-12`` of the
@@ -77,7 +77,7 @@ def gpu_test(fn):
     return fn
 
 
-# the release's sizes (tests/gpu_modules.py) with 64 of its 288 experts (module docstring)
+# the release's sizes (scripts/gpu_modules.py) with 64 of its 288 experts (module docstring)
 RELEASE_TEXT = dict(gpu_modules.RELEASE_TEXT, n_routed_experts=64)
 
 FLOORS = {"mhc": 2.0**-8, "moe": 2.0**-8, "dsa": 1e-2, "kda": 2e-2}
@@ -107,9 +107,9 @@ def cuda_session():
                                             "dsa": ("dsa_fused", "fused_dsa_available"),
                                             "moe": ("moe_fused", "fused_moe_available")}.items():
                 dispatch.FUSED_AVAILABILITY[family] = dispatch._lazy_probe(module, probe)
-        kernels = sys.modules.get("glm53flash_hf.kda_fused")  # its own cache of fla's import failure
-        for name in ("_fla_import_error", "_load_fla"):
-            cached = getattr(kernels, name, None)
+        compat = sys.modules.get("glm53flash_hf.fla_compat")  # its own cache of fla's import failure
+        for name in ("import_error", "load", "load_cp"):
+            cached = getattr(compat, name, None)
             if hasattr(cached, "cache_clear"):
                 cached.cache_clear()
     matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

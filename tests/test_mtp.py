@@ -79,8 +79,7 @@ def test_mtp_packed_equals_separate(depth):
     fp32 (the MoE grouped matmul has no float64). Tolerance 1e-5 per tensor, except tensors of fewer than 8
     elements (KDA ``A_log`` / ``dt_bias``, mHC ``scale``): each entry is an fp32 sum over every token of
     cancelling terms, summed in another order packed vs separate (KDA's decay gradients also go through chunk
-    cumulative-sum differences, test_kda.py notes 8e-6). Measured at depth 3: A_log 1.04e-5,
-    attn_hc.scale 2.01e-5; bound 5e-5 for those."""
+    cumulative-sum differences); bound 5e-5 for those."""
     model = _model(mtp_depth=depth)
     docs = _docs()
     ids, pos, labels = _packed(docs)

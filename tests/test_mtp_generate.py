@@ -1,4 +1,4 @@
-"""MTP self-speculative decoding through transformers' assisted decoding: ``generate(use_mtp=True)`` (issue 16).
+"""MTP self-speculative decoding through transformers' assisted decoding: ``generate(use_mtp=True)``.
 
 Model: ``configuration/tiny.json`` (KDA, full and shared DSA, MoE, mHC, one MTP layer, vision tower), randomised
 (``tests/tiny.py``), fp32. A random MTP layer drafts badly (acceptance ~0), so the "drafty" variant

@@ -6,18 +6,31 @@
 * Per operator family, the ops module (the torch oracle and argument checks) is a leaf below both the module file
   and the fused file.
 * The package top exports the public classes.
+* fla-core's names that are not in its public API (no package ``__all__`` of fla lists them, or they start with an
+  underscore) are imported only by the compatibility module ``glm53flash_hf/fla_compat.py``, which is the only package
+  module importing fla at all; ``setup.cfg`` requires the fla-core range that module states.
+* The scripts do not import from ``tests/`` (shared helpers live in ``scripts/_common.py`` and
+  ``scripts/gpu_modules.py``, which the tests import).
 """
 
 from __future__ import annotations
 
 import ast
+import configparser
+import importlib.machinery
+import importlib.metadata
 import os
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "glm53flash_hf"
 FAMILIES = ("kda", "mhc", "dsa", "moe")
+FLA_COMPAT = os.path.join(ROOT, PACKAGE, "fla_compat.py")
+SCRIPTS = os.path.join(ROOT, "scripts")
+TESTS = os.path.join(ROOT, "tests")
 
 
 def _modules() -> dict[str, str]:
@@ -158,3 +171,147 @@ def test_package_top_exports_public_classes():
                  "Glm53FlashForCausalLM", "Glm53FlashForConditionalGeneration", "Glm53FlashProcessor",
                  "Glm53FlashPackingCollator"):
         assert name in glm53flash_hf.__all__ and getattr(glm53flash_hf, name).__name__ == name
+
+
+# ------------------------------------------------------------------------------------------------------ fla-core use
+def fla_public_api() -> dict[str, set[str]]:
+    """``{fla package: the names of its __all__}`` for every package of the installed fla-core that lists a literal
+    ``__all__`` (read from the source; fla is not imported)."""
+    spec = importlib.machinery.PathFinder.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed (its public API is read from its source)")
+    root = list(spec.submodule_search_locations)[0]
+    api = {"fla": set()}
+    for folder, _, files in os.walk(root):
+        if "__init__.py" not in files:
+            continue
+        package = ".".join(["fla"] + os.path.relpath(folder, root).split(os.sep)).removesuffix(".")
+        tree = ast.parse(open(os.path.join(folder, "__init__.py")).read())
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else getattr(
+                node, "target", None)
+            if isinstance(target, ast.Name) and target.id == "__all__" and node.value is not None:
+                try:
+                    api[package] = set(ast.literal_eval(node.value))
+                except ValueError:
+                    pass
+    return api
+
+
+def private_fla_imports(source: str, api: dict[str, set[str]]) -> list[str]:
+    """The imports in ``source`` of fla modules or names outside ``api`` (:func:`fla_public_api`): ``import X`` of an
+    fla module that is not a public package, ``from X import n`` where ``n`` is not in package ``X``'s ``__all__``,
+    or any underscore name."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (alias.name == "fla" or alias.name.startswith("fla.")) and alias.name not in api:
+                    bad.append(f"line {node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module == "fla" or node.module.startswith("fla."):
+                for alias in node.names:
+                    public = api.get(node.module, set())
+                    if alias.name.startswith("_") or "._" in node.module or alias.name not in public:
+                        bad.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+    return bad
+
+
+def imports_fla(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(n == "fla" or n.startswith("fla.") for n in names):
+            return True
+    return False
+
+
+def _python_files(*folders: str) -> list[str]:
+    return sorted(os.path.join(folder, name) for base in folders for folder, _, files in os.walk(base)
+                  if "__pycache__" not in folder for name in files if name.endswith(".py"))
+
+
+def test_private_fla_import_finder_flags_planted_imports():
+    api = {"fla": set(), "fla.ops.kda": {"chunk_kda", "fused_recurrent_kda"}, "fla.ops.cp": {"build_cp_context"}}
+    source = """
+from fla.ops.kda import chunk_kda
+from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+from fla.ops.cp import context, build_cp_context
+import fla.ops.kda
+import fla.ops.kda.chunk_intra
+def f():
+    from fla.ops.kda import _private
+"""
+    assert private_fla_imports(source, api) == [
+        "line 3: from fla.ops.kda.chunk_fwd import chunk_kda_fwd", "line 4: from fla.ops.cp import context",
+        "line 6: import fla.ops.kda.chunk_intra", "line 8: from fla.ops.kda import _private"]
+    assert imports_fla(source) and not imports_fla("import flask\nfrom .fla_compat import load")
+
+
+def test_private_fla_names_only_in_the_compatibility_module():
+    """Every module of the package and every script: no import of fla internals outside ``fla_compat.py``, and no
+    package module but ``fla_compat.py`` imports fla at all. ``fla_compat.py`` itself does import fla internals."""
+    api = fla_public_api()
+    assert {"chunk_kda", "fused_recurrent_kda"} <= api["fla.ops.kda"], "fla's public API was not read"
+    compat_source = open(FLA_COMPAT).read()
+    assert private_fla_imports(compat_source, api), "fla_compat.py imports no fla internals: the check reads nothing"
+    for path in _python_files(os.path.join(ROOT, PACKAGE), SCRIPTS):
+        if path == FLA_COMPAT:
+            continue
+        source = open(path).read()
+        assert not private_fla_imports(source, api), (path, private_fla_imports(source, api))
+        if path.startswith(os.path.join(ROOT, PACKAGE) + os.sep):
+            assert not imports_fla(source), f"{path} imports fla; import it through {PACKAGE}.fla_compat"
+
+
+def test_setup_cfg_requires_the_checked_fla_range():
+    """``setup.cfg``'s ``gpu`` and ``test`` extras require ``fla-core`` in ``fla_compat.FLA_REQUIREMENT``; the
+    releases in ``FLA_CHECKED`` lie in it, and the installed fla-core (which the interpreter tests run) is one of
+    them."""
+    from glm53flash_hf import fla_compat
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    for extra in ("gpu", "test"):
+        lines = [line for line in cfg["options.extras_require"][extra].splitlines() if line.startswith("fla-core")]
+        assert len(lines) == 1, (extra, lines)
+        assert Requirement(lines[0]).specifier == SpecifierSet(fla_compat.FLA_REQUIREMENT), (extra, lines[0])
+    wanted = SpecifierSet(fla_compat.FLA_REQUIREMENT)
+    assert fla_compat.FLA_CHECKED and all(v in wanted for v in fla_compat.FLA_CHECKED)
+    try:
+        installed = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("fla-core is not installed")
+    assert installed in fla_compat.FLA_CHECKED, (
+        f"installed fla-core {installed} is not in fla_compat.FLA_CHECKED {fla_compat.FLA_CHECKED}: run the "
+        "interpreter tests (tests/test_kda_fused.py) against it, then add it")
+
+
+def test_importing_the_compatibility_module_does_not_import_fla():
+    """``fla_compat`` imports fla only inside ``try`` blocks of functions (transformers' remote-code import check skips
+    ``try`` blocks; CPU runs never import fla)."""
+    tree = ast.parse(open(FLA_COMPAT).read())
+    assert imports_fla(ast.unparse(tree))
+    inside_try = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and imports_fla(ast.unparse(node)):
+            assert id(node) in inside_try, f"fla_compat.py:{node.lineno}: fla imported outside a try block"
+
+
+# ------------------------------------------------------------------------------------------------------------ scripts
+def test_scripts_do_not_import_tests():
+    """No script puts ``tests/`` on ``sys.path`` or imports a module that exists only in ``tests/``."""
+    test_modules = {name[:-3] for name in os.listdir(TESTS) if name.endswith(".py")}
+    script_modules = {name[:-3] for name in os.listdir(SCRIPTS) if name.endswith(".py")}
+    only_tests = test_modules - script_modules
+    assert {"tiny", "ckpt_fixtures", "interp"} <= only_tests
+    for path in _python_files(SCRIPTS):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and "sys.path" in ast.unparse(
+                    node.func.value):
+                consts = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)}
+                assert "tests" not in consts, f"{path}:{node.lineno}: puts tests/ on sys.path"
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                assert name.split(".")[0] not in only_tests | {"tests"}, f"{path}:{node.lineno}: imports {name}"

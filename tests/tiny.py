@@ -1,13 +1,19 @@
 """Shared tiny configurations and the transformers oracle for the tests.
 
-Every config here contains each layer kind the issue asks to exercise: KDA, DSA with a ``full`` and a
+Every config here contains each layer kind the tests exercise: KDA, DSA with a ``full`` and a
 ``shared`` indexer layer, dense and MoE MLP, ``hc_mult=4``, ``index_kpool>1`` with a tail,
 ``index_topk`` well below the test sequence lengths, and ``n_group>1``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from _common import WIDE_TEXT, randomize_  # noqa: E402,F401  (shared with the benchmark scripts)
 
 PARITY_TEXT = dict(
     vocab_size=211,
@@ -45,39 +51,6 @@ PARITY_TEXT = dict(
     tie_word_embeddings=False,
 )
 
-# The benchmarks' wide tiny config (scripts/bench_cpu.py and the scripts that import it; tests/test_compile.py):
-# hidden 256, 3 KDA + 1 DSA layers, 8 routed experts top-2, index_kpool 4, index_topk 256.
-WIDE_TEXT = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=128,
-    num_hidden_layers=4,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
-    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-    indexer_types=["full"] * 4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=128,
-    kv_lora_rank=128,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=0,
-    v_head_dim=64,
-    index_n_heads=4,
-    index_head_dim=32,
-    index_topk=256,
-    index_kpool=4,
-    linear_num_heads=4,
-    linear_head_dim=64,
-    linear_conv_kernel_dim=4,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    hc_mult=4,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
-
 TINY_VISION = dict(
     depth=1,
     hidden_size=32,
@@ -89,32 +62,6 @@ TINY_VISION = dict(
     out_hidden_size=64,
     projection_intermediate_size=48,
 )
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> None:
-    """Give every parameter and float buffer non-trivial values (HF initialises the KPool gate to ones,
-    ``ape`` and the router bias to zeros, which would make selection and routing degenerate).
-
-    fp32 gate parameters (A_log, dt_bias) keep sensible ranges so the decay is neither 0 nor 1.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 1.0 - 0.5)
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith(".scale"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("index_kpool_compress_gate") or name.endswith("index_kpool_compress_ape"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
 
 
 def hf_reference(text_overrides: dict | None = None, seed: int = 0, top_overrides: dict | None = None):

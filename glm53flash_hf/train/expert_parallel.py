@@ -24,9 +24,9 @@ Layout (mesh ``init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))``
   (the plain average); an expert's over the ``dp`` ranks with its ep index — the all-to-all backward has already
   summed the contributions of the tokens of its ``ep`` peers, so dividing by ``dp`` (FSDP's default average over its
   mesh) would overcount by ``ep``; :func:`apply_fsdp2_ep` sets the experts' units' gradient divide factor to ``W``.
-  :func:`check_reduction_groups` refuses any parameter whose reduction group is not exactly its replica group
-  (xtuner PR #2156: parameters left on an EP-only "Replicate" submesh were averaged over too few ranks and drifted,
-  5.19e-4 after three SGD steps).
+  :func:`check_reduction_groups` refuses any parameter whose reduction group is not exactly its replica group (a
+  parameter left on an EP-only "Replicate" submesh would be averaged over too few ranks and drift from its
+  replicas).
 * Gradient clipping: :func:`clip_grad_norm_ep` (every element counted once over all ranks; one all-reduce).
 * Aux-loss-free bias: :class:`glm53flash_hf.train.trainer.AuxLossFreeBalancingCallback` all-reduces the loads over
   the default (whole) group before its update, so the bias (a buffer, replicated) stays identical everywhere.
@@ -48,13 +48,12 @@ is ``from_pretrained`` then :func:`apply_expert_parallel` again. :func:`save_sha
 :func:`load_sharded_checkpoint_ep` write DCP folders where each expert tensor (and its optimizer state) is a DTensor
 of the global shape over the ``ep`` mesh (replicas on other ``dp`` rows are deduplicated by DCP).
 
-Tested (``tests/test_expert_parallel.py``, CPU, gloo, 4 processes, dp 2 x ep 2 and ep 4, replicated and FSDP2,
-balanced / all rows to one rank / LoRA on the experts): three fp32 SGD steps leave every parameter bit-identical
-over its replica group and within 1.2e-7 of the 1-process run (losses 1.9e-6, biases bit-equal).
+Tested in ``tests/test_expert_parallel.py`` (CPU, gloo, 4 processes, dp 2 x ep 2 and ep 4, replicated and FSDP2,
+balanced / all rows to one rank / LoRA on the experts).
 
-Sources: transformers ``distributed/expert_parallel.py`` (``AllToAllEP``, ``MoEParamShard``), xtuner PR #2156,
-DeepSeek-V3 (§3.2 dispatch/combine), GShard (all-to-all dispatch), torch ``fully_shard``
-(``set_gradient_divide_factor``), torch.distributed.checkpoint.
+Sources (details in ``docs/design.md``, section "Expert parallelism"): transformers ``distributed/expert_parallel.py``
+(``AllToAllEP``, ``MoEParamShard``), xtuner's expert-parallel training, DeepSeek-V3 (§3.2 dispatch/combine), GShard
+(all-to-all dispatch), torch ``fully_shard`` (``set_gradient_divide_factor``), torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -276,8 +275,7 @@ def check_reduction_groups(model: nn.Module, plan: ExpertParallelPlan) -> None:
 
     Raises:
         ValueError: naming the first such parameter, its reduction group and its replica group (e.g. a non-expert
-            parameter left on the EP-only submesh: reduced over ``ep_ranks``, replicated on all ranks; xtuner PR
-            #2156).
+            parameter left on the EP-only submesh: reduced over ``ep_ranks``, replicated on all ranks).
     """
     if plan.world_size == 1:
         return
@@ -355,7 +353,7 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
             # sum, then divide by W after the reduce-scatter: a divide factor other than the mesh size is otherwise
             # a PREMUL_SUM reduction, which gloo does not have. Not on a 1-rank mesh: there torch 2.13's
             # foreach_reduce divides the copied gradient by the factor *and* post-divides it again when sum
-            # reductions are forced (gradients 1/W^2; measured: losses off from step 2 at EP=4).
+            # reductions are forced (gradients scaled by 1/W^2).
             experts.set_force_sum_reduction_for_comms(True)
     dense_mesh = plan.flat_mesh
     fsdp_plan = apply_fsdp2(model, mesh=dense_mesh, **fsdp_kwargs)

@@ -1,6 +1,6 @@
-"""Shapes and module set-up shared by the GPU tests (tests/test_gpu.py) and the GPU benchmark (scripts/bench_gpu.py,
-which puts this folder on ``sys.path``): the release's text sizes (model-spec §1), tiny sizes for CPU runs of the
-same code, realistic random weights and transformers' fp32-kept parameters."""
+"""Shapes and module set-up shared by the GPU benchmark (scripts/bench_gpu.py) and the GPU tests (tests/test_gpu.py;
+tests/conftest.py puts this folder on ``sys.path``): the release's text sizes, tiny sizes for CPU runs of the same
+code, realistic random weights and transformers' fp32-kept parameters."""
 
 from __future__ import annotations
 
