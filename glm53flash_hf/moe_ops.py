@@ -200,6 +200,8 @@ def _grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch's native grouped GEMM can run ``x @ w`` here."""
     if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False  # the native kernels refuse float64
     # The kernels need 16-byte multiples for every non-unit stride (forward and backward operands), i.e. for the
     # inner sizes K and N; the release sizes (4096, 2048) always qualify.
     size = w.element_size()
@@ -220,7 +222,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
     ``x [S, K]``, ``w [E, K, N]`` (any strides), same dtype; returns ``[S, N]``. Rows past ``offs[-1]`` are left
     unwritten. Uses ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on torch 2.9); where no native kernel
-    applies (CUDA below SM80, compiled non-bf16, K or N not a multiple of 16 bytes, unaligned torch-2.9 CPU
+    applies (float64, CUDA below SM80, compiled non-bf16, K or N not a multiple of 16 bytes, unaligned torch-2.9 CPU
     operands) it calls transformers' registered ``transformers::grouped_mm_fallback`` custom op (a per-expert loop
     with a hand-written backward). Differentiable w.r.t. ``x`` and ``w``.
     """
