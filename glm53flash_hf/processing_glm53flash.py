@@ -44,7 +44,6 @@ import copy
 import math
 import os
 import warnings
-from typing import Any
 
 import numpy as np
 from transformers.feature_extraction_utils import BatchFeature
@@ -59,13 +58,10 @@ from transformers.image_utils import (
 )
 from transformers.models.glm5_next.image_processing_pil_glm5_next import smart_resize
 from transformers.processing_utils import MultiModalData, ProcessorMixin, VideosKwargs
-from transformers.utils.chat_template_utils import render_jinja_template
 from transformers.video_processing_utils import VideoProcessorMixin
 from transformers.video_utils import VideoMetadata, is_valid_video, make_batched_metadata, make_batched_videos
 
 CHAT_TEMPLATE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja")
-
-IGNORE_INDEX = -100
 
 IMAGE_TOKEN = "<|image|>"
 VIDEO_TOKEN = "<|video|>"
@@ -114,13 +110,6 @@ def load_chat_template() -> str:
         )
     with open(CHAT_TEMPLATE_FILE, encoding="utf-8") as f:
         return f.read()
-
-
-def _none_if_empty(media):
-    """``None`` for ``None`` or an empty list/tuple, else ``media`` unchanged (arrays are never truth-tested)."""
-    if media is None or (isinstance(media, (list, tuple)) and len(media) == 0):
-        return None
-    return media
 
 
 def _positive_number(value) -> bool:
@@ -779,199 +768,6 @@ class Glm53FlashProcessor(ProcessorMixin):
                 pretrained_model_name_or_path, subfolder=subfolder, **kwargs
             )
         return [image_processor, tokenizer, video_processor]
-
-    # ---- SFT ------------------------------------------------------------------------------------------------
-
-    def build_sft_example(
-        self,
-        messages: list[dict],
-        *,
-        tools: list[dict] | None = None,
-        images: list | None = None,
-        videos: list | None = None,
-        video_metadata: list | None = None,
-        enable_thinking: bool = True,
-        reasoning_effort: str = "max",
-        clear_thinking: bool = False,
-        max_length: int | None = None,
-        sample_id: Any = None,
-        return_tensors: str | None = "pt",
-        **processor_kwargs,
-    ) -> BatchFeature:
-        """One supervised fine-tuning example from a conversation, with its training labels.
-
-        The conversation is rendered by the chat template with ``end_of_text_after_assistant=True`` (so the
-        text is the plain GLM rendering plus ``<|endoftext|>`` after every assistant turn that no user/tool
-        turn follows), placeholders are expanded, and the template's ``{% generation %}`` spans become the
-        trained tokens through the tokenizer's offset mappings. Trained: reasoning text and ``</think>``,
-        content, tool calls, that ``<|endoftext|>``, and the ``<|user|>`` / ``<|observation|>`` right after a
-        trained assistant turn (its stop target). Not trained: ``<think>``, every prompt token, assistant turns
-        with ``"loss": False``, and assistant turns whose reasoning the template drops
-        (``clear_thinking=True``, before the last user turn). With no (or empty) reasoning ``<think></think>``
-        is rendered and ``</think>`` is trained only when ``enable_thinking``.
-
-        Args:
-            messages: chat messages (``role`` system/user/assistant/tool; ``content`` str or blocks
-                ``{"type": "text"|"image"|"video", ...}``; assistant ``reasoning_content``, ``tool_calls``
-                with dict ``arguments``, optional ``loss``).
-            tools: tool schemas for the tools block.
-            images, videos: the media in order of appearance. When both are None, they are taken from the
-                content blocks (``{"type": "image", "image": PIL}``, ``{"type": "video", "video": frames}``).
-            video_metadata: one ``VideoMetadata``/dict per video (needed for frame sampling and timestamps).
-            enable_thinking, reasoning_effort, clear_thinking: template variables (see chat_template.jinja).
-            max_length: truncate to this many tokens. A cut through an image span
-                (``<|begin_of_image|>`` ... ``<|end_of_image|>``) or a video span (``<|begin_of_video|>`` ...
-                ``<|end_of_video|>``) raises; media wholly after the cut are dropped with their pixels.
-            sample_id: a name for the sample in error messages.
-            return_tensors: "pt" (default) for torch tensors, None for lists.
-            **processor_kwargs: passed to the image/video processors (e.g. ``do_sample_frames``).
-
-        Returns:
-            ``BatchFeature`` with 1-D ``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids`` (length
-            S) and, when media are present, ``pixel_values`` / ``image_grid_thw`` /
-            ``pixel_values_videos`` / ``video_grid_thw`` for the media kept.
-
-        Raises:
-            ValueError: a message without a role (names the sample, the message index and its keys); a
-                conversation without an assistant turn (names the sample and its roles); a truncation
-                through a visual span (names the sample, the lengths and the span); a visual placeholder inside a
-                trained span; marker/media count mismatches (from transformers).
-
-        Warns:
-            UserWarning: naming the sample, when no token is trained (assistant turns with ``loss: False``, or
-                cut off by ``max_length``).
-        """
-        name = f"sample {sample_id!r}" if sample_id is not None else "sample"
-        # transformers' normalisation (message objects to dicts, None values dropped: content=None is no content)
-        conversations, _ = self._normalize_conversations(messages) if messages else ([[]], False)
-        roles = [m.get("role") for m in conversations[0]]
-        for i, (message, role) in enumerate(zip(conversations[0], roles)):
-            if role is None:
-                raise ValueError(
-                    f"{name}: message {i} has no role (keys: {', '.join(message)}); expected role system, user, "
-                    "assistant or tool"
-                )
-        if "assistant" not in roles:
-            raise ValueError(
-                f"{name}: the conversation has no assistant turn (roles {roles}), so no token would be trained; an "
-                "SFT example needs at least one assistant message"
-            )
-        if images is None and videos is None:
-            batch_images, batch_videos, _, _ = self._multimodal_inputs_from_conversations(conversations, {}, False)
-            images, videos = batch_images[0], batch_videos[0]
-        rendered, generation = render_jinja_template(
-            conversations=conversations,
-            tools=tools,
-            chat_template=self._resolve_chat_template(None),
-            return_assistant_tokens_mask=True,
-            add_generation_prompt=False,
-            enable_thinking=enable_thinking,
-            reasoning_effort=reasoning_effort,
-            clear_thinking=clear_thinking,
-            end_of_text_after_assistant=True,
-            **self.tokenizer.special_tokens_map,
-        )
-        call_kwargs = dict(processor_kwargs)
-        if video_metadata is not None:
-            call_kwargs["video_metadata"] = video_metadata
-        out = self(
-            text=[rendered[0]],
-            images=_none_if_empty(images),
-            videos=_none_if_empty(videos),
-            add_special_tokens=False,
-            return_offsets_mapping=True,
-            return_text_replacement_offsets=True,
-            **call_kwargs,
-        )
-        out = self._adjust_assistant_masks_indices(out, generation)
-        input_ids = list(out["input_ids"][0])
-        trained = list(out.pop("assistant_masks")[0])
-        types = list(out["mm_token_type_ids"][0])
-        bad = [i for i, (m, t) in enumerate(zip(trained, types)) if m and t]
-        if bad:
-            raise ValueError(
-                f"{name}: {len(bad)} visual placeholder tokens (first at token {bad[0]}) lie inside a trained "
-                "assistant span; images/videos in trained assistant turns are not supported"
-            )
-        labels = [tid if m else IGNORE_INDEX for tid, m in zip(input_ids, trained)]
-
-        data = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        if max_length is not None and len(input_ids) > max_length:
-            keep_images, keep_videos = self._check_cut(input_ids, max_length, name)
-            input_ids, labels, types = input_ids[:max_length], labels[:max_length], types[:max_length]
-            data = self._keep_media(data, keep_images, keep_videos)
-        if all(label == IGNORE_INDEX for label in labels):
-            warnings.warn(
-                f"{name}: no trained token (every label is {IGNORE_INDEX}: the assistant turns have loss=False, "
-                f"their reasoning is cleared, or max_length={max_length} cuts them off)",
-                UserWarning,
-                stacklevel=2,
-            )
-        data.update(
-            input_ids=input_ids,
-            attention_mask=[1] * len(input_ids),
-            labels=labels,
-            mm_token_type_ids=types,
-        )
-        return BatchFeature(data=data, tensor_type=return_tensors)
-
-    def visual_spans(self, input_ids) -> list[tuple[str, int, int]]:
-        """``(kind, first, last)`` token positions (inclusive) of each image and video span in one id row.
-
-        An image span runs from ``<|begin_of_image|>`` to its ``<|end_of_image|>``; a video span from
-        ``<|begin_of_video|>`` to ``<|end_of_video|>`` (its per-tubelet image wrappers and timestamps inside).
-        An unclosed span ends at the last token.
-        """
-        ids = [int(i) for i in input_ids]
-        boi, eoi = self.token_ids[BEGIN_OF_IMAGE], self.token_ids[END_OF_IMAGE]
-        spans, open_kind, start = [], None, 0
-        for pos, tid in enumerate(ids):
-            if open_kind is None:
-                if tid == self.video_start_id:
-                    open_kind, start = "video", pos
-                elif tid == boi:
-                    open_kind, start = "image", pos
-            elif (open_kind == "video" and tid == self.video_end_id) or (open_kind == "image" and tid == eoi):
-                spans.append((open_kind, start, pos))
-                open_kind = None
-        if open_kind is not None:
-            spans.append((open_kind, start, len(ids) - 1))
-        return spans
-
-    def _check_cut(self, input_ids, max_length: int, name: str) -> tuple[int, int]:
-        """Number of images and videos wholly before a cut at ``max_length``; raises if the cut splits a span."""
-        keep_images = keep_videos = 0
-        for kind, first, last in self.visual_spans(input_ids):
-            if first < max_length <= last:
-                raise ValueError(
-                    f"{name}: truncating {len(input_ids)} tokens to max_length={max_length} cuts through the {kind} "
-                    f"span at tokens {first}..{last}; the placeholder count would no longer match the {kind} "
-                    "features. Raise max_length or drop the sample."
-                )
-            if last < max_length:
-                keep_images += kind == "image"
-                keep_videos += kind == "video"
-        return keep_images, keep_videos
-
-    @staticmethod
-    def _keep_media(data: dict, keep_images: int, keep_videos: int) -> dict:
-        """Keep the first ``keep_images`` images / ``keep_videos`` videos (grid rows and their pixel rows)."""
-        data = dict(data)
-        for pixels_key, grid_key, keep in (
-            ("pixel_values", "image_grid_thw", keep_images),
-            ("pixel_values_videos", "video_grid_thw", keep_videos),
-        ):
-            if grid_key not in data:
-                continue
-            grid = np.asarray(data[grid_key])
-            rows = int(np.prod(grid[:keep], axis=-1).sum()) if keep else 0
-            if keep == 0:
-                data.pop(grid_key)
-                data.pop(pixels_key, None)
-            else:
-                data[grid_key] = data[grid_key][:keep]
-                data[pixels_key] = data[pixels_key][:rows]
-        return data
 
 
 Glm53FlashProcessor.register_for_auto_class("AutoProcessor")

@@ -211,7 +211,7 @@ def build_sft_dataset(processor, samples: int, held_out: str = DEFAULT_HELD_OUT,
                       max_length: int = 512, answer_chars: int = 400, media: bool = True) -> list[dict]:
     """Tokenized SFT examples for the packing collator.
 
-    Each conversation of :func:`sft_conversations` goes through ``processor.build_sft_example`` with
+    Each conversation of :func:`sft_conversations` goes through :func:`glm53flash_hf.train.sft.build_sft_example` with
     ``enable_thinking=False`` (prompt ``...<|assistant|><think></think>``, as generation with thinking off) and
     ``max_length`` truncation.
 
@@ -224,11 +224,13 @@ def build_sft_dataset(processor, samples: int, held_out: str = DEFAULT_HELD_OUT,
         ValueError: a sample with no trained token left after truncation (raise ``max_length``), and the errors
             of :func:`sft_conversations` / ``build_sft_example``.
     """
+    from glm53flash_hf.train.sft import build_sft_example
+
     examples = []
     for conv in sft_conversations(samples, held_out, seed, answer_chars, media):
-        example = processor.build_sft_example(
-            conv["messages"], images=conv["images"], videos=conv["videos"], video_metadata=conv["video_metadata"],
-            enable_thinking=False, max_length=max_length, sample_id=conv["name"],
+        example = build_sft_example(
+            processor, conv["messages"], images=conv["images"], videos=conv["videos"],
+            video_metadata=conv["video_metadata"], enable_thinking=False, max_length=max_length, sample_id=conv["name"],
         )
         example = {k: v for k, v in example.items() if k != "attention_mask"}
         if int((example["labels"] != IGNORE_INDEX).sum()) == 0:

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
-IGNORE_INDEX = -100
+from .sft import IGNORE_INDEX
+
 _VISUAL = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
 
 

@@ -37,7 +37,7 @@ import re
 import torch
 from transformers import Trainer, TrainerCallback
 
-IGNORE_INDEX = -100
+from .sft import IGNORE_INDEX
 
 ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
 
