@@ -335,13 +335,10 @@ class CheckpointInfo:
     """What :func:`inspect_checkpoint` read from a local folder's safetensors headers.
 
     Attributes:
-        folder: the folder.
-        weight_map: ``{tensor name: shard file name}``.
-        dtypes: ``{tensor name: safetensors dtype string}`` (``"BF16"``, ``"F8_E4M3"``, …).
-        shapes: ``{tensor name: shape list}``.
-        quantization_config: the config's ``quantization_config`` dict or None.
-        fp8_weights: names of the FP8 tensors.
-        non_float: sorted names of the integer or bool tensors.
+        folder: the folder. weight_map: ``{tensor name: shard file name}``.
+        dtypes / shapes: ``{tensor name: safetensors dtype string / shape list}``.
+        quantization_config: the config's ``quantization_config`` or None.
+        fp8_weights: names of the FP8 tensors. non_float: sorted names of the integer or bool tensors.
     """
 
     folder: str
@@ -555,16 +552,11 @@ def check_config_matches_checkpoint(
     allow_unexpected: bool = False,
     allow_mismatched: bool = False,
 ) -> None:
-    """Check the text config's sizes against the safetensors headers of ``ckpt`` before the model is built.
-
-    Checks layer indices (``0 .. num_hidden_layers + num_nextn_predict_layers - 1``), the experts of every MoE layer
-    (``0 .. n_routed_experts - 1``) and the shapes of embeddings, head, norms, MLPs, experts and router. Text keys are
-    read under any prefix of :data:`TEXT_PREFIXES`.
+    """Check the text config's sizes (``fields``, :func:`text_size_fields`) against ``ckpt``'s headers before the model
+    is built: layer indices, experts per MoE layer, and the shapes of embeddings, head, norms, MLPs, experts, router.
 
     Args:
-        ckpt: :func:`inspect_checkpoint`'s result.
-        fields: :func:`text_size_fields`'s result.
-        allow_missing / allow_unexpected / allow_mismatched: as for :func:`strict_load_report` (warn instead).
+        allow_missing / allow_unexpected / allow_mismatched: as for :func:`strict_load_report`.
 
     Raises:
         ValueError: naming the config field, its value and what the checkpoint holds (the key and its file).
@@ -671,13 +663,11 @@ def strict_load_report(
 
     Args:
         model: the loaded model.
-        info: ``from_pretrained(..., output_loading_info=True)``'s dict (``missing_keys``, ``unexpected_keys``,
-            ``mismatched_keys``, ``error_msgs``).
-        allow_missing / allow_unexpected / allow_mismatched: turn the error into a warning.
+        info: ``from_pretrained(..., output_loading_info=True)``'s dict.
+        allow_missing / allow_unexpected / allow_mismatched: warn instead.
 
     Raises:
-        ValueError: listing the first 20 keys and the count, for missing keys, unexpected keys, or shape
-            mismatches (key, checkpoint shape, model shape).
+        ValueError: listing the first 20 keys and the count, for missing, unexpected or shape-mismatched keys.
     """
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
@@ -725,17 +715,12 @@ def strict_load_report(
 
 
 def nonfinite_tensors(named_tensors, chunk: int = 1 << 24) -> list[str]:
-    """Describe the floating-point tensors of ``named_tensors`` that hold NaN or Inf values.
+    """Describe the floating-point tensors of ``named_tensors`` (``(name, tensor)`` pairs) that hold NaN or Inf.
 
-    Tensors are read in ``chunk``-element pieces; a ``DTensor`` is checked on this process's shard; meta, empty,
-    non-floating tensors and non-tensor entries are skipped.
-
-    Args:
-        named_tensors: iterable of ``(name, tensor)``.
-        chunk: elements read at a time.
+    Read ``chunk`` elements at a time; DTensors on this process's shard; meta, empty and non-float tensors skipped.
 
     Returns:
-        ``["name (n NaN, m Inf; first at index (i, j, ...))", ...]`` in the order given; ``[]`` when all are finite.
+        ``["name (n NaN, m Inf; first at index (i, j, ...))", ...]`` in order; ``[]`` when all are finite.
     """
     bad = []
     for name, tensor in named_tensors:
@@ -771,16 +756,10 @@ def _listing_bad(bad: list[str], limit: int = 10) -> str:
 
 
 def check_finite_weights(model, source, *, allow: bool = False) -> None:
-    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf values (:func:`nonfinite_tensors`).
-
-    Args:
-        model: the loaded model.
-        source: what was loaded (named in the message).
-        allow: warn instead (``allow_nonfinite_weights=True``).
+    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf (``allow``: warn instead).
 
     Raises:
-        ValueError: naming the source, the count and, for the first 10, the parameter, its NaN/Inf counts and the
-            index of the first.
+        ValueError: naming ``source``, the count and the first 10 tensors with their NaN/Inf counts.
     """
     bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
     if bad:
@@ -1147,20 +1126,18 @@ def _journal_save(target: str, write=None, staged: str | None = None) -> None:
 def atomic_save(save_directory, write) -> str:
     """Write a folder with ``write(tmp)`` and swap it in at ``save_directory`` only when ``write`` returned.
 
-    At every instant ``save_directory`` holds the complete old or the complete new folder, also across ``kill -9``
-    (not across power loss). Entries of the old folder that are not checkpoint files (:func:`replaced_by_save`) are
-    kept. A symbolic link to a folder is resolved and kept.
+    ``save_directory`` always holds the complete old or new folder, also across ``kill -9`` (not power loss); the old
+    folder's non-checkpoint entries (:func:`replaced_by_save`) are kept; a symbolic link to a folder is kept.
 
     Args:
         save_directory: the folder to (re)write; its parent is created when missing.
-        write: ``write(tmp: str)`` writes the complete content into the empty folder ``tmp``.
+        write: ``write(tmp: str)`` fills the empty folder ``tmp``.
 
     Returns:
         The absolute path of the folder written.
 
     Raises:
-        ValueError: ``save_directory`` is an existing file.
-        Whatever ``write`` raises (the previous folder is left as it was).
+        ValueError: ``save_directory`` is an existing file; whatever ``write`` raises (the old folder is kept).
     """
     import errno
     import tempfile
@@ -1221,11 +1198,7 @@ def atomic_save(save_directory, write) -> str:
 
 
 def check_finite_for_save(state_dict, owner: str) -> None:
-    """Refuse to save NaN or Inf values (:func:`nonfinite_tensors`).
-
-    Args:
-        state_dict: ``{name: tensor}``.
-        owner: what the tensors belong to, for the message.
+    """Refuse to save NaN or Inf values of ``state_dict`` (``owner`` names them in the message).
 
     Raises:
         ValueError: naming the count, the first 10 tensors and ``allow_nonfinite_weights=True``.

@@ -52,34 +52,29 @@ class _Sample:
 class Glm53FlashPackingCollator(DataCollatorWithFlattening):
     """Pack SFT samples (:func:`glm53flash_hf.train.sft.build_sft_example`) into rows of at most ``max_length`` tokens.
 
-    Samples are placed first fit in sample order (:meth:`plan`); rows are right-padded to the longest row, each
-    padding run a segment of its own (``labels`` -100, ``mm_token_type_ids`` 0, ``input_ids`` = ``pad_token_id``).
-
     Args:
-        max_length: the most tokens per row; None puts the whole batch into one row (no padding).
-        pad_token_id: id written at padding positions.
-        pad_to_multiple_of: round the row length up to a multiple of this (with ``max_length``, capped at it).
+        max_length: the most tokens per row; None: one row, no padding.
+        pad_token_id: id written at padding positions (each padding run is a segment of its own, labels -100).
+        pad_to_multiple_of: round the row length up to a multiple of this (capped at ``max_length``).
         pad_to_max_length: make every row exactly ``max_length`` tokens long.
-        return_seq_idx: also return ``seq_idx`` (int32 ``[R, L]``, the global segment index of every token).
-        separator_id: label written at the first token of every sample (default -100).
+        return_seq_idx: also return ``seq_idx`` (int32 ``[R, L]`` segment index per token).
+        separator_id: label of the first token of every sample (default -100).
 
-    Call: ``collator(features)``, each feature with 1-D ``input_ids``, optional ``labels`` / ``mm_token_type_ids``
-    (same length), an all-ones ``attention_mask``, and optionally ``pixel_values`` + ``image_grid_thw`` /
-    ``pixel_values_videos`` + ``video_grid_thw``. Empty samples are dropped.
+    Call ``collator(features)``: 1-D ``input_ids``, optional ``labels`` / ``mm_token_type_ids`` of the same length, an
+    all-ones ``attention_mask``, optional ``pixel_values`` + ``image_grid_thw`` / ``pixel_values_videos`` +
+    ``video_grid_thw``; empty samples are dropped.
 
     Returns:
-        dict with long ``[R, L]`` ``input_ids``, ``labels``, ``position_ids``, ``mm_token_type_ids``;
-        ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32 ``[N + 1]`` (samples plus padding runs, ``[0, ..., R * L]``);
-        ``max_length_q`` / ``max_length_k`` (int); optionally ``seq_idx``; and the visual tensors concatenated in the
-        order their placeholders appear in the flattened rows.
+        dict of long ``[R, L]`` ``input_ids``, ``labels``, ``position_ids``, ``mm_token_type_ids``; int32
+        ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[N + 1]``; int ``max_length_q`` / ``max_length_k``; optional
+        ``seq_idx``; the visual tensors in the order of their placeholders.
 
     Warns:
-        UserWarning: naming the samples that have no trained label.
+        UserWarning: naming the samples without a trained label.
 
     Raises:
-        ValueError: a sample longer than ``max_length`` (names its index and both lengths); ``labels`` or
-            ``mm_token_type_ids`` of another length; an ``attention_mask`` with zeros; pixels and grid that do not
-            match; every sample empty; ``return_tensors`` other than ``"pt"``.
+        ValueError: a sample longer than ``max_length``; lengths or pixels/grids that do not match; an
+            ``attention_mask`` with zeros; every sample empty; ``return_tensors`` other than ``"pt"``.
     """
 
     def __init__(

@@ -150,20 +150,17 @@ def shard_fp32_kept_units(
     """Shard the fp32 anchor units and the ``param_dtype`` units nested in them (call before ``accelerator.prepare``).
 
     Args:
-        model: a model with fp32 trainable parameters, not yet sharded.
-        mesh: 1-D ``DeviceMesh`` (default: all ranks of the default process group on the current accelerator).
-        param_dtype: ``torch.bfloat16`` or ``torch.float16``.
-        reduce_dtype: gradient reduce-scatter dtype.
+        model: unsharded, fp32 trainable parameters. mesh: 1-D ``DeviceMesh`` (default: the default group).
+        param_dtype: bf16 or fp16. reduce_dtype: gradient reduction dtype.
         reshard_after_forward: as ``fully_shard``'s.
 
     Returns:
-        :class:`Fsdp2Plan` with ``fp32_units``, ``low_precision_units``, ``fp32_parameters`` and
-        ``extra_fp32_parameters`` filled.
+        :class:`Fsdp2Plan` (blocks empty).
 
     Raises:
-        ValueError: ``param_dtype`` not bf16/fp16; a trainable parameter that is not fp32 (naming it); an fp32-kept
-            parameter outside every :data:`FP32_ANCHOR_CLASSES` module (naming it); nested anchors; an anchor that
-            is already an FSDP unit.
+        ValueError: ``param_dtype`` not bf16/fp16; a non-fp32 trainable parameter; an fp32-kept parameter outside every
+            :data:`FP32_ANCHOR_CLASSES` module; nested anchors; an anchor already sharded (each naming the parameter
+            or module).
         RuntimeError: no process group and no ``mesh``.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -223,15 +220,14 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
 ) -> Fsdp2Plan:
-    """Shard ``model`` in place with FSDP2: fp32 units (low-precision ``param_dtype`` only), one unit per
-    ``_no_split_modules`` block, then the root; every parameter becomes a ``Shard(0)`` ``DTensor`` on ``mesh``.
+    """Shard ``model`` in place with FSDP2 (fp32 units under a low-precision ``param_dtype``, one unit per
+    ``_no_split_modules`` block, then the root); parameters become ``Shard(0)`` DTensors on ``mesh``.
 
     Args:
-        model: the model (trainable parameters in one dtype; fp32 when ``param_dtype`` is bf16/fp16).
-        mesh: 1-D ``DeviceMesh`` (default: the default process group on the current accelerator, else CPU).
-        param_dtype: compute dtype of the non-fp32-kept parameters (``None``: the masters' dtype).
-        reduce_dtype: gradient reduction dtype.
-        reshard_after_forward: free the unsharded parameters of blocks after their forward.
+        model: trainable parameters in one dtype (fp32 under bf16/fp16). mesh: 1-D ``DeviceMesh`` (default: the
+            default group on the current accelerator).
+        param_dtype: compute dtype (``None``: the masters'). reduce_dtype: gradient reduction dtype.
+        reshard_after_forward: free the blocks' unsharded parameters after their forward.
 
     Returns:
         :class:`Fsdp2Plan`.

@@ -1,15 +1,8 @@
-"""Expert parallelism (EP) for GLM-5.3-Flash training: routed experts sharded by expert index over the ``"ep"``
-dimension of a ``DeviceMesh``, token dispatch / combine by all-to-all, and gradient reduction over exactly each
-parameter's replica group.
+"""Expert parallelism (EP) for GLM-5.3-Flash training: routed experts sharded over the ``"ep"`` dimension of a
+``(dp, ep)`` ``DeviceMesh``, all-to-all dispatch / combine, gradients reduced over each parameter's replica group.
 
-Mesh ``init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))``, world ``W = dp * ep``. Each MoE block's
-``experts`` keep the ``E / ep`` experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``; everything else is replicated
-(or FSDP2-sharded) over all ranks. Every rank backpropagates ``loss_r * W`` (the Trainer's convention); a
-gradient is summed over the parameter's replica group and divided by ``W``.
-
-Sources: transformers ``distributed/expert_parallel.py`` (``AllToAllEP``), DeepSeek-V3 technical report §3.2
-(dispatch/combine), GShard (all-to-all dispatch), torch ``fully_shard`` (``set_gradient_divide_factor``),
-``torch.distributed.checkpoint``.
+Sources: transformers ``distributed/expert_parallel.py`` (``AllToAllEP``), DeepSeek-V3 technical report §3.2,
+GShard, torch ``fully_shard`` (``set_gradient_divide_factor``), ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -146,22 +139,20 @@ def find_moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
-    """Shard the routed experts of every MoE block of ``model`` over ``mesh["ep"]`` in place and install
-    :class:`ExpertDispatcher` as ``moe.expert_parallel``; call it on the full model, before PEFT and FSDP.
-
-    Each ``experts`` keeps ``gate_up_proj [E/ep, 2I, H]`` and ``down_proj [E/ep, H, I]`` of its slice
-    (``num_experts`` = ``E/ep``; ``expert_offset`` and ``num_global_experts`` record the slice).
+    """Shard the routed experts of every MoE block over ``mesh["ep"]`` in place (each keeps ``E/ep`` experts:
+    ``gate_up_proj [E/ep, 2I, H]``, ``down_proj [E/ep, H, I]``) and install :class:`ExpertDispatcher`; call it on the
+    full model, before PEFT and FSDP.
 
     Args:
         model: any ``nn.Module`` containing ``Glm53FlashMoE`` blocks.
-        mesh: ``DeviceMesh`` with ``mesh_dim_names`` ``("dp", "ep")`` covering the process group (``dp`` may be 1).
+        mesh: ``DeviceMesh`` with ``mesh_dim_names`` ``("dp", "ep")`` covering the process group.
 
     Returns:
         :class:`ExpertParallelPlan` (``reduction_groups`` empty).
 
     Raises:
-        ValueError: a mesh without those dimension names; ``n_routed_experts`` not divisible by the ep size (naming
-            both); no MoE block; experts already sharded or wrapped (e.g. by PEFT).
+        ValueError: a mesh without those dimensions; ``n_routed_experts`` not divisible by the ep size; no MoE block;
+            experts already sharded or wrapped.
     """
     dp_size, ep_size, dp_rank, ep_rank = _mesh_sizes(mesh)
     blocks = find_moe_blocks(model)
@@ -263,20 +254,16 @@ def reduce_gradients(model: nn.Module, plan: ExpertParallelPlan) -> None:
 
 
 def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
-    """FSDP2 under EP: each MoE block's ``experts`` (with PEFT wrappers) becomes a unit on the ``dp`` mesh with gradient
-    divide factor ``W``; the rest is sharded by :func:`glm53flash_hf.train.distributed.apply_fsdp2` over all ranks;
-    then :func:`check_reduction_groups`.
+    """FSDP2 under EP: each ``experts`` (with PEFT wrappers) a unit on the ``dp`` mesh with divide factor ``W``, the
+    rest
+    by :func:`glm53flash_hf.train.distributed.apply_fsdp2` over all ranks; then :func:`check_reduction_groups`.
 
     Args:
-        model: the model after :func:`apply_expert_parallel` (and PEFT, if any).
-        plan: its plan.
-        **fsdp_kwargs: ``param_dtype`` / ``reduce_dtype`` / ``reshard_after_forward`` of ``apply_fsdp2``.
+        model: after :func:`apply_expert_parallel` (and PEFT). plan: its plan.
+        **fsdp_kwargs: ``param_dtype`` / ``reduce_dtype`` / ``reshard_after_forward``.
 
     Returns:
         the :class:`glm53flash_hf.train.distributed.Fsdp2Plan` of the non-expert units.
-
-    Raises:
-        ValueError: see :func:`check_reduction_groups` and ``apply_fsdp2``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -308,15 +295,8 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
 
 @torch.no_grad()
 def clip_grad_norm_ep(model: nn.Module, plan: ExpertParallelPlan, max_norm: float) -> torch.Tensor:
-    """Global gradient 2-norm under EP (every element counted once, fp64 squares, one all-reduce) and clipping to
-    ``max_norm``; collective, after the gradients are reduced.
-
-    Args:
-        model, plan: as after :func:`apply_fsdp2_ep` / :func:`replicate_reduction_groups`.
-        max_norm: clip threshold; ``inf`` or ``<= 0`` only measures.
-
-    Returns:
-        fp32 scalar: the norm before clipping, the same on every rank.
+    """Global gradient 2-norm under EP (each element once, fp64 squares, one all-reduce), clipped to ``max_norm``
+    (``inf`` or ``<= 0``: measure only); collective, after reduction. Returns the fp32 norm before clipping.
 
     Raises:
         ValueError: a gradient DTensor with a ``Replicate`` placement.

@@ -33,36 +33,31 @@ def build_sft_example(
 ) -> BatchFeature:
     """One SFT example from a conversation: model inputs and ``labels`` (-100 outside the trained spans).
 
-    The chat template renders with ``end_of_text_after_assistant=True``; its ``{% generation %}`` spans are the
-    trained tokens: reasoning and ``</think>``, content, tool calls, the ``<|endoftext|>`` after a final assistant
-    turn, and the ``<|user|>`` / ``<|observation|>`` right after a trained assistant turn. Not trained:
-    ``<think>``, prompt tokens, assistant turns with ``"loss": False`` or whose reasoning the template clears.
+    Trained: the chat template's ``{% generation %}`` spans (reasoning and ``</think>``, content, tool calls, the final
+    ``<|endoftext|>``, the ``<|user|>`` / ``<|observation|>`` after a trained turn), except assistant turns with
+    ``"loss": False`` or whose reasoning the template clears.
 
     Args:
         processor: a :class:`~glm53flash_hf.processing_glm53flash.Glm53FlashProcessor`.
-        messages: chat messages (``role`` system/user/assistant/tool; ``content`` str or blocks
-            ``{"type": "text"|"image"|"video", ...}``; assistant ``reasoning_content``, ``tool_calls`` with dict
-            ``arguments``, optional ``loss``).
-        tools: tool schemas for the tools block.
-        images, videos: the media in order of appearance; when both are None, taken from the content blocks.
+        messages: chat messages (``role``, ``content`` str or ``{"type": "text"|"image"|"video", ...}`` blocks;
+            assistant ``reasoning_content``, ``tool_calls``, ``loss``).
+        tools: tool schemas. images, videos: the media in order (default: from the content blocks).
         video_metadata: one ``VideoMetadata``/dict per video.
-        enable_thinking, reasoning_effort, clear_thinking: template variables (``chat_template.jinja``).
-        max_length: truncate to this many tokens; media wholly after the cut are dropped with their pixels.
-        sample_id: a name for the sample in error messages.
-        return_tensors: "pt" for torch tensors, None for lists.
-        **processor_kwargs: passed to the image/video processors (e.g. ``do_sample_frames``).
+        enable_thinking, reasoning_effort, clear_thinking: template variables.
+        max_length: truncate to this many tokens (media wholly after the cut are dropped).
+        sample_id: the sample's name in messages. return_tensors: "pt" or None (lists).
+        **processor_kwargs: passed to the image/video processors.
 
     Returns:
-        ``BatchFeature`` with 1-D ``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids`` (length S)
-        and, for the media kept, ``pixel_values`` / ``image_grid_thw`` / ``pixel_values_videos`` /
-        ``video_grid_thw``.
+        ``BatchFeature`` with 1-D ``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids`` and the kept
+        media's ``pixel_values`` / ``image_grid_thw`` / ``pixel_values_videos`` / ``video_grid_thw``.
 
     Raises:
-        ValueError: a message without a role; no assistant turn; ``max_length`` cutting through an image or video
-            span; a visual placeholder inside a trained span; marker/media count mismatches (transformers).
+        ValueError: a message without a role; no assistant turn; ``max_length`` cutting a visual span; a visual
+            placeholder in a trained span; marker/media count mismatches.
 
     Warns:
-        UserWarning: naming the sample, when no token is trained.
+        UserWarning: no token is trained.
     """
     name = f"sample {sample_id!r}" if sample_id is not None else "sample"
     # transformers' normalisation (message objects to dicts, None values dropped: content=None is no content)
@@ -140,10 +135,8 @@ def build_sft_example(
 
 
 def visual_spans(processor, input_ids) -> list[tuple[str, int, int]]:
-    """``(kind, first, last)`` token positions (inclusive) of each image and video span in one id row.
-
-    An image span runs from ``<|begin_of_image|>`` to its ``<|end_of_image|>``, a video span from
-    ``<|begin_of_video|>`` to ``<|end_of_video|>``; an unclosed span ends at the last token.
+    """``(kind, first, last)`` inclusive token positions of each image / video span in one id row (unclosed: to the
+    end).
     """
     ids = [int(i) for i in input_ids]
     boi, eoi = processor.token_ids[BEGIN_OF_IMAGE], processor.token_ids[END_OF_IMAGE]

@@ -56,21 +56,16 @@ def default_lora_config(
     experts: bool = True,
     **kwargs,
 ):
-    """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (text or VL classes), the vision tower excluded.
+    """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (``task_type="CAUSAL_LM"``, no dropout, no bias, vision excluded).
 
     Args:
-        r: LoRA rank (one rank-``r`` pair per expert for the experts).
-        lora_alpha: scaling numerator (``scaling = lora_alpha / r``); default ``2 * r``.
-        target_modules: ``nn.Linear`` leaf names (default :data:`DEFAULT_TARGET_MODULES`); ``None`` or empty adapts
-            only the experts.
-        experts: add :data:`EXPERT_TARGET_PARAMETERS` (``gate_up_proj`` / ``down_proj``) as ``target_parameters``.
-        **kwargs: passed on to ``LoraConfig``; they override the defaults.
-
-    Returns:
-        ``LoraConfig`` with ``task_type="CAUSAL_LM"``, ``lora_dropout=0.0``, ``bias="none"``.
+        r: LoRA rank (per expert for the experts). lora_alpha: default ``2 * r``.
+        target_modules: ``nn.Linear`` leaf names (default :data:`DEFAULT_TARGET_MODULES`); empty: experts only.
+        experts: adapt :data:`EXPERT_TARGET_PARAMETERS` (``target_parameters``).
+        **kwargs: override the ``LoraConfig`` defaults.
 
     Raises:
-        ValueError: ``r < 1``, or nothing to adapt (no ``target_modules`` and ``experts=False``).
+        ValueError: ``r < 1``, or nothing to adapt.
     """
     from peft import LoraConfig
 
@@ -105,20 +100,18 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 class AuxLossFreeBalancingCallback(TrainerCallback):
-    """Aux-loss-free MoE load balancing (DeepSeek-V3 §2.1.2) for ``transformers.Trainer``.
-
-    Per optimizer step and router: ``load[e]`` = routing assignments to expert ``e`` over the step's training forwards
-    (summed over ranks when ``torch.distributed`` is initialised); then ``bias += speed * sign(load.mean() - load)``
-    in fp32. Eval-mode forwards are not counted.
+    """Aux-loss-free MoE load balancing (DeepSeek-V3 §2.1.2) for ``transformers.Trainer``: per optimizer step and
+    router,
+    ``bias += speed * sign(load.mean() - load)`` (fp32) from the step's training routing counts (summed over ranks).
 
     Args:
-        speed: update step ``gamma`` (finite, >= 0). ``0.0`` (default): no hooks, no updates.
+        speed: update step ``gamma`` (finite, >= 0; 0: no hooks, no updates).
 
     Attributes:
         last_loads: ``{router name: float32 [E]}`` loads of the last completed step.
 
     Raises:
-        ValueError: negative or non-finite ``speed``; at train begin, ``speed > 0`` but the model has no MoE router.
+        ValueError: negative or non-finite ``speed``; ``speed > 0`` and no MoE router at train begin.
     """
 
     def __init__(self, speed: float = 0.0):
@@ -258,25 +251,20 @@ def _set_sp_group(model, group) -> None:
 
 
 class Glm53FlashTrainer(Trainer):
-    """``transformers.Trainer`` for GLM-5.3-Flash causal-LM / VL fine-tuning.
-
-    Adds: ``mtp_loss`` in the logs (this process's value); :attr:`trained_tokens` (positions with
-    ``input_ids != pad`` or a trained label); ``mtp=False`` passed to the model when ``mtp`` is off; a
-    ``FloatingPointError`` on a non-finite loss or gradient norm; checkpoints written atomically
-    (:meth:`_save_checkpoint`) and read back through ``from_pretrained`` (:meth:`_load_saved_weights`); sequence
-    parallelism: each training step runs the group's ``N`` micro-batches (:func:`sp_micro_batches`), each rank on its
-    shard (:func:`glm53flash_hf.sequence_parallel.shard_sequence`).
+    """``transformers.Trainer`` for GLM-5.3-Flash fine-tuning: ``mtp_loss`` in the logs, :attr:`trained_tokens`, a stop
+    on
+    non-finite losses or gradient norms, atomic checkpoints read back through ``from_pretrained``, and sequence
+    parallelism (:func:`sp_micro_batches`).
 
     Args:
-        pad_token_id: the tokenizer's padding id (int).
-        mtp: train with the model's MTP loss.
-        sp_mesh: optional ``DeviceMesh`` with an ``"sp"`` dimension; sequence_parallel_size: optional int (``1``:
-            off), builds the mesh when ``sp_mesh`` is not given.
+        pad_token_id: the tokenizer's padding id.
+        mtp: train with the model's MTP loss (else ``mtp=False`` is passed to the model).
+        sp_mesh: optional ``DeviceMesh`` with an ``"sp"`` dimension; sequence_parallel_size: builds it (``1``: off).
         *args, **kwargs: ``transformers.Trainer``'s.
 
     Raises:
-        ValueError: ``sequence_parallel_size`` does not divide the world size, or is > 1 without a process group;
-            an SP mesh of several processes while the Trainer is not in distributed mode.
+        ValueError: ``sequence_parallel_size`` not dividing the world size or without a process group; an SP mesh of
+            several processes outside distributed mode.
         FloatingPointError: during training, a non-finite loss or gradient norm (names the step and the value).
     """
 
