@@ -349,8 +349,7 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         return target_h, target_w, content_h, content_w
 
     def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs=None) -> int:
-        """Vision-tower patches (``t * h * w``, before the merge) of a sampled clip; ``videos_kwargs`` override sizes.
-        """
+        """Vision-tower patches (``t * h * w``, before the merge) of a sampled clip (``videos_kwargs`` override)."""
         kw = videos_kwargs or {}
         patch = kw.get("patch_size") or self.patch_size
         merge = kw.get("merge_size") or self.merge_size

@@ -15,7 +15,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = (128, 128)
 
-# Published-key suffixes quantized in the FP8 release (see the module docstring).
+# Published-key suffixes quantized in the FP8 release.
 FP8_KEY_PATTERNS = (
     r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$",
     r"\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$",
