@@ -135,8 +135,7 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
 
     def check_special_token_ids(self) -> None:
         """Check that ``pad_token_id`` / ``bos_token_id`` are ``None`` or ids in ``[0, vocab_size)`` and
-        ``eos_token_id`` is
-        ``None``, such an id or a list of them.
+        ``eos_token_id`` is ``None``, such an id or a list of them.
 
         Raises:
             ValueError: naming the field, its value and ``vocab_size``.

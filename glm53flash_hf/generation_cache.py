@@ -317,8 +317,7 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` recorded tokens (conv window and recurrent state); ``crop(0)`` shrinks
-        the
-        conv window back to ``W``.
+        the conv window back to ``W``.
 
         Raises:
             RuntimeError: not recording, a positive argument, or more tokens removed than recorded since the last crop.

@@ -198,8 +198,7 @@ def module_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
 
 def module_op(name: str, call: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> Callable:
     """Register ``call(module, x, aux)`` (one tensor out) as the custom op ``glm53flash::<name>``, differentiable in
-    ``x``
-    and the module's parameters, with a recomputing backward.
+    ``x`` and the module's parameters, with a recomputing backward.
 
     Call the op as ``op(x, aux, module_parameters(module), register_module(module))``; ``aux`` is a
     non-differentiable tensor; ``fake(module, x, aux)`` gives the output's shape and dtype.

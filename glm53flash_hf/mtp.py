@@ -16,8 +16,7 @@ from .packing import DocumentLayout
 
 def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> torch.Tensor:
     """Roll ``x`` left by ``shift`` inside each segment of ``layout``: ``out[b, t] = x[b, t + shift]`` within the
-    segment,
-    else ``fill``.
+    segment, else ``fill``.
 
     Args:
         x: ``[B, S]`` or ``[B, S, ...]`` (ids, labels or embeddings).

@@ -110,8 +110,7 @@ def is_code_file(name: str) -> bool:
 
 def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """``(relative path, "link" | "copy")`` for every non-hidden, non-code file under ``src`` but ``skip_names``, and
-    the
-    code files' relative paths.
+    the code files' relative paths.
     """
     plan, code = [], []
     for root, dirs, files in os.walk(src, followlinks=True):

@@ -10,8 +10,7 @@ Token layout: the BPE vocabulary fills ids ``0 .. P-1``, ``P`` being the config'
 tokens follow in the order of :data:`SPECIAL_TOKENS`: ``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``,
 ``<|observation|>`` = ``P+9`` (the three EOS ids), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` =
 ``P+16``, ``<|video|>`` = ``P+17``. Every id in the config is checked against the tokenizer. ``--fp8`` stores the
-tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` plus
-``<key>_scale_inv``.
+tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` plus ``<key>_scale_inv``.
 """
 
 from __future__ import annotations
@@ -162,8 +161,7 @@ def check_token_ids(config, tokenizer) -> None:
 
 def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
     """Save ``tokenizer`` with transformers: ``<|endoftext|>`` as EOS and pad, left padding, ``model_max_length``, the
-    GLM
-    special tokens as extra special tokens.
+    GLM special tokens as extra special tokens.
     """
     from transformers import PreTrainedTokenizerFast
 

@@ -20,8 +20,7 @@ RELOAD_MARKER = "GLM53FLASH_RELOAD_RESULT "
 
 def reload_check(out: str, question: str, max_new_tokens: int = 48) -> dict:
     """Load ``out`` as a new user would (offline, Auto classes, CPU, float32) and answer ``question`` (causal LM) and
-    the
-    :data:`PROBE_PHOTO` image prompt (VL model); with an MTP layer also with ``generate(use_mtp=True)``.
+    the :data:`PROBE_PHOTO` image prompt (VL model); with an MTP layer also with ``generate(use_mtp=True)``.
 
     Returns:
         ``{"text_class", "vl_class", "processor_class"}`` (qualified class names), ``"text_answer"``,

@@ -255,8 +255,7 @@ def reduce_gradients(model: nn.Module, plan: ExpertParallelPlan) -> None:
 
 def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
     """FSDP2 under EP: each ``experts`` (with PEFT wrappers) a unit on the ``dp`` mesh with divide factor ``W``, the
-    rest
-    by :func:`glm53flash_hf.train.distributed.apply_fsdp2` over all ranks; then :func:`check_reduction_groups`.
+    rest by :func:`glm53flash_hf.train.distributed.apply_fsdp2` over all ranks; then :func:`check_reduction_groups`.
 
     Args:
         model: after :func:`apply_expert_parallel` (and PEFT). plan: its plan.

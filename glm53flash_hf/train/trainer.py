@@ -101,8 +101,8 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 class AuxLossFreeBalancingCallback(TrainerCallback):
     """Aux-loss-free MoE load balancing (DeepSeek-V3 §2.1.2) for ``transformers.Trainer``: per optimizer step and
-    router,
-    ``bias += speed * sign(load.mean() - load)`` (fp32) from the step's training routing counts (summed over ranks).
+    router, ``bias += speed * sign(load.mean() - load)`` (fp32) from the step's training routing counts (summed over
+    ranks).
 
     Args:
         speed: update step ``gamma`` (finite, >= 0; 0: no hooks, no updates).
@@ -252,8 +252,7 @@ def _set_sp_group(model, group) -> None:
 
 class Glm53FlashTrainer(Trainer):
     """``transformers.Trainer`` for GLM-5.3-Flash fine-tuning: ``mtp_loss`` in the logs, :attr:`trained_tokens`, a stop
-    on
-    non-finite losses or gradient norms, atomic checkpoints read back through ``from_pretrained``, and sequence
+    on non-finite losses or gradient norms, atomic checkpoints read back through ``from_pretrained``, and sequence
     parallelism (:func:`sp_micro_batches`).
 
     Args:
@@ -349,8 +348,7 @@ class Glm53FlashTrainer(Trainer):
 
     def _load_saved_weights(self, folder: str, model) -> bool:
         """Load a ``save_pretrained`` checkpoint folder into ``model`` through ``from_pretrained``; False (the Trainer's
-        path
-        applies) for PEFT, FSDP or DeepSpeed models, another class, or no safetensors weights.
+        path applies) for PEFT, FSDP or DeepSpeed models, another class, or no safetensors weights.
         """
         from transformers.trainer import _is_peft_model
 
