@@ -1,17 +1,9 @@
-"""Generation-cache plumbing (the layer caches themselves are transformers', ``transformers/cache_utils.py``).
+"""Generation-cache plumbing around transformers' cache classes (``transformers/cache_utils.py``).
 
-``DynamicCache(config=...)`` / ``StaticCache`` build one layer per ``config.layer_types`` entry:
-
-* ``"linear_attention"`` (KDA) -> ``LinearAttentionLayer``: conv state ``[B, 3*H*K, W]`` (model dtype, ``[q|k|v]``
-  channels) and recurrent state fp32 ``[B, H, K, V]``.
-* ``"indexed_attention"`` (DSA) -> ``DynamicIndexedLayer`` / ``StaticIndexedLayer``: ``keys`` the MLA latent
-  ``[B, 1, S, kv_lora_rank]`` (``values`` ``[B, 1, S, 0]``), ``indexer_keys`` the KPool indexer state fp32
-  ``[B, S, 2 * Dk]``.
-
-For assisted / MTP decoding :func:`make_croppable` swaps in :class:`Glm53FlashKDACacheLayer` and
-:class:`Glm53FlashIndexedCacheLayer`, which ``crop(-n)`` rolls back exactly; :class:`MtpDraftCache` is the MTP
-layer's cache while drafting. Cached batches must be ``[left padding][one document]`` per row
-(:func:`check_left_padding`).
+``DynamicCache(config=...)`` / ``StaticCache`` hold per KDA layer a conv state ``[B, 3*H*K, W]`` and an fp32
+recurrent state ``[B, H, K, V]``, per DSA layer the MLA latent ``[B, 1, S, kv_lora_rank]`` and the fp32 KPool indexer
+state ``[B, S, 2 * Dk]``. :func:`make_croppable` makes them croppable for assisted / MTP decoding. Cached rows must
+be ``[left padding][one document]``.
 """
 
 from __future__ import annotations

@@ -110,11 +110,8 @@ def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_i
 
 
 def check_not_meta(tensors: dict, module) -> None:
-    """Refuse inputs on the ``meta`` device given to a model whose weights hold data.
-
-    Args:
-        tensors: ``{argument name: value}``; non-tensors are skipped.
-        module: the model (a model on ``meta`` accepts meta inputs).
+    """Refuse inputs on the ``meta`` device (``tensors``: ``{argument name: value}``) given to a ``module`` whose
+    weights hold data.
 
     Raises:
         ValueError: naming the argument, its shape and the model's device.

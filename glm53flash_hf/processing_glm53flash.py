@@ -1,20 +1,13 @@
 """Processor for GLM-5.3-Flash: text, images and videos in, model inputs out.
 
-:class:`Glm53FlashProcessor` (a transformers ``ProcessorMixin``, ``AutoProcessor`` through ``auto_map``) combines
-transformers' ``Glm5NextImageProcessorPil``, a tokenizer with the GLM special tokens, :class:`Glm53FlashVideoProcessor`
-and the GLM-5.3 chat template (``chat_template.jinja`` next to this file).
-
-Placeholder expansion follows transformers 5.24's ``Glm5NextProcessor`` (``models/glm5_next/processing_glm5_next.py``):
+:class:`Glm53FlashProcessor` (``AutoProcessor`` through ``auto_map``): transformers' ``Glm5NextImageProcessorPil``,
+a tokenizer with the GLM special tokens, :class:`Glm53FlashVideoProcessor` and ``chat_template.jinja``. Placeholder
+expansion follows transformers 5.24's ``Glm5NextProcessor`` (``models/glm5_next/processing_glm5_next.py``):
 
 * ``<|image|>`` -> ``<|image|>`` x (t*h*w / merge^2) for the image's ``image_grid_thw`` row.
 * ``<|video|>`` -> per tubelet: ``<|begin_of_image|>`` + ``<|image|>`` x (h*w / merge^2) + ``<|end_of_image|>`` +
-  ``"{t:.1f} seconds"``, ``t = frames_indices[::temporal_patch_size] / fps`` (24 fps, with a warning, when the
-  metadata has none).
-* ``mm_token_type_ids``: 1 for ``<|image|>`` outside a ``<|begin_of_video|>`` ... ``<|end_of_video|>`` span, 2 inside
-  one, 0 otherwise.
-
-Unlike the reference, a video whose metadata gives another number of timestamps than tubelets raises ``ValueError``,
-and the caller's ``VideoMetadata`` objects are not modified.
+  ``"{t:.1f} seconds"``, ``t = frames_indices[::temporal_patch_size] / fps`` (24 fps, warned, without one).
+* ``mm_token_type_ids``: 1 for ``<|image|>`` outside a video span, 2 inside one, 0 otherwise.
 """
 
 from __future__ import annotations

@@ -56,13 +56,8 @@ _INDEXED_SPELLINGS = ("deepseek_sparse_attention", "full_attention")
 
 @dataclass
 class KeyAction:
-    """What happens to one source tensor.
-
-    Attributes:
-        source: source tensor name.
-        target: output tensor name, or None when the tensor is dropped or consumed (an FP8 scale).
-        action: ``"keep"``, ``"rename"`` (an MTP layer), ``"drop"`` (a cropped main layer) or ``"scale"``.
-        dequantize: the tensor is FP8 and is written dequantized.
+    """What happens to one source tensor: ``source`` name, ``target`` name (None when dropped or an FP8 scale),
+    ``action`` (``"keep"``, ``"rename"``, ``"drop"``, ``"scale"``), ``dequantize`` (FP8, written dequantized).
     """
 
     source: str
@@ -76,14 +71,11 @@ class CropPlan:
     """Everything :func:`run_crop` will do, computed from the headers and ``config.json`` only.
 
     Attributes:
-        src: source folder. layers: N. dtype: dequantization dtype.
-        weight_map: source ``{tensor: shard file}``; dtypes / shapes: from the shard headers.
-        actions: one :class:`KeyAction` per source tensor, in source order.
-        config_in / config_out: the source and rewritten ``config.json`` dicts.
-        schedule_changes: ``{field: (old, new)}`` of the rewritten schedule fields.
+        src, layers, dtype: source folder, N, dequantization dtype. block: FP8 block size.
+        weight_map, dtypes, shapes: the source's index and shard headers.
+        actions: one :class:`KeyAction` per source tensor. mtp_layers: MTP layers found.
+        config_in / config_out / schedule_changes: source and rewritten config, ``{field: (old, new)}``.
         copy_files: non-weight files copied to OUT.
-        mtp_layers: number of MTP layers found.
-        block: FP8 block size.
     """
 
     src: str
@@ -356,17 +348,15 @@ def _largest_shard_bytes(src: str, weight_map: dict[str, str]) -> int:
 
 
 def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progress: bool = True) -> dict:
-    """Write the crop described by ``plan`` into ``out`` atomically (:func:`glm53flash_hf.checkpoint.atomic_save`).
-
-    Output shards are flushed when the next tensor would pass ``max_shard_size`` bytes (default: the largest source
-    shard file).
+    """Write the crop ``plan`` into ``out`` atomically, flushing output shards at ``max_shard_size`` bytes (default: the
+    largest source shard).
 
     Returns:
         ``{"shards": n, "tensors": n, "total_size": bytes}``.
 
     Raises:
-        ValueError: ``max_shard_size`` not a positive integer; ``out`` not empty; ``out`` overlapping the source
-            folder (:func:`glm53flash_hf.tools.output_conflict`); a corrupt shard (named).
+        ValueError: ``max_shard_size`` not a positive integer; ``out`` not empty or overlapping the source folder; a
+            corrupt shard (named).
     """
     if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
                                        or max_shard_size <= 0):

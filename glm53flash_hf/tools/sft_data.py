@@ -39,11 +39,7 @@ def _topics() -> dict:
 
 
 def topic_title(name: str) -> str:
-    """The title line of ``pydoc_data.topics[name]`` (e.g. ``'The "pass" statement'`` for ``"pass"``).
-
-    Raises:
-        KeyError: ``name`` is not a topic (the message lists a few valid names).
-    """
+    """The title line of ``pydoc_data.topics[name]``; ``KeyError`` listing a few valid names for an unknown topic."""
     topics = _topics()
     if name not in topics:
         raise KeyError(f"{name!r} is not a pydoc_data.topics topic; valid names include {sorted(topics)[:8]}")
@@ -131,10 +127,7 @@ def load_photo(name: str, size: int = PHOTO_SIZE):
 
 
 def load_gif():
-    """scikit-image's animated GIF ``no_time_for_that_tiny.gif`` as an RGB video.
-
-    Returns:
-        ``(video, metadata)``: uint8 ``[T, H, W, 3]`` and a ``VideoMetadata`` with the GIF's ``fps``.
+    """scikit-image's animated GIF as ``(video uint8 [T, H, W, 3], VideoMetadata)`` (``fps`` from the frame duration).
 
     Raises:
         FileNotFoundError: the GIF is not in the installed scikit-image. ImportError: no scikit-image.
@@ -166,18 +159,9 @@ def _user(text: str, media: str | None = None) -> dict:
 
 def sft_conversations(samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int = 0, answer_chars: int = 400,
                       media: bool = True) -> list[dict]:
-    """The SFT set as conversations (no tokenization): text samples, then photos, then the video.
-
-    Args:
-        samples: number of "Explain <topic>" samples.
-        held_out: topic excluded from the set.
-        seed: order of the topics.
-        answer_chars: answer length cap (:func:`topic_answer`).
-        media: add the photo and video samples.
-
-    Returns:
-        list of ``{"name", "messages", "images", "videos", "video_metadata"}``; images uint8 ``[H, W, 3]``, videos
-        uint8 ``[T, H, W, 3]``.
+    """The SFT set as ``{"name", "messages", "images", "videos", "video_metadata"}`` conversations: ``samples``
+    "Explain <topic>" samples (seeded by ``seed``, without ``held_out``, answers capped at ``answer_chars``), then with
+    ``media`` the photo and video samples (uint8 ``[H, W, 3]`` images, ``[T, H, W, 3]`` videos).
     """
     out = []
     for name in text_topics(samples, held_out, seed):

@@ -1,10 +1,4 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for GLM-5.3-Flash: sharding plan, fp32-kept parameters and
-sharded (DCP) checkpoints.
-
-:func:`apply_fsdp2` shards like accelerate's ``fsdp2_prepare_model`` with ``TRANSFORMER_BASED_WRAP`` (one unit per
-``_no_split_modules`` instance, then the root) and keeps the ``_keep_in_fp32_modules_strict`` parameters fp32 under
-a bf16 policy (:func:`shard_fp32_kept_units`). :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint`
-use ``torch.distributed.checkpoint``; loading runs no code from the folder.
+"""FSDP2 (``fully_shard``) for GLM-5.3-Flash: sharding plan, fp32-kept parameters, sharded (DCP) checkpoints.
 
 Sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard``; accelerate 1.15 ``utils/fsdp_utils.py``
 (``fsdp2_prepare_model``); transformers 5.24 ``_keep_in_fp32_modules_strict`` matching (``core_model_loading.py``).
@@ -30,14 +24,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 @dataclass
 class Fsdp2Plan:
-    """What :func:`apply_fsdp2` / :func:`shard_fp32_kept_units` sharded.
+    """What :func:`apply_fsdp2` / :func:`shard_fp32_kept_units` sharded (qualified names).
 
     Attributes:
-        blocks: qualified names of the ``_no_split_modules`` instances, one FSDP unit each.
-        fp32_units: qualified names of the fp32 anchor units (empty without a low-precision ``param_dtype``).
-        low_precision_units: qualified names of the ``param_dtype`` units nested inside the fp32 units.
-        fp32_parameters: parameters that compute in fp32 (fp32-kept plus ``extra_fp32_parameters``).
-        extra_fp32_parameters: parameters that are not fp32-kept but share a module with one (mHC ``fn``).
+        blocks: the ``_no_split_modules`` units. fp32_units: the fp32 anchor units.
+        low_precision_units: the ``param_dtype`` units nested inside the fp32 units.
+        fp32_parameters: parameters computing in fp32, ``extra_fp32_parameters`` (mHC ``fn``) included.
         param_dtype: the policy's compute dtype (``None``: the masters' dtype).
     """
 
@@ -50,12 +42,8 @@ class Fsdp2Plan:
 
 
 def fp32_kept_parameter_names(model: nn.Module, param_dtype: torch.dtype | None = torch.bfloat16) -> list[str]:
-    """Names, in ``named_parameters()`` order, of the parameters the model keeps in fp32 when it runs in
-    ``param_dtype``.
-
-    transformers' rule (``PreTrainedModel._get_dtype_plan``): ``_keep_in_fp32_modules_strict`` (bf16 and fp16) and
-    ``_keep_in_fp32_modules`` (fp16 only) patterns, ``re.search`` in the parameter name; ``param_dtype`` ``None`` /
-    fp32 / fp64 keep nothing.
+    """Names, in ``named_parameters()`` order, of the parameters kept in fp32 under ``param_dtype`` (transformers'
+    ``_keep_in_fp32_modules_strict`` / ``_keep_in_fp32_modules`` rule; none for ``None`` / fp32 / fp64).
     """
     if param_dtype not in _LOW_PRECISION:
         return []
