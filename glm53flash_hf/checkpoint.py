@@ -804,9 +804,7 @@ def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
 
 
 def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, dequantize: bool = True) -> None:
-    """Make transformers load FP8 ``ckpt`` dequantized or kept in FP8 (``FineGrainedFP8Config(dequantize=...)`` and the
-    file's ``quantization_config`` on the model config).
-    """
+    """Make transformers load FP8 ``ckpt`` dequantized or kept in FP8 (``FineGrainedFP8Config`` + the file's config)."""
     from transformers import FineGrainedFP8Config, PreTrainedConfig
 
     qc = dict(ckpt.quantization_config)

@@ -98,11 +98,7 @@ def _frame_shape(frame) -> tuple | None:
 
 
 def _check_frame_sizes(videos) -> None:
-    """Check that each video given as a list of frames has frames of one size.
-
-    Raises:
-        ValueError: naming the video, the first frame of another size and both sizes.
-    """
+    """Raise ``ValueError`` naming the video and both sizes when a video given as frames mixes frame sizes."""
     nested = isinstance(videos, (list, tuple)) and len(videos) > 0 and isinstance(videos[0], (list, tuple))
     for index, video in enumerate(videos if nested else [videos]):
         if not isinstance(video, (list, tuple)) or not video:
@@ -119,14 +115,7 @@ def _check_frame_sizes(videos) -> None:
 
 
 def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
-    """Check video ``index``'s metadata against its clip of ``frames`` frames.
-
-    Before sampling: ``total_num_frames == frames``. Pre-sampled: ``frames_indices`` one non-negative, non-decreasing
-    index per frame, ``fps > 0``.
-
-    Raises:
-        ValueError: naming the video, the field, its value and the clip's frame count.
-    """
+    """Raise ``ValueError`` naming the video, field and value when video ``index``'s metadata does not fit its clip."""
     name = f"video {index}"
     if sampled:
         total = meta.total_num_frames

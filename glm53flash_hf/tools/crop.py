@@ -106,8 +106,7 @@ def _text_config(config: dict) -> dict:
 
 
 def _filter_layer_list(name: str, values: list[int], layer_types: list[str], wanted: str, n: int) -> list[int]:
-    """Keep the entries of a ``linear_attn_config`` layer list in the first ``n`` layers (0- or 1-based as
-    ``layer_types``).
+    """Keep the entries of a ``linear_attn_config`` layer list in the first ``n`` layers (numbered as ``layer_types``).
     """
     positions = {i for i, t in enumerate(layer_types) if t == wanted}
     for base in (0, 1):

@@ -109,9 +109,7 @@ def is_code_file(name: str) -> bool:
 
 
 def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(relative path, "link" | "copy")`` for every non-hidden, non-code file under ``src`` but ``skip_names``, and
-    the code files' relative paths.
-    """
+    """``(relative path, "link" | "copy")`` per non-hidden, non-code file of ``src``, and the code files' paths."""
     plan, code = [], []
     for root, dirs, files in os.walk(src, followlinks=True):
         rel_root = os.path.relpath(root, src)
@@ -134,9 +132,7 @@ def _same_bytes(a: str, b: str) -> bool:
 
 
 def _replace_auto_maps(data, auto_map: dict) -> bool:
-    """Set every ``"auto_map"`` value inside the JSON value ``data`` to a copy of ``auto_map``; return whether anything
-    changed.
-    """
+    """Set every ``"auto_map"`` inside the JSON value ``data`` to ``auto_map``; return whether anything changed."""
     changed = False
     if isinstance(data, dict):
         if "auto_map" in data and data["auto_map"] != auto_map:
@@ -176,7 +172,7 @@ def _write_json(data, path: str) -> None:
 
 
 def _copy_with_our_auto_map(src_path: str, dst: str) -> str:
-    """Copy ``src_path`` to ``dst`` with a foreign ``auto_map`` rewritten; returns ``"config"`` when rewritten, else
+    """Copy ``src_path`` to ``dst``, a foreign ``auto_map`` rewritten; return ``"config"`` if rewritten, else
     ``"copy"``.
     """
     data = _with_our_auto_map(src_path)
@@ -294,8 +290,7 @@ def _drop_absent_mtp(src: str, config: dict) -> None:
 
 
 def _scrub_kept_entries(out: str, written: dict) -> list[str]:
-    """Apply SRC's rule (no code files, our ``auto_map``) to the entries of ``out`` kept from the previous folder;
-    returns the relative paths changed.
+    """Apply SRC's rules (no code, our ``auto_map``) to the entries of ``out`` kept from before; return those changed.
     """
     changed = []
     for root, dirs, files in os.walk(out):

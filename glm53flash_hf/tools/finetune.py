@@ -117,9 +117,7 @@ def output_lock(out: str):
 
 
 def _publish(staging: str, out: str) -> None:
-    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`), then remove
-    ``staging``.
-    """
+    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`)."""
     from ..checkpoint import atomic_save
 
     def write(folder: str) -> None:
@@ -153,8 +151,7 @@ def check_finite(model, what: str, accelerator=None) -> None:
 
 
 def _save_trained(trainer, path: str, main_process: bool, processor=None) -> None:
-    """Save the trained model (a PEFT model: its adapter) and ``processor`` to ``path`` atomically; under FSDP the full
-    state dict is gathered (collective) and the main process saves it.
+    """Save the trained model (PEFT: the adapter) and ``processor`` to ``path`` atomically (FSDP: gathered, collective).
     """
     from ..checkpoint import atomic_save
 

@@ -299,8 +299,8 @@ class Glm53FlashTrainer(Trainer):
         super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """``Trainer._save_checkpoint`` that never leaves a partial ``checkpoint-N``: written under
-        ``.checkpoint-N.partial/``, then swapped in once every process has finished.
+        """``Trainer._save_checkpoint`` written under ``.checkpoint-N.partial/`` and swapped in when every process is
+        done.
         """
         import shutil
 
@@ -347,8 +347,8 @@ class Glm53FlashTrainer(Trainer):
             super()._push_from_checkpoint(final)
 
     def _load_saved_weights(self, folder: str, model) -> bool:
-        """Load a ``save_pretrained`` checkpoint folder into ``model`` through ``from_pretrained``; False (the Trainer's
-        path applies) for PEFT, FSDP or DeepSpeed models, another class, or no safetensors weights.
+        """Load a ``save_pretrained`` folder into ``model`` via ``from_pretrained``; False where the Trainer's path
+        applies.
         """
         from transformers.trainer import _is_peft_model
 
