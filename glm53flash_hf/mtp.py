@@ -15,17 +15,8 @@ from .packing import DocumentLayout
 
 
 def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> torch.Tensor:
-    """Roll ``x`` left by ``shift`` inside each segment of ``layout``: ``out[b, t] = x[b, t + shift]`` within the
-    segment, else ``fill``.
-
-    Args:
-        x: ``[B, S]`` or ``[B, S, ...]`` (ids, labels or embeddings).
-        layout: the forward's :class:`~.packing.DocumentLayout` (sequence-parallel layouts roll across shards).
-        shift: non-negative number of positions.
-        fill: value of the last ``shift`` positions of each segment.
-
-    Returns:
-        Tensor shaped and typed like ``x``.
+    """Roll ``x`` (``[B, S, ...]``) left by ``shift >= 0`` inside each segment of ``layout`` (across sequence-parallel
+    shards): ``out[b, t] = x[b, t + shift]`` within the segment, else ``fill``; shaped and typed like ``x``.
 
     Raises:
         ValueError: when ``shift`` is negative or ``x`` is not ``[B, S, ...]`` of the layout.
@@ -71,15 +62,9 @@ def mtp_loss(
     shifted: bool = False,
     count_total=None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Unweighted MTP loss: mean over depths of the fp32 cross-entropy of ``lm_head(mtp_hidden_states[k-1])`` against
-    :func:`mtp_targets` of depth ``k``.
-
-    Per depth as transformers' ``ForCausalLMLoss``: sum over tokens / ``num_items_in_batch`` when given, else the mean
-    over supervised tokens (0 when none). ``count_total``: optional function applied to a depth's token count before
-    it divides (sequence parallelism's global count).
-
-    Returns:
-        ``(loss, logits_per_depth)``: a scalar and ``[B, S, V]`` per depth.
+    """Unweighted MTP loss: mean over depths ``k`` of the fp32 cross-entropy of ``lm_head(mtp_hidden_states[k-1])``
+    against :func:`mtp_targets`, reduced per depth as transformers' ``ForCausalLMLoss`` (``num_items_in_batch``, else
+    the mean; 0 without targets; ``count_total`` maps a depth's count first). Returns ``(loss, [B, S, V] per depth)``.
     """
     losses, all_logits = [], []
     for k, hidden in enumerate(mtp_hidden_states, start=1):

@@ -5,13 +5,8 @@ from torch import nn
 
 
 class Glm53FlashRMSNorm(nn.Module):
-    """RMSNorm ``weight * x / sqrt(mean(x^2) + eps)`` computed in fp32.
-
-    Args:
-        hidden_size: size of the last dimension.
-        eps: variance epsilon (``config.rms_norm_eps``).
-
-    Shapes: ``x`` ``[..., hidden_size]`` of any float dtype; returns the same shape in
+    """RMSNorm ``weight * x / sqrt(mean(x^2) + eps)`` in fp32 over the last dimension (``hidden_size``; ``eps``:
+    ``config.rms_norm_eps``); ``x`` ``[..., hidden_size]`` of any float dtype, output in
     ``promote(weight.dtype, x.dtype)``.
     """
 
