@@ -343,7 +343,8 @@ def test_gpu_realistic_bf16():
     Tolerances as in the CPU tests (module docstring): bf16 results within one ulp of the torch path (both round the
     same fp32 quantity once); fp32 results (post, comb, dpost, dcomb, dfn, dbase, dscale) within 1e-4 relative:
     fp32 sums over 16384 terms in another order (GPU reductions are tree-shaped) — about sqrt(16384) * 6e-8 = 8e-6 per
-    sum, with margin for the Sinkhorn chain amplifying post/comb differences by < 10. bf16 ``dy``/``dpost``/``dcomb`` of hc_post: the torch path's own bf16 rounding of intermediates.
+    sum, with margin for the Sinkhorn chain amplifying post/comb differences by < 10. bf16 ``dy``/``dpost``/``dcomb``
+    of hc_post: the torch path's own bf16 rounding of intermediates.
     """
     from glm53flash_hf import mhc_fused as tm
 
