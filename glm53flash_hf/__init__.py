@@ -1,11 +1,7 @@
 """glm53flash-hf: GLM-5.3-Flash for the Hugging Face ecosystem.
 
-Our own implementation of the model (KDA, NoPE DSA with the KPool indexer, mHC, MoE with clamped SwiGLU, MTP) and
-its processor, numerically equal to transformers' ``glm5_next`` on the same weights, correct on packed sequences;
-torch paths everywhere and fused kernels on CUDA.
-
-The flat modules of this package are the remote code a saved checkpoint carries; ``glm53flash_hf.train`` (collator,
-Trainer helpers, distributed setup) and ``glm53flash_hf.tools`` (the command-line tools) build on them.
+The flat modules are the remote code a saved checkpoint carries; ``glm53flash_hf.train`` and ``glm53flash_hf.tools``
+build on them.
 """
 
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig, Glm53FlashVisionConfig
@@ -39,8 +35,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``glm53flash_hf.Glm53FlashPackingCollator`` on first use (PEP 562): the collator lives in the ``train``
-    sub-package, which the flat modules never import."""
+    """``glm53flash_hf.Glm53FlashPackingCollator`` on first use (PEP 562), from the ``train`` sub-package."""
     if name == "Glm53FlashPackingCollator":
         import importlib
 

@@ -1,50 +1,14 @@
 """Checkpoint layout: conversions between the published GLM-5.3-Flash keys and our modules, strict loading.
 
-The published layout (the GLM-5.3-Flash release's safetensors index) stores per-expert weights
-``mlp.experts.{i}.{gate,up,down}_proj.weight``, three KDA convolutions ``self_attn.{q,k,v}_conv1d.weight``, the
-forget gate at ``self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}`` and the mHC parameters as
-``hc_{attn,ffn}_{fn,base,scale}``, under ``model.language_model.``.
-In memory (as in transformers' ``glm5_next``) experts are fused 3-D tensors, the convolutions one fused
-``conv1d``, the forget gate a ``forget_gate`` submodule and mHC ``attn_hc`` / ``ffn_hc`` modules.
+Published layout (the release's safetensors index, under ``model.language_model.``): per-expert
+``mlp.experts.{i}.{gate,up,down}_proj.weight``, ``self_attn.{q,k,v}_conv1d.weight``,
+``self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}`` and ``hc_{attn,ffn}_{fn,base,scale}``. In memory (as transformers'
+``glm5_next``): fused 3-D experts, one ``conv1d``, a ``forget_gate`` submodule, ``attn_hc`` / ``ffn_hc`` modules.
 
-transformers skips its own ``glm5_next`` conversions for remote-code classes
-(``conversion_mapping.get_model_conversion_mapping``), so :func:`register_conversions` registers ours, keyed by
-our class names, at import of the modeling file, and our ``from_pretrained`` / ``save_pretrained`` run inside
-:func:`own_conversions` (transformers' registry is process-global; each remote-code copy of this module registers
-its own). The same list is reverted by ``save_pretrained``.
-
-Key-prefix variants accepted on load (text-only classes):
-
-=========================  ====================================================================================
-text keys under            how they reach the in-memory name
-=========================  ====================================================================================
-``model.language_model.``  registered renaming (``Glm53FlashForCausalLM``: → ``model.``; text model: → ``""``)
-``language_model.``        the same renaming (second source pattern)
-``model.``                 already the causal LM's name; the text model strips it (transformers'
-                           ``base_model_prefix`` logic in ``core_model_loading.rename_source_key``)
-none (``layers.N…``)       the causal LM adds ``model.`` (same ``base_model_prefix`` logic); the text model's name
-=========================  ====================================================================================
-
-Vision tensors (``model.visual.``, ``visual.``, ``vision_tower.``, ``model.vision_tower.``) stay unexpected and are
-dropped by the text-only classes' ``_keys_to_ignore_on_load_unexpected``, reported in one info line.
-
-Saving always writes the canonical layout: the causal LM's prefix renaming has several sources and one target;
-its reverse (``WeightTransform.reverse_transform`` swaps sources and targets, and ``rename_source_key`` always
-uses the first target) writes the *first* source, ``model.language_model.``. After loading,
-:func:`load_pretrained` replaces the model's ``_weight_conversions`` (transformers keeps only the transforms that
-matched the checkpoint) by the full registered list, so a model loaded from the ``model.`` or un-prefixed variant
-also saves ``model.language_model.*``. The text model's prefix renaming is load-only: it saves its own names.
-
-FP8 (block-scaled e4m3, ``<name>_scale_inv``): by default the FP8 tensors stay FP8
-(:mod:`glm53flash_hf.fp8_kept`: transformers' ``FP8Linear`` / ``FP8Experts`` subclasses built by our subclass of
-its quantizer for the modules :func:`fp8_module_names` finds in the checkpoint; the expert converters get copies
-that merge, and on save split, the per-expert scales). With ``dequantize_fp8=True`` transformers'
-``FineGrainedFP8HfQuantizer`` dequantizes on load instead. Its
-``update_weight_conversions`` prepends ``Fp8Dequantize`` to our converters, so per-expert weight + scale pairs
-are dequantized before the expert merge, and a catch-all converter handles the other weights. The checkpoint's
-shards are opened lazily together (``safe_open`` slices), so a scale in another shard than its weight is found,
-and each parameter is materialised on its own. :func:`inspect_checkpoint` checks what transformers' path does not
-(see there).
+Text keys are accepted under ``model.language_model.``, ``language_model.``, ``model.`` or no prefix; vision
+tensors are dropped by the text-only classes. Saving always writes the canonical ``model.language_model.`` layout.
+FP8 (block-scaled e4m3, ``<name>_scale_inv``) loads kept in FP8 (:mod:`glm53flash_hf.fp8_kept`) or, with
+``dequantize_fp8=True``, dequantized by transformers' ``FineGrainedFP8HfQuantizer``.
 """
 
 from __future__ import annotations
@@ -103,15 +67,7 @@ class _Passthrough(ConversionOps):
 
 
 class CastToParamDtype(ConversionOps):
-    """Cast a converter's output to the dtype of the parameter it loads into (last op of our converters).
-
-    Why: under a pre-quantized FP8 checkpoint transformers' loader materialises a converter's inputs in their file
-    dtype (``HfQuantizer.get_new_dtype`` returns None once ``Fp8Dequantize`` is in the chain) and
-    ``Fp8Dequantize`` passes inputs that have no scale through untouched, so e.g. the bf16 ``q/k/v_conv1d`` of an
-    FP8 checkpoint would land as a bf16 ``conv1d`` although the model keeps it in fp32
-    (``_keep_in_fp32_modules_strict``). Without a quantizer the inputs already have the parameter's dtype and
-    this is a no-op. Saving uses the identity.
-    """
+    """Cast a converter's output to the dtype of the parameter it loads into (save: identity)."""
 
     def convert(
         self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, model=None, **kwargs
@@ -152,12 +108,7 @@ class _InertRenaming(WeightRenaming):
 
 
 class LoadOnlyRenaming(WeightRenaming):
-    """A ``WeightRenaming`` applied when loading only; ``save_pretrained`` keeps the model's own names.
-
-    Used by the text model to accept the causal-LM prefixes without writing them back (a text model saves its own
-    ``layers.N…`` names, as transformers' base models do). Also harmless when the text model is a scoped sub-model
-    of the causal LM or of the VL model: there its keys arrive without these prefixes.
-    """
+    """A ``WeightRenaming`` applied when loading only; ``save_pretrained`` keeps the model's own names."""
 
     __slots__ = ()
 
@@ -166,27 +117,19 @@ class LoadOnlyRenaming(WeightRenaming):
 
 
 def causal_lm_prefix_renaming() -> WeightRenaming:
-    """``model.language_model.`` / ``language_model.`` → ``model.`` (Glm53FlashForCausalLM).
-
-    One renaming with two sources, canonical first: its reverse writes ``model.language_model.``.
-    The ``^`` on the target anchors the reverse's source.
-    """
+    """``model.language_model.`` / ``language_model.`` → ``model.`` (Glm53FlashForCausalLM; canonical source first)."""
     return WeightRenaming(
         source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns=r"^model\."
     )
 
 
 def text_model_prefix_renaming() -> WeightRenaming:
-    """``model.language_model.`` / ``language_model.`` → ``""`` (Glm53FlashTextModel; load only). ``model.`` is
-    stripped by transformers' ``base_model_prefix`` logic."""
+    """``model.language_model.`` / ``language_model.`` → ``""`` (Glm53FlashTextModel; load only)."""
     return LoadOnlyRenaming(source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns="")
 
 
 def layer_conversions() -> list:
-    """The per-layer transforms (published key → in-memory parameter), independent of the key prefix.
-
-    Renamings apply before converters (transformers' loader); each converter ends with :class:`CastToParamDtype`.
-    """
+    """The per-layer transforms (published key → in-memory parameter), independent of the key prefix."""
     renames = [
         (r"self_attn\.f_a_proj\.", "self_attn.forget_gate.f_a_proj."),
         (r"self_attn\.f_b_proj\.", "self_attn.forget_gate.f_b_proj."),
@@ -215,13 +158,7 @@ def layer_conversions() -> list:
 
 
 def model_conversions() -> dict[str, list]:
-    """``{class name: transforms}`` of this module copy.
-
-    * ``Glm53FlashTextModel``: :func:`text_model_prefix_renaming` + :func:`layer_conversions` (keys relative to
-      the text model). transformers also applies this entry, scoped, to the text model nested in the causal LM.
-    * ``Glm53FlashForCausalLM``: :func:`causal_lm_prefix_renaming` (the layer transforms come from the nested text
-      model's entry).
-    """
+    """``{class name: transforms}`` of this module copy."""
     return {
         "Glm53FlashTextModel": [text_model_prefix_renaming()] + layer_conversions(),
         "Glm53FlashForCausalLM": [causal_lm_prefix_renaming()],
@@ -229,27 +166,15 @@ def model_conversions() -> dict[str, list]:
 
 
 def register_conversions() -> None:
-    """Register this module copy's :func:`model_conversions` with transformers, replacing what is registered under
-    those class names (``overwrite=True``).
-
-    transformers' registry is process-global and keyed by class name, while each remote-code folder brings its own
-    copy of this module (``transformers_modules.<hash>.checkpoint``) with classes of the same names: the entries
-    hold the conversions of the copy that registered last. The model classes therefore load and save inside
-    :func:`own_conversions`, so a folder whose code differs never changes how another checkpoint loads.
-    """
+    """Register this module copy's :func:`model_conversions` with transformers (``overwrite=True``)."""
     for name, mapping in model_conversions().items():
         register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
 @contextlib.contextmanager
 def own_conversions():
-    """Context manager: transformers' registry holds this module copy's conversions while the block runs; on exit
-    the entries it replaced are registered again.
-
-    ``Glm53FlashPreTrainedModel.from_pretrained`` and ``save_pretrained`` run inside it, so a class always loads
-    and saves with the conversions of its own module, whichever copy (the package, any remote-code folder) was
-    imported or used last. A lock shared by every copy (kept on ``transformers.conversion_mapping``, the module
-    whose registry it guards) serialises such blocks across threads; it is re-entrant.
+    """Context manager: transformers' registry holds this module copy's conversions while the block runs (re-entrant,
+    serialised across threads and module copies); on exit the replaced entries are registered again.
     """
     lock = _conversion_registry.__dict__.setdefault("_glm53flash_registry_lock", threading.RLock())
     with lock:
@@ -275,8 +200,7 @@ def _local_folder(path, subfolder: str = "") -> str | None:
 
 
 def checkpoint_keys(path: str) -> list[str] | None:
-    """All tensor names of a local checkpoint folder (:func:`read_weight_map`), or None when ``path`` is not a
-    local folder with safetensors files."""
+    """All tensor names of a local checkpoint folder, or None when ``path`` is not a local folder with safetensors."""
     folder = _local_folder(path)
     if folder is None:
         return None
@@ -285,7 +209,7 @@ def checkpoint_keys(path: str) -> list[str] | None:
 
 
 def _no_duplicate_keys(path: str):
-    """``json.load`` ``object_pairs_hook`` raising ``ValueError`` for a name given twice in one JSON object."""
+    """``json.load`` ``object_pairs_hook`` raising ``ValueError`` for a repeated name."""
 
     def hook(pairs):
         out = {}
@@ -302,7 +226,7 @@ def read_json(path: str, *, unique_keys: bool = False):
     """The parsed JSON file ``path``; with ``unique_keys`` a name given twice in one object raises.
 
     Raises:
-        ValueError: naming the file, for an unreadable or invalid (e.g. truncated) file or a repeated name.
+        ValueError: naming the file, for an unreadable or invalid file or a repeated name.
     """
     try:
         with open(path) as f:
@@ -312,16 +236,11 @@ def read_json(path: str, *, unique_keys: bool = False):
 
 
 def read_weight_map(folder: str) -> dict[str, str] | None:
-    """``{tensor name: shard file name}`` of a local folder: the index's ``weight_map``, or every key of a single
-    ``model.safetensors``; None when the folder has neither.
-
-    A folder holding both is refused: transformers would load ``model.safetensors`` and ignore the index, so one of
-    the two is stale and which one was meant cannot be told (the file checked must be the file loaded).
+    """``{tensor name: shard file name}`` of a local folder (index or single ``model.safetensors``), or None.
 
     Raises:
-        ValueError: naming the file: both files present (names both); an unreadable index, one whose
-            ``weight_map`` is not an object of ``{tensor name: file name}`` strings or lists a tensor twice; a single
-            file that is corrupt (see :func:`open_shard`).
+        ValueError: naming the file: both an index and ``model.safetensors`` present; an invalid index or one listing
+            a tensor twice; a corrupt single file.
     """
     index = os.path.join(folder, _SAFETENSORS_INDEX)
     single = os.path.join(folder, _SAFETENSORS_SINGLE)
@@ -349,11 +268,10 @@ def read_weight_map(folder: str) -> dict[str, str] | None:
 
 
 class open_shard:
-    """``safetensors.safe_open(path, framework="pt")`` whose errors name the file.
+    """``safetensors.safe_open(path, framework="pt")`` (a context manager) whose errors name the file.
 
-    A truncated file ("incomplete metadata, file not fully covered"), a damaged header or a missing file raise
-    ``ValueError`` ("<path>: corrupt or truncated safetensors file (...)") chained to safetensors' error, which
-    itself does not name the file. Use as a context manager.
+    Raises:
+        ValueError: ``"<path>: corrupt or truncated safetensors file (...)"``, for a missing, truncated or damaged file.
     """
 
     def __init__(self, path: str):
@@ -385,7 +303,7 @@ def read_config_json(folder: str) -> dict | None:
     """The parsed ``folder/config.json``, or None when there is none.
 
     Raises:
-        ValueError: naming the file, when it is not a valid JSON object (e.g. truncated).
+        ValueError: naming the file, when it is not a valid JSON object.
     """
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
@@ -397,10 +315,10 @@ def read_config_json(folder: str) -> dict | None:
 
 
 def read_quantization_config(folder: str) -> dict | None:
-    """The ``quantization_config`` dict of ``folder/config.json`` (top level or inside ``text_config``), or None.
+    """The ``quantization_config`` dict of ``folder/config.json`` (top level or in ``text_config``), or None.
 
     Raises:
-        ValueError: naming the file, when ``config.json`` is not valid JSON (:func:`read_config_json`).
+        ValueError: naming the file, when ``config.json`` is not valid JSON.
     """
     config = read_config_json(folder) or {}
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
@@ -414,17 +332,13 @@ def fp8_block_size(quantization_config: dict | None) -> tuple[int, int]:
 
 @dataclass
 class CheckpointInfo:
-    """What :func:`inspect_checkpoint` learned from a local folder's safetensors headers.
+    """What :func:`inspect_checkpoint` read from a local folder's safetensors headers.
 
     Attributes:
-        folder: the folder.
-        weight_map: ``{tensor name: shard file name}``.
-        dtypes: ``{tensor name: safetensors dtype string}`` (``"BF16"``, ``"F8_E4M3"``, …).
-        shapes: ``{tensor name: shape list}``.
-        quantization_config: the config's ``quantization_config`` dict or None.
-        fp8_weights: names of the FP8 tensors (each has a ``<name>_scale_inv`` somewhere in the checkpoint).
-        non_float: sorted names of the integer or bool tensors (:func:`check_loaded_dtypes` raises for those
-            that load into the model).
+        folder: the folder. weight_map: ``{tensor name: shard file name}``.
+        dtypes / shapes: ``{tensor name: safetensors dtype string / shape list}``.
+        quantization_config: the config's ``quantization_config`` or None.
+        fp8_weights: names of the FP8 tensors. non_float: sorted names of the integer or bool tensors.
     """
 
     folder: str
@@ -449,11 +363,8 @@ def is_fp8_dtype(dtype: str) -> bool:
 def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], *, for_transformers: bool) -> None:
     """Check that ``<key>_scale_inv`` tiles ``<key>`` with ``block``-sized blocks (last blocks may be partial).
 
-    With ``for_transformers=True`` also check that transformers' ``Fp8Dequantize`` reads the grid the same way: it
-    derives the block as ``rows // scale_rows`` (and raises unless that divides), which equals the file's block only
-    when each dimension is a multiple of the block or has a single block. The release's FP8 weights are all
-    multiples of 128 and the tiny model's are below 128, so both pass; other shapes would be dequantized with a
-    wrong block (silently, when the division happens to be exact).
+    With ``for_transformers=True`` also require the grid transformers' ``Fp8Dequantize`` derives
+    (``rows // scale_rows``) to equal ``block``.
 
     Raises:
         ValueError: naming the key, both shapes and the block size.
@@ -481,23 +392,14 @@ def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], 
 
 
 def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = True) -> CheckpointInfo | None:
-    """Read and check the safetensors headers of a local checkpoint folder (None for a Hub id or a folder without
-    safetensors files: transformers' own checks apply then).
+    """Read and check the safetensors headers of a local checkpoint folder (None for a Hub id or no safetensors).
 
-    Checks, each raising ``ValueError`` naming the file or key:
+    Checks: valid ``config.json`` and index (:func:`read_weight_map`); every shard opens and holds the tensors the
+    index assigns to it; FP8 tensors and scales come in pairs with a ``quantization_config`` and tiling grids
+    (:func:`check_fp8_pair`). Integer/bool tensors are recorded in ``non_float``. Only headers are read.
 
-    * ``config.json`` and the index are valid JSON, the index's ``weight_map`` an object listing each tensor once,
-      and the folder holds either an index or ``model.safetensors``, not both (:func:`read_weight_map`);
-    * every shard opens (``safe_open`` detects truncation and damaged headers; its own message does not name the
-      file) and holds the tensors the index assigns to it;
-    * integer or bool tensors are recorded (``non_float``): after the load, :func:`check_loaded_dtypes` raises for
-      those that went into the model (every weight of this model is floating point; transformers would cast it);
-      one the model does not take is an unexpected key, as for transformers;
-    * FP8: each FP8 tensor has its ``<name>_scale_inv`` (searched in every shard, not only the weight's), each
-      scale has its weight, the config has a ``quantization_config`` (without one transformers would cast the FP8
-      values to the model dtype, unscaled), and the scale grid tiles the weight (:func:`check_fp8_pair`).
-
-    Only headers are read (a few KB per shard); tensor data is not checked (safetensors has no checksums).
+    Raises:
+        ValueError: naming the file or key.
     """
     folder = _local_folder(path, subfolder)
     if folder is None:
@@ -557,10 +459,7 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
 
 
 def check_loaded_dtypes(ckpt: CheckpointInfo, unexpected_keys) -> None:
-    """Raise for the integer or bool tensors of ``ckpt`` that were loaded into the model (every weight of this model
-    is floating point; transformers casts such a tensor silently). Tensors reported in ``unexpected_keys`` (the
-    load report's) were not loaded: they are left to the key accounting (:func:`strict_load_report`), as
-    transformers reports them.
+    """Raise for the integer or bool tensors of ``ckpt`` loaded into the model (those not in ``unexpected_keys``).
 
     Raises:
         ValueError: naming the folder, the first 10 keys with their safetensors dtypes and the count.
@@ -604,10 +503,10 @@ _SIZE_FIELDS = (
 
 
 def text_size_fields(config, folder: str) -> dict[str, int]:
-    """The text-config fields of :data:`_SIZE_FIELDS` that the loader will build the model with: those of
-    ``config`` (a config object), else of ``folder/config.json`` read as JSON (its ``text_config``, or the top
-    level of a flat config; a field it lacks takes :class:`Glm53FlashTextConfig`'s default), without building a
-    config object. Fields that are not integers are left out (the config class rejects them, naming them)."""
+    """The integer text-config fields of :data:`_SIZE_FIELDS` the model will be built with, from ``config`` or else
+    ``folder/config.json`` (its ``text_config`` or top level; missing fields take :class:`Glm53FlashTextConfig`'s
+    defaults).
+    """
     import dataclasses
 
     from transformers import PreTrainedConfig
@@ -628,8 +527,7 @@ def text_size_fields(config, folder: str) -> dict[str, int]:
 
 
 def _expected_dims(exprs, fields: dict[str, int]) -> list[tuple[int, str]] | None:
-    """``[(size, "field=value")]`` per dimension (``"a=.. * b=.. = size"`` for a product); None when a field is
-    unknown."""
+    """``[(size, "field=value")]`` per dimension; None when a field is unknown."""
     out = []
     for expr in exprs:
         size, named = 1, []
@@ -654,27 +552,14 @@ def check_config_matches_checkpoint(
     allow_unexpected: bool = False,
     allow_mismatched: bool = False,
 ) -> None:
-    """Check the text config's sizes against the safetensors headers of ``ckpt`` before the model is built, so a
-    config that does not describe the files (``hidden_size: 10**9``, 100000 layers) fails in header-reading time
-    instead of allocating or initialising a model of the config's size.
-
-    ``fields``: :func:`text_size_fields`. Text keys are read under any accepted prefix (:data:`TEXT_PREFIXES`).
-    Checks, in order:
-
-    * layers: the checkpoint's layer indices are ``0 .. num_hidden_layers + num_nextn_predict_layers - 1`` (a
-      checkpoint with exactly ``num_hidden_layers`` layers and no MTP layer is left to :func:`strict_load_report`,
-      which explains that case);
-    * experts: every MoE layer holds ``gate/up/down_proj`` of experts ``0 .. n_routed_experts - 1``;
-    * shapes: embeddings, head, norms, dense and shared-expert MLPs, per-expert weights, router (the fields that
-      size the large tensors); other shapes are compared by transformers' loader after the load
-      (:func:`strict_load_report`).
+    """Check the text config's sizes (``fields``, :func:`text_size_fields`) against ``ckpt``'s headers before the model
+    is built: layer indices, experts per MoE layer, and the shapes of embeddings, head, norms, MLPs, experts, router.
 
     Args:
-        allow_missing / allow_unexpected / allow_mismatched: as for :func:`strict_load_report`: layers or experts
-            missing from (present beyond the config in) the checkpoint, and shape mismatches, warn instead.
+        allow_missing / allow_unexpected / allow_mismatched: as for :func:`strict_load_report`.
 
     Raises:
-        ValueError: naming the config field and its value and what the checkpoint holds (the key and its file).
+        ValueError: naming the config field, its value and what the checkpoint holds (the key and its file).
     """
     stems = {}
     for key in ckpt.shapes:
@@ -778,14 +663,11 @@ def strict_load_report(
 
     Args:
         model: the loaded model.
-        info: ``from_pretrained(..., output_loading_info=True)``'s dict (``missing_keys``, ``unexpected_keys``,
-            ``mismatched_keys``, ``error_msgs``).
-        allow_missing / allow_unexpected / allow_mismatched: explicit opt-outs (``allow_missing_keys=True``,
-            ``allow_unexpected_keys=True``, ``ignore_mismatched_sizes=True``); they turn the error into a warning.
+        info: ``from_pretrained(..., output_loading_info=True)``'s dict.
+        allow_missing / allow_unexpected / allow_mismatched: warn instead.
 
     Raises:
-        ValueError: listing the first 20 keys and the count, for missing keys, unexpected keys, or shape
-            mismatches (key, checkpoint shape, model shape).
+        ValueError: listing the first 20 keys and the count, for missing, unexpected or shape-mismatched keys.
     """
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
@@ -833,19 +715,12 @@ def strict_load_report(
 
 
 def nonfinite_tensors(named_tensors, chunk: int = 1 << 24) -> list[str]:
-    """Describe the floating-point tensors of ``named_tensors`` that hold NaN or Inf values.
+    """Describe the floating-point tensors of ``named_tensors`` (``(name, tensor)`` pairs) that hold NaN or Inf.
 
-    Every tensor is read once, in ``chunk``-element pieces (no full-size temporary; FP8 pieces are upcast to
-    float32 one piece at a time); a ``DTensor`` is checked on this process's shard; tensors on the meta device
-    (offloaded to disk by a device map), empty ones and non-floating ones are skipped.
-
-    Args:
-        named_tensors: iterable of ``(name, tensor)`` (e.g. ``model.named_parameters()`` or ``state_dict.items()``);
-            entries that are not tensors are skipped.
+    Read ``chunk`` elements at a time; DTensors on this process's shard; meta, empty and non-float tensors skipped.
 
     Returns:
-        ``["name (n NaN, m Inf; first at index (i, j, ...))", ...]`` in the order given; ``[]`` when all are finite.
-        For a fused expert stack the index's dim 0 is the expert.
+        ``["name (n NaN, m Inf; first at index (i, j, ...))", ...]`` in order; ``[]`` when all are finite.
     """
     bad = []
     for name, tensor in named_tensors:
@@ -881,17 +756,10 @@ def _listing_bad(bad: list[str], limit: int = 10) -> str:
 
 
 def check_finite_weights(model, source, *, allow: bool = False) -> None:
-    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf values (a damaged or diverged
-    checkpoint would otherwise load silently and give NaN logits); the scan is :func:`nonfinite_tensors`.
-
-    Args:
-        model: the loaded model.
-        source: what was loaded (named in the message).
-        allow: ``from_pretrained(..., allow_nonfinite_weights=True)``: warn instead.
+    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf (``allow``: warn instead).
 
     Raises:
-        ValueError: naming the source, the count of such tensors and, for the first 10, the parameter, its number
-            of NaN and Inf values and the index of the first.
+        ValueError: naming ``source``, the count and the first 10 tensors with their NaN/Inf counts.
     """
     bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
     if bad:
@@ -923,9 +791,7 @@ _MODEL_LOADING_KWARGS = {
 
 
 def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
-    """Names, relative to the text model, of the modules whose weights ``ckpt`` stores in FP8: the FP8 keys without
-    their text prefix and ``.weight``; per-expert keys (``mlp.experts.N.gate_proj.weight``) name the merged
-    ``mlp.experts`` module."""
+    """Names, relative to the text model, of the modules whose weights ``ckpt`` stores in FP8."""
     out = set()
     for key in ckpt.fp8_weights:
         name = key.removesuffix(".weight")
@@ -938,16 +804,7 @@ def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
 
 
 def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, dequantize: bool = True) -> None:
-    """Make transformers load ``ckpt`` (FP8) dequantized (``dequantize=True``) or kept in FP8: pass
-    ``FineGrainedFP8Config(dequantize=...)`` (merged into the file's config as loading attributes), and make sure
-    the model's config carries the file's ``quantization_config``, which is what marks a checkpoint as
-    pre-quantized (``quantizers.auto.get_hf_quantizer``).
-
-    The text model's config is the ``text_config`` part of ``config.json`` and loses the top-level
-    ``quantization_config``; without it transformers would take our config for on-the-fly quantization, load the
-    e4m3 values cast to the model dtype without their scales and report the scales unexpected. For such a class
-    the config is loaded here (with the caller's config overrides, as transformers would) and the dict attached.
-    """
+    """Make transformers load FP8 ``ckpt`` dequantized or kept in FP8 (``FineGrainedFP8Config`` + the file's config)."""
     from transformers import FineGrainedFP8Config, PreTrainedConfig
 
     qc = dict(ckpt.quantization_config)
@@ -984,30 +841,18 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, d
 def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
     """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader with our checks around it.
 
-    Before: :func:`inspect_checkpoint` (local folders): an invalid ``config.json`` or index, an index beside a
-    ``model.safetensors`` (:func:`read_weight_map`), corrupt/truncated shards, index/shard disagreement, FP8
-    consistency; then :func:`check_config_matches_checkpoint`: the config's layer and expert counts and the sizes
-    of the large tensors against the headers, before transformers builds a model of the config's size. Each raises
-    ``ValueError`` naming the file, key or config field. After the load, an integer or bool tensor that went into a
-    weight raises ``ValueError`` naming it (:func:`check_loaded_dtypes`). An FP8 checkpoint is loaded kept in FP8
-    (:mod:`glm53flash_hf.fp8_kept`), or with ``FineGrainedFP8Config(dequantize=True)`` when the caller passes
-    ``dequantize_fp8=True`` (a bool, else ``ValueError``), unless the caller passes a ``quantization_config``.
-
-    After: :func:`strict_load_report` (missing / unexpected / shape-mismatched keys raise ``ValueError`` unless
-    ``allow_missing_keys=True`` / ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True``, which warn;
-    ``output_loading_info=True`` counts as all three: the caller gets the keys in the returned dict, and the warning;
-    ``from_pretrained(None, config=..., state_dict=...)`` (no checkpoint: the caller's tensors) counts as
-    ``allow_missing_keys=True``, as transformers initialises what the dict lacks;
-    transformers itself would raise a ``RuntimeError`` without the key names for a shape mismatch, so we load with
-    ``ignore_mismatched_sizes=True`` and raise ours). The model's ``_weight_conversions`` become the full
-    registered list so ``save_pretrained`` writes the canonical layout whatever prefix variant (or caller's
-    ``key_mapping``) was read; transformers would keep only the transforms that matched. A class
-    with ``_skips_vision_tower`` logs one info line counting the skipped vision (and, for the text model,
-    ``lm_head``) tensors. Last, :func:`check_finite_weights`: a NaN or Inf in a loaded weight raises ``ValueError``
-    naming the parameter, unless ``allow_nonfinite_weights=True`` (then it warns).
+    Before: :func:`inspect_checkpoint` and :func:`check_config_matches_checkpoint`. FP8 checkpoints load kept in FP8,
+    or dequantized with ``dequantize_fp8=True`` (unless a ``quantization_config`` is passed). After:
+    :func:`check_loaded_dtypes`, :func:`strict_load_report` (``allow_missing_keys`` / ``allow_unexpected_keys`` /
+    ``ignore_mismatched_sizes`` warn instead; ``output_loading_info=True`` and ``state_dict=`` without a checkpoint
+    imply them), the full registered ``_weight_conversions`` for saving, and :func:`check_finite_weights`
+    (``allow_nonfinite_weights=True`` warns instead).
 
     Returns:
         the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
+
+    Raises:
+        ValueError: naming the file, key or config field; ``dequantize_fp8`` not a bool.
     """
     recover_interrupted_save(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
     want_info = kwargs.pop("output_loading_info", False)
@@ -1081,9 +926,9 @@ _REPLACED_NAMES = re.compile(
 
 
 def replaced_by_save(name: str) -> bool:
-    """Whether a top-level entry ``name`` of a checkpoint folder is a file a save replaces as a whole (weights,
-    their ``*.index.json``, ``config.json``, ``generation_config.json``), so :func:`atomic_save` never carries it
-    over from the folder it replaces."""
+    """Whether the top-level entry ``name`` of a checkpoint folder is replaced as a whole by a save (weights, indexes,
+    ``config.json``, ``generation_config.json``).
+    """
     return bool(_REPLACED_NAMES.match(name))
 
 
@@ -1100,13 +945,10 @@ _AT_FDCWD = -100
 
 
 def exchange_paths(a: str, b: str) -> bool:
-    """Swap the two existing paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(..., RENAME_EXCHANGE)``,
-    called through ctypes). Returns False when that call is unavailable: not Linux, a C library without
-    ``renameat2`` (glibc < 2.28), or a kernel / file system that refuses the flag (``ENOSYS``, ``EINVAL``,
-    ``ENOTSUP``: e.g. NFS); nothing has changed then.
+    """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False when unavailable.
 
     Raises:
-        OSError: any other failure of the call (e.g. ``EBUSY`` / ``EXDEV`` for a mount point), naming both paths.
+        OSError: any other failure of the call (e.g. ``EBUSY`` / ``EXDEV``), naming both paths.
     """
     import ctypes
     import errno
@@ -1128,10 +970,7 @@ def exchange_paths(a: str, b: str) -> bool:
 
 
 class _FolderLock:
-    """An exclusive ``flock`` on a folder (held by a running save on the folder it writes), so that
-    :func:`recover_interrupted_save` never removes the work of a save that is still running. ``acquire(wait=False)``
-    returns False when another process holds it. Without ``fcntl`` (Windows) or where the file system refuses locks,
-    nothing is locked and every leftover counts as abandoned."""
+    """An exclusive ``flock`` on a folder held by a running save; without ``fcntl`` nothing is locked."""
 
     def __init__(self, path: str):
         self.path = path
@@ -1172,8 +1011,7 @@ def _remove(path: str) -> None:
 
 
 def _link_copy(src: str, dst: str) -> None:
-    """Copy the entry ``src`` to ``dst`` without touching ``src``: files as hard links (no data copied; a real copy
-    where the file system has no hard links), folders recursively, symbolic links as links."""
+    """Copy ``src`` to ``dst`` as hard links (a real copy without hard links), folders recursively, links as links."""
     import shutil
 
     def link(a, b):
@@ -1189,10 +1027,7 @@ def _link_copy(src: str, dst: str) -> None:
 
 
 def _roll_forward(target: str, journal: str) -> None:
-    """Finish a committed journal ``journal`` inside ``target``: remove the checkpoint files
-    (:func:`replaced_by_save`) that the new save did not write, move every staged entry into place (a file by one
-    ``os.replace``; an existing folder of the same name is first moved into the journal) and delete the journal.
-    Idempotent: a roll-forward cut short is completed by running it again."""
+    """Finish the committed journal ``journal`` inside ``target`` (idempotent)."""
     manifest = os.path.join(journal, _JOURNAL_MANIFEST)
     if os.path.isfile(manifest):
         with open(manifest) as f:
@@ -1214,19 +1049,14 @@ def _roll_forward(target: str, journal: str) -> None:
 
 
 def recover_interrupted_save(save_directory, subfolder: str = "") -> None:
-    """Undo or finish what a killed :func:`atomic_save` of ``save_directory`` left (called by every save and at the
-    start of ``from_pretrained``): a committed journal inside the folder is rolled forward, an uncommitted one
-    removed; when the folder itself is absent (killed between the two renames of the fallback) its ``.old-`` copy is
-    renamed back; the hidden sibling copies are deleted. Leftovers of a save that is still running (it holds a lock
-    on its work folder) are left alone. A no-op for anything that is not a local path, and when nothing was left
-    (no writes then: a read-only folder loads).
+    """Undo or finish what a killed :func:`atomic_save` of ``save_directory`` left; a no-op when nothing was left.
 
     Args:
-        save_directory: the folder (str or path-like; anything else, e.g. ``None``, is ignored).
-        subfolder: a subfolder of it to treat as the folder (``from_pretrained(..., subfolder=...)``).
+        save_directory: the folder (str or path-like; anything else is ignored).
+        subfolder: a subfolder of it to treat as the folder.
 
     Raises:
-        OSError: a rename needed to restore or finish the folder failed (e.g. read-only file system).
+        OSError: a rename needed to restore or finish the folder failed.
     """
     if not isinstance(save_directory, (str, os.PathLike)):
         return
@@ -1264,10 +1094,7 @@ def recover_interrupted_save(save_directory, subfolder: str = "") -> None:
 
 
 def _journal_save(target: str, write=None, staged: str | None = None) -> None:
-    """Save into ``target`` in place through a journal: the new entries are staged in a hidden folder inside
-    ``target`` (by ``write(folder)``, or moved there from the folder ``staged``), listed in a manifest, committed by
-    renaming the staging folder, then moved into place (:func:`_roll_forward`). Used when ``target`` itself cannot be
-    renamed (a mount point)."""
+    """Save into ``target`` in place through a journal (for a ``target`` that cannot be renamed, e.g. a mount point)."""
     import tempfile
 
     journal = tempfile.mkdtemp(prefix=_JOURNAL_TMP, dir=target)
@@ -1297,40 +1124,18 @@ def _journal_save(target: str, write=None, staged: str | None = None) -> None:
 def atomic_save(save_directory, write) -> str:
     """Write a folder with ``write(tmp)`` and swap it in at ``save_directory`` only when ``write`` returned.
 
-    Steps: first :func:`recover_interrupted_save` cleans up what an earlier killed save left. ``write`` fills a fresh
-    sibling ``.{name}.tmp-XXXXXXXX`` (same parent, same file system); the entries of the existing folder that the
-    new save did not write and that are not checkpoint files (:func:`replaced_by_save`: weights in any layout, their
-    indexes, ``config.json``, ``generation_config.json``) are copied into it as hard links (a README, ``adapter/``,
-    loss logs, tokenizer and processor files, trainer states, ``.git`` and any subfolder are kept; stale shards or a
-    ``model.safetensors`` of another layout do not survive); then the two folders are exchanged in one atomic step
-    (Linux ``renameat2(RENAME_EXCHANGE)``) and the old content, now at the sibling's name, is deleted.
-
-    Guarantees: at every instant ``save_directory`` holds the complete old or the complete new folder, also when
-    the process is killed (``kill -9``); a kill leaves a hidden sibling that the next save or ``from_pretrained`` of
-    the folder removes. On any failure (an exception in ``write``, a full disk) the previous folder is left as it
-    was and the temporary folder is removed. The folder is never written in place, so a save never writes through a
-    symbolic or hard link into another folder. A ``save_directory`` that is a symbolic link to a folder is resolved:
-    the folder it points to is replaced and the link kept. Not covered: power loss (files are not ``fsync``-ed).
-
-    Fallbacks: where the atomic exchange is unavailable (not Linux, file systems such as NFS) the old folder is
-    renamed to ``.{name}.old-XXXXXXXX`` and the new one renamed into place; a kill between those two renames
-    (microseconds) leaves ``save_directory`` absent, and the next save or load renames the old folder back. A
-    ``save_directory`` that cannot be renamed (a mount point, e.g. a container volume: ``EBUSY`` / ``EXDEV``) is
-    saved in place through a journal: the new entries are staged in a hidden subfolder, committed by a rename, then
-    moved into place one by one; a kill after the commit leaves a mix of old and new files that the next save or
-    ``from_pretrained`` completes to the new folder before anything is read (other readers may see the mix until
-    then), a kill before it leaves the old folder.
+    ``save_directory`` always holds the complete old or new folder, also across ``kill -9`` (not power loss); the old
+    folder's non-checkpoint entries (:func:`replaced_by_save`) are kept; a symbolic link to a folder is kept.
 
     Args:
         save_directory: the folder to (re)write; its parent is created when missing.
-        write: ``write(tmp: str)`` writes the complete content into the empty folder ``tmp``.
+        write: ``write(tmp: str)`` fills the empty folder ``tmp``.
 
     Returns:
         The absolute path of the folder written.
 
     Raises:
-        ValueError: ``save_directory`` is an existing file.
-        Whatever ``write`` raises (after the clean-up above).
+        ValueError: ``save_directory`` is an existing file; whatever ``write`` raises (the old folder is kept).
     """
     import errno
     import tempfile
@@ -1391,16 +1196,10 @@ def atomic_save(save_directory, write) -> str:
 
 
 def check_finite_for_save(state_dict, owner: str) -> None:
-    """Refuse to save NaN or Inf values: the check :meth:`save_pretrained` runs before writing (the scan is
-    :func:`nonfinite_tensors`).
-
-    Args:
-        state_dict: ``{name: tensor}``.
-        owner: what the tensors belong to, for the message (e.g. the model's class name).
+    """Refuse to save NaN or Inf values of ``state_dict`` (``owner`` names them in the message).
 
     Raises:
-        ValueError: naming the count of offending tensors, the first 10 (NaN / Inf counts, first index) and
-            ``allow_nonfinite_weights=True``.
+        ValueError: naming the count, the first 10 tensors and ``allow_nonfinite_weights=True``.
     """
     bad = nonfinite_tensors(state_dict.items())
     if bad:
@@ -1411,9 +1210,7 @@ def check_finite_for_save(state_dict, owner: str) -> None:
 
 
 def check_state_dict_dtypes(model, state_dict) -> None:
-    """Raise ``ValueError`` for an integer or bool tensor of ``state_dict`` whose key is a floating-point parameter
-    or buffer of ``model`` (``nn.Module.load_state_dict`` would cast it silently; a bool mask or token ids are
-    never weights).
+    """Raise for an integer or bool tensor of ``state_dict`` loading into a floating-point tensor of ``model``.
 
     Raises:
         ValueError: naming the key, the tensor's dtype and the model's dtype (first 10 offenders, and the count).

@@ -1,20 +1,9 @@
-"""Configurations of GLM-5.3-Flash for glm53flash-hf.
+"""Configurations of GLM-5.3-Flash, subclasses of transformers' ``Glm5Next*Config`` (``model_type = "glm5_next"``).
 
-The classes subclass transformers' ``Glm5Next*Config`` and keep ``model_type = "glm5_next"`` so a checkpoint
-saved by this package stays loadable by transformers' built-in ``Glm5NextForConditionalGeneration`` and by
-inference engines that key on ``model_type``. They add:
-
-* ``num_nextn_predict_layers`` (text config): number of multi-token-prediction (MTP) layers stored after the
-  main stack at ``layers.{num_hidden_layers + i}``; 0 when absent, 1 in the release.
-* ``kernels`` (text config): which implementation each operator family uses, ``"auto"`` (fused kernel on a
-  CUDA tensor when it is installed, torch otherwise), ``"torch"`` or ``"fused"``. A string applies to every
-  family; a dict names families among ``kda``, ``mhc``, ``dsa``, ``moe`` (missing ones are ``"auto"``).
-
-Out-of-range numbers (non-positive sizes, ``rms_norm_eps <= 0``, NaN) raise ``ValueError`` at construction, naming
-the field, its value and the expected range (:func:`check_numeric_fields`); unsupported combinations raise
-``ValueError`` naming the field and its value (see :meth:`Glm53FlashTextConfig.validate_architecture`). Field
-meanings: transformers' ``models/glm5_next/configuration_glm5_next.py`` (``Glm5NextTextConfig``), which these
-classes extend.
+Field meanings: transformers' ``models/glm5_next/configuration_glm5_next.py``. Added text fields:
+``num_nextn_predict_layers``, ``kernels``, ``mtp_depth``, ``mtp_loss_weight`` (:class:`Glm53FlashTextConfig`).
+Out-of-range numbers and unsupported combinations raise ``ValueError`` naming the field, its value and what is
+expected.
 """
 
 import math
@@ -62,10 +51,10 @@ def _is_number(value) -> bool:
 
 
 def check_numeric_fields(config, positive_ints=(), non_negative_ints=(), positive_floats=(), non_negative_floats=()):
-    """Raise ``ValueError`` naming the field, its value and what is expected for the first field of ``config`` out of
-    range: the ``positive_ints`` must be ints ``>= 1``, the ``non_negative_ints`` ints ``>= 0``, the
-    ``positive_floats`` finite numbers ``> 0``, the ``non_negative_floats`` finite numbers ``>= 0``. Fields the config
-    does not have, or holds as ``None``, are skipped."""
+    """Raise ``ValueError`` naming the field, its value and the expected range for the first field of ``config`` out of
+    range: ``positive_ints`` ints >= 1, ``non_negative_ints`` ints >= 0, ``positive_floats`` finite > 0,
+    ``non_negative_floats`` finite >= 0. Absent or ``None`` fields are skipped.
+    """
     rules = (
         (positive_ints, lambda v: _is_int(v) and v >= 1, "a positive integer"),
         (non_negative_ints, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -107,21 +96,20 @@ def normalize_kernels(value) -> dict:
 
 @strict
 class Glm53FlashTextConfig(Glm5NextTextConfig):
-    r"""Text configuration of GLM-5.3-Flash (``model_type = "glm5_next_text"``).
-
-    All fields of transformers' ``Glm5NextTextConfig``, plus:
+    """Text configuration of GLM-5.3-Flash (``model_type = "glm5_next_text"``): transformers' ``Glm5NextTextConfig``
+    plus:
 
     num_nextn_predict_layers (`int`, defaults to 0):
-        Number of MTP layers stored after the main stack (the release has 1, at ``layers.45``).
+        MTP layers stored after the main stack at ``layers.{num_hidden_layers + i}`` (1 in the release).
     kernels (`str | dict`, defaults to ``"auto"``):
-        Implementation per operator family, see the module docstring.
+        ``"auto"`` (fused kernel on CUDA when installed, else torch), ``"torch"`` or ``"fused"``, for every family or
+        per family (dict over ``kda``, ``mhc``, ``dsa``, ``moe``; missing ones ``"auto"``).
     mtp_depth (`int`, defaults to 1):
-        Number D of logical MTP depths applied with the one (shared) MTP layer during training (DeepSeek-V3
-        technical report §2.2).
+        MTP depths applied with the one shared MTP layer in training (DeepSeek-V3 technical report §2.2).
     mtp_loss_weight (`float`, defaults to 0.1):
-        Weight of the MTP loss (mean over depths) added to ``loss``; 0 turns the MTP objective off.
+        Weight of the MTP loss added to ``loss``; 0 turns it off.
 
-    ``layer_types`` accepts ``"linear_attention"``, ``"indexed_attention"`` and the older spellings
+    ``layer_types`` accepts ``"linear_attention"``, ``"indexed_attention"`` and the older
     ``"deepseek_sparse_attention"`` / ``"full_attention"`` (normalised to ``"indexed_attention"``).
     """
 
@@ -146,9 +134,8 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         super().__post_init__(**kwargs)
 
     def check_special_token_ids(self) -> None:
-        """Raise ``ValueError`` unless ``pad_token_id`` and ``bos_token_id`` are ``None`` or an integer id in
-        ``[0, vocab_size)`` and ``eos_token_id`` is ``None``, such an id or a list of them (an id outside the
-        vocabulary would index past the embedding, or never be generated). Called by the text model's constructor.
+        """Check that ``pad_token_id`` / ``bos_token_id`` are ``None`` or ids in ``[0, vocab_size)`` and
+        ``eos_token_id`` is ``None``, such an id or a list of them.
 
         Raises:
             ValueError: naming the field, its value and ``vocab_size``.
@@ -164,13 +151,7 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
             )
 
     def validate_architecture(self):
-        """Check the combination of fields; raise ``ValueError`` naming the field and value.
-
-        Single numeric fields (sizes, ``rms_norm_eps``, ...) are checked at construction, raising ``ValueError``
-        itself (:func:`check_numeric_fields`). These checks run before transformers' own so the messages name the
-        field (``@strict`` wraps the ``ValueError`` in ``StrictDataclassClassValidationError``, which keeps the
-        message).
-        """
+        """Check the combination of fields; raise ``ValueError`` naming the field and value."""
         n = self.num_hidden_layers
         for name in ("index_kpool", "index_topk", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
                      "num_hidden_layers", "linear_num_heads", "linear_head_dim", "index_n_heads", "index_head_dim"):
@@ -242,11 +223,10 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
 
 @strict
 class Glm53FlashVisionConfig(Glm5NextVisionConfig):
-    """Vision-tower configuration; the fields of transformers' ``Glm5NextVisionConfig`` (the tower is reused as is).
+    """Vision-tower configuration: the fields of transformers' ``Glm5NextVisionConfig``.
 
     Raises:
-        ValueError: a non-positive size (``depth``, ``hidden_size``, ``num_heads``, ``patch_size``,
-            ``temporal_patch_size``, ...) or ``rms_norm_eps``, naming the field and its value.
+        ValueError: a non-positive size or ``rms_norm_eps``, naming the field and its value.
     """
 
     def __post_init__(self, **kwargs):
@@ -264,10 +244,8 @@ class Glm53FlashVisionConfig(Glm5NextVisionConfig):
 
 @strict
 class Glm53FlashConfig(Glm5NextConfig):
-    """Top-level GLM-5.3-Flash configuration (``model_type = "glm5_next"``), with our text and vision configs.
-
-    ``Glm53FlashConfig(text_config={...}, vision_config={...})``; flat (text-only) configs are forwarded to
-    ``text_config`` as in transformers.
+    """Top-level GLM-5.3-Flash configuration (``model_type = "glm5_next"``): ``text_config`` and ``vision_config``
+    (flat text-only configs go to ``text_config``).
     """
 
     sub_configs_defaults = {

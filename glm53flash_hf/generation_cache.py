@@ -1,35 +1,9 @@
-"""Generation-cache plumbing for glm53flash-hf (the layer caches themselves are transformers').
+"""Generation-cache plumbing around transformers' cache classes (``transformers/cache_utils.py``).
 
-The hybrid model reuses transformers' cache classes as they are (``transformers/cache_utils.py``):
-``DynamicCache(config=...)`` / ``StaticCache`` build one layer per ``config.layer_types`` entry:
-
-* ``"linear_attention"`` (KDA) -> ``LinearAttentionLayer``: conv state ``[B, 3*H*K, W]`` (the last ``W`` conv
-  inputs of the row, ``[q|k|v]`` channels first, model dtype — the layout of transformers' glm5_next) and the
-  recurrent state ``[B, H, K, V]`` fp32.
-* ``"indexed_attention"`` (DSA) -> ``DynamicIndexedLayer`` / ``StaticIndexedLayer``: ``keys`` hold the MLA latent
-  ``kv_a_layernorm(kv_a_proj_with_mqa(x))`` as ``[B, 1, S, kv_lora_rank]`` (``values`` are the empty rope part,
-  ``[B, 1, S, 0]``, as in transformers); ``indexer_keys`` hold the KPool indexer state, fp32 ``[B, S, 2 * Dk]``
-  (see :meth:`.dsa.Glm53FlashIndexer.forward_cached` for the layout: per-token ``[k | gate]`` while a token's pool
-  is incomplete, and the finished pool keys written once into the first ``Dk`` columns of slots ``0 .. P-1``).
-
-Plain generation needs no cache layer class of its own. Assisted / MTP speculative decoding (``generate(use_mtp=True)``)
-must roll rejected drafts back with ``cache.crop(-n)``, which transformers' ``LinearAttentionLayer`` cannot do for a
-recurrent state (``LinearAttentionCacheLayerMixin.is_croppable``). :func:`make_croppable` swaps the layers of a fresh
-``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` (while past recording is on, keeps what restores the
-recurrent state after any token since the last crop: per-token states of decode steps and verification calls, a
-replay of the prefill) and :class:`Glm53FlashIndexedCacheLayer` (undoes pool keys written for pools that a crop makes
-incomplete again), and :class:`MtpDraftCache` is the MTP layer's own cache while drafting. Every candidate generator
-of transformers' assisted decoding is served: ``use_mtp=True``, ``prompt_lookup_num_tokens`` and ``assistant_model``
-(whose own cache, when it is this model, is made croppable too).
-
-This module also holds what every cached layer of one forward shares: :class:`CacheContext` (the past length,
-which current tokens are real, where each row's real tokens start), built once per forward by
-:func:`build_cache_context`.
-
-Supported batches: each row is ``[left padding][one document]`` (what ``generate`` builds from a left-padded
-batch). Packed documents (several per row, ``cu_seq_lens_q`` / ``seq_idx`` / restarting ``position_ids``), padding
-after a real token or a row without a real token cannot be cached and raise ``ValueError``
-(:func:`check_left_padding`); so does a cache built for another layer layout (:func:`check_cache_layers`).
+``DynamicCache(config=...)`` / ``StaticCache`` hold per KDA layer a conv state ``[B, 3*H*K, W]`` and an fp32
+recurrent state ``[B, H, K, V]``, per DSA layer the MLA latent ``[B, 1, S, kv_lora_rank]`` and the fp32 KPool indexer
+state ``[B, S, 2 * Dk]``. :func:`make_croppable` makes them croppable for assisted / MTP decoding. Cached rows must
+be ``[left padding][one document]``.
 """
 
 from __future__ import annotations
@@ -78,11 +52,9 @@ def check_cache(cache, who: str) -> None:
 
 
 def check_cache_layers(cache: Cache, config, who: str) -> None:
-    """Raise ``ValueError`` unless ``cache`` has one layer per main layer of ``config`` (``num_hidden_layers``), of
-    the kind its ``layer_types`` entry needs: a linear-attention layer (conv and recurrent state) for
-    ``"linear_attention"``, an indexed layer (``update_indexer``) for ``"indexed_attention"``. The message names
-    the layer count or the first mismatching layer (a cache built for another checkpoint, or ``DynamicCache()``
-    without ``config``)."""
+    """Raise ``ValueError`` unless ``cache`` has one layer per main layer of ``config`` of the kind its ``layer_types``
+    entry needs (names the layer count or the first mismatching layer).
+    """
     kinds = list(config.layer_types[: config.num_hidden_layers])
     layers = cache.layers
     fix = "build the cache for this model: DynamicCache(config=model.config) or StaticCache(config=model.config, ...)"
@@ -101,10 +73,9 @@ def check_cache_layers(cache: Cache, config, who: str) -> None:
 
 
 def check_left_padding(valid: torch.Tensor, name: str = "attention_mask") -> None:
-    """Raise ``ValueError`` unless every row of the bool ``[B, L]`` padding mask ``valid`` is ``[padding][real
-    tokens]`` with at least one real token (what a generation cache and ``generate`` support). The message names
-    the row: an all-zero row has nothing to generate from; a 0 after a 1 (a hole, or right padding) is refused, as
-    KDA's recurrence cannot skip a masked token inside a row the way attention masks a key."""
+    """Raise ``ValueError``, naming the row, unless every row of the bool ``[B, L]`` mask ``valid`` is ``[padding][real
+    tokens]`` with at least one real token.
+    """
     empty = ~valid.any(dim=1)
     if bool(empty.any()):
         row = int(empty.nonzero()[0, 0])
@@ -124,11 +95,9 @@ def check_left_padding(valid: torch.Tensor, name: str = "attention_mask") -> Non
 
 
 def check_cache_continuation(cache, input_len: int, mask_len: int | None) -> None:
-    """Raise ``ValueError`` when ``generate`` gets a ``cache`` that already holds tokens but inputs that cannot
-    continue it. transformers' convention: a filled cache is continued, ``input_ids`` being the whole sequence
-    (cached tokens first, only the tokens beyond the cache are run) or only the new tokens with an
-    ``attention_mask`` over the whole sequence; so the mask (or, without one, the input) must be longer than the
-    cache. ``mask_len=None``: no mask given."""
+    """Raise ``ValueError`` when a filled ``cache`` cannot be continued: the mask (``mask_len``; None: no mask) or else
+    the input (``input_len``) must be longer than the ``cached`` tokens.
+    """
     past = cache_seq_length(cache) if isinstance(cache, Cache) else 0
     width = input_len if mask_len is None else mask_len
     if past > 0 and width <= past:
@@ -145,15 +114,12 @@ class CacheContext:
     """What the cached layers of one forward share (built by :func:`build_cache_context`).
 
     Attributes:
-        past: tokens already in the cache: a Python int, or, in a traced (``torch.compile``) call without an
-            attention mask, a long 0-d tensor (a static cache's length; no tensor value is read while tracing).
+        past: tokens already in the cache: a Python int, or a long 0-d tensor in a traced call without a mask.
         seq_len: tokens in this call, ``S``.
         valid: bool ``[B, S]``, False on padding tokens of this call.
-        first: long ``[B]``, row position of the row's first real token over ``past + S`` tokens (``past + S``
-            when the row has none yet). KPool pools start there (left padding), as in the uncached layout.
-        positions: long ``[S]``, absolute row positions ``past + arange(S)`` of this call's tokens (= cache slots).
-        local_pos: long ``[B, S]``, ``positions - first`` (position inside the row's document; negative on
-            left padding).
+        first: long ``[B]``, position of the row's first real token (``past + S`` when it has none yet).
+        positions: long ``[S]``, ``past + arange(S)`` (= cache slots).
+        local_pos: long ``[B, S]``, ``positions - first`` (negative on left padding).
     """
 
     past: int | torch.Tensor
@@ -165,19 +131,14 @@ class CacheContext:
 
 
 def cache_seq_length(cache: Cache) -> int:
-    """Tokens already stored in ``cache`` (a Python int; ``StaticCache`` keeps it as a tensor).
-
-    Read from the first attention (``CacheLayerMixin``) layer; a cache without one (an all-KDA model) reports 0
-    and the caller takes the past length from the attention mask.
-    """
+    """Tokens already stored in ``cache`` (first attention layer; 0 without one)."""
     if not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
         return 0
     return int(cache.get_seq_length())
 
 
 def _unpadded_context(cache: Cache, batch_size: int, seq_len: int, device: torch.device) -> CacheContext:
-    """The context of a traced cached forward without padding: ``past`` is a long 0-d tensor (the first attention
-    layer's length, cloned), every token is real and every row's document starts at 0."""
+    """The context of a traced cached forward without padding (``past`` a long 0-d tensor)."""
     layer = next((lay for lay in cache.layers if isinstance(lay, CacheLayerMixin)), None)
     past = cache.get_seq_length() if layer is not None else 0
     past = past.clone() if isinstance(past, torch.Tensor) else torch.tensor(past, device=device)
@@ -207,21 +168,15 @@ def build_cache_context(
 
     Args:
         cache: the transformers ``Cache`` of the call (read, not written).
-        attention_mask: optional 2-D ``[B, past + S]`` (transformers' convention: past and new tokens; what
-            ``generate`` passes) or ``[B, S]`` when the cache is empty; ``None`` = no padding anywhere.
-        position_ids: optional ``[B, S]`` (or ``[B, past + S]``); only checked, on multi-token calls, for a
-            restart inside the call (packed documents).
-        kwargs: the forward's other keyword arguments; packing keys (``cu_seq_lens_q``, ``cu_seqlens``,
-            ``seq_idx``) are rejected.
+        attention_mask: optional 2-D ``[B, past + S]`` or, for an empty cache, ``[B, S]``; ``None``: no padding.
+        position_ids: optional ``[B, S]`` (or ``[B, past + S]``); a restart inside a multi-token call is refused.
+        kwargs: the forward's other keyword arguments; packing keys (``cu_seq_lens_q``, ``cu_seqlens``, ``seq_idx``)
+            are refused.
 
     Raises:
-        ValueError: packed documents with a cache; a static cache whose ``max_cache_len`` is below ``past + S``
-            (eager calls); a mask that is not 2-D or does not cover ``past + S`` tokens; padding after a real
-            token or a row without one (:func:`check_left_padding`, on eager multi-token or first calls only, so a
-            decode step costs no host sync). Under ``torch.compile`` the past length is
-            ``attention_mask.shape[1] - S`` when a mask is given, and otherwise the cache's length tensor
-            (``StaticCache``; every token is then real, which is what ``generate`` means when it drops an all-ones
-            mask); the data checks are skipped.
+        ValueError: packed documents; a static cache shorter than ``past + S``; a mask not 2-D or not covering
+            ``past + S`` tokens; padding after a real token or a row without one (eager multi-token or first calls;
+            skipped under ``torch.compile``).
     """
     for key in _PACKING_KWARGS:
         if kwargs.get(key) is not None:
@@ -302,24 +257,12 @@ def build_cache_context(
 
 
 class Glm53FlashKDACacheLayer(LinearAttentionLayer):
-    """transformers' ``LinearAttentionLayer`` (conv state ``[B, 3*H*K, W]``, recurrent state fp32 ``[B, H, K, V]``)
-    that ``crop(-n)`` can roll back exactly, across every call since the last crop, while past recording is on.
+    """transformers' ``LinearAttentionLayer`` that ``crop(-n)`` rolls back exactly while past recording is on.
 
-    * Conv state: transformers' recording as is. While ``record_past``, the KDA layer hands each call's raw conv
-      inputs ``[B, 3*H*K, S]`` to ``update_conv_state`` (a first call behind ``W`` zero columns, the inputs before
-      a row's first token), which keeps ``[old W | every new input]``; ``crop(-n)`` keeps the ``W`` inputs that end
-      ``n`` tokens before the last (``LinearAttentionCacheLayerMixin.crop``).
-    * Recurrent state: every recorded call adds one entry to ``history`` (see :meth:`update_recurrent_state`): a
-      decode step or a multi-token continuation (assisted decoding's verification call, run token by token by
-      :meth:`.kda.Glm53FlashLinearAttention.forward`) hands its per-token states ``[S, B, H, K, V]``; a first call
-      (a prefill, which may end with the candidate tokens of transformers' assisted decoding) hands a ``replay``
-      that recomputes the state after any prefix of its tokens. ``crop(-n)`` restores the state after the first
-      ``T - n`` of the ``T`` tokens recorded since the last crop, so the candidate generators that crop several
-      calls at once (an assistant model's own cache, prompt lookup's first verification inside the prefill) roll
-      back as exactly as a single verification call. Each crop clears the history.
-
-    ``is_croppable`` is True once the layer holds a state and recording is on. Without recording the layer behaves
-    exactly as transformers' (plain ``generate`` never creates it anyway; see :func:`make_croppable`).
+    Conv state: transformers' recording (``[old W | every new input]``). Recurrent state: each recorded call adds a
+    ``history`` entry (per-token states, or a replay of a first call); ``crop(-n)`` restores the state after the first
+    ``T - n`` of the ``T`` tokens recorded since the last crop and clears the history. ``is_croppable`` once the layer
+    holds a state and recording is on; otherwise transformers' behaviour.
     """
 
     def __init__(self, **kwargs):
@@ -343,14 +286,13 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
         replay: tuple | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """Store the final state (in place, as transformers) and, while recording, this call's history entry.
+        """Store the final state in place and, while recording, this call's history entry.
 
         Args:
             recurrent_states: fp32 ``[B, H, K, V]``, the state after the call.
             per_token_states: fp32 ``[S, B, H, K, V]``, the state after each of the call's ``S`` tokens.
             replay: ``(S, fn)`` instead, for a call of ``S`` tokens from the zero state: ``fn(j)`` returns the state
                 after its first ``j`` tokens (``1 <= j < S``).
-                A recorded call with neither cannot be cropped into (:meth:`crop` raises).
         """
         if self.record_past:
             if not self.history[state_idx]:  # the first call since the last crop: keep the state it starts from
@@ -366,13 +308,11 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
         return super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens recorded since the last crop (conv window and recurrent
-        state); ``crop(0)`` keeps the current state and shrinks the conv window back to ``W``.
+        """Remove the last ``-tokens_to_remove`` recorded tokens (conv window and recurrent state); ``crop(0)`` shrinks
+        the conv window back to ``W``.
 
         Raises:
-            RuntimeError: not recording, a positive argument (transformers' messages), or more tokens removed than
-                the calls recorded since the last crop hold (counted back to the last call recorded without
-                per-token states or replay).
+            RuntimeError: not recording, a positive argument, or more tokens removed than recorded since the last crop.
         """
         super().crop(tokens_to_remove)
         n = abs(tokens_to_remove)
@@ -410,16 +350,8 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
 
 
 class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
-    """transformers' ``DynamicIndexedLayer`` whose ``crop`` also undoes the KPool pool keys written since the last
-    crop for pools that the crop makes incomplete again.
-
-    :meth:`.dsa.Glm53FlashIndexer.forward_cached` writes the key of pool ``j`` into the first ``Dk`` columns of
-    slot ``j`` when the pool's last token arrives. If that token is a rejected draft, a crop removes it and the
-    pool is completed (and its key written) again later, which is exact unless slot ``j`` itself is one of the
-    token slots the rebuilt pool reads (pool 0 of a row starting at slot 0: a prompt shorter than
-    ``index_kpool - 1`` tokens). While recording, the indexer hands each call's overwritten values to
-    :meth:`record_pool_keys`; ``crop`` puts them back, newest call first, for every pool whose last token it
-    removes and whose slot it keeps, so the state equals that of a cache that never saw the removed tokens.
+    """transformers' ``DynamicIndexedLayer`` whose ``crop`` also restores the KPool pool keys written since the last
+    crop for pools the crop makes incomplete again.
     """
 
     def __init__(self, **kwargs):
@@ -433,10 +365,14 @@ class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
     def record_pool_keys(
         self, slots: torch.Tensor, old_keys: torch.Tensor, pool_last: torch.Tensor, written: torch.Tensor
     ) -> None:
-        """Remember one call's pool-key writes (recording only; kept until the next crop): ``slots`` long
-        ``[B, c]`` (the slot each candidate pool key went to), ``old_keys`` ``[B, c, Dk]`` (the values it replaced),
-        ``pool_last`` long ``[B, c]`` (row position of each pool's last token), ``written`` bool ``[B, c]`` (the
-        pool completed in this call)."""
+        """Remember one call's pool-key writes until the next crop.
+
+        Args:
+            slots: long ``[B, c]``, the slot each candidate pool key went to.
+            old_keys: ``[B, c, Dk]``, the values it replaced.
+            pool_last: long ``[B, c]``, position of each pool's last token.
+            written: bool ``[B, c]``, the pool completed in this call.
+        """
         if self.record_past:
             self.pool_key_undo.append((slots, old_keys, pool_last, written))
 
@@ -461,12 +397,10 @@ class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
 
 
 def make_croppable(cache: Cache) -> Cache:
-    """Swap, in place, the still-empty ``LinearAttentionLayer`` / ``DynamicIndexedLayer`` layers of a
-    ``DynamicCache`` for :class:`Glm53FlashKDACacheLayer` / :class:`Glm53FlashIndexedCacheLayer` (what
-    ``generate`` calls for assisted / MTP decoding, and for the cache of a model serving as another's assistant);
-    a layer that already records its past keeps recording. Other caches and filled layers are left as they are (a
-    ``StaticCache`` or a filled user cache then fails transformers' ``is_croppable`` check with its own message).
-    Returns ``cache``."""
+    """Swap, in place, the empty ``LinearAttentionLayer`` / ``DynamicIndexedLayer`` layers of a ``DynamicCache`` for
+    :class:`Glm53FlashKDACacheLayer` / :class:`Glm53FlashIndexedCacheLayer`; other caches and filled layers are left
+    as they are. Returns ``cache``.
+    """
     if not isinstance(cache, DynamicCache):
         return cache
     for i, layer in enumerate(cache.layers):
@@ -482,11 +416,9 @@ def make_croppable(cache: Cache) -> Cache:
 
 
 class MtpDraftCache(Cache):
-    """Cache of the MTP layer's own DSA attention while drafting (``generate(use_mtp=True)``): one
-    :class:`Glm53FlashIndexedCacheLayer` at index ``layer_idx`` (the MTP layer's index, ``num_hidden_layers``);
-    the lower indices are placeholders that are never written. ``get_seq_length`` reads that layer, so
-    :func:`build_cache_context` sees the MTP layer's past. It only ever receives verified positions (the draft
-    generator feeds the MTP layer accepted tokens only), so it is never cropped."""
+    """Cache of the MTP layer's DSA attention while drafting: one :class:`Glm53FlashIndexedCacheLayer` at ``layer_idx``
+    (lower indices are unused placeholders); it only receives verified positions and is never cropped.
+    """
 
     def __init__(self, layer_idx: int):
         super().__init__(layers=[DynamicIndexedLayer() for _ in range(layer_idx)] + [Glm53FlashIndexedCacheLayer()])

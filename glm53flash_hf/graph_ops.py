@@ -1,23 +1,9 @@
 """Torch regions with data-dependent control flow as ``torch.library`` custom ops, for ``torch.compile``.
 
-Some torch-path operators decide their work from the data: the packed KDA core plans its chunk layout from the
-document boundaries on the host (``cu_seqlens.tolist()``), the packed short convolution gathers per-document
-histories. Eagerly that is cheap and exact; a compiled graph cannot branch on tensor values. :func:`recompute_op`
-registers such a function as an opaque custom op with
-
-* a fake (meta) implementation giving the output shapes from the input shapes alone;
-* autograd through a second custom op, the backward, which recomputes the function and differentiates it with
-  ``torch.autograd.grad`` (the region's activations are not kept between forward and backward, as under activation
-  checkpointing). A custom op's implementation runs below the autograd dispatch keys; the backward turns them back
-  on for the recomputation (:func:`_autograd_recording`).
-
-:func:`module_op` does the same for a module called as a whole (transformers' vision tower, whose attention
-splits the patches per image on the host), differentiable with respect to its input and parameters.
-
-The op runs the very same function as the eager path, so compiled and eager results agree; the eager model calls
-the function directly (:func:`in_graph` tells which). Sources: ``torch.library.custom_op``,
-``torch.library.register_fake``, ``torch.library.register_autograd`` (PyTorch "Custom Python operators" guide).
-Leaf module: it imports torch only.
+:func:`recompute_op` and :func:`module_op` register a function (or a module called as a whole) as an opaque op
+with a fake implementation and a backward that recomputes it; eager code calls the function directly
+(:func:`in_graph`). Sources: ``torch.library.custom_op``, ``register_fake``, ``register_autograd`` (PyTorch
+"Custom Python operators" guide).
 """
 
 from __future__ import annotations
@@ -35,24 +21,15 @@ __all__ = ["NAMESPACE", "define_op", "in_graph", "module_op", "module_parameters
 
 
 def define_op(name: str, impl, fake, *, backward=None, setup_context=None):
-    """Register ``impl`` as the custom op ``glm53flash::<name>`` (``torch.library.custom_op``, no mutated inputs,
-    schema inferred from ``impl``'s annotations) with its fake (shape/dtype) implementation and, if ``backward`` is
-    given, its autograd formula (``register_autograd(backward, setup_context=setup_context)``).
-
-    Custom ops are opaque to ``torch.compile``: the traced graph calls the op and its registered backward, and the
-    kernels run inside ``impl``, so a ``fullgraph=True`` compile of code calling them needs no graph break.
-
-    An op of that name that already exists in the process is returned unchanged: a second copy of a kernel module
-    (the package and the same files loaded as transformers remote code) shares the first copy's registration.
+    """Register ``impl`` as the custom op ``glm53flash::<name>`` with its fake implementation and optional autograd
+    formula; an op of that name that already exists is returned unchanged.
 
     Args:
         name: the op name within :data:`NAMESPACE`.
-        impl: the implementation, every argument and the return annotated (``torch.Tensor``, ``torch.Tensor | None``,
-            ``int``, ``float``, ``bool``, ``str``, ``torch.dtype``, ``X | None`` of those; a tensor or a tuple of
-            tensors returned, never an input itself).
-        fake: the fake implementation (same arguments; empty tensors of the outputs' shapes, dtypes and strides).
-        backward, setup_context: as ``torch.library.register_autograd``; ``None``: no autograd formula (a backward
-            through the op raises).
+        impl: the implementation, every argument and the return annotated; returns a tensor or a tuple of tensors,
+            never an input itself.
+        fake: the fake implementation (empty tensors of the outputs' shapes, dtypes and strides).
+        backward, setup_context: as ``torch.library.register_autograd``; ``None``: no autograd formula.
 
     Returns:
         The op (callable like ``impl``).
@@ -78,8 +55,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _autograd_recording():
-    """Grad mode on and the autograd dispatch keys no longer excluded (they are, inside a custom op's
-    implementation), so that the code inside records an autograd graph."""
+    """Grad mode on and the autograd dispatch keys re-enabled (excluded inside a custom op's implementation)."""
     include = torch._C._dispatch_tls_local_include_set()
     exclude = torch._C._dispatch_tls_local_exclude_set()
     keys = torch._C.DispatchKey
@@ -101,18 +77,16 @@ def recompute_op(
 
     Args:
         name: op name (``glm53flash::<name>`` and ``glm53flash::<name>_backward`` are registered).
-        fn: ``fn(*tensors, **statics) -> tuple`` of ``num_outputs`` tensors or ``None`` (returned as empty tensors
-            by the op). It must be a pure function of its arguments.
-        tensor_args: ``(name, optional)`` for each positional tensor argument, in order; optional ones may be
-            ``None``. Floating tensors that require grad get gradients.
-        static_args: ``(name, schema type)`` of each keyword argument, e.g. ``("scale", "float")``,
-            ``("output_final_state", "bool")``, ``("activation", "str?")``.
+        fn: pure ``fn(*tensors, **statics) -> tuple`` of ``num_outputs`` tensors or ``None`` (returned empty).
+        tensor_args: ``(name, optional)`` per positional tensor argument; floating ones that require grad get
+            gradients.
+        static_args: ``(name, schema type)`` per keyword argument, e.g. ``("scale", "float")``, ``("activation",
+            "str?")``.
         num_outputs: number of tensors ``fn`` returns.
-        fake: ``fake(*tensors, **statics) -> tuple`` of ``num_outputs`` tensors with the output shapes and dtypes
-            (empty tensors where ``fn`` returns ``None``), from shapes only.
+        fake: ``fake(*tensors, **statics)`` giving the outputs' shapes and dtypes.
 
     Returns:
-        The forward op; call it as ``op(*tensors, **statics)``. It returns a tuple of ``num_outputs`` tensors.
+        The forward op, ``op(*tensors, **statics)`` returning ``num_outputs`` tensors.
     """
     existing = getattr(torch.ops, NAMESPACE)
     if hasattr(existing, name):  # a second copy of the module (remote code): share the first registration
@@ -223,12 +197,11 @@ def module_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def module_op(name: str, call: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> Callable:
-    """Register ``call(module, x, aux)`` (one tensor out) as the custom op ``glm53flash::<name>``, differentiable
-    with respect to ``x`` and the module's parameters, with a recomputing backward (as :func:`recompute_op`).
+    """Register ``call(module, x, aux)`` (one tensor out) as the custom op ``glm53flash::<name>``, differentiable in
+    ``x`` and the module's parameters, with a recomputing backward.
 
-    Call the returned op as ``op(x, aux, module_parameters(module), register_module(module))``. ``aux`` is a
-    non-differentiable tensor argument (e.g. an integer grid). ``fake(module, x, aux) -> tensor`` gives the output's
-    shape and dtype (from shapes and the module's configuration only).
+    Call the op as ``op(x, aux, module_parameters(module), register_module(module))``; ``aux`` is a
+    non-differentiable tensor; ``fake(module, x, aux)`` gives the output's shape and dtype.
     """
 
     existing = getattr(torch.ops, NAMESPACE)

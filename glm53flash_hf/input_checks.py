@@ -1,10 +1,6 @@
-"""Checks of the models' public inputs, run before any maths: each error names the argument, its value and what
-was expected.
+"""Checks of the models' public inputs: each error names the argument, its value and what was expected.
 
-Shape and dtype checks read no tensor data and always run. Checks that read values (id ranges, label ranges,
-grid products) run in eager calls only: a graph traced by ``torch.compile`` cannot raise on data
-(:func:`.graph_ops.in_graph`), so a compiled model skips them. Leaf module: it imports torch and :mod:`.graph_ops`
-only.
+Shape and dtype checks always run; checks that read values run in eager calls only (:func:`.graph_ops.in_graph`).
 """
 
 from __future__ import annotations
@@ -29,11 +25,8 @@ def _is_integer(t: torch.Tensor) -> bool:
 
 
 def check_integer_tensor(name: str, value) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None`` or an integer tensor (not float, bool or complex): float
-    ids, positions or boundaries would be truncated silently.
-
-    Raises:
-        ValueError: ``"<name> must be an integer tensor; got dtype torch.float32"``.
+    """Raise ``ValueError`` (``"<name> must be an integer tensor; got dtype ..."``) unless ``value`` is ``None`` or an
+    integer tensor.
     """
     if value is None:
         return
@@ -48,12 +41,11 @@ def _first_bad(mask: torch.Tensor) -> list[int]:
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
-    """``input_ids`` must be an integer ``[batch, seq]`` tensor with ``batch, seq >= 1`` and (eagerly) every id in
-    ``[0, vocab_size)``.
+    """Check that ``input_ids`` is an integer ``[batch, seq]`` tensor, ``batch, seq >= 1``, ids in ``[0, vocab_size)``.
 
     Raises:
-        ValueError: not an integer tensor (float ids would be truncated), not 2-D, an empty batch or sequence, or
-            an id out of range (names the first bad position, the value, and the range).
+        ValueError: not an integer tensor, not 2-D, empty, or an id out of range (names the first bad position,
+            the value and the range).
     """
     check_integer_tensor(name, input_ids)
     if input_ids.dim() != 2:
@@ -73,10 +65,10 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input
 
 
 def check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int) -> None:
-    """``inputs_embeds`` must be a floating ``[batch, seq, hidden_size]`` tensor with ``batch, seq >= 1``.
+    """Check that ``inputs_embeds`` is a floating ``[batch, seq, hidden_size]`` tensor with ``batch, seq >= 1``.
 
     Raises:
-        ValueError: not a floating-point tensor, another shape, or an empty batch or sequence.
+        ValueError: not a floating-point tensor, another shape, or empty.
     """
     if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
         what = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
@@ -93,8 +85,7 @@ def check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int) -> None:
 
 def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_index: int = -100,
                  name: str = "labels") -> None:
-    """``labels`` must be an integer tensor of the inputs' shape ``[batch, seq]`` whose entries are (eagerly)
-    ``ignore_index`` or ids in ``[0, vocab_size)``.
+    """Check that ``labels`` is an integer ``[batch, seq]`` tensor of ``ignore_index`` or ids in ``[0, vocab_size)``.
 
     Raises:
         ValueError: not an integer tensor, another shape, or an entry out of range (names the first bad position
@@ -119,15 +110,11 @@ def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_i
 
 
 def check_not_meta(tensors: dict, module) -> None:
-    """Refuse inputs on the ``meta`` device (a shape without data) given to a model whose weights hold data.
-
-    Args:
-        tensors: ``{argument name: value}``; values that are not tensors (``None``) are skipped.
-        module: the model; its parameters' device is read only when an input is on ``meta`` (a model itself on
-            ``meta``, e.g. built under ``init_empty_weights``, accepts meta inputs).
+    """Refuse inputs on the ``meta`` device (``tensors``: ``{argument name: value}``) given to a ``module`` whose
+    weights hold data.
 
     Raises:
-        ValueError: ``"<name> is on the meta device ..."``, naming the argument, its shape and the model's device.
+        ValueError: naming the argument, its shape and the model's device.
     """
     for name, value in tensors.items():
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
@@ -142,15 +129,12 @@ def check_not_meta(tensors: dict, module) -> None:
 
 
 def check_loss_arguments(num_items_in_batch, logits_to_keep) -> None:
-    """``num_items_in_batch`` (``None``, a number or a one-element tensor, Trainer's count of supervised tokens) must
-    be positive; ``logits_to_keep`` an ``int >= 0`` (0: every position) or a tensor of positions.
-
-    The value of a tensor ``num_items_in_batch`` is read only on the CPU and in eager calls (on an accelerator the
-    read would wait for the device).
+    """Check ``num_items_in_batch`` (``None``, a number or a one-element tensor, > 0; its value read on CPU in eager
+    calls only) and ``logits_to_keep`` (an ``int >= 0`` or a tensor of positions).
 
     Raises:
-        ValueError: ``num_items_in_batch`` 0 or negative (the loss would be inf, NaN or negative), not a number, or a
-            tensor of more than one element; ``logits_to_keep`` negative or neither an int nor a tensor.
+        ValueError: ``num_items_in_batch`` <= 0, not a number, or a tensor of more than one element;
+            ``logits_to_keep`` negative or neither an int nor a tensor.
     """
     if num_items_in_batch is not None:
         value = num_items_in_batch
@@ -181,16 +165,14 @@ def check_loss_arguments(num_items_in_batch, logits_to_keep) -> None:
 
 def check_vision_inputs(pixel_values: torch.Tensor, grid_thw, vision_config, pixels_name: str,
                         grid_name: str) -> None:
-    """Consistency of one modality's vision inputs with each other and with the vision tower.
+    """Check one modality's vision inputs against each other and the vision tower.
 
-    ``pixel_values`` must be a floating ``[patches, C * T * P * P]`` tensor (``in_channels``,
-    ``temporal_patch_size``, ``patch_size`` of ``vision_config``); ``grid_thw`` an integer ``[n, 3]`` tensor of
-    positive ``(t, h, w)`` with ``h`` and ``w`` multiples of ``spatial_merge_size`` and (eagerly)
+    ``pixel_values``: floating ``[patches, C * T * P * P]`` (``in_channels``, ``temporal_patch_size``, ``patch_size``);
+    ``grid_thw``: integer ``[n, 3]`` of positive ``(t, h, w)``, ``h`` and ``w`` multiples of ``spatial_merge_size``,
     ``sum(t * h * w) == patches``.
 
     Raises:
-        ValueError: a float grid, a non-float ``pixel_values``, or shapes/values that disagree, naming the
-            argument, its shape or values, and the expected ones.
+        ValueError: naming the argument, its shape or values, and the expected ones.
     """
     if grid_thw is None:
         raise ValueError(f"{pixels_name} needs {grid_name} (one [t, h, w] row per image or video)")

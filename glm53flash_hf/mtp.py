@@ -1,16 +1,9 @@
-"""Multi-token prediction (MTP) objective: per-document rolls and the MTP loss (DeepSeek-V3 technical report
-§2.2, "Multi-Token Prediction").
+"""Multi-token prediction (MTP) objective: per-document rolls and the MTP loss.
 
-Index convention (the one used by :func:`mtp_targets` and tested in ``tests/test_mtp.py``): depth ``k``
-(1-based) at position ``t`` reads the main stack's state at ``t`` (``h_pre``, or depth ``k-1``'s output) and the
-embedding of token ``t + k`` (ids / embeddings rolled by ``-k`` inside the document), and predicts token
-``t + 1 + k``. In words: labels are rolled by ``-k`` inside the document and then shifted by one like the main
-causal-LM loss, i.e. ``target_k[t] = labels[t + 1 + k]`` when ``t + 1 + k`` lies in ``t``'s document, else
-``-100``. Both steps are done per document: a plain row-wise shift after a per-document roll would let the
-last position of a document read ``labels[next_start + k]`` of the next packed document.
-
-Source: DeepSeek-V3 MTP (``h'_i = M [RMSNorm(h_i^{k-1}); RMSNorm(Emb(t_{i+k}))]``, predicting ``t_{i+k+1}``) and
-xtuner's per-document roll with tails filled with token 0 / zero embedding / -100.
+Source: DeepSeek-V3 technical report §2.2 ("Multi-Token Prediction"): depth ``k`` at position ``t`` reads the
+state at ``t`` and the embedding of token ``t + k`` and predicts token ``t + 1 + k``, i.e.
+``target_k[t] = labels[t + 1 + k]`` when ``t + 1 + k`` lies in ``t``'s document, else ``-100``; tails are filled
+with token 0 / zero embedding / -100.
 """
 
 from __future__ import annotations
@@ -22,20 +15,8 @@ from .packing import DocumentLayout
 
 
 def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> torch.Tensor:
-    """Roll ``x`` left by ``shift`` inside each segment of ``layout``: ``out[b, t] = x[b, t + shift]`` when
-    ``t + shift`` is in the same segment as ``t``, else ``fill``.
-
-    Args:
-        x: ``[B, S]`` or ``[B, S, ...]`` (ids, labels or embeddings).
-        layout: the forward's :class:`~.packing.DocumentLayout` (segments never cross rows or packed documents).
-        shift: non-negative number of positions.
-        fill: value of the last ``shift`` positions of each segment.
-
-    Returns:
-        Tensor shaped and typed like ``x``.
-
-    With a sequence-parallel ``layout`` (``layout.sequence_parallel`` set) the roll crosses the shard boundary
-    inside a document (:meth:`.sequence_parallel.SequenceParallelContext.doc_roll`).
+    """Roll ``x`` (``[B, S, ...]``) left by ``shift >= 0`` inside each segment of ``layout`` (across sequence-parallel
+    shards): ``out[b, t] = x[b, t + shift]`` within the segment, else ``fill``; shaped and typed like ``x``.
 
     Raises:
         ValueError: when ``shift`` is negative or ``x`` is not ``[B, S, ...]`` of the layout.
@@ -62,9 +43,8 @@ def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> tor
 def mtp_targets(labels: torch.Tensor, layout: DocumentLayout, depth: int, ignore_index: int = -100,
                 shifted: bool = False) -> torch.Tensor:
     """Targets ``[B, S]`` of MTP depth ``depth`` (1-based): ``labels[t + 1 + depth]`` inside the document, else
-    ``ignore_index`` (see the module docstring). With ``shifted=True`` ``labels`` are already the main loss's
-    ``shift_labels`` (``shift_labels[t] = labels[t + 1]``, e.g. transformers' row-wise shift): the entry at each
-    document's last position (the next document's first token) is dropped, then they are rolled by ``depth``."""
+    ``ignore_index``. ``shifted=True``: ``labels`` are already shifted by one (``shift_labels``).
+    """
     if not shifted:
         return doc_roll(labels, layout, depth + 1, fill=ignore_index)
     inside = doc_roll(torch.ones_like(labels), layout, 1, fill=0) != 0  # t + 1 lies in t's document
@@ -82,18 +62,9 @@ def mtp_loss(
     shifted: bool = False,
     count_total=None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Unweighted MTP loss: mean over depths of the cross-entropy of ``lm_head(mtp_hidden_states[k-1])``
-    (fp32) against :func:`mtp_targets` of depth ``k``.
-
-    Reduction per depth as transformers' ``ForCausalLMLoss``: the sum over tokens divided by
-    ``num_items_in_batch`` when given (so Trainer's gradient accumulation is exact), else the mean over the
-    depth's supervised tokens (0, not NaN, when a depth has none: short documents have no depth-k target).
-    ``count_total``: optional function applied to a depth's count of supervised tokens before it divides (a
-    sequence-parallel shard passes :meth:`.sequence_parallel.SequenceParallelContext.global_count`, so that the
-    ranks' losses sum to the single-device mean).
-
-    Returns:
-        ``(loss, logits_per_depth)``; loss is a scalar, logits ``[B, S, V]`` per depth.
+    """Unweighted MTP loss: mean over depths ``k`` of the fp32 cross-entropy of ``lm_head(mtp_hidden_states[k-1])``
+    against :func:`mtp_targets`, reduced per depth as transformers' ``ForCausalLMLoss`` (``num_items_in_batch``, else
+    the mean; 0 without targets; ``count_total`` maps a depth's count first). Returns ``(loss, [B, S, V] per depth)``.
     """
     losses, all_logits = [], []
     for k, hidden in enumerate(mtp_hidden_states, start=1):

@@ -1,19 +1,8 @@
 """MTP self-speculative decoding for ``generate(use_mtp=True)`` through transformers' assisted decoding.
 
-transformers 5.24 drives ``use_mtp=True`` with ``MTPCandidateGenerator`` (``generation/candidate_generator.py``),
-which builds a generic ``MtpModel`` (``modeling_layers.py``) from the main model's last decoder layer class and
-feeds it the post-norm ``hidden_states[-1]``. That does not fit this architecture: our main layers are mHC
-layers over 4 streams returning tuples, and our MTP layer (:class:`~.modeling_glm53flash.Glm53FlashMTPLayer`,
-DeepSeek-V3 technical report §2.2) is its own module that reads ``h_pre``, the mean over streams *before* the final
-norm. :class:`Glm53FlashMTPCandidateGenerator` subclasses transformers' ``MTPCandidateGenerator`` and drafts with
-our layer; the decoding loop, verification, acceptance (greedy match or ``_speculative_sampling``) and the cache
-crop stay transformers' (``GenerationMixin._assisted_decoding``).
-
-One draft token per step: the MTP layer at position ``t`` reads ``h_pre[t]`` of the main model and the embedding
-of token ``t + 1`` and predicts token ``t + 2`` (depth 1 of :meth:`~.modeling_glm53flash.Glm53FlashTextModel.
-mtp_forward`). The MTP layer keeps its own DSA cache (:class:`~.generation_cache.MtpDraftCache`) and only ever
-sees verified positions, so it needs no rollback. The main model's cache is rolled back by transformers' crop
-(:func:`~.generation_cache.make_croppable`).
+:class:`Glm53FlashMTPCandidateGenerator` subclasses transformers 5.24's ``MTPCandidateGenerator``
+(``generation/candidate_generator.py``) and drafts one token per step with our MTP layer (DeepSeek-V3 technical
+report §2.2); verification, acceptance and the cache crop stay transformers' (``GenerationMixin._assisted_decoding``).
 """
 
 from __future__ import annotations
@@ -28,8 +17,7 @@ __all__ = ["Glm53FlashMTPCandidateGenerator", "text_model_of"]
 
 
 def text_model_of(model):
-    """The :class:`~.modeling_glm53flash.Glm53FlashTextModel` of a causal LM (``model.model``) or of the VL head
-    (``model.model.language_model``)."""
+    """The :class:`~.modeling_glm53flash.Glm53FlashTextModel` of a causal LM or of the VL head."""
     inner = model.model
     return getattr(inner, "language_model", inner)
 
@@ -37,18 +25,11 @@ def text_model_of(model):
 class Glm53FlashMTPCandidateGenerator(MTPCandidateGenerator):
     """Drafts one token per step with the model's first MTP layer (``layers[num_hidden_layers]``).
 
-    Contract of transformers' ``MTPCandidateGenerator.get_candidates``: the first call (before the prefill)
-    returns the prompt unchanged; later calls get the main model's outputs of the last forward and
-    ``n_last_matches`` (drafts accepted by that verification) and return ``(candidate_ids [1, L + 1],
-    candidate_logits [1, 1, V])``; the logits are the processed logits the draft was taken from (argmax, or a
-    sample when ``do_sample``), as ``MtpModel.forward`` returns them, so ``_speculative_sampling`` gets ``q``.
-
-    The main forward is asked (``model_kwargs_overrides``) for ``output_mtp_inputs=True``: its output then carries
-    ``pre_norm_hidden_state`` ``[1, S, D]`` and ``mtp_inputs_embeds`` ``[1, S, D]`` (the embeddings the layers read,
-    vision features spliced in), so image placeholders are seen by the MTP layer as in training.
+    Follows ``MTPCandidateGenerator.get_candidates``: the first call returns the prompt unchanged; later calls return
+    ``(candidate_ids [1, L + 1], candidate_logits [1, 1, V])``, the processed logits the draft was taken from.
 
     Attributes:
-        drafted, accepted: drafts proposed and drafts accepted so far (also written to ``model.mtp_stats``).
+        drafted, accepted: drafts proposed and accepted so far (also in ``model.mtp_stats``).
         mtp_calls: forwards of the MTP layer.
 
     Raises:

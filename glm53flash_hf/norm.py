@@ -1,25 +1,13 @@
-"""Normalisation layers shared by the GLM-5.3-Flash modules.
-
-Source: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextRMSNorm``); the maths is the
-T5/Llama RMSNorm: normalise in fp32 and scale by the weight. The reference casts the normalised value to the input
-dtype before the weight multiplies it; here the product is formed in fp32 and rounded once (equal in fp32, one
-bf16 rounding fewer in bf16).
-"""
+"""Normalisation layers (source: transformers ``models/glm5_next/modeling_glm5_next.py``, ``Glm5NextTextRMSNorm``)."""
 
 import torch
 from torch import nn
 
 
 class Glm53FlashRMSNorm(nn.Module):
-    """RMSNorm ``(weight * x / sqrt(mean(x^2) + eps)).to(promote(weight.dtype, x.dtype))``, computed in fp32.
-
-    Args:
-        hidden_size: size of the last dimension.
-        eps: variance epsilon (``config.rms_norm_eps``, 1e-5 in the release).
-
-    Shapes: ``x`` ``[..., hidden_size]`` of any float dtype; returns the same shape, in
-    ``promote(weight.dtype, x.dtype)`` like the reference (fp32 weight x bf16 input gives fp32). In fp32 the result
-    equals the reference's; for a bf16 input and weight it is rounded once instead of twice.
+    """RMSNorm ``weight * x / sqrt(mean(x^2) + eps)`` in fp32 over the last dimension (``hidden_size``; ``eps``:
+    ``config.rms_norm_eps``); ``x`` ``[..., hidden_size]`` of any float dtype, output in
+    ``promote(weight.dtype, x.dtype)``.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:

@@ -1,17 +1,7 @@
-"""Document boundaries for packed and padded batches.
+"""Document boundaries for packed and padded batches: one :class:`DocumentLayout` per forward, read by every layer.
 
-Every layer that mixes tokens (KDA's short convolution and recurrence, the KPool indexer, sparse DSA
-attention, the MTP roll) must keep documents apart. This module turns what a caller hands the model
-(``attention_mask``, ``position_ids`` restarting at 0 as produced by ``DataCollatorWithFlattening``,
-and/or ``cu_seq_lens_q`` / ``cu_seqlens``) into one :class:`DocumentLayout` built once per forward and
-passed to every layer.
-
-Conventions (the same as fla's varlen kernels):
-
-* a *segment* is a maximal run of tokens of one row that belong to one document; runs of padding
-  tokens are segments of their own, flagged invalid, whose outputs are never read;
-* ``cu_seqlens`` indexes the row-major flattened ``B * S`` tokens, so ``q.reshape(1, B * S, ...)``
-  with ``cu_seqlens`` is a valid fla varlen call; segments never cross rows.
+A *segment* is a maximal run of one row's tokens of one document (padding runs are invalid segments of their
+own); ``cu_seqlens`` indexes the row-major flattened ``B * S`` tokens, as in fla's varlen kernels.
 """
 
 from __future__ import annotations
@@ -34,16 +24,11 @@ class DocumentLayout:
         doc_start: long ``[B, S]``, row index of the first token of the token's segment.
         local_pos: long ``[B, S]``, position of the token inside its segment (0-based).
         seq_idx: long ``[B, S]``, global segment index (index into ``cu_seqlens``).
-        trivial: True when every row is one valid segment (no packing, no padding): layers may take
-            their plain batched path. Decided from the arguments alone when none describes a layout, and under
-            ``torch.compile`` (False there whenever one is given, without reading the data).
-
-    With sequence parallelism (:mod:`.sequence_parallel`) the layout describes this rank's shard (a segment starts
-    at its first token) and ``sequence_parallel`` holds the context the layers read; otherwise it is ``None``.
-
-    ``cu_seqlens`` (long ``[N + 1]``, segment boundaries over the flattened ``B * S`` tokens) and ``segment_valid``
-    (bool ``[N]``, False for padding segments) have a data-dependent size ``N``; they are computed on first use, so
-    a forward that needs only the per-token tensors (a cached decode step) never computes them.
+        trivial: True when every row is one valid segment (False under ``torch.compile`` whenever a layout
+            argument is given).
+        sequence_parallel: the sequence-parallel context when the layout describes this rank's shard, else None.
+        cu_seqlens: long ``[N + 1]``, segment boundaries over the flattened tokens (computed on first use).
+        segment_valid: bool ``[N]``, False for padding segments (computed on first use).
     """
 
     batch_size: int
@@ -69,12 +54,10 @@ class DocumentLayout:
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
-        """Long ``[N + 1]``: segment boundaries over the flattened ``B * S`` tokens."""
         return self.segment_tensors()[0]
 
     @property
     def segment_valid(self) -> torch.Tensor:
-        """Bool ``[N]``: False for padding segments."""
         return self.segment_tensors()[1]
 
     @property
@@ -97,8 +80,7 @@ def _as_2d(name: str, value: torch.Tensor, batch_size: int, seq_len: int) -> tor
 
 
 def _check_cu_seqlens_values(cu: torch.Tensor, total: int) -> None:
-    """Raise ``ValueError`` unless ``cu`` goes from 0 to ``total`` with positive document lengths (reads the values,
-    so the compiled graph skips it: a traced graph cannot raise on data)."""
+    """Raise ``ValueError`` unless ``cu`` goes from 0 to ``total`` with positive lengths (eager only)."""
     if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at batch*seq = {total}; got {cu.tolist()[:8]}"
@@ -124,25 +106,20 @@ def build_document_layout(
 ) -> DocumentLayout:
     """Build the :class:`DocumentLayout` of a ``[B, S]`` batch.
 
-    A new segment starts at the first token of each row, wherever padding begins or ends
-    (``attention_mask`` 0/1 changes), wherever ``position_ids`` do not continue by +1 (the
-    ``DataCollatorWithFlattening`` convention: positions restart at 0 per document), and at every
-    boundary in ``cu_seqlens`` (flattened over ``B * S``, as ``cu_seq_lens_q`` from the collator).
+    A segment starts at each row's first token, where padding begins or ends, where ``position_ids`` do not continue
+    by +1, at every ``cu_seqlens`` boundary and where ``seq_idx`` changes.
 
     Args:
         batch_size, seq_len: ``B`` and ``S``.
         device: device of the returned tensors.
-        attention_mask: optional ``[B, S]`` (bool or 0/1 ints); 0 marks padding. A 4-D mask is rejected.
-        position_ids: optional long ``[B, S]`` or ``[1, S]``.
-        cu_seqlens: optional integer ``[N + 1]`` cumulative lengths over the flattened tokens, starting
-            at 0 and ending at ``B * S``.
-        seq_idx: optional int ``[B, S]`` document index per token; a change starts a segment.
+        attention_mask: optional ``[B, S]`` (bool or 0/1 ints); 0 marks padding.
+        position_ids: optional integer ``[B, S]`` or ``[1, S]``.
+        cu_seqlens: optional integer ``[N + 1]`` over the flattened tokens, from 0 to ``B * S``.
+        seq_idx: optional integer ``[B, S]`` document index per token.
 
     Raises:
-        ValueError: when a tensor has the wrong shape, ``position_ids`` / ``cu_seqlens`` / ``seq_idx`` is not an
-            integer tensor (float boundaries would be truncated), ``attention_mask`` holds values other than 0/1
-            (eagerly), ``cu_seqlens`` is not a non-decreasing sequence from 0 to ``B * S``, or it describes an empty
-            document (two equal entries).
+        ValueError: a wrong shape, a non-integer ``position_ids`` / ``cu_seqlens`` / ``seq_idx``, a 4-D or non-0/1
+            ``attention_mask``, ``cu_seqlens`` not non-decreasing from 0 to ``B * S`` or with an empty document.
     """
     for name, value in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens), ("seq_idx", seq_idx)):
         check_integer_tensor(name, value)
@@ -212,11 +189,8 @@ def layout_from_kwargs(
     position_ids: torch.Tensor | None = None,
     **kwargs,
 ) -> DocumentLayout:
-    """Build the layout from a model's forward arguments.
-
-    Reads ``cu_seq_lens_q`` (transformers' ``FlashAttentionKwargs``, what
-    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds) or ``cu_seqlens`` and
-    ``seq_idx`` (``return_seq_idx=True``) from ``kwargs``.
+    """Build the layout from a forward's arguments: ``cu_seq_lens_q`` (transformers' ``FlashAttentionKwargs``) or
+    ``cu_seqlens``, and ``seq_idx``, from ``kwargs``.
 
     Raises:
         ValueError: as :func:`build_document_layout`, or when ``cu_seq_lens_q`` and ``cu_seqlens`` differ.

@@ -1,41 +1,13 @@
-"""Processor for GLM-5.3-Flash: text, images and videos in, model inputs (and SFT labels) out.
+"""Processor for GLM-5.3-Flash: text, images and videos in, model inputs out.
 
-:class:`Glm53FlashProcessor` is a transformers ``ProcessorMixin`` (loadable with
-``AutoProcessor.from_pretrained(folder, trust_remote_code=True)`` through ``auto_map``) made of
-
-* an image processor: transformers' ``Glm5NextImageProcessorPil`` (or the torchvision
-  ``Glm5NextImageProcessor``; any image processor with ``merge_size`` and ``image_grid_thw`` output works),
-  reused as is;
-* a tokenizer holding the GLM special tokens (their ids are read from the tokenizer by token string,
-  never hard-coded);
-* a video processor: :class:`Glm53FlashVideoProcessor`, the glm5_next video pipeline on the PIL/NumPy
-  backend (see its docstring for why it exists and how it relates to transformers' ``Glm5NextVideoProcessor``);
-* the GLM-5.3 chat template, ``chat_template.jinja`` next to this file.
-
-Placeholder expansion follows transformers 5.24's ``Glm5NextProcessor`` (``models/glm5_next/processing_glm5_next.py``,
-the reference; ``tests/test_processing.py`` compares the two on the same inputs): only the inner marker is expanded,
-the begin/end wrappers stay.
+:class:`Glm53FlashProcessor` (``AutoProcessor`` through ``auto_map``): transformers' ``Glm5NextImageProcessorPil``,
+a tokenizer with the GLM special tokens, :class:`Glm53FlashVideoProcessor` and ``chat_template.jinja``. Placeholder
+expansion follows transformers 5.24's ``Glm5NextProcessor`` (``models/glm5_next/processing_glm5_next.py``):
 
 * ``<|image|>`` -> ``<|image|>`` x (t*h*w / merge^2) for the image's ``image_grid_thw`` row.
-* ``<|video|>`` -> for each tubelet (``temporal_patch_size`` frames): ``<|begin_of_image|>`` +
-  ``<|image|>`` x (h*w / merge^2) + ``<|end_of_image|>`` + ``"{t:.1f} seconds"``, ``t`` being the
-  timestamp of the tubelet's first frame (``frames_indices[::temporal_patch_size] / fps``). Without an fps in
-  the video metadata the processor warns once (per processor) and uses 24 fps, as the reference does.
-* ``mm_token_type_ids``: 1 for ``<|image|>`` outside any ``<|begin_of_video|>`` ... ``<|end_of_video|>``
-  span, 2 for ``<|image|>`` inside one, 0 for every other token. ``<|video|>`` never remains in ``input_ids``.
-
-Deliberate differences from the reference ``Glm5NextProcessor`` (same ``input_ids`` otherwise):
-
-* a video whose metadata yields a different number of timestamps than it has tubelets raises ``ValueError``
-  (the reference silently truncates or repeats the last timestamp);
-* the fps warning is a Python ``UserWarning`` issued once per processor instance (the reference logs once
-  per process through transformers' logger), and the caller's ``VideoMetadata`` objects are not modified (the
-  reference writes ``fps`` and ``frames_indices`` into them);
-* loading never goes through ``AutoVideoProcessor`` (which needs torchvision); see
-  :meth:`Glm53FlashProcessor._get_arguments_from_pretrained`.
-
-SFT: :meth:`Glm53FlashProcessor.build_sft_example` renders a conversation with the template's
-``{% generation %}`` spans and returns ``labels`` (-100 outside the trained spans) next to the model inputs.
+* ``<|video|>`` -> per tubelet: ``<|begin_of_image|>`` + ``<|image|>`` x (h*w / merge^2) + ``<|end_of_image|>`` +
+  ``"{t:.1f} seconds"``, ``t = frames_indices[::temporal_patch_size] / fps`` (24 fps, warned, without one).
+* ``mm_token_type_ids``: 1 for ``<|image|>`` outside a video span, 2 inside one, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -44,7 +16,6 @@ import copy
 import math
 import os
 import warnings
-from typing import Any
 
 import numpy as np
 from transformers.feature_extraction_utils import BatchFeature
@@ -59,13 +30,10 @@ from transformers.image_utils import (
 )
 from transformers.models.glm5_next.image_processing_pil_glm5_next import smart_resize
 from transformers.processing_utils import MultiModalData, ProcessorMixin, VideosKwargs
-from transformers.utils.chat_template_utils import render_jinja_template
 from transformers.video_processing_utils import VideoProcessorMixin
 from transformers.video_utils import VideoMetadata, is_valid_video, make_batched_metadata, make_batched_videos
 
 CHAT_TEMPLATE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja")
-
-IGNORE_INDEX = -100
 
 IMAGE_TOKEN = "<|image|>"
 VIDEO_TOKEN = "<|video|>"
@@ -105,7 +73,7 @@ def load_chat_template() -> str:
     """The GLM-5.3 chat template shipped with this package (``chat_template.jinja``), as a string.
 
     Raises:
-        FileNotFoundError: when the file is missing next to this module (e.g. a copy of the module without it).
+        FileNotFoundError: when the file is missing next to this module.
     """
     if not os.path.isfile(CHAT_TEMPLATE_FILE):
         raise FileNotFoundError(
@@ -116,20 +84,13 @@ def load_chat_template() -> str:
         return f.read()
 
 
-def _none_if_empty(media):
-    """``None`` for ``None`` or an empty list/tuple, else ``media`` unchanged (arrays are never truth-tested)."""
-    if media is None or (isinstance(media, (list, tuple)) and len(media) == 0):
-        return None
-    return media
-
-
 def _positive_number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \
         math.isfinite(value) and value > 0
 
 
 def _frame_shape(frame) -> tuple | None:
-    """``(height, width, channels)`` of a PIL image, the shape of a 2-D / 3-D array or tensor, else ``None``."""
+    """``(height, width, channels)`` of a PIL image or a 2-D / 3-D array, else ``None``."""
     if hasattr(frame, "getbands") and hasattr(frame, "size"):  # PIL.Image
         return (frame.size[1], frame.size[0], len(frame.getbands()))
     shape = getattr(frame, "shape", None)
@@ -137,15 +98,7 @@ def _frame_shape(frame) -> tuple | None:
 
 
 def _check_frame_sizes(videos) -> None:
-    """Videos given as lists of frames (PIL images or ``[H, W, C]`` arrays) must have frames of one size (they are
-    stacked into one ``[T, H, W, C]`` array).
-
-    Args:
-        videos: one video (a list of frames) or a list of videos; other forms (4-D arrays, paths) are skipped.
-
-    Raises:
-        ValueError: naming the video, the first frame of another size and both sizes.
-    """
+    """Raise ``ValueError`` naming the video and both sizes when a video given as frames mixes frame sizes."""
     nested = isinstance(videos, (list, tuple)) and len(videos) > 0 and isinstance(videos[0], (list, tuple))
     for index, video in enumerate(videos if nested else [videos]):
         if not isinstance(video, (list, tuple)) or not video:
@@ -162,16 +115,7 @@ def _check_frame_sizes(videos) -> None:
 
 
 def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
-    """Check video ``index``'s metadata against its clip of ``frames`` frames.
-
-    Before sampling (``sampled``): ``total_num_frames`` must equal ``frames`` (a larger count would index frames
-    the clip lacks, a smaller one would drop its last frames). Pre-sampled frames: ``frames_indices``, when
-    given, must hold one non-negative, non-decreasing index per frame (the prompt's timestamps are
-    ``index / fps``), and ``fps``, when given, must be > 0.
-
-    Raises:
-        ValueError: naming the video, the field, its value and the clip's frame count.
-    """
+    """Raise ``ValueError`` naming the video, field and value when video ``index``'s metadata does not fit its clip."""
     name = f"video {index}"
     if sampled:
         total = meta.total_num_frames
@@ -210,10 +154,8 @@ def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
 class Glm53FlashVideoProcessorKwargs(VideosKwargs, total=False):
     """Keyword arguments of :class:`Glm53FlashVideoProcessor` on top of transformers' ``VideosKwargs``.
 
-    patch_size: spatial patch of the vision tower (14). temporal_patch_size: frames per tubelet (2).
-    merge_size: spatial merge of the projector (2). patch_expand_factor: extra alignment factor (1).
-    max_frames: cap on sampled frames (2048). min_image_tokens / max_image_tokens: token budget of the whole
-    video for ``smart_resize`` (16 / 240000).
+    patch_size (14), temporal_patch_size (2), merge_size (2), patch_expand_factor (1), max_frames (2048),
+    min_image_tokens / max_image_tokens: the clip's token budget for ``smart_resize`` (16 / 240000).
     """
 
     patch_size: int
@@ -226,29 +168,14 @@ class Glm53FlashVideoProcessorKwargs(VideosKwargs, total=False):
 
 
 class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
-    """The glm5_next video pipeline on transformers' PIL/NumPy backend.
+    """The glm5_next video pipeline (transformers' ``Glm5NextVideoProcessor``) on the PIL/NumPy backend.
 
-    Why it exists: transformers 5.24's ``Glm5NextVideoProcessor`` (like every transformers video processor and
-    ``AutoVideoProcessor``) requires torchvision, and no torchvision build matching a CPU-only torch is
-    installable here (the PyPI wheels need CUDA torch libraries). The steps and defaults are those of
-    ``Glm5NextVideoProcessor``; only the resize is PIL's bicubic (as in ``Glm5NextImageProcessorPil``)
-    instead of torchvision's, so ``video_grid_thw`` and the placeholder counts are identical and pixel values
-    agree to resampling differences.
+    Per video ``[T, H, W, C]`` or ``[T, C, H, W]`` (uint8 or float, RGB): frame sampling (:meth:`sample_frames`;
+    ``do_sample_frames=False`` for pre-sampled frames), ``smart_resize`` over the clip with PIL bicubic resize and zero
+    padding to the aligned canvas, rescale and CLIP normalisation, patchify (:meth:`patchify`).
 
-    Pipeline per video ``[T, H, W, C]`` or ``[T, C, H, W]`` (uint8 or float, RGB):
-
-    1. frame sampling (:meth:`sample_frames`, needs ``video_metadata`` with ``fps``; pass
-       ``do_sample_frames=False`` for already-sampled frames);
-    2. ``smart_resize`` over the whole clip (``num_frames = T``, factor ``patch*merge*expand`` = 28, budget
-       ``min_image_tokens .. max_image_tokens`` tokens), resize with aspect ratio kept, zero padding at the
-       bottom/right up to the aligned canvas;
-    3. rescale (1/255) and normalize (CLIP mean/std);
-    4. an odd frame count is padded by repeating the last frame; patches are laid out
-       ``(t, h/merge, w/merge, merge_h, merge_w)`` with features ``(C, temporal, patch, patch)``.
-
-    Output: ``pixel_values_videos`` float32 ``[sum(t*h*w), C*temporal*patch*patch]`` (1176 by default),
-    ``video_grid_thw`` int64 ``[num_videos, 3]``, and ``video_metadata`` when ``return_metadata=True``.
-    Video files and URLs are decoded by transformers' ``fetch_videos`` (needs a decoder such as PyAV).
+    Output: ``pixel_values_videos`` float32 ``[sum(t*h*w), C*temporal*patch*patch]``, ``video_grid_thw`` int64
+    ``[num_videos, 3]``, and ``video_metadata`` when ``return_metadata=True``.
     """
 
     resample = PILImageResampling.BICUBIC
@@ -273,30 +200,21 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
     valid_kwargs = Glm53FlashVideoProcessorKwargs
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-
     # ---- frame sampling -------------------------------------------------------------------------------------
 
     def sample_frames(self, metadata: VideoMetadata, fps: int | float | None = None, **kwargs) -> np.ndarray:
-        """Indices of the frames to keep, GLM style.
-
-        Frames are picked at ``fps`` (default ``self.fps`` = 2) per second of the clip, up to ``max_frames``;
-        when the greedy per-second pick yields fewer (or more) than ``int(duration * fps)`` frames the indices
-        are spread evenly instead; duplicates are dropped and an odd count is made even by repeating the last
-        index. Same rule as ``Glm5NextVideoProcessor.sample_frames`` (the tests compare the two).
+        """Indices of the frames to keep (the rule of ``Glm5NextVideoProcessor.sample_frames``).
 
         Args:
-            metadata: the clip's ``VideoMetadata``; ``fps`` and ``total_num_frames`` are required,
-                ``duration`` is optional.
-            fps: target frames per second.
+            metadata: the clip's ``VideoMetadata`` (``fps`` and ``total_num_frames`` required).
+            fps: target frames per second (default ``self.fps``).
 
         Returns:
             int64 array of frame indices (even length).
 
         Raises:
-            ValueError: when the metadata has no ``fps`` (pass ``do_sample_frames=False`` for pre-sampled frames),
-                ``fps`` or the metadata's ``fps`` is not a finite number > 0, or ``total_num_frames`` < 1.
+            ValueError: the metadata has no ``fps``; ``fps`` or the metadata's ``fps`` not a finite number > 0;
+                ``total_num_frames`` < 1.
         """
         if metadata is None or getattr(metadata, "fps", None) is None:
             raise ValueError(
@@ -344,12 +262,7 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         return np.array(unique, dtype=int)
 
     def _decode_and_sample_videos(self, videos, video_metadata, do_sample_frames=None, sample_indices_fn=None):
-        """Batch the videos and their metadata, decode paths/URLs, and sample frames when asked.
-
-        Raises:
-            ValueError: a video given as frames of different sizes (:func:`_check_frame_sizes`); metadata that does
-                not describe its clip (:func:`_check_video_metadata`).
-        """
+        """Batch the videos and their metadata, decode paths/URLs, and sample frames when asked."""
         _check_frame_sizes(videos)
         videos = make_batched_videos(videos)
         if videos and not is_valid_video(videos[0]):
@@ -418,12 +331,7 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         return target_h, target_w, content_h, content_w
 
     def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs=None) -> int:
-        """Number of vision-tower patches (``t * h * w``, before the merge) for a clip of the given size.
-
-        ``num_frames`` is the number of frames after sampling. Kwargs in ``videos_kwargs`` override the
-        processor's ``patch_size``, ``merge_size``, ``temporal_patch_size``, ``patch_expand_factor``,
-        ``min_image_tokens`` and ``max_image_tokens``.
-        """
+        """Vision-tower patches (``t * h * w``, before the merge) of a sampled clip (``videos_kwargs`` override)."""
         kw = videos_kwargs or {}
         patch = kw.get("patch_size") or self.patch_size
         merge = kw.get("merge_size") or self.merge_size
@@ -445,9 +353,10 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
     def patchify(video: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int):
         """Cut a ``[T, C, H, W]`` clip into vision-tower patches.
 
-        Returns ``(patches, grid_t, grid_h, grid_w)``: ``patches`` is ``[grid_t*grid_h*grid_w,
-        C*temporal_patch_size*patch_size**2]``, rows ordered ``(t, h/merge, w/merge, merge_h, merge_w)`` and
-        features ``(C, temporal, patch_h, patch_w)``. An incomplete last tubelet repeats the last frame.
+        Returns:
+            ``(patches, grid_t, grid_h, grid_w)``; ``patches`` is ``[grid_t*grid_h*grid_w,
+            C*temporal_patch_size*patch_size**2]``, rows ``(t, h/merge, w/merge, merge_h, merge_w)``, features
+            ``(C, temporal, patch_h, patch_w)``; an incomplete last tubelet repeats the last frame.
 
         Raises:
             ValueError: when H or W is not a multiple of ``patch_size * merge_size``.
@@ -489,7 +398,7 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         return_tensors=None,
         **kwargs,
     ) -> BatchFeature:
-        """Resize, pad, rescale, normalize and patchify each ``[T, C, H, W]`` clip (see the class docstring)."""
+        """Resize, pad, rescale, normalize and patchify each ``[T, C, H, W]`` clip."""
         all_patches, grids = [], []
         factor = patch_size * merge_size * patch_expand_factor
         for video in videos:
@@ -531,21 +440,17 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
 class Glm53FlashProcessor(ProcessorMixin):
     """GLM-5.3-Flash processor: tokenizer + glm5_next image processor + video processor + chat template.
 
-    ``processor(text=..., images=..., videos=...)`` returns ``input_ids``, ``attention_mask``,
-    ``mm_token_type_ids`` (0 text, 1 image placeholder, 2 video placeholder), and when given
-    ``pixel_values`` + ``image_grid_thw`` / ``pixel_values_videos`` + ``video_grid_thw``. Each
-    ``<|image|>`` / ``<|video|>`` in the text is expanded as described in the module docstring; the number of
-    markers must equal the number of images / videos (``ValueError`` otherwise, from transformers).
+    ``processor(text=..., images=..., videos=...)`` returns ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
+    and, when given media, ``pixel_values`` + ``image_grid_thw`` / ``pixel_values_videos`` + ``video_grid_thw``.
 
     Args:
         image_processor: e.g. ``transformers.Glm5NextImageProcessorPil()``; needs a ``merge_size``.
-        tokenizer: a fast tokenizer that has every token of :data:`REQUIRED_TOKENS` as one vocabulary entry.
-        video_processor: e.g. :class:`Glm53FlashVideoProcessor`; needs ``merge_size`` and
-            ``temporal_patch_size`` and must return ``video_metadata`` when asked.
+        tokenizer: a fast tokenizer holding every token of :data:`REQUIRED_TOKENS` as one vocabulary entry.
+        video_processor: e.g. :class:`Glm53FlashVideoProcessor`.
         chat_template: Jinja template; defaults to the packaged ``chat_template.jinja``.
 
     Raises:
-        ValueError: when a required special token is missing from the tokenizer (names the tokens).
+        ValueError: a missing processor or special token (names the tokens); marker/media count mismatches.
     """
 
     return_mm_token_type_ids = True
@@ -573,9 +478,7 @@ class Glm53FlashProcessor(ProcessorMixin):
         super().__init__(image_processor, tokenizer, video_processor, chat_template=chat_template, **kwargs)
 
     def check_argument_for_proper_class(self, argument_name, argument):
-        """transformers' class check, except for the video processor, which is checked against
-        ``transformers.video_processing_utils.VideoProcessorMixin`` directly: without torchvision transformers
-        exports no ``VideoProcessorMixin`` and its own check fails with an ``AttributeError``.
+        """transformers' class check; the video processor is checked against ``VideoProcessorMixin`` directly.
 
         Raises:
             TypeError: when ``argument`` is not of the expected base class.
@@ -590,20 +493,14 @@ class Glm53FlashProcessor(ProcessorMixin):
         return super().check_argument_for_proper_class(argument_name, argument)
 
     def validate_inputs(self, images=None, text=None, videos=None, audio=None, **kwargs):
-        """transformers' input validation (placeholder counts), after :func:`_check_frame_sizes` (it stacks each
-        video's frames first).
-
-        Raises:
-            ValueError: a video given as frames of different sizes (names the video and both sizes); transformers'
-                placeholder count errors.
-        """
+        """transformers' input validation, after :func:`_check_frame_sizes`."""
         if videos is not None:
             _check_frame_sizes(videos)
         return super().validate_inputs(images=images, text=text, videos=videos, audio=audio, **kwargs)
 
     @staticmethod
     def _lookup_token_ids(tokenizer) -> dict[str, int]:
-        """``{token: id}`` for :data:`REQUIRED_TOKENS`, checking each is one entry of ``tokenizer``'s vocabulary."""
+        """``{token: id}`` for :data:`REQUIRED_TOKENS`; raises ``ValueError`` naming the missing ones."""
         ids, missing = {}, []
         for token in REQUIRED_TOKENS:
             token_id = tokenizer.convert_tokens_to_ids(token)
@@ -627,12 +524,10 @@ class Glm53FlashProcessor(ProcessorMixin):
         return self.image_token * count
 
     def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
-        """Expansion of the ``video_idx``-th ``<|video|>``: one ``<|begin_of_image|>`` +
-        ``<|image|>`` x (h*w/merge^2) + ``<|end_of_image|>`` + ``"{t:.1f} seconds"`` per tubelet.
+        """Expansion of the ``video_idx``-th ``<|video|>`` (module docstring).
 
         Raises:
-            ValueError: when the metadata has no ``frames_indices`` or their count does not give one timestamp
-                per tubelet.
+            ValueError: the metadata has no ``frames_indices``, or they do not give one timestamp per tubelet.
         """
         merge = kwargs.get("merge_size") or self.video_processor.merge_size
         temporal = kwargs.get("temporal_patch_size") or self.video_processor.temporal_patch_size
@@ -663,8 +558,7 @@ class Glm53FlashProcessor(ProcessorMixin):
         return "".join(f"{BEGIN_OF_IMAGE}{body}{END_OF_IMAGE}{t:.1f} seconds" for t in timestamps)
 
     def create_mm_token_type_ids(self, input_ids) -> list[list[int]]:
-        """Per-token modality for a batch of (possibly unpadded) id rows: 2 for ``<|image|>`` inside a
-        ``<|begin_of_video|>`` ... ``<|end_of_video|>`` span, 1 for other ``<|image|>``, 0 otherwise."""
+        """Per-token modality of id rows: 2 for video ``<|image|>``, 1 for other ``<|image|>``, 0 otherwise."""
         result = []
         for row in input_ids:
             ids = np.asarray(row.tolist() if hasattr(row, "tolist") else list(row), dtype=np.int64)
@@ -677,8 +571,7 @@ class Glm53FlashProcessor(ProcessorMixin):
         return result
 
     def _get_num_multimodal_tokens(self, image_sizes=None, video_sizes=None, **kwargs):
-        """Placeholder counts for images ``(h, w)`` and videos ``(frames, h, w)`` of the given sizes (the
-        ``<|image|>`` tokens only; video wrappers and timestamps come on top)."""
+        """``<|image|>`` placeholder counts for images ``(h, w)`` and videos ``(frames, h, w)`` of the given sizes."""
         merged = self._merge_kwargs(**kwargs)
         data = {}
         if image_sizes is not None:
@@ -696,7 +589,6 @@ class Glm53FlashProcessor(ProcessorMixin):
 
     @property
     def model_input_names(self):
-        """Model inputs this processor produces (tokenizer's, image and video processors', ``mm_token_type_ids``)."""
         return super().model_input_names + ["mm_token_type_ids"]
 
     def post_process_image_text_to_text(self, generated_outputs, skip_special_tokens=True,
@@ -713,11 +605,10 @@ class Glm53FlashProcessor(ProcessorMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """``ProcessorMixin.from_pretrained`` (sub-processors loaded by :meth:`_get_arguments_from_pretrained`).
+        """``ProcessorMixin.from_pretrained`` with the sub-processors of :meth:`_get_arguments_from_pretrained`.
 
         Raises:
-            FileNotFoundError: ``pretrained_model_name_or_path`` looks like a local path (absolute, ``./``, ``~``,
-                more than one ``/``) but is no folder; a local folder without tokenizer files.
+            FileNotFoundError: a local-looking path that is no folder; a local folder without tokenizer files.
         """
         path = os.fspath(pretrained_model_name_or_path)
         looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
@@ -728,16 +619,12 @@ class Glm53FlashProcessor(ProcessorMixin):
 
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
-        """Load the sub-processors of a saved processor: the tokenizer with ``AutoTokenizer``, the image
-        processor with ``AutoImageProcessor`` (PIL backend, so outputs do not depend on whether torchvision is
-        installed), and the video processor as :class:`Glm53FlashVideoProcessor` from the ``video_processor``
-        entry of ``processor_config.json``. transformers' default goes through ``AutoVideoProcessor``, which
-        raises without torchvision.
+        """Load the tokenizer, the image processor (PIL backend) and the video processor of a saved processor.
 
         Raises:
-            ValueError: when the saved video processor is not a ``Glm53FlashVideoProcessor``, or a local folder's
-                tokenizer files do not load (names the folder).
-            FileNotFoundError: a local folder without tokenizer files (names the folder and the files looked for).
+            ValueError: the saved video processor is not a ``Glm53FlashVideoProcessor``; a local folder's tokenizer
+                does not load (names the folder).
+            FileNotFoundError: a local folder without tokenizer files.
         """
         from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -779,199 +666,6 @@ class Glm53FlashProcessor(ProcessorMixin):
                 pretrained_model_name_or_path, subfolder=subfolder, **kwargs
             )
         return [image_processor, tokenizer, video_processor]
-
-    # ---- SFT ------------------------------------------------------------------------------------------------
-
-    def build_sft_example(
-        self,
-        messages: list[dict],
-        *,
-        tools: list[dict] | None = None,
-        images: list | None = None,
-        videos: list | None = None,
-        video_metadata: list | None = None,
-        enable_thinking: bool = True,
-        reasoning_effort: str = "max",
-        clear_thinking: bool = False,
-        max_length: int | None = None,
-        sample_id: Any = None,
-        return_tensors: str | None = "pt",
-        **processor_kwargs,
-    ) -> BatchFeature:
-        """One supervised fine-tuning example from a conversation, with its training labels.
-
-        The conversation is rendered by the chat template with ``end_of_text_after_assistant=True`` (so the
-        text is the plain GLM rendering plus ``<|endoftext|>`` after every assistant turn that no user/tool
-        turn follows), placeholders are expanded, and the template's ``{% generation %}`` spans become the
-        trained tokens through the tokenizer's offset mappings. Trained: reasoning text and ``</think>``,
-        content, tool calls, that ``<|endoftext|>``, and the ``<|user|>`` / ``<|observation|>`` right after a
-        trained assistant turn (its stop target). Not trained: ``<think>``, every prompt token, assistant turns
-        with ``"loss": False``, and assistant turns whose reasoning the template drops
-        (``clear_thinking=True``, before the last user turn). With no (or empty) reasoning ``<think></think>``
-        is rendered and ``</think>`` is trained only when ``enable_thinking``.
-
-        Args:
-            messages: chat messages (``role`` system/user/assistant/tool; ``content`` str or blocks
-                ``{"type": "text"|"image"|"video", ...}``; assistant ``reasoning_content``, ``tool_calls``
-                with dict ``arguments``, optional ``loss``).
-            tools: tool schemas for the tools block.
-            images, videos: the media in order of appearance. When both are None, they are taken from the
-                content blocks (``{"type": "image", "image": PIL}``, ``{"type": "video", "video": frames}``).
-            video_metadata: one ``VideoMetadata``/dict per video (needed for frame sampling and timestamps).
-            enable_thinking, reasoning_effort, clear_thinking: template variables (see chat_template.jinja).
-            max_length: truncate to this many tokens. A cut through an image span
-                (``<|begin_of_image|>`` ... ``<|end_of_image|>``) or a video span (``<|begin_of_video|>`` ...
-                ``<|end_of_video|>``) raises; media wholly after the cut are dropped with their pixels.
-            sample_id: a name for the sample in error messages.
-            return_tensors: "pt" (default) for torch tensors, None for lists.
-            **processor_kwargs: passed to the image/video processors (e.g. ``do_sample_frames``).
-
-        Returns:
-            ``BatchFeature`` with 1-D ``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids`` (length
-            S) and, when media are present, ``pixel_values`` / ``image_grid_thw`` /
-            ``pixel_values_videos`` / ``video_grid_thw`` for the media kept.
-
-        Raises:
-            ValueError: a message without a role (names the sample, the message index and its keys); a
-                conversation without an assistant turn (names the sample and its roles); a truncation
-                through a visual span (names the sample, the lengths and the span); a visual placeholder inside a
-                trained span; marker/media count mismatches (from transformers).
-
-        Warns:
-            UserWarning: naming the sample, when no token is trained (assistant turns with ``loss: False``, or
-                cut off by ``max_length``).
-        """
-        name = f"sample {sample_id!r}" if sample_id is not None else "sample"
-        # transformers' normalisation (message objects to dicts, None values dropped: content=None is no content)
-        conversations, _ = self._normalize_conversations(messages) if messages else ([[]], False)
-        roles = [m.get("role") for m in conversations[0]]
-        for i, (message, role) in enumerate(zip(conversations[0], roles)):
-            if role is None:
-                raise ValueError(
-                    f"{name}: message {i} has no role (keys: {', '.join(message)}); expected role system, user, "
-                    "assistant or tool"
-                )
-        if "assistant" not in roles:
-            raise ValueError(
-                f"{name}: the conversation has no assistant turn (roles {roles}), so no token would be trained; an "
-                "SFT example needs at least one assistant message"
-            )
-        if images is None and videos is None:
-            batch_images, batch_videos, _, _ = self._multimodal_inputs_from_conversations(conversations, {}, False)
-            images, videos = batch_images[0], batch_videos[0]
-        rendered, generation = render_jinja_template(
-            conversations=conversations,
-            tools=tools,
-            chat_template=self._resolve_chat_template(None),
-            return_assistant_tokens_mask=True,
-            add_generation_prompt=False,
-            enable_thinking=enable_thinking,
-            reasoning_effort=reasoning_effort,
-            clear_thinking=clear_thinking,
-            end_of_text_after_assistant=True,
-            **self.tokenizer.special_tokens_map,
-        )
-        call_kwargs = dict(processor_kwargs)
-        if video_metadata is not None:
-            call_kwargs["video_metadata"] = video_metadata
-        out = self(
-            text=[rendered[0]],
-            images=_none_if_empty(images),
-            videos=_none_if_empty(videos),
-            add_special_tokens=False,
-            return_offsets_mapping=True,
-            return_text_replacement_offsets=True,
-            **call_kwargs,
-        )
-        out = self._adjust_assistant_masks_indices(out, generation)
-        input_ids = list(out["input_ids"][0])
-        trained = list(out.pop("assistant_masks")[0])
-        types = list(out["mm_token_type_ids"][0])
-        bad = [i for i, (m, t) in enumerate(zip(trained, types)) if m and t]
-        if bad:
-            raise ValueError(
-                f"{name}: {len(bad)} visual placeholder tokens (first at token {bad[0]}) lie inside a trained "
-                "assistant span; images/videos in trained assistant turns are not supported"
-            )
-        labels = [tid if m else IGNORE_INDEX for tid, m in zip(input_ids, trained)]
-
-        data = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        if max_length is not None and len(input_ids) > max_length:
-            keep_images, keep_videos = self._check_cut(input_ids, max_length, name)
-            input_ids, labels, types = input_ids[:max_length], labels[:max_length], types[:max_length]
-            data = self._keep_media(data, keep_images, keep_videos)
-        if all(label == IGNORE_INDEX for label in labels):
-            warnings.warn(
-                f"{name}: no trained token (every label is {IGNORE_INDEX}: the assistant turns have loss=False, "
-                f"their reasoning is cleared, or max_length={max_length} cuts them off)",
-                UserWarning,
-                stacklevel=2,
-            )
-        data.update(
-            input_ids=input_ids,
-            attention_mask=[1] * len(input_ids),
-            labels=labels,
-            mm_token_type_ids=types,
-        )
-        return BatchFeature(data=data, tensor_type=return_tensors)
-
-    def visual_spans(self, input_ids) -> list[tuple[str, int, int]]:
-        """``(kind, first, last)`` token positions (inclusive) of each image and video span in one id row.
-
-        An image span runs from ``<|begin_of_image|>`` to its ``<|end_of_image|>``; a video span from
-        ``<|begin_of_video|>`` to ``<|end_of_video|>`` (its per-tubelet image wrappers and timestamps inside).
-        An unclosed span ends at the last token.
-        """
-        ids = [int(i) for i in input_ids]
-        boi, eoi = self.token_ids[BEGIN_OF_IMAGE], self.token_ids[END_OF_IMAGE]
-        spans, open_kind, start = [], None, 0
-        for pos, tid in enumerate(ids):
-            if open_kind is None:
-                if tid == self.video_start_id:
-                    open_kind, start = "video", pos
-                elif tid == boi:
-                    open_kind, start = "image", pos
-            elif (open_kind == "video" and tid == self.video_end_id) or (open_kind == "image" and tid == eoi):
-                spans.append((open_kind, start, pos))
-                open_kind = None
-        if open_kind is not None:
-            spans.append((open_kind, start, len(ids) - 1))
-        return spans
-
-    def _check_cut(self, input_ids, max_length: int, name: str) -> tuple[int, int]:
-        """Number of images and videos wholly before a cut at ``max_length``; raises if the cut splits a span."""
-        keep_images = keep_videos = 0
-        for kind, first, last in self.visual_spans(input_ids):
-            if first < max_length <= last:
-                raise ValueError(
-                    f"{name}: truncating {len(input_ids)} tokens to max_length={max_length} cuts through the {kind} "
-                    f"span at tokens {first}..{last}; the placeholder count would no longer match the {kind} "
-                    "features. Raise max_length or drop the sample."
-                )
-            if last < max_length:
-                keep_images += kind == "image"
-                keep_videos += kind == "video"
-        return keep_images, keep_videos
-
-    @staticmethod
-    def _keep_media(data: dict, keep_images: int, keep_videos: int) -> dict:
-        """Keep the first ``keep_images`` images / ``keep_videos`` videos (grid rows and their pixel rows)."""
-        data = dict(data)
-        for pixels_key, grid_key, keep in (
-            ("pixel_values", "image_grid_thw", keep_images),
-            ("pixel_values_videos", "video_grid_thw", keep_videos),
-        ):
-            if grid_key not in data:
-                continue
-            grid = np.asarray(data[grid_key])
-            rows = int(np.prod(grid[:keep], axis=-1).sum()) if keep else 0
-            if keep == 0:
-                data.pop(grid_key)
-                data.pop(pixels_key, None)
-            else:
-                data[grid_key] = data[grid_key][:keep]
-                data[pixels_key] = data[pixels_key][:rows]
-        return data
 
 
 Glm53FlashProcessor.register_for_auto_class("AutoProcessor")

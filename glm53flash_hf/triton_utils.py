@@ -1,10 +1,5 @@
-"""What the Triton kernel modules (``mhc_fused``, ``dsa_fused``, ``moe_fused``) share: the optional ``triton``
-import, the dtypes they accept, the common part of their availability probes and small launch helpers. Their
-``torch.library`` custom ops are registered with :func:`glm53flash_hf.graph_ops.define_op`.
-
-``triton`` is an optional dependency: this module imports without it (``TRITON_AVAILABLE`` is then False,
-:func:`probe_tensors` reports it and :func:`require_triton` raises ``RuntimeError``). transformers' remote-code
-``check_imports`` exempts imports inside ``try`` blocks, so a saved checkpoint loads on machines without triton.
+"""What the Triton kernel modules share: the optional ``triton`` import (``TRITON_AVAILABLE``), accepted dtypes,
+availability probes and launch helpers.
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ __all__ = [
 
 
 def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``), the only way CPU tensors may reach a
-    kernel."""
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -85,8 +79,8 @@ def probe_tensors(family: str, tensors) -> tuple[list[torch.Tensor], str]:
         tensors: the call's arguments; non-tensors are dropped.
 
     Returns:
-        ``(tensors, reason)``: the tensor arguments, and ``""`` when triton is importable, there is at least one
-        tensor, all are on CUDA and every floating one is fp32/bf16/fp16; otherwise the reason they cannot run.
+        ``(tensors, reason)``: the tensor arguments, and ``""`` when they can run (triton importable, at least one
+        tensor, all on CUDA, floats fp32/bf16/fp16), else the reason.
     """
     if not TRITON_AVAILABLE:
         return [], "triton is not installed"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a GPU machine (issue 6): installs what it needs, runs the `gpu` tests, then the GPU benchmark,
+# One prepared check for a GPU machine: installs what it needs, runs the `gpu` tests, then the GPU benchmark,
 # and writes a report (with scripts/gpu_cost.py's roofline: the benchmark prints measured / predicted for each kernel it
 # times). Its step limits add up to 500 s (tests 180, benchmark 170, roofline 30, KDA SP 120), within 10 minutes on
 # one H200 (the device budget is 15 min, machine start included).
@@ -110,7 +110,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 30 "$PY" scripts/gpu_cost.py > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
 fi
 
-# 5. One KDA layer: our sequence parallelism vs one device (issue 14; the SP part needs >= 2 GPUs).
+# 5. One KDA layer: our sequence parallelism vs one device (the SP part needs >= 2 GPUs).
 SP_KDA_STATUS="not run"
 if [ "${SKIP_SP_KDA:-0}" != 1 ]; then
   SP_SMOKE=""

@@ -32,6 +32,7 @@ from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
 from glm53flash_hf.tools import crop, demo, export, finetune
 from glm53flash_hf.tools.make_tiny import make_tiny
 from glm53flash_hf.train.collator import Glm53FlashPackingCollator
+from glm53flash_hf.train.sft import build_sft_example
 
 VOCAB = 2048  # tiny.json
 IMAGE_TOKEN = 2016
@@ -415,13 +416,13 @@ def test_static_cache_that_fits_generates(lm):
 def test_sft_example_without_assistant_turn(processor):
     messages = [{"role": "user", "content": "Hello!"}]
     with pytest.raises(ValueError, match=r"sample 'ex-3': the conversation has no assistant turn \(roles \['user'\]\)"):
-        processor.build_sft_example(messages, sample_id="ex-3")
+        build_sft_example(processor, messages, sample_id="ex-3")
 
 
 def test_sft_example_with_nothing_trained_warns(processor):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "loss": False}]
     with pytest.warns(UserWarning, match=r"sample 'ex-4': no trained token"):
-        example = processor.build_sft_example(messages, sample_id="ex-4")
+        example = build_sft_example(processor, messages, sample_id="ex-4")
     assert (example["labels"] == -100).all()
 
 

@@ -1,8 +1,8 @@
 """Glm53FlashPackingCollator: packed SFT rows equal the samples run alone.
 
 Inputs are real: "Explain <topic>" conversations answered with CPython's ``pydoc_data.topics`` text and
-scikit-image's bundled photos (astronaut, chelsea), turned into SFT examples by the embedded processor's
-``build_sft_example`` and run through the embedded default checkpoint (``make_tiny``) loaded with remote code.
+scikit-image's bundled photos (astronaut, chelsea), turned into SFT examples by ``build_sft_example`` with the
+embedded processor and run through the embedded default checkpoint (``make_tiny``) loaded with remote code.
 Reference: each sample run alone through the same model (logits, loss); the label/position conventions are
 those of transformers' ``DataCollatorWithFlattening``.
 """
@@ -14,6 +14,7 @@ import torch
 from tiny import rel_err
 
 from glm53flash_hf.train.collator import Glm53FlashPackingCollator
+from glm53flash_hf.train.sft import build_sft_example
 
 TOPICS = ["assert", "break", "continue", "pass", "global", "lambda"]
 
@@ -36,7 +37,7 @@ def _text_example(processor, topic, chars, max_length=None):
         {"role": "user", "content": f"Explain {topic}"},
         {"role": "assistant", "content": topics[topic][:chars]},
     ]
-    return processor.build_sft_example(messages, max_length=max_length, sample_id=topic)
+    return build_sft_example(processor, messages, max_length=max_length, sample_id=topic)
 
 
 def _image_example(processor, name, question, answer):
@@ -48,7 +49,7 @@ def _image_example(processor, name, question, answer):
         {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]},
         {"role": "assistant", "content": answer},
     ]
-    return processor.build_sft_example(messages, sample_id=name)
+    return build_sft_example(processor, messages, sample_id=name)
 
 
 def _spans(collator, examples):

@@ -24,6 +24,7 @@ from transformers.video_utils import VideoMetadata
 from glm53flash_hf.input_checks import check_not_meta
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM, Glm53FlashForConditionalGeneration
 from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
+from glm53flash_hf.train.sft import build_sft_example
 
 IDS = torch.tensor([[5, 17, 300, 41, 977, 5, 1999, 18, 19, 7, 3, 2]])
 PIXEL_WIDTH = 3 * 2 * 14 * 14  # in_channels * temporal_patch_size * patch_size**2
@@ -172,7 +173,7 @@ def test_message_without_role_named(processor, bad, index):
     with pytest.raises(TemplateError, match=match):
         processor.apply_chat_template(messages, tokenize=False)
     with pytest.raises(ValueError, match=rf"sample: {match}"):
-        processor.build_sft_example(messages)
+        build_sft_example(processor, messages)
     with pytest.raises(TemplateError, match=match):
         processor.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=processor.chat_template)
 
@@ -188,7 +189,7 @@ def test_content_none_renders_as_no_content(processor):
     assert text == processor.apply_chat_template(empty, tokenize=False)
     assert text.endswith("<|user|><|assistant|><think></think><tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>"
                          "</tool_call>")
-    a, b = processor.build_sft_example(with_none), processor.build_sft_example(empty)
+    a, b = build_sft_example(processor, with_none), build_sft_example(processor, empty)
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
     assert (a["labels"] != -100).any()
 

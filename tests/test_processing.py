@@ -37,6 +37,7 @@ from glm53flash_hf.processing_glm53flash import (
     Glm53FlashVideoProcessor,
     load_chat_template,
 )
+from glm53flash_hf.train.sft import build_sft_example, visual_spans
 
 GIF = os.path.join(os.path.dirname(skimage.__file__), "data", "no_time_for_that_tiny.gif")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,36 +259,36 @@ def sft_text(tokenizer, example):
 
 
 def test_sft_single_turn(processor, tokenizer):
-    example = processor.build_sft_example(SYSTEM_EXAMPLE)
+    example = build_sft_example(processor, SYSTEM_EXAMPLE)
     assert sft_text(tokenizer, example) == render(processor, SYSTEM_EXAMPLE) + "<|endoftext|>"
     assert trained_runs(tokenizer, example) == ["</think>Hi there.<|endoftext|>"]
     # Thinking off: </think> is not trained; the effort line disappears.
-    example = processor.build_sft_example(SYSTEM_EXAMPLE, enable_thinking=False)
+    example = build_sft_example(processor, SYSTEM_EXAMPLE, enable_thinking=False)
     assert trained_runs(tokenizer, example) == ["Hi there.<|endoftext|>"]
     # Empty reasoning renders <think></think> like no reasoning.
     empty = SYSTEM_EXAMPLE[:2] + [{"role": "assistant", "reasoning_content": "", "content": "Hi there."}]
-    assert sft_text(tokenizer, processor.build_sft_example(empty)) == sft_text(tokenizer, processor.build_sft_example(SYSTEM_EXAMPLE))
-    assert trained_runs(tokenizer, processor.build_sft_example(empty)) == ["</think>Hi there.<|endoftext|>"]
-    assert trained_runs(tokenizer, processor.build_sft_example(empty, enable_thinking=False)) == ["Hi there.<|endoftext|>"]
+    assert sft_text(tokenizer, build_sft_example(processor, empty)) == sft_text(tokenizer, build_sft_example(processor, SYSTEM_EXAMPLE))
+    assert trained_runs(tokenizer, build_sft_example(processor, empty)) == ["</think>Hi there.<|endoftext|>"]
+    assert trained_runs(tokenizer, build_sft_example(processor, empty, enable_thinking=False)) == ["Hi there.<|endoftext|>"]
 
 
 def test_sft_multi_turn_reasoning(processor, tokenizer):
-    example = processor.build_sft_example(MULTI_TURN)  # clear_thinking=False: all reasoning kept and trained
+    example = build_sft_example(processor, MULTI_TURN)  # clear_thinking=False: all reasoning kept and trained
     assert sft_text(tokenizer, example) == render(processor, MULTI_TURN, clear_thinking=False) + "<|endoftext|>"
     # The <|user|> closing the first assistant turn is its stop target; <think> is never trained.
     assert trained_runs(tokenizer, example) == ["Add them.</think>4<|user|>", "Add again.</think>6<|endoftext|>"]
     # With clear_thinking the first turn's reasoning is not rendered, so that turn is not trained at all.
-    example = processor.build_sft_example(MULTI_TURN, clear_thinking=True)
+    example = build_sft_example(processor, MULTI_TURN, clear_thinking=True)
     assert sft_text(tokenizer, example) == render(processor, MULTI_TURN) + "<|endoftext|>"
     assert trained_runs(tokenizer, example) == ["Add again.</think>6<|endoftext|>"]
     # loss=False switches a turn (and its stop target) off.
     off = [dict(m) for m in MULTI_TURN]
     off[1]["loss"] = False
-    assert trained_runs(tokenizer, processor.build_sft_example(off)) == ["Add again.</think>6<|endoftext|>"]
+    assert trained_runs(tokenizer, build_sft_example(processor, off)) == ["Add again.</think>6<|endoftext|>"]
 
 
 def test_sft_tool_call_and_observation(processor, tokenizer):
-    example = processor.build_sft_example(TOOL_CHAT, tools=TOOLS)
+    example = build_sft_example(processor, TOOL_CHAT, tools=TOOLS)
     assert sft_text(tokenizer, example) == render(processor, TOOL_CHAT, tools=TOOLS) + "<|endoftext|>"
     assert trained_runs(tokenizer, example) == [
         "</think>Let me check." + CALL + "<|observation|>",
@@ -304,7 +305,7 @@ def test_sft_end_of_text_when_no_user_follows(processor, tokenizer):
         {"role": "user", "content": "D"},
         {"role": "assistant", "content": "E"},
     ]
-    example = processor.build_sft_example(messages)
+    example = build_sft_example(processor, messages)
     assert sft_text(tokenizer, example) == (
         "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>A<|assistant|><think></think>B<|endoftext|>"
         "<|system|>C<|user|>D<|assistant|><think></think>E<|endoftext|>"
@@ -324,7 +325,7 @@ def test_sft_vision_example(processor, tokenizer, photos, gif):
         },
         {"role": "assistant", "reasoning_content": "Whiskers.", "content": "The photo."},
     ]
-    example = processor.build_sft_example(messages, video_metadata=[gif_metadata()], sample_id="vl-0")
+    example = build_sft_example(processor, messages, video_metadata=[gif_metadata()], sample_id="vl-0")
     assert trained_runs(tokenizer, example) == ["Whiskers.</think>The photo.<|endoftext|>"]
     types = example["mm_token_type_ids"]
     assert (example["labels"][types != 0] == -100).all()
@@ -346,19 +347,19 @@ def test_sft_truncation(processor, tokenizer, photos):
         {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": photos["astronaut"]}, {"type": "text", "text": "Who?"}]},
         {"role": "assistant", "content": "An astronaut."},
     ]
-    full = processor.build_sft_example(messages)
-    (kind, first, last), = processor.visual_spans(full["input_ids"])
+    full = build_sft_example(processor, messages)
+    (kind, first, last), = visual_spans(processor, full["input_ids"])
     assert kind == "image" and last - first + 1 == 2 + int(full["image_grid_thw"].prod()) // MERGE**2
     length = len(full["input_ids"])
     with pytest.raises(ValueError, match=rf"sample 'ex-7': truncating {length} tokens to max_length={first + 3} cuts through the image span at tokens {first}..{last}"):
-        processor.build_sft_example(messages, max_length=first + 3, sample_id="ex-7")
+        build_sft_example(processor, messages, max_length=first + 3, sample_id="ex-7")
     with pytest.raises(ValueError, match="cuts through the image span"):
-        processor.build_sft_example(messages, max_length=last)  # <|end_of_image|> cut off
+        build_sft_example(processor, messages, max_length=last)  # <|end_of_image|> cut off
     # A cut before the image drops it and its pixels; a cut after it keeps them.
-    before = processor.build_sft_example(messages, max_length=first)
+    before = build_sft_example(processor, messages, max_length=first)
     assert len(before["input_ids"]) == first and "pixel_values" not in before and "image_grid_thw" not in before
     assert (before["mm_token_type_ids"] == 0).all()
-    after = processor.build_sft_example(messages, max_length=last + 2)
+    after = build_sft_example(processor, messages, max_length=last + 2)
     assert after["input_ids"].tolist() == full["input_ids"][: last + 2].tolist()
     assert after["labels"].tolist() == full["labels"][: last + 2].tolist()
     assert torch.equal(after["pixel_values"], full["pixel_values"])
@@ -626,12 +627,14 @@ ROUND_TRIP = textwrap.dedent(
     from transformers.video_utils import VideoMetadata
     folder, inputs = sys.argv[1], np.load(sys.argv[2])
     processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
+    sys.path.insert(0, sys.argv[4])  # the package, for build_sft_example only (after the remote code is loaded)
+    from glm53flash_hf.train.sft import build_sft_example
     meta = VideoMetadata(total_num_frames=24, fps=1000 / 70, duration=24 * 0.070)
     out = processor(text=str(inputs["text"]), images=[inputs["image"]], videos=[inputs["video"]],
                     video_metadata=[meta], return_tensors="np")
     messages = [{"role": "user", "content": [{"type": "image", "image": inputs["image"]}, {"type": "text", "text": "Hi"}]},
                 {"role": "assistant", "reasoning_content": "R", "content": "A"}]
-    sft = processor.build_sft_example(messages, return_tensors="np")
+    sft = build_sft_example(processor, messages, return_tensors="np")
     arrays = {k: np.asarray(v) for k, v in out.items()}
     arrays.update({"sft_" + k: np.asarray(v) for k, v in sft.items()})
     np.savez(sys.argv[3], **arrays)
@@ -658,7 +661,8 @@ def test_save_and_auto_processor_round_trip(tmp_path, processor, photos, gif):
     np.savez(tmp_path / "inputs.npz", text=np.array(text), image=image, video=gif)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), PYTHONPATH="")
     result = subprocess.run(
-        [sys.executable, "-c", ROUND_TRIP, str(folder), str(tmp_path / "inputs.npz"), str(tmp_path / "out.npz")],
+        [sys.executable, "-c", ROUND_TRIP, str(folder), str(tmp_path / "inputs.npz"), str(tmp_path / "out.npz"),
+         REPO],
         capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -671,7 +675,7 @@ def test_save_and_auto_processor_round_trip(tmp_path, processor, photos, gif):
     here = processor(text=text, images=[image], videos=[gif], video_metadata=[gif_metadata()], return_tensors="np")
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Hi"}]},
                 {"role": "assistant", "reasoning_content": "R", "content": "A"}]
-    sft = processor.build_sft_example(messages, return_tensors="np")
+    sft = build_sft_example(processor, messages, return_tensors="np")
     expected = {k: np.asarray(v) for k, v in here.items()}
     expected.update({"sft_" + k: np.asarray(v) for k, v in sft.items()})
     assert sorted(loaded.files) == sorted(expected)
@@ -692,7 +696,7 @@ def test_hf_apply_chat_template_assistant_masks_agree(processor, photos):
         messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, clear_thinking=False,
         return_tensors="pt",
     )
-    ours = processor.build_sft_example(messages)
+    ours = build_sft_example(processor, messages)
     assert ours["input_ids"][:-1].tolist() == hf["input_ids"][0].tolist()
     assert ours["mm_token_type_ids"][:-1].tolist() == hf["mm_token_type_ids"][0].tolist()
     assert (ours["labels"][:-1] != -100).long().tolist() == hf["assistant_masks"][0].tolist()

@@ -1,10 +1,5 @@
-"""The command-line tools: ``glm53flash-finetune`` (:mod:`.finetune`, with its SFT data :mod:`.sft_data` and
-fresh-process check :mod:`.reload_check`), ``glm53flash-make-tiny`` (:mod:`.make_tiny`, the embedded tiny
-checkpoint; its config is ``tiny_config.json`` here), ``glm53flash-crop``, ``glm53flash-export``,
-``glm53flash-demo`` and ``glm53flash-plan`` (:mod:`.plan`, memory per GPU of a training setup); FP8 block
-quantization helpers in :mod:`.fp8`.
-
-Not part of the remote code a checkpoint carries; these modules import the flat modules, never the reverse.
+"""The command-line tools (``glm53flash-finetune``, ``-make-tiny``, ``-crop``, ``-export``, ``-demo``, ``-plan``) and
+their helpers; not part of the remote code a checkpoint carries.
 """
 
 import argparse as _argparse
@@ -13,8 +8,8 @@ import re as _re
 
 
 def docstring_parser(prog: str, doc: str) -> _argparse.ArgumentParser:
-    """An ``ArgumentParser`` for the tool ``prog`` whose description is the first paragraph of the module docstring
-    ``doc`` and whose epilog is the rest, with reST roles and literals turned into plain text."""
+    """An ``ArgumentParser`` for ``prog``: description the first paragraph of ``doc``, epilog the rest, as plain text.
+    """
 
     def plain(text: str) -> str:
         return _re.sub(r":(?:meth|func|data|class|mod):`~?\.?([^`]*)`", r"\1", text).replace("``", "")
@@ -34,16 +29,9 @@ def _inside(path: str, folder: str) -> bool:
 def output_conflict(out: str, source: str, *, allow_links: bool = False) -> str | None:
     """Why the output folder ``out`` must not be written for the input ``source`` (a folder or file), or None.
 
-    Conflicts (symbolic links resolved with ``os.path.realpath`` at every level):
-
-    * ``out`` is ``source``, lies inside it, or holds it;
-    * an entry of an existing ``out`` (searched recursively) is a symbolic link resolving into ``source``, or a
-      hard link to one of ``source``'s files (same device and inode, ``os.path.samefile``'s test) — unless
-      ``allow_links`` (a tool that replaces the whole folder, such as ``glm53flash-export --overwrite`` over its own
-      earlier output).
-
-    A ``source`` that does not exist locally (a Hub id, or a folder a tool makes first) conflicts only when it
-    resolves to the same path as ``out``.
+    Conflicts (links resolved): ``out`` is ``source``, lies inside it or holds it; unless ``allow_links``, an entry of
+    an existing ``out`` is a symbolic link into ``source`` or a hard link to one of its files. A ``source`` that does
+    not exist locally conflicts only when it resolves to ``out``.
 
     Returns:
         a sentence naming both paths, or None.
@@ -85,12 +73,7 @@ def output_conflict(out: str, source: str, *, allow_links: bool = False) -> str 
 
 def check_output_folder(out: str, source: str, *, out_name: str = "OUT", source_name: str = "SRC",
                         allow_links: bool = False) -> None:
-    """Raise ``ValueError`` when :func:`output_conflict` finds one; the one-line message names both arguments.
-
-    Raises:
-        ValueError: e.g. ``"--output-dir='x' is the input 'x' (both resolve to '/abs/x'); --output-dir must differ
-            from --model (...)"``.
-    """
+    """Raise ``ValueError`` naming both arguments when :func:`output_conflict` finds a conflict."""
     why = output_conflict(out, source, allow_links=allow_links)
     if why is not None:
         raise ValueError(

@@ -1,31 +1,11 @@
 """``glm53flash-crop``: keep the first N main layers (+ the MTP layers) of a GLM-5.3-Flash checkpoint folder.
 
-What is written to OUT:
-
-* tensors: embeddings, final norm, ``lm_head``, the vision tower and every tensor of main layers ``0..N-1``
-  unchanged (same names, same dtype, bit for bit); the MTP layers ``layers.{H+i}`` (``H`` = the source's
-  ``num_hidden_layers``) renamed to ``layers.{N+i}``; main layers ``N..H-1`` dropped. Any key prefix
-  (``model.language_model.``, ``language_model.``, ``model.``, none) is kept as found.
-* FP8 weights (``float8_e4m3fn`` + ``<name>_scale_inv``) dequantized to ``--dtype`` with
-  :func:`.fp8.dequantize_fp8_blockwise` (exact for partial blocks); the scales are not written. A scale is
-  looked up through the index in whatever shard holds it (the release places some scales in another shard than
-  their weight).
-* ``config.json`` with ``num_hidden_layers = N``, ``layer_types`` / ``mlp_layer_types`` / ``indexer_types`` cut
-  to N entries, ``num_nextn_predict_layers`` set to the MTP layers found, ``first_k_dense_replace`` capped at N,
-  ``linear_attn_config.kda_layers`` / ``full_attn_layers`` filtered (their 0- or 1-based numbering is detected
-  from ``layer_types``), and ``quantization_config`` removed. The result must validate as a
-  :class:`.configuration_glm53flash.Glm53FlashConfig`.
-* sharded safetensors ``model-XXXXX-of-YYYYY.safetensors`` + ``model.safetensors.index.json``;
-* the non-weight files: ``tokenizer*``, ``*.jinja``, ``*processor*config.json``, ``generation_config.json``,
-  ``special_tokens_map.json``, ``added_tokens.json``, ``chat_template.json``, ``*.py``.
-
-Shared indexers: a ``shared`` layer reuses the top-k of the layer right before it, which a prefix crop always
-keeps, so cropping cannot orphan one; a source whose first kept layers contain a ``shared`` layer without a
-``full`` partner is rejected (it cannot become ``full``: a shared layer stores no indexer weights).
-
-Memory: one source shard is open at a time (``safe_open``, read tensor by tensor); output tensors are buffered
-up to ``--max-shard-size`` (default: the largest source shard file) and then written, so the peak is about one
-source shard's touched pages plus one output shard plus the tensor being converted.
+Written to OUT: embeddings, final norm, ``lm_head``, vision tower and main layers ``0..N-1`` bit for bit (key
+prefixes as found); MTP layers ``layers.{H+i}`` renamed to ``layers.{N+i}``; FP8 weights dequantized to
+``--dtype`` (:func:`.fp8.dequantize_fp8_blockwise`), scales dropped; ``config.json`` with the schedule fields cut to
+N and ``quantization_config`` removed (it must validate as :class:`.configuration_glm53flash.Glm53FlashConfig`);
+sharded safetensors with an index; the non-weight files (tokenizer, templates, processor configs, ``*.py``).
+One source shard is read at a time.
 """
 
 from __future__ import annotations
@@ -76,14 +56,8 @@ _INDEXED_SPELLINGS = ("deepseek_sparse_attention", "full_attention")
 
 @dataclass
 class KeyAction:
-    """What happens to one source tensor.
-
-    Attributes:
-        source: source tensor name.
-        target: output tensor name, or None when the tensor is dropped or consumed (an FP8 scale).
-        action: ``"keep"``, ``"rename"`` (an MTP layer), ``"drop"`` (a cropped main layer) or ``"scale"``
-            (an FP8 scale, folded into its weight).
-        dequantize: the tensor is FP8 and is written dequantized.
+    """What happens to one source tensor: ``source`` name, ``target`` name (None when dropped or an FP8 scale),
+    ``action`` (``"keep"``, ``"rename"``, ``"drop"``, ``"scale"``), ``dequantize`` (FP8, written dequantized).
     """
 
     source: str
@@ -97,14 +71,11 @@ class CropPlan:
     """Everything :func:`run_crop` will do, computed from the headers and ``config.json`` only.
 
     Attributes:
-        src: source folder. layers: N. dtype: dequantization dtype.
-        weight_map: source ``{tensor: shard file}``; dtypes / shapes: from the shard headers.
-        actions: one :class:`KeyAction` per source tensor, in source order.
-        config_in / config_out: the source and rewritten ``config.json`` dicts.
-        schedule_changes: ``{field: (old, new)}`` of the rewritten schedule fields.
+        src, layers, dtype: source folder, N, dequantization dtype. block: FP8 block size.
+        weight_map, dtypes, shapes: the source's index and shard headers.
+        actions: one :class:`KeyAction` per source tensor. mtp_layers: MTP layers found.
+        config_in / config_out / schedule_changes: source and rewritten config, ``{field: (old, new)}``.
         copy_files: non-weight files copied to OUT.
-        mtp_layers: number of MTP layers found.
-        block: FP8 block size.
     """
 
     src: str
@@ -135,8 +106,8 @@ def _text_config(config: dict) -> dict:
 
 
 def _filter_layer_list(name: str, values: list[int], layer_types: list[str], wanted: str, n: int) -> list[int]:
-    """Keep the entries of a ``linear_attn_config`` layer list that fall in the first ``n`` layers; the numbering
-    base (0 or 1) is the one that matches ``layer_types``."""
+    """Keep the entries of a ``linear_attn_config`` layer list in the first ``n`` layers (numbered as ``layer_types``).
+    """
     positions = {i for i, t in enumerate(layer_types) if t == wanted}
     for base in (0, 1):
         if {v - base for v in values} == positions:
@@ -210,8 +181,7 @@ def _config_kwargs(config: dict) -> dict:
 
 
 def _resolved_text_config(config: dict):
-    """The source's text config as :class:`.configuration_glm53flash.Glm53FlashConfig` resolves it (defaults
-    filled in)."""
+    """The source's text config with :class:`.configuration_glm53flash.Glm53FlashConfig`'s defaults filled in."""
     from ..configuration_glm53flash import Glm53FlashConfig
 
     return Glm53FlashConfig(**_config_kwargs(config)).get_text_config(decoder=True)
@@ -377,21 +347,15 @@ def _largest_shard_bytes(src: str, weight_map: dict[str, str]) -> int:
 
 
 def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progress: bool = True) -> dict:
-    """Write the crop described by ``plan`` into ``out`` (created; must not exist or be empty).
-
-    Processes one source shard at a time; output shards are flushed when adding the next tensor would pass
-    ``max_shard_size`` bytes (default: the largest source shard file).
-
-    The folder is written atomically (:func:`glm53flash_hf.checkpoint.atomic_save`): built beside ``out`` and
-    renamed into place when complete, so an interrupted crop leaves no partial ``out``.
+    """Write the crop ``plan`` into ``out`` atomically, flushing output shards at ``max_shard_size`` bytes (default: the
+    largest source shard).
 
     Returns:
         ``{"shards": n, "tensors": n, "total_size": bytes}``.
 
     Raises:
-        ValueError: ``max_shard_size`` not a positive integer; ``out`` exists and is not empty; ``out`` is, lies
-            inside, holds or links into the source folder (:func:`glm53flash_hf.tools.output_conflict`); a corrupt
-            shard (named).
+        ValueError: ``max_shard_size`` not a positive integer; ``out`` not empty or overlapping the source folder; a
+            corrupt shard (named).
     """
     if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
                                        or max_shard_size <= 0):
@@ -519,9 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Console entry point ``glm53flash-crop SRC OUT --layers N [--dry-run] [--dtype bf16]``; returns 0.
-
-    Errors (bad folder, corrupt shard, out-of-range N, non-empty OUT) exit with status 2 and a one-line message.
+    """Console entry point ``glm53flash-crop SRC OUT --layers N [--dry-run] [--dtype bf16]``; returns 0 (errors exit 2).
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,13 +1,11 @@
 """``glm53flash-demo``: load the embedded default checkpoint as a new user would and run it on real inputs.
 
-1. Makes the embedded tiny checkpoint ``./glm53flash-tiny`` with ``glm53flash-make-tiny`` when ``--model`` is left
-   at that default and the folder is absent (every layer kind: KDA, full and shared DSA, dense and MoE MLP, MTP, a
-   small vision tower; a tokenizer trained on CPython's ``pydoc_data.topics``; the processor and the GLM-5.3 chat
-   template). Any other ``--model`` must be a checkpoint folder (with a ``config.json``); nothing is created there.
+1. Makes the embedded tiny checkpoint ``./glm53flash-tiny`` when ``--model`` is left at that default and the folder
+   is absent; any other ``--model`` must be a checkpoint folder (with a ``config.json``).
 2. Loads it through ``AutoProcessor`` and ``AutoModelForImageTextToText`` with ``trust_remote_code=True``.
-3. Packs three passages of ``pydoc_data.topics`` into one row (``position_ids`` restarting at 0), runs a forward
-   and backward pass with labels, and checks that the middle passage gives the same logits as when run alone.
-4. Renders a chat turn with scikit-image's astronaut photo through the chat template and runs the model on it.
+3. Packs three passages of ``pydoc_data.topics`` into one row, runs a forward and backward pass with labels, and
+   checks that the middle passage gives the same logits as when run alone.
+4. Runs the model on a chat turn with scikit-image's astronaut photo.
 
 Nothing is downloaded.
 """

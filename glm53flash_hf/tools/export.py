@@ -1,30 +1,10 @@
 """``glm53flash-export SRC OUT``: make a published GLM-5.3-Flash checkpoint folder loadable as remote code.
 
-SRC is a local checkpoint folder in the published layout: a release download, a folder written by
-transformers' built-in ``Glm5NextForConditionalGeneration.save_pretrained``, by ``glm53flash-make-tiny`` or
-``glm53flash-crop``. OUT receives:
-
-* ``config.json``: SRC's config whose ``auto_map`` names exactly the Auto classes this package serves
-  (``modeling_glm53flash.AUTO_MAP``);
-* the package's modules the remote code needs, and only those: each module named in ``AUTO_MAP`` or in the
-  processor's ``auto_map`` (``processing_glm53flash``) and every module they import relatively (transformers'
-  ``get_relative_import_files``, the list ``save_pretrained`` copies), byte-equal to the package's files;
-* links to SRC's weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``) and their ``*.index.json``,
-  so nothing large is copied: symbolic links by default; where the file system refuses them, hard links, then
-  copies, each fallback with a warning;
-* copies of every other file (tokenizer, generation config, chat template, processor configs, ...). Hidden
-  entries (``.cache``, ``.git``) are skipped.
-
-OUT runs no code of SRC under ``trust_remote_code=True``: SRC's Python files (``*.py``, ``*.pyc``,
-``__pycache__``, at any depth) are not copied, and every ``auto_map`` in a JSON file (top level or nested, e.g.
-the ``image_processor`` part of ``processor_config.json``) is replaced by this package's: ``AUTO_MAP`` in
-``config.json``, ``{"AutoProcessor": "processing_glm53flash.Glm53FlashProcessor"}`` in the others
-(``processor_config.json``, ``tokenizer_config.json``, ``preprocessor_config.json``, ...). A warning lists what was
-dropped or replaced.
-
-Then ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads the package's model and
-``AutoProcessor`` its processor, while loading OUT without ``trust_remote_code`` still uses transformers' built-in
-``glm5_next``. Nothing is downloaded.
+SRC is a local checkpoint folder in the published layout. OUT receives ``config.json`` with this package's
+``auto_map``, the package modules the remote code needs (byte-equal), links to SRC's weight files and indexes
+(symlink, else hardlink, else copy, each fallback warned), and copies of the other files. SRC's Python files are
+not copied and every other ``auto_map`` in its JSON files is replaced by this package's, so OUT runs no code of
+SRC. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -50,8 +30,7 @@ def _warn(message: str) -> None:
 
 
 def processor_auto_map() -> dict[str, str]:
-    """The ``auto_map`` the package's processor writes into its JSON files
-    (``{"AutoProcessor": "processing_glm53flash.Glm53FlashProcessor"}``)."""
+    """The ``auto_map`` the package's processor writes into its JSON files."""
     from ..processing_glm53flash import Glm53FlashProcessor
 
     module = Glm53FlashProcessor.__module__.rsplit(".", 1)[-1]
@@ -59,9 +38,9 @@ def processor_auto_map() -> dict[str, str]:
 
 
 def remote_code_files() -> list[str]:
-    """Absolute paths of the package modules the remote code needs: every module named in
-    ``modeling_glm53flash.AUTO_MAP`` or :func:`processor_auto_map` plus, recursively, the modules they import with
-    ``from .x import y``."""
+    """Absolute paths of the package modules the remote code needs (those of the ``auto_map`` entries and, recursively,
+    their relative imports).
+    """
     from transformers.dynamic_module_utils import get_relative_import_files
 
     from ..modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
@@ -86,11 +65,11 @@ def is_weight_file(name: str) -> bool:
 
 
 def link_file(src: str, dst: str, mode: str = "symlink") -> str:
-    """Make ``dst`` refer to ``src`` without copying when possible; return the method used.
+    """Make ``dst`` refer to ``src`` by ``mode`` (``"symlink"``, then hard link, then copy; ``"hardlink"``; ``"copy"``),
+    warning at every fallback; return the method used.
 
-    ``mode="symlink"`` tries a symbolic link (to the absolute ``src``), then a hard link, then a copy;
-    ``"hardlink"`` starts at the hard link; ``"copy"`` copies. Every fallback logs a warning naming the file and
-    the error. Raises ``OSError`` only when the copy fails too.
+    Raises:
+        OSError: only when the copy fails too.
     """
     if mode not in LINK_MODES:
         raise ValueError(f"link mode must be one of {LINK_MODES}; got {mode!r}")
@@ -130,8 +109,7 @@ def is_code_file(name: str) -> bool:
 
 
 def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """(relative path, "link" | "copy") for every non-hidden file under ``src`` except ``skip_names`` at top level
-    and the code files (:func:`is_code_file`, ``__pycache__``), and the relative paths of those code files."""
+    """``(relative path, "link" | "copy")`` per non-hidden, non-code file of ``src``, and the code files' paths."""
     plan, code = [], []
     for root, dirs, files in os.walk(src, followlinks=True):
         rel_root = os.path.relpath(root, src)
@@ -154,8 +132,7 @@ def _same_bytes(a: str, b: str) -> bool:
 
 
 def _replace_auto_maps(data, auto_map: dict) -> bool:
-    """Set every ``"auto_map"`` value inside the JSON value ``data`` (dicts and lists, at any depth) to a copy of
-    ``auto_map``; return whether anything changed."""
+    """Set every ``"auto_map"`` inside the JSON value ``data`` to ``auto_map``; return whether anything changed."""
     changed = False
     if isinstance(data, dict):
         if "auto_map" in data and data["auto_map"] != auto_map:
@@ -171,8 +148,7 @@ def _replace_auto_maps(data, auto_map: dict) -> bool:
 
 
 def _with_our_auto_map(path: str):
-    """The JSON content of the file ``path`` with every ``auto_map`` replaced by :func:`processor_auto_map`, or
-    None when the file is not JSON (transformers could not read it either) or holds no other ``auto_map``."""
+    """The JSON content of ``path`` with every ``auto_map`` replaced, or None (not JSON, or no other ``auto_map``)."""
     if not path.endswith(".json"):
         return None
     try:
@@ -196,8 +172,9 @@ def _write_json(data, path: str) -> None:
 
 
 def _copy_with_our_auto_map(src_path: str, dst: str) -> str:
-    """Copy the file ``src_path`` to ``dst``, a JSON file with a foreign ``auto_map`` rewritten
-    (:func:`_with_our_auto_map`). Returns ``"config"`` when rewritten, else ``"copy"``."""
+    """Copy ``src_path`` to ``dst``, a foreign ``auto_map`` rewritten; return ``"config"`` if rewritten, else
+    ``"copy"``.
+    """
     data = _with_our_auto_map(src_path)
     if data is None:
         shutil.copy2(src_path, dst)
@@ -207,15 +184,13 @@ def _copy_with_our_auto_map(src_path: str, dst: str) -> str:
 
 
 def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, show_progress: bool = True) -> dict:
-    """Write the remote-code folder ``out`` for the checkpoint folder ``src`` (see the module docstring).
+    """Write the remote-code folder ``out`` for the checkpoint folder ``src``.
 
     Args:
         src: local checkpoint folder with a ``glm5_next`` ``config.json`` and safetensors weights.
-        out: destination folder; created; must be empty unless ``overwrite``. Written atomically
-            (:func:`glm53flash_hf.checkpoint.atomic_save`): the folder is built beside ``out`` and swapped in when
-            complete; with ``overwrite`` the previous folder's weights, indexes and configs are dropped, its other
-            entries kept.
-        link: ``"symlink"`` (default), ``"hardlink"`` or ``"copy"`` for the weight files (see :func:`link_file`).
+        out: destination folder, written atomically (:func:`glm53flash_hf.checkpoint.atomic_save`); must be empty
+            unless ``overwrite``.
+        link: ``"symlink"`` (default), ``"hardlink"`` or ``"copy"`` for the weight files (:func:`link_file`).
         overwrite: allow a non-empty ``out``.
         show_progress: tqdm progress bar.
 
@@ -224,9 +199,8 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
 
     Raises:
         FileNotFoundError: ``src`` is not a folder, or lacks ``config.json`` / weights.
-        ValueError: ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` is, lies inside,
-            holds or (without ``overwrite``) links into ``src`` (:func:`glm53flash_hf.tools.output_conflict`), or
-            ``out`` is not empty without ``overwrite``.
+        ValueError: ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` overlaps ``src``
+            (:func:`glm53flash_hf.tools.output_conflict`), or ``out`` is not empty without ``overwrite``.
     """
     from tqdm.auto import tqdm
 
@@ -297,8 +271,7 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
 
 
 def _drop_absent_mtp(src: str, config: dict) -> None:
-    """Set ``num_nextn_predict_layers`` to 0 (with a warning) when the config declares MTP layers but the weights
-    have none — transformers' built-in ``Glm5NextForConditionalGeneration.save_pretrained`` drops them."""
+    """Set ``num_nextn_predict_layers`` to 0, with a warning, when the config declares MTP layers the weights lack."""
     from ..checkpoint import checkpoint_keys
 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -317,10 +290,8 @@ def _drop_absent_mtp(src: str, config: dict) -> None:
 
 
 def _scrub_kept_entries(out: str, written: dict) -> list[str]:
-    """Make the entries of ``out`` that :func:`export` did not write (kept from the previous folder under
-    ``overwrite``, :func:`glm53flash_hf.checkpoint.atomic_save`) follow the same rule as SRC's: code files and
-    ``__pycache__`` are removed, a foreign ``auto_map`` in a JSON file is replaced (the file is replaced, never written
-    through a link). Hidden entries are left alone. Returns the relative paths changed."""
+    """Apply SRC's rules (no code, our ``auto_map``) to the entries of ``out`` kept from before; return those changed.
+    """
     changed = []
     for root, dirs, files in os.walk(out):
         rel_root = os.path.relpath(root, out)

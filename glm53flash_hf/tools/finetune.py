@@ -1,43 +1,15 @@
 """``glm53flash-finetune``: supervised fine-tuning of GLM-5.3-Flash with the HF Trainer, end to end.
 
-With no arguments it runs the embedded default on CPU in a few minutes:
+With no arguments it runs the embedded default on CPU in a few minutes: it makes the tiny checkpoint
+``./glm53flash-tiny`` when absent, builds an SFT set from CPython's ``pydoc_data.topics`` and scikit-image's photos
+and GIF, trains with ``transformers.Trainer`` (packed rows, MTP loss, LoRA on the projections and the routed experts,
+or ``--full``), saves a Hub-style folder (merged weights, remote code, processor; with LoRA the adapter in
+``<output-dir>/adapter``) that replaces ``--output-dir`` as a unit, and reloads it in a fresh process to answer a
+held-out question and an image prompt. A NaN / inf loss, gradient norm or weight stops the job naming the step.
 
-1. makes the embedded tiny checkpoint ``./glm53flash-tiny`` with ``glm53flash-make-tiny`` when it is absent;
-2. builds an SFT set from real data that ships with Python and scikit-image: "Explain <topic>" questions answered
-   by the opening paragraphs of that topic in CPython's ``pydoc_data.topics`` (the language reference), plus
-   "Describe the image." / "Describe the video." turns on scikit-image's bundled photos and animated GIF, each
-   rendered with the GLM-5.3 chat template (labels only on the assistant answers);
-3. trains with ``transformers.Trainer``: samples packed into rows by the packing collator (documents kept apart),
-   the MTP loss added to the main loss, LoRA on the attention/MLP projections and the routed experts' 3-D
-   weights (plus ``lm_head`` in full on the random-init tiny checkpoint, see ``--train-lm-head``; ``--full``
-   trains every weight instead), a progress bar and a loss log (``loss_log.jsonl``); a NaN / inf loss, gradient
-   norm or trained weight stops the job with an error naming the step;
-4. saves a Hub-style folder: the merged weights (LoRA merged into the base, or the fully fine-tuned weights),
-   ``config.json`` with ``auto_map``, the remote-code modules, the processor and the chat template; with LoRA
-   also the adapter in ``<output-dir>/adapter`` (and a check that the merged model's logits equal the adapter's).
-   All of it, with the loss log, is written beside ``--output-dir`` first and replaces the previous output as one
-   unit once complete; a second run into a folder held by a running one is refused;
-5. reloads the folder in a fresh Python process (offline, without importing this package) through
-   ``AutoModelForCausalLM`` and ``AutoModelForImageTextToText`` with ``trust_remote_code=True``, and greedily
-   answers a held-out question (a topic left out of the training set) and an image prompt.
-
-It prints the first and last loss, the trained tokens per second, the wall time and where the output is.
-
-``--model PATH`` fine-tunes another checkpoint (a folder in the published layout or a Hub id).
-``accelerate launch --config_file configuration/accelerate_fsdp2.yaml -m glm53flash_hf.tools.finetune ...`` runs it on
-several GPUs: the Trainer shards the model, only the main process saves, reloads and prints.
-
-``--ep N`` trains with expert parallelism: ``accelerate launch --config_file
-configuration/accelerate_ep2.yaml -m glm53flash_hf.tools.finetune --ep 2`` shards the routed experts over
-``N`` ranks (a ``(world / N, N)`` mesh ``("dp", "ep")``, tokens exchanged by all-to-all) and FSDP2-shards the rest
-over all ranks (:mod:`glm53flash_hf.train.expert_parallel`); the model arrives at the Trainer already sharded, so
-accelerate neither wraps it in DDP nor shards it again; gradients are clipped by the global norm of
-:func:`glm53flash_hf.train.expert_parallel.clip_grad_norm_ep`. With LoRA each rank trains the adapter slices of its
-own experts; ``save_adapter_ep`` gathers them into the 1-process adapter layout.
-
-``accelerate launch --config_file configuration/accelerate_sp2.yaml -m glm53flash_hf.tools.finetune --sp 2`` trains
-with sequence parallelism (:mod:`glm53flash_hf.sequence_parallel`): each row split contiguously over 2 ranks; text
-samples only (``--sp`` > 1 implies ``--no-media``).
+``--model PATH`` fine-tunes another checkpoint. Under ``accelerate launch`` (``configuration/accelerate_*.yaml``)
+the Trainer shards the model (FSDP2); ``--ep N`` adds expert parallelism and ``--sp N`` sequence parallelism (text
+samples only).
 """
 
 from __future__ import annotations
@@ -73,8 +45,7 @@ ADAPTER_DIR = "adapter"
 
 
 def loss_summary(losses: list[float], k: int = 3) -> tuple[float, float, int]:
-    """``(first, last, n)``: means of the first and of the last ``n = min(k, len(losses) // 2)`` (at least 1)
-    logged losses, so that with few steps the two windows never overlap (one loss: ``first == last``).
+    """``(first, last, n)``: means of the first and the last ``n = max(1, min(k, len(losses) // 2))`` logged losses.
 
     Raises:
         ValueError: no loss was logged, or a logged loss is NaN / inf (names the first such, 1-based).
@@ -95,8 +66,7 @@ def _fsdp_launch() -> bool:
 
 
 def _resolve_dtype(name: str):
-    """``--dtype`` as a torch dtype. ``auto``: float32 on CPU and under FSDP (fp32 masters; the FSDP mixed-precision
-    policy computes in bf16), bfloat16 on a single CUDA device."""
+    """``--dtype`` as a torch dtype (``auto``: float32 on CPU and under FSDP, bfloat16 on a single CUDA device)."""
     import torch
 
     if name == "auto":
@@ -115,16 +85,14 @@ def _sibling(out: str, suffix: str) -> str:
 
 
 def staging_folder(out: str) -> str:
-    """Where a run writes its output (loss log, adapter, merged model, processor) before it replaces ``out`` as a
-    unit: the sibling ``.<name>.staging`` of ``out`` (same file system; one run at a time, see :func:`output_lock`)."""
+    """The sibling ``.<name>.staging`` of ``out``, where a run writes its output before it replaces ``out``."""
     return _sibling(out, "staging")
 
 
 @contextlib.contextmanager
 def output_lock(out: str):
-    """Hold the output folder ``out`` for one run: an exclusive ``fcntl.flock`` on the sibling file
-    ``.<name>.lock`` (holding the holder's pid), released when the block ends or the process dies (a lock file
-    left by a killed run does not block). Yields the lock file's path.
+    """Hold the output folder ``out`` for one run (an exclusive ``flock`` on the sibling ``.<name>.lock``); yields the
+    lock file's path.
 
     Raises:
         OutputBusyError: another process holds ``out`` (names the folder, the holder's pid and the lock file).
@@ -149,9 +117,7 @@ def output_lock(out: str):
 
 
 def _publish(staging: str, out: str) -> None:
-    """Replace ``out`` by the complete folder ``staging`` as a unit (:func:`glm53flash_hf.checkpoint.atomic_save`,
-    which keeps the entries of the old folder that the new one lacks and that are not checkpoint files), then
-    remove the emptied ``staging``."""
+    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`)."""
     from ..checkpoint import atomic_save
 
     def write(folder: str) -> None:
@@ -163,8 +129,7 @@ def _publish(staging: str, out: str) -> None:
 
 
 def check_finite(model, what: str, accelerator=None) -> None:
-    """Raise unless every floating-point parameter and buffer of ``model`` is finite (with an ``accelerator`` of
-    several processes, on every process: the count of bad tensors is summed over them).
+    """Raise unless every floating-point parameter and buffer of ``model`` is finite (on every process).
 
     Raises:
         FloatingPointError: naming ``what``, the number of tensors holding NaN / inf and the first few names.
@@ -186,13 +151,8 @@ def check_finite(model, what: str, accelerator=None) -> None:
 
 
 def _save_trained(trainer, path: str, main_process: bool, processor=None) -> None:
-    """Save the trained model (a PEFT model saves its adapter only), and ``processor`` when given, to ``path``,
-    atomically (:func:`glm53flash_hf.checkpoint.atomic_save`: written beside ``path``, swapped in when complete).
-
-    Without FSDP this is ``Trainer.save_model``. Under FSDP the full state dict is gathered on every rank
-    (``Accelerator.get_state_dict``: FSDP2 ``full_state_dict=True``, CPU offload; a collective) and the main process
-    saves it, whatever ``fsdp_state_dict_type`` the accelerate config names (``Trainer.save_model`` writes nothing
-    for ``SHARDED_STATE_DICT``)."""
+    """Save the trained model (PEFT: the adapter) and ``processor`` to ``path`` atomically (FSDP: gathered, collective).
+    """
     from ..checkpoint import atomic_save
 
     state_dict = trainer.accelerator.get_state_dict(trainer.model) if trainer.is_fsdp_enabled else None
@@ -211,8 +171,7 @@ def _save_trained(trainer, path: str, main_process: bool, processor=None) -> Non
 
 
 def load_model(path: str, dtype):
-    """The VL model (``Glm53FlashForConditionalGeneration``) from ``path``, by this package's class (so that a
-    published checkpoint without ``auto_map`` is read by our code, never by transformers' built-in class)."""
+    """The VL model (``Glm53FlashForConditionalGeneration``) from ``path``, by this package's class."""
     from ..modeling_glm53flash import Glm53FlashForConditionalGeneration
 
     model = Glm53FlashForConditionalGeneration.from_pretrained(path, dtype=dtype)
@@ -230,11 +189,10 @@ def load_processor(path: str):
 def check_saved_folder(out: str, adapter: bool) -> list[str]:
     """Check that ``out`` is a self-contained Hub-style folder; return the list of files found.
 
-    Checked: ``config.json`` with ``auto_map`` entries for ``AutoConfig``, ``AutoModelForCausalLM`` and
-    ``AutoModelForImageTextToText`` whose modules (``<module>.py``) are in ``out``; safetensors weights;
-    ``processor_config.json`` with an ``AutoProcessor`` entry whose module is in ``out``; the tokenizer and
-    ``chat_template.jinja``; with ``adapter``, ``adapter/adapter_config.json`` and
-    ``adapter/adapter_model.safetensors``.
+    Checked: ``config.json`` with ``auto_map`` for ``AutoConfig``, ``AutoModelForCausalLM`` and
+    ``AutoModelForImageTextToText`` and their modules; safetensors weights; ``processor_config.json`` with
+    ``AutoProcessor`` and its module; the tokenizer and ``chat_template.jinja``; with ``adapter``, its config and
+    weights.
 
     Raises:
         RuntimeError: naming every missing piece.
@@ -282,15 +240,9 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
 
 
 def merge_adapter(base_path: str, adapter_dir: str, dtype, merged_format: str = "fp8"):
-    """Load the base VL model from ``base_path`` (this package's class, on CPU, ``dtype``), apply the LoRA adapter
-    saved in ``adapter_dir`` with ``peft.PeftModel.from_pretrained`` and return ``merge_and_unload()``: a plain
-    ``Glm53FlashForConditionalGeneration`` with the deltas added to the base weights (experts' 3-D weights
-    included). Works the same after single-process and sharded (FSDP) training, since the adapter on disk is
-    complete.
-
-    A base kept in FP8 is merged by :func:`glm53flash_hf.train.fp8_lora.merge_lora_fp8`: ``merged_format="fp8"``
-    re-quantizes the merged weights with block scales (the model stays FP8), ``"dense"`` keeps them in ``dtype``;
-    the merge report is attached as ``model.fp8_merge_report`` (None for a dense base).
+    """The base VL model from ``base_path`` (CPU, ``dtype``) with the LoRA adapter in ``adapter_dir`` merged
+    (``merge_and_unload()``); an FP8 base is merged by :func:`glm53flash_hf.train.fp8_lora.merge_lora_fp8` in
+    ``merged_format`` (report in ``model.fp8_merge_report``, None for a dense base).
 
     Raises:
         ValueError: ``merged_format`` not ``"fp8"`` or ``"dense"``.
@@ -322,8 +274,9 @@ FP8_ROUNDTRIP_RTOL = 2.0**-4
 
 
 def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[float, float]:
-    """``(max |logits_a - logits_b|, max |logits_a|)`` (floats) of two models on the chat prompt for ``question``
-    and on the :data:`PROBE_PHOTO` image prompt (one forward each, no grad; both models are left in eval mode)."""
+    """``(max |logits_a - logits_b|, max |logits_a|)`` of two models on the chat prompt for ``question`` and on the
+    :data:`PROBE_PHOTO` image prompt (eval mode, no grad).
+    """
     import torch
 
     diff = scale = 0.0
@@ -340,7 +293,7 @@ def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[fl
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line options of ``glm53flash-finetune`` (see ``--help``)."""
+    """The command-line options of ``glm53flash-finetune``."""
     parser = argparse.ArgumentParser(
         prog="glm53flash-finetune", description="S" + __doc__.split("\n\n")[0].split(": s", 1)[-1],
         epilog=__doc__.split("\n\n", 1)[1].replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -397,8 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _looks_local(path: str) -> bool:
-    """Whether ``--model`` names a local folder rather than a Hub id (``org/name``): it exists, is absolute or
-    relative with ``./`` / ``../`` / ``~``, has more than one ``/``, or is not a valid repository id."""
+    """Whether ``--model`` names a local folder rather than a Hub id."""
     if os.path.exists(path) or os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1:
         return True
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -411,8 +363,7 @@ def _looks_local(path: str) -> bool:
 
 
 def _check_model_and_output(parser, args) -> None:
-    """``--model``: a local folder must exist and hold a ``config.json`` (the embedded default is made when absent);
-    ``--output-dir`` must not be, lie inside, hold or link into it (:func:`glm53flash_hf.tools.output_conflict`)."""
+    """Check ``--model`` (a local folder holds ``config.json``) and ``--output-dir`` (not overlapping it)."""
     from . import check_output_folder
 
     if args.model != DEFAULT_MODEL and _looks_local(args.model):
@@ -427,8 +378,7 @@ def _check_model_and_output(parser, args) -> None:
 
 
 def _check_args(parser, args) -> None:
-    """Refuse, with ``parser.error`` naming the option and its value, every numeric option out of its range (NaN
-    and inf included), then the ``--model`` / ``--output-dir`` pair and the ``--samples`` / ``--held-out`` pair."""
+    """``parser.error`` naming the option and value for every out-of-range option and conflicting pair."""
     positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep")
     for name in positive:
         if getattr(args, name) < 1:
@@ -468,11 +418,11 @@ class Job:
     Attributes:
         args: the parsed command line.
         out: absolute output folder.
-        staging: where the run writes its output before it replaces ``out`` (:func:`staging_folder`).
-        dtype: weights dtype (``torch.float32`` / ``torch.bfloat16``).
+        staging: where the run writes its output before it replaces ``out``.
+        dtype: weights dtype.
         training_args: the ``transformers.TrainingArguments`` of the run.
         main_process: whether this is process 0 (it alone prints, saves and verifies).
-        model_path: the checkpoint trained (absolute when it is a folder); set by :func:`prepare`.
+        model_path: the checkpoint trained; set by :func:`prepare`.
         ep_plan: the :class:`glm53flash_hf.train.expert_parallel.ExpertParallelPlan` under ``--ep N > 1``.
     """
 
@@ -492,9 +442,7 @@ class Job:
 
 
 def training_arguments(args, out: str, dtype):
-    """The ``TrainingArguments`` of the job (``output_dir=out``, the staging folder in the job): linear schedule with
-    warm-up, one log per step, no intermediate saves, bf16 autocast only on CUDA in bf16 (or under an FSDP bf16
-    launch)."""
+    """The ``TrainingArguments`` of the job: linear schedule with warm-up, one log per step, no intermediate saves."""
     import torch
     from transformers import TrainingArguments
 
@@ -526,8 +474,9 @@ def training_arguments(args, out: str, dtype):
 
 
 def prepare(job: Job):
-    """Step 1, checkpoint and data: make the embedded tiny checkpoint when the default is absent, load the processor
-    and the VL model, build the SFT set. Returns ``(processor, model, dataset)``."""
+    """Step 1: make the embedded checkpoint when absent, load processor and VL model, build the SFT set. Returns
+    ``(processor, model, dataset)``.
+    """
     args = job.args
     model_path = args.model
     with job.training_args.main_process_first(desc="checkpoint"):
@@ -559,12 +508,11 @@ def prepare(job: Job):
 
 
 def shard_experts(model, ep: int):
-    """``--ep``: a ``(world / ep, ep)`` mesh ``("dp", "ep")`` over the launched processes and
-    :func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel` on ``model``. Returns the plan.
+    """``--ep``: a ``(world / ep, ep)`` mesh ``("dp", "ep")`` and
+    :func:`~glm53flash_hf.train.expert_parallel.apply_expert_parallel`.
 
     Raises:
-        ValueError: no process group (run under ``accelerate launch`` / ``torchrun``), or a world size not divisible
-            by ``ep`` (naming both).
+        ValueError: no process group, or a world size not divisible by ``ep`` (naming both).
     """
     import torch
     import torch.distributed as dist
@@ -583,8 +531,7 @@ def shard_experts(model, ep: int):
 
 
 def build_trainer(job: Job, processor, model, dataset):
-    """Step 2: wrap the model with LoRA (unless ``--full``) and build the :class:`Glm53FlashTrainer` with the
-    packing collator, the progress / loss-log callbacks and, with ``--balance-speed``, the expert balancing."""
+    """Step 2: LoRA (unless ``--full``) and the :class:`Glm53FlashTrainer` with collator and callbacks."""
     import torch
     from transformers import ProgressCallback
 
@@ -653,13 +600,10 @@ def build_trainer(job: Job, processor, model, dataset):
 
 
 def train(job: Job, trainer) -> dict:
-    """Step 3: ``trainer.train()`` (the loss log goes to the staging folder). Returns ``{"seconds", "tokens",
-    "first", "last", "n"}``: training time, trained tokens over all processes, and the first / last loss means of
-    :func:`loss_summary`.
+    """Step 3: ``trainer.train()``. Returns ``{"seconds", "tokens", "first", "last", "n"}``.
 
     Raises:
-        FloatingPointError: a non-finite loss or gradient norm (:class:`Glm53FlashTrainer`, naming the step), or
-            non-finite weights after the last step.
+        FloatingPointError: a non-finite loss or gradient norm (naming the step), or non-finite weights.
     """
     import torch
 
@@ -674,12 +618,10 @@ def train(job: Job, trainer) -> dict:
 
 
 def save(job: Job, trainer, processor):
-    """Step 4: complete the Hub-style folder in the staging folder ``job.staging`` (which already holds the loss
-    log): with LoRA the adapter in ``adapter/``, then the merged model (checked finite) with the processor, with
-    ``--full`` the trained model with the processor; :func:`check_saved_folder` on it; then replace ``job.out`` by
-    it as a unit (:func:`_publish`; the old folder's other entries, such as a README, are kept; with ``--full`` a
-    stale adapter of an earlier LoRA run is then removed). Any failure before the swap leaves ``job.out`` as it
-    was. Returns the saved model on the main process when it is in memory (else ``None``)."""
+    """Step 4: write the Hub-style folder (adapter with LoRA, merged or fully trained model, processor) in
+    ``job.staging``, check it and replace ``job.out`` by it. Returns the saved model on the main process when in
+    memory, else ``None``.
+    """
     stage = job.staging
     saved_model = None
     if job.args.full:
@@ -719,9 +661,9 @@ def save(job: Job, trainer, processor):
 
 
 def verify(job: Job, trainer, saved_model, processor) -> int:
-    """Step 5 (main process): the merged model's logits against the trained adapter's (LoRA, one CPU process,
-    float32), then the fresh-process reload through the Auto classes, whose answers must equal the in-memory
-    model's. Prints what it checks; returns 0 when everything holds, else 1."""
+    """Step 5 (main process): merged against adapter logits (LoRA), then the fresh-process reload; returns 0 when
+    everything holds, else 1.
+    """
     import torch
 
     args, status = job.args, 0
@@ -776,15 +718,11 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
 
 
 def main(argv=None) -> int:
-    """Command-line entry point of ``glm53flash-finetune``: :func:`prepare`, :func:`build_trainer`, :func:`train`,
-    :func:`save`, :func:`verify`, with ``--output-dir`` held by :func:`output_lock` (main process) throughout and
-    written through :func:`staging_folder` (removed again when the run fails). Returns the exit status (0 on
-    success).
+    """Command-line entry point of ``glm53flash-finetune``; returns the exit status.
 
     Raises:
-        SystemExit: bad options, or ``--output-dir`` held by another run (status 2, argparse's message).
-        FloatingPointError: the run diverged (a non-finite loss, gradient norm or weights; names the step);
-            ``--output-dir`` is left as it was.
+        SystemExit: bad options, or ``--output-dir`` held by another run (status 2).
+        FloatingPointError: the run diverged (names the step); ``--output-dir`` is left as it was.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

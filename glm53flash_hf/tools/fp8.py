@@ -1,13 +1,7 @@
-"""Block-scaled FP8 (e4m3, 128x128 blocks, ``weight_scale_inv``) as stored by the GLM-5.3-Flash FP8 release.
+"""Block-scaled FP8 as stored by the GLM-5.3-Flash FP8 release (DeepSeek-V3's block scaling).
 
-Format (the GLM-5.3-Flash FP8 release, DeepSeek-V3's block scaling): a weight ``W [out, in]`` is stored as
-``float8_e4m3fn`` next to ``<name>_scale_inv`` fp32 ``[ceil(out/128), ceil(in/128)]``; the last blocks may be
-partial. Dequantization repeats each scale over its block, crops to the weight shape and multiplies: ``W ≈
-W_fp8.float() * scale_inv``.
-
-Which weights the release quantizes (inferred from the release's index by tensor count): routed and shared experts,
-dense MLPs and four projections of each DSA/MTP attention block; ``kv_b_proj`` stays unquantized (absorption needs
-it), as do KDA, the indexer, ``eh_proj``, embeddings, ``lm_head``, norms, gates, mHC and the vision tower.
+A weight ``W [out, in]`` is stored as ``float8_e4m3fn`` next to ``<name>_scale_inv`` fp32
+``[ceil(out/128), ceil(in/128)]`` (last blocks may be partial); ``W ≈ W_fp8.float() * scale_inv`` per block.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = (128, 128)
 
-# Published-key suffixes quantized in the FP8 release (see the module docstring).
+# Published-key suffixes quantized in the FP8 release.
 FP8_KEY_PATTERNS = (
     r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$",
     r"\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$",
@@ -52,11 +46,7 @@ MODULES_TO_NOT_CONVERT = [
 
 
 def fp8_keys_of(keys) -> set[str]:
-    """The subset of published ``keys`` that the FP8 release quantizes.
-
-    A ``self_attn.o_proj`` is FP8 only in DSA/MTP attention blocks (those that also hold ``q_a_proj``); the
-    vision tower (``model.visual.``, ``visual.``, ``vision_tower.``) is never quantized.
-    """
+    """The subset of published ``keys`` that the FP8 release quantizes (never the vision tower)."""
     keys = [k for k in keys if not re.match(r"^(model\.)?(visual|vision_tower)\.", k)]  # vision stays unquantized
     dsa_prefixes = {k[: -len("q_a_proj.weight")] for k in keys if k.endswith("self_attn.q_a_proj.weight")}
     out = set()
@@ -74,7 +64,7 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK)
 
     Args:
         weight: float ``[out, in]``.
-        block: block size ``(rows, cols)``, 128x128 in the release.
+        block: block size ``(rows, cols)``.
 
     Returns:
         ``(weight_fp8 [out, in] float8_e4m3fn, scale_inv [ceil(out/rows), ceil(in/cols)] float32)`` with
@@ -103,8 +93,7 @@ def dequantize_fp8_blockwise(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8_blockwise`: ``weight.float() * scale_inv`` (repeated per block, cropped).
 
-    ``block`` (128x128 in the release) is used when the scale grid matches it (``ceil(out / 128)`` rows, last
-    block partial); otherwise the block is inferred as ``out / scale_rows`` (which must divide evenly).
+    ``block`` is used when the scale grid matches it, else the block is inferred as ``out / scale_rows``.
 
     Raises:
         ValueError: when ``scale_inv`` cannot tile ``weight``.
@@ -124,8 +113,7 @@ def dequantize_fp8_blockwise(
 
 
 def fp8_quantization_config() -> dict:
-    """The ``quantization_config`` written into ``config.json`` of an FP8 checkpoint (transformers'
-    ``FineGrainedFP8Config`` reads it; on CPU it dequantizes on load)."""
+    """The ``quantization_config`` of an FP8 checkpoint's ``config.json`` (transformers' ``FineGrainedFP8Config``)."""
     return {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",

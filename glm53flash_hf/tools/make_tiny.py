@@ -1,36 +1,16 @@
 """``glm53flash-make-tiny OUT``: write the embedded default checkpoint, a tiny random-init GLM-5.3-Flash.
 
-The folder has the layout of the published checkpoint (the key layout transformers' glm5_next writes) and loads like a
-release download:
+The folder has the published layout and loads like a release download: text weights by
+``Glm53FlashForCausalLM.save_pretrained`` (with the MTP layer), ``config.json`` with ``auto_map`` and the
+remote-code modules, a small transformers ``Glm5NextVisionModel`` under ``model.visual.*`` in an extra shard, the
+shard index, and a byte-level BPE tokenizer trained on CPython's ``pydoc_data.topics``. Deterministic given
+``--seed``; nothing is downloaded.
 
-* text weights written by :meth:`Glm53FlashForCausalLM.save_pretrained` (``model.language_model.*``,
-  per-expert MoE weights, split KDA convolutions, ``hc_*``, the MTP layer at ``layers.{num_hidden_layers}``,
-  ``lm_head``), ``config.json`` with ``model_type: glm5_next`` and ``auto_map``, and the remote-code modules;
-* a small vision tower: transformers' ``Glm5NextVisionModel(config.vision_config)`` at its own initialisation,
-  stored under ``model.visual.*`` in an extra shard (the text-only class skips it; transformers' built-in
-  ``Glm5NextForConditionalGeneration`` loads it);
-* ``model.safetensors.index.json`` naming every tensor's shard (``model-0000i-of-0000n.safetensors``);
-* a byte-level BPE tokenizer trained with ``tokenizers`` on CPython's ``pydoc_data.topics`` (the language
-  reference that ships with Python), followed by the GLM special tokens, saved with transformers so
-  ``AutoTokenizer.from_pretrained(OUT)`` works offline.
-
-Token layout: the BPE vocabulary fills ids ``0 .. P-1`` where ``P`` is the config's ``pad_token_id``
-(2000 for ``configuration/tiny.json``); the special tokens follow in the order of
-:data:`glm53flash_hf.tools.make_tiny.SPECIAL_TOKENS`, so
-``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``, ``<|observation|>`` = ``P+9`` (the three EOS ids, as in
-the release), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` = ``P+16``, ``<|video|>`` = ``P+17``.
-``<think>`` .. ``</arg_value>`` are added tokens that decode as text (kept by ``skip_special_tokens``, for
-reasoning and tool-call parsers); the others are special tokens. The model's ``vocab_size`` may be larger
-than the tokenizer (padded rows, as in the release). Every id in the
-config is checked against the tokenizer; a disagreement raises ``ValueError`` naming the field.
-
-Everything is deterministic given ``--seed``: two runs write byte-identical files. Weights use transformers'
-initialisation (the model's ``_init_weights``) under ``torch.manual_seed(seed)``; the vision tower uses
-``seed + 1``. Nothing is downloaded.
-
-``--fp8`` stores the tensors the FP8 release quantizes (:func:`glm53flash_hf.tools.fp8.fp8_keys_of`) as block-scaled
-``float8_e4m3fn`` plus ``<key>_scale_inv`` (fp32, 128x128 blocks) and writes
-:func:`glm53flash_hf.tools.fp8.fp8_quantization_config` into ``config.json``.
+Token layout: the BPE vocabulary fills ids ``0 .. P-1``, ``P`` being the config's ``pad_token_id``; the special
+tokens follow in the order of :data:`SPECIAL_TOKENS`: ``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``,
+``<|observation|>`` = ``P+9`` (the three EOS ids), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` =
+``P+16``, ``<|video|>`` = ``P+17``. Every id in the config is checked against the tokenizer. ``--fp8`` stores the
+tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` plus ``<key>_scale_inv``.
 """
 
 from __future__ import annotations
@@ -109,15 +89,14 @@ def corpus_texts() -> list[str]:
 
 
 def train_tokenizer(bpe_vocab_size: int):
-    """Train the byte-level BPE tokenizer and append :data:`SPECIAL_TOKENS` (``special=True`` except the
+    """Train the byte-level BPE tokenizer and append :data:`SPECIAL_TOKENS` (``special=True`` except
     :data:`TEXT_TAG_TOKENS`).
 
     Args:
-        bpe_vocab_size: number of ordinary tokens (256 byte symbols + merges); the specials get ids
-            ``bpe_vocab_size .. bpe_vocab_size + len(SPECIAL_TOKENS) - 1``.
+        bpe_vocab_size: number of ordinary tokens (256 byte symbols + merges); the specials follow.
 
     Returns:
-        a ``tokenizers.Tokenizer``. Training is deterministic (same inputs → identical ``to_str()``).
+        a ``tokenizers.Tokenizer`` (deterministic).
 
     Raises:
         ValueError: when ``bpe_vocab_size`` is below the 256-symbol byte alphabet, or the corpus cannot fill it.
@@ -181,9 +160,9 @@ def check_token_ids(config, tokenizer) -> None:
 
 
 def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
-    """Save ``tokenizer`` with transformers (``PreTrainedTokenizerFast`` / ``TokenizersBackend``), with
-    ``<|endoftext|>`` as EOS and pad token, left padding like GLM, ``model_max_length``, and the GLM special tokens
-    (all of :data:`SPECIAL_TOKENS` but :data:`TEXT_TAG_TOKENS`) as extra special tokens."""
+    """Save ``tokenizer`` with transformers: ``<|endoftext|>`` as EOS and pad, left padding, ``model_max_length``, the
+    GLM special tokens as extra special tokens.
+    """
     from transformers import PreTrainedTokenizerFast
 
     hf_tokenizer = PreTrainedTokenizerFast(
@@ -199,7 +178,7 @@ def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
 
 
 def _weight_files(out: str) -> tuple[list[str], dict[str, str]]:
-    """Shard file names (in order) and the key → file map of the safetensors checkpoint in ``out``."""
+    """Shard file names and the key → file map of the safetensors checkpoint in ``out``."""
     index_path = os.path.join(out, SAFETENSORS_INDEX)
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -230,9 +209,7 @@ def _quantize_shard(tensors: dict, fp8_keys: set) -> dict:
 
 
 def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8: bool) -> None:
-    """Rewrite the text shards written by ``save_pretrained`` as ``model-0000i-of-0000n.safetensors`` (FP8 when
-    ``fp8``), add ``vision_state`` (keys already prefixed ``model.visual.``) as the last shard, and write
-    ``model.safetensors.index.json`` (``metadata.total_size`` in bytes, ``metadata.total_parameters``)."""
+    """Rewrite the text shards (FP8 when ``fp8``), add ``vision_state`` as the last shard, and write the index."""
     from safetensors.torch import load_file, save_file
 
     from .fp8 import fp8_keys_of
@@ -273,23 +250,20 @@ def _check_out(out: str, overwrite: bool) -> None:
 
 def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: bool = False,
               dtype: str = "bfloat16", overwrite: bool = False, show_progress: bool = True) -> str:
-    """Write the tiny checkpoint folder (see the module docstring); return ``out``.
+    """Write the tiny checkpoint folder atomically (:func:`glm53flash_hf.checkpoint.atomic_save`); return ``out``.
 
     Args:
-        out: destination folder (created; must be empty unless ``overwrite``).
+        out: destination folder (must be empty unless ``overwrite``).
         config_path: a GLM-5.3-Flash ``config.json`` (``text_config`` + ``vision_config``).
         seed: ``torch.manual_seed`` of the text model's initialisation (vision: ``seed + 1``).
         fp8: store the FP8-release tensors as block-scaled e4m3 with ``_scale_inv``.
-        dtype: ``"bfloat16"`` (as the release) or ``"float32"``; the model's fp32-kept parameters (router,
-            ``e_score_correction_bias``, KDA ``conv1d``/``A_log``/``dt_bias``, mHC ``base``/``scale``) stay fp32.
-        overwrite: allow a non-empty ``out``. The folder is written beside ``out`` and swapped in when complete
-            (:func:`glm53flash_hf.checkpoint.atomic_save`): the old weights, indexes and configs are dropped, its
-            other files kept.
+        dtype: ``"bfloat16"`` or ``"float32"`` (fp32-kept parameters stay fp32).
+        overwrite: allow a non-empty ``out``.
         show_progress: tqdm progress bar.
 
     Raises:
         ValueError: bad ``dtype``, a non-empty ``out`` without ``overwrite``, or config token ids that do not
-            match the tokenizer layout (see :func:`check_token_ids`).
+            match the tokenizer layout.
     """
     import torch
 
@@ -340,7 +314,7 @@ def _write(out, config, text, seed, fp8, dtype, overwrite, show_progress) -> Non
 
 
 def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
-    """Write the checkpoint into the empty folder ``out`` (the temporary folder of :func:`_write`'s swap)."""
+    """Write the checkpoint into the empty folder ``out``."""
     import torch
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
@@ -371,9 +345,9 @@ def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
 
 
 def save_processor(out: str, config) -> None:
-    """Write :class:`~.processing_glm53flash.Glm53FlashProcessor` (transformers' glm5_next PIL image processor,
-    our video processor, the tokenizer already in ``out`` and the GLM-5.3 chat template) into ``out``, with the
-    vision tower's patch/merge sizes, so ``AutoProcessor.from_pretrained(out, trust_remote_code=True)`` works."""
+    """Write :class:`~.processing_glm53flash.Glm53FlashProcessor` (with the vision tower's patch/merge sizes) into
+    ``out``.
+    """
     from transformers import AutoTokenizer
     from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 

@@ -1,9 +1,5 @@
-"""The fresh-process reload check of ``glm53flash-finetune``: load a saved folder as a new user would (offline,
-Auto classes, ``trust_remote_code=True``) in a new Python process that never imports ``glm53flash_hf``, and answer
-a question and an image prompt.
-
-:func:`run_reload_check` starts the child process, which runs this file (and :mod:`.sft_data` beside it) as plain
-files, so that only the saved folder's modules can serve the Auto classes.
+"""The fresh-process reload check of ``glm53flash-finetune``: load a saved folder offline through the Auto classes
+with ``trust_remote_code=True`` in a process that never imports ``glm53flash_hf``.
 """
 
 from __future__ import annotations
@@ -23,19 +19,13 @@ RELOAD_MARKER = "GLM53FLASH_RELOAD_RESULT "
 
 
 def reload_check(out: str, question: str, max_new_tokens: int = 48) -> dict:
-    """Load ``out`` as a new user would (``HF_HUB_OFFLINE=1``, Auto classes, ``trust_remote_code=True``, CPU,
-    float32) and answer ``question`` with ``AutoModelForCausalLM`` and the :data:`PROBE_PHOTO` image prompt with
-    ``AutoModelForImageTextToText``. Meant to run in a fresh process (:func:`run_reload_check`).
-
-    When the model has an MTP layer (``num_nextn_predict_layers > 0``) both prompts are also answered with
-    ``generate(use_mtp=True)`` (MTP self-speculative decoding, transformers' assisted decoding), which must give
-    the same tokens as plain greedy.
+    """Load ``out`` as a new user would (offline, Auto classes, CPU, float32) and answer ``question`` (causal LM) and
+    the :data:`PROBE_PHOTO` image prompt (VL model); with an MTP layer also with ``generate(use_mtp=True)``.
 
     Returns:
         ``{"text_class", "vl_class", "processor_class"}`` (qualified class names), ``"text_answer"``,
-        ``"image_answer"``, ``"package_imported"`` (whether ``glm53flash_hf`` got imported: it must not, the
-        folder's own modules are used), and ``"mtp"``: ``None`` without an MTP layer, else
-        ``{"text": {...}, "image": {...}}``, each ``{"equal": bool, "drafted", "accepted", "acceptance_rate",
+        ``"image_answer"``, ``"package_imported"`` (must be False), and ``"mtp"``: ``None`` without an MTP layer,
+        else ``{"text": {...}, "image": {...}}``, each ``{"equal", "drafted", "accepted", "acceptance_rate",
         "mtp_calls"}`` (``equal``: the MTP tokens equal plain greedy's).
     """
     import torch
@@ -74,11 +64,7 @@ def _reload_child_main(argv) -> int:
 
 
 def run_reload_check(out: str, question: str, max_new_tokens: int = 48, timeout: float = 900) -> dict:
-    """Run :func:`reload_check` in a fresh Python process and return its result.
-
-    The child runs this file with ``runpy`` (not ``import glm53flash_hf``; :mod:`.sft_data` is imported from this
-    file's folder), with ``HF_HUB_OFFLINE=1`` and its
-    working directory in ``out``, so only the saved folder's modules can serve the Auto classes.
+    """Run :func:`reload_check` in a fresh Python process (this file run with ``runpy``, working directory ``out``).
 
     Raises:
         RuntimeError: the child failed or printed no result (its output is in the message).

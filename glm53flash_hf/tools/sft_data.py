@@ -1,13 +1,8 @@
-"""The embedded default SFT set of ``glm53flash-finetune``: real text and pictures that ship with Python and
-scikit-image, rendered with the GLM-5.3 chat template; and the chat helpers used to ask the model afterwards.
+"""The embedded default SFT set of ``glm53flash-finetune`` and the chat helpers used to ask the model afterwards.
 
-* text: "Explain <topic>" questions answered by the opening paragraphs of that topic in CPython's
-  ``pydoc_data.topics`` (the language reference);
-* images: "Describe the image." on scikit-image's bundled photos (``skimage.data``);
-* video: "Describe the video." on scikit-image's animated GIF.
-
-This module imports nothing from ``glm53flash_hf`` (nor torch at the top): the fresh-process reload check
-(:mod:`glm53flash_hf.tools.reload_check`) runs it as a plain file next to a saved folder.
+Text: "Explain <topic>" answered by CPython's ``pydoc_data.topics``; images: "Describe the image." on
+scikit-image's photos; video: "Describe the video." on its animated GIF. Imports nothing from ``glm53flash_hf``
+at the top (the reload check runs it as a plain file).
 """
 
 from __future__ import annotations
@@ -44,11 +39,7 @@ def _topics() -> dict:
 
 
 def topic_title(name: str) -> str:
-    """The title line of ``pydoc_data.topics[name]`` (e.g. ``'The "pass" statement'`` for ``"pass"``).
-
-    Raises:
-        KeyError: ``name`` is not a topic (the message lists a few valid names).
-    """
+    """The title line of ``pydoc_data.topics[name]``; ``KeyError`` listing a few valid names for an unknown topic."""
     topics = _topics()
     if name not in topics:
         raise KeyError(f"{name!r} is not a pydoc_data.topics topic; valid names include {sorted(topics)[:8]}")
@@ -56,8 +47,7 @@ def topic_title(name: str) -> str:
 
 
 def explain_prompt(name: str) -> str:
-    """The user question for topic ``name``: ``"Explain <title>."`` with a leading ``"The "`` lower-cased,
-    e.g. ``'Explain the "pass" statement.'``, ``'Explain Lambdas.'``."""
+    """The user question for topic ``name``, e.g. ``'Explain the "pass" statement.'``."""
     title = topic_title(name)
     if title.startswith("The "):
         title = "the " + title[4:]
@@ -65,9 +55,8 @@ def explain_prompt(name: str) -> str:
 
 
 def topic_answer(name: str, max_chars: int = 400) -> str:
-    """The assistant answer for topic ``name``: the topic's text without its title, whole paragraphs from the
-    start while they fit in ``max_chars`` characters; a first paragraph longer than that is cut after its last
-    sentence (or word) that fits.
+    """The assistant answer for topic ``name``: the text without its title, whole paragraphs within ``max_chars``
+    (a longer first paragraph cut after its last sentence or word that fits).
 
     Raises:
         KeyError: unknown topic. ValueError: ``max_chars < 40``.
@@ -92,8 +81,7 @@ def topic_answer(name: str, max_chars: int = 400) -> str:
 
 
 def text_topics(samples: int, held_out: str, seed: int) -> list[str]:
-    """``samples`` distinct ``pydoc_data.topics`` keys for the training set, in a seeded random order, never
-    ``held_out`` and never a topic whose text duplicates another's (``"else"`` repeats ``"if"``).
+    """``samples`` distinct topic keys in a seeded random order, never ``held_out`` nor a duplicate text.
 
     Raises:
         ValueError: ``samples < 0`` or more than the topics available (the message gives the number).
@@ -125,11 +113,10 @@ def _skimage():
 
 
 def load_photo(name: str, size: int = PHOTO_SIZE):
-    """scikit-image's bundled photo ``name`` (``skimage.data.<name>()``, no download) as RGB uint8
-    ``[size, size, 3]`` (grayscale photos are repeated over the three channels; bicubic resize).
+    """scikit-image's bundled photo ``name`` as RGB uint8 ``[size, size, 3]`` (bicubic resize).
 
     Raises:
-        ImportError: scikit-image is not installed (the message says what to do).
+        ImportError: scikit-image is not installed.
     """
     import numpy as np
     from PIL import Image
@@ -140,11 +127,7 @@ def load_photo(name: str, size: int = PHOTO_SIZE):
 
 
 def load_gif():
-    """scikit-image's animated GIF ``skimage/data/no_time_for_that_tiny.gif`` as an RGB video.
-
-    Returns:
-        ``(video, metadata)``: uint8 ``[T, H, W, 3]`` (24 frames of 25 x 14 pixels) and a
-        ``transformers.video_utils.VideoMetadata`` with ``fps`` from the GIF's frame duration (70 ms → 14.3 fps).
+    """scikit-image's animated GIF as ``(video uint8 [T, H, W, 3], VideoMetadata)`` (``fps`` from the frame duration).
 
     Raises:
         FileNotFoundError: the GIF is not in the installed scikit-image. ImportError: no scikit-image.
@@ -176,20 +159,9 @@ def _user(text: str, media: str | None = None) -> dict:
 
 def sft_conversations(samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int = 0, answer_chars: int = 400,
                       media: bool = True) -> list[dict]:
-    """The SFT set as conversations (no tokenization).
-
-    Args:
-        samples: number of "Explain <topic>" samples (see :func:`text_topics`).
-        held_out: topic excluded from the set (asked after training).
-        seed: order of the topics.
-        answer_chars: answer length cap (:func:`topic_answer`).
-        media: add one "Describe the image." sample per :data:`PHOTOS` entry and one "Describe the video." sample
-            on the GIF.
-
-    Returns:
-        list of ``{"name", "messages", "images", "videos", "video_metadata"}``; ``images`` uint8 ``[H, W, 3]``
-        arrays, ``videos`` uint8 ``[T, H, W, 3]`` arrays (empty lists for text samples). Text samples come first,
-        then the photos, then the video.
+    """The SFT set as ``{"name", "messages", "images", "videos", "video_metadata"}`` conversations: ``samples``
+    "Explain <topic>" samples (seeded by ``seed``, without ``held_out``, answers capped at ``answer_chars``), then with
+    ``media`` the photo and video samples (uint8 ``[H, W, 3]`` images, ``[T, H, W, 3]`` videos).
     """
     out = []
     for name in text_topics(samples, held_out, seed):
@@ -209,26 +181,22 @@ def sft_conversations(samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int 
 
 def build_sft_dataset(processor, samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int = 0,
                       max_length: int = 512, answer_chars: int = 400, media: bool = True) -> list[dict]:
-    """Tokenized SFT examples for the packing collator.
-
-    Each conversation of :func:`sft_conversations` goes through ``processor.build_sft_example`` with
-    ``enable_thinking=False`` (prompt ``...<|assistant|><think></think>``, as generation with thinking off) and
-    ``max_length`` truncation.
+    """Tokenized SFT examples (:func:`glm53flash_hf.train.sft.build_sft_example`, thinking off, ``max_length``).
 
     Returns:
-        list of dicts with 1-D long ``input_ids`` / ``labels`` (-100 outside the answers) / ``mm_token_type_ids``
-        and, for media samples, ``pixel_values`` float32 ``[patches, 1176]`` + ``image_grid_thw`` long ``[1, 3]``
-        or ``pixel_values_videos`` + ``video_grid_thw``; plus ``"name"`` (str; the packing collator ignores it).
+        list of dicts with 1-D long ``input_ids`` / ``labels`` / ``mm_token_type_ids``, the media tensors of media
+        samples, and ``"name"``.
 
     Raises:
-        ValueError: a sample with no trained token left after truncation (raise ``max_length``), and the errors
-            of :func:`sft_conversations` / ``build_sft_example``.
+        ValueError: a sample with no trained token left after truncation.
     """
+    from glm53flash_hf.train.sft import build_sft_example
+
     examples = []
     for conv in sft_conversations(samples, held_out, seed, answer_chars, media):
-        example = processor.build_sft_example(
-            conv["messages"], images=conv["images"], videos=conv["videos"], video_metadata=conv["video_metadata"],
-            enable_thinking=False, max_length=max_length, sample_id=conv["name"],
+        example = build_sft_example(
+            processor, conv["messages"], images=conv["images"], videos=conv["videos"],
+            video_metadata=conv["video_metadata"], enable_thinking=False, max_length=max_length, sample_id=conv["name"],
         )
         example = {k: v for k, v in example.items() if k != "attention_mask"}
         if int((example["labels"] != IGNORE_INDEX).sum()) == 0:
@@ -239,9 +207,9 @@ def build_sft_dataset(processor, samples: int, held_out: str = DEFAULT_HELD_OUT,
 
 
 def chat_inputs(processor, question: str, image=None):
-    """Model inputs (batch of 1, torch) for a one-turn chat with the generation prompt and thinking off
-    (``...<|assistant|><think></think>``), as in training; ``image`` (uint8 ``[H, W, 3]``) is placed before the
-    question."""
+    """Model inputs (batch of 1, torch) for a one-turn chat with the generation prompt and thinking off; ``image``
+    (uint8 ``[H, W, 3]``) before the question.
+    """
     messages = [_user(question, "image" if image is not None else None)]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                            enable_thinking=False)
@@ -250,8 +218,7 @@ def chat_inputs(processor, question: str, image=None):
 
 
 def greedy_ids(model, processor, question: str, image=None, max_new_tokens: int = 48, **generate_kwargs) -> list:
-    """The new token ids of :func:`greedy_answer` (``generate_kwargs``, e.g. ``use_mtp=True``, go to
-    ``generate``)."""
+    """The new token ids of :func:`greedy_answer`."""
     import torch
 
     inputs = chat_inputs(processor, question, image)
@@ -264,7 +231,8 @@ def greedy_ids(model, processor, question: str, image=None, max_new_tokens: int 
 
 
 def greedy_answer(model, processor, question: str, image=None, max_new_tokens: int = 48, **generate_kwargs) -> str:
-    """Greedy answer (``do_sample=False``, at most ``max_new_tokens`` tokens, stopping at the config's EOS ids) of
-    ``model`` to ``question`` (with ``image`` when given), decoded without special tokens and stripped."""
+    """Greedy answer (at most ``max_new_tokens`` tokens) of ``model`` to ``question`` (and ``image``), decoded and
+    stripped.
+    """
     new = greedy_ids(model, processor, question, image, max_new_tokens, **generate_kwargs)
     return processor.tokenizer.decode(new, skip_special_tokens=True).strip()

@@ -1,35 +1,8 @@
 """Packing collator for supervised fine-tuning: several samples per row, documents kept apart.
 
-:class:`Glm53FlashPackingCollator` takes the examples :meth:`Glm53FlashProcessor.build_sft_example` returns
-(text-only or with images/videos) and packs them into rows of at most ``max_length`` tokens, following the
-conventions of transformers' :class:`~transformers.DataCollatorWithFlattening` (``data/data_collator.py``),
-which it subclasses and calls once per row:
-
-* ``labels`` are ``[-100] + labels[1:]`` per sample, so no prediction crosses a sample boundary (the model's
-  causal-LM loss shifts by one: the first token of a sample is never a target of the previous sample's last);
-* ``position_ids`` restart at 0 for every sample;
-* ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32) index the row-major flattened ``R * L`` tokens, as
-  :func:`glm53flash_hf.packing.layout_from_kwargs` expects (segments never cross rows; it requires the last
-  entry to be ``R * L``), and ``max_length_q`` / ``max_length_k`` are Python ints.
-
-Additions for this model:
-
-* several rows: samples are placed greedily, first fit in sample order (each sample goes to the first row that
-  still has room, else opens a new row); rows are right-padded to the longest row (rounded up to
-  ``pad_to_multiple_of``; or to ``max_length`` with ``pad_to_max_length``). A run of padding is a segment of its
-  own in ``cu_seq_lens`` with ``position_ids`` restarting at 0, ``labels`` -100, ``mm_token_type_ids`` 0 and
-  ``input_ids`` = ``pad_token_id``: its outputs are never read and it cannot leak into a sample. With
-  ``max_length=None`` everything goes into one row without padding (``R = 1``, exactly the parent's layout).
-* ``mm_token_type_ids`` (each token's modality, 0 text / 1 image / 2 video, as transformers' glm5_next reads it)
-  are packed and padded exactly like ``input_ids``;
-* the visual tensors are concatenated in the order their placeholders appear in the flattened ``R * L`` tokens
-  (row-major, which is the order the model consumes them): ``pixel_values`` / ``image_grid_thw`` and
-  ``pixel_values_videos`` / ``video_grid_thw``. With one row, or when first fit keeps sample order, this is the
-  sample order. :meth:`Glm53FlashPackingCollator.plan` says where each sample goes.
-
-No ``attention_mask`` is returned (as the parent): boundaries are carried by ``position_ids`` and ``cu_seq_lens``.
-Truncation is the processor's job (``build_sft_example(max_length=...)``): a sample longer than ``max_length``
-raises.
+Conventions of transformers' :class:`~transformers.DataCollatorWithFlattening` (``data/data_collator.py``), which
+it subclasses and calls once per row: ``labels`` ``[-100] + labels[1:]`` per sample, ``position_ids`` restarting
+at 0, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` over the row-major flattened tokens, no ``attention_mask``.
 """
 
 from __future__ import annotations
@@ -42,7 +15,8 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
-IGNORE_INDEX = -100
+from .sft import IGNORE_INDEX
+
 _VISUAL = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
 
 
@@ -76,42 +50,31 @@ class _Sample:
 
 
 class Glm53FlashPackingCollator(DataCollatorWithFlattening):
-    """Pack SFT samples into rows of at most ``max_length`` tokens (see the module docstring).
+    """Pack SFT samples (:func:`glm53flash_hf.train.sft.build_sft_example`) into rows of at most ``max_length`` tokens.
 
     Args:
-        max_length: the most tokens per row; None puts the whole batch into one row (``R = 1``, no padding).
-        pad_token_id: id written at padding positions (the tokenizer's ``pad_token_id``; ``<|endoftext|>`` for
-            GLM). Its value never matters for the samples' outputs.
-        pad_to_multiple_of: round the row length up to a multiple of this (only with ``max_length``; the result
-            is capped at ``max_length``).
-        pad_to_max_length: make every row exactly ``max_length`` tokens long (static shapes).
-        return_seq_idx: also return ``seq_idx`` (int32 ``[R, L]``): the global segment index of every token
-            (samples and padding runs numbered in row-major order), which marks the same boundaries.
-        separator_id: label written at the first token of every sample (default -100, as the parent).
+        max_length: the most tokens per row; None: one row, no padding.
+        pad_token_id: id written at padding positions (each padding run is a segment of its own, labels -100).
+        pad_to_multiple_of: round the row length up to a multiple of this (capped at ``max_length``).
+        pad_to_max_length: make every row exactly ``max_length`` tokens long.
+        return_seq_idx: also return ``seq_idx`` (int32 ``[R, L]`` segment index per token).
+        separator_id: label of the first token of every sample (default -100).
 
-    Call: ``collator(features)`` with ``features`` a list of mappings holding 1-D ``input_ids`` (tensor, numpy
-    or list), optional ``labels`` (same length; -100 outside trained spans; default: ``input_ids``), optional
-    ``mm_token_type_ids`` (same length; default zeros), optional ``attention_mask`` (must be all ones: samples
-    come unpadded), and optionally ``pixel_values`` + ``image_grid_thw`` and/or ``pixel_values_videos`` +
-    ``video_grid_thw``. Empty samples are dropped (as the parent does).
+    Call ``collator(features)``: 1-D ``input_ids``, optional ``labels`` / ``mm_token_type_ids`` of the same length, an
+    all-ones ``attention_mask``, optional ``pixel_values`` + ``image_grid_thw`` / ``pixel_values_videos`` +
+    ``video_grid_thw``; empty samples are dropped.
 
     Returns:
-        dict with ``input_ids`` long ``[R, L]``, ``labels`` long ``[R, L]``, ``position_ids`` long ``[R, L]``,
-        ``mm_token_type_ids`` long ``[R, L]``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32 ``[N + 1]`` (N =
-        number of samples plus padding runs; ``[0, ..., R * L]``), ``max_length_q`` / ``max_length_k`` (int,
-        longest segment), optionally ``seq_idx``; and, when present in any sample, ``pixel_values``
-        ``[sum t*h*w, C*T*P*P]`` with ``image_grid_thw`` long ``[num_images, 3]`` and ``pixel_values_videos`` with
-        ``video_grid_thw`` long ``[num_videos, 3]``, concatenated in placement order.
+        dict of long ``[R, L]`` ``input_ids``, ``labels``, ``position_ids``, ``mm_token_type_ids``; int32
+        ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[N + 1]``; int ``max_length_q`` / ``max_length_k``; optional
+        ``seq_idx``; the visual tensors in the order of their placeholders.
 
     Warns:
-        UserWarning: naming the samples (their ``name`` field, else their index in the batch) that have no trained
-            label (every label after the sample's first token is -100).
+        UserWarning: naming the samples without a trained label.
 
     Raises:
-        ValueError: a sample longer than ``max_length`` (names the sample's index and both lengths); ``labels``
-            or ``mm_token_type_ids`` of another length than ``input_ids``; an ``attention_mask`` with zeros;
-            ``pixel_values`` without its grid (or the reverse), or pixel rows that do not match the grid
-            (``sum(t*h*w)``); every sample empty; ``return_tensors`` other than ``"pt"``.
+        ValueError: a sample longer than ``max_length``; lengths or pixels/grids that do not match; an
+            ``attention_mask`` with zeros; every sample empty; ``return_tensors`` other than ``"pt"``.
     """
 
     def __init__(
@@ -145,9 +108,10 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
 
     # ----------------------------------------------------------------------------------------------- planning
     def plan(self, lengths: list[int]) -> list[list[int]]:
-        """Rows as lists of sample indices (in placement order), greedy first fit in sample order.
+        """Rows as lists of sample indices (first fit in sample order; zero lengths skipped).
 
-        Zero lengths are skipped. Raises ``ValueError`` for a length over ``max_length`` (index and lengths named).
+        Raises:
+            ValueError: a length over ``max_length`` (index and lengths named).
         """
         if self.max_length is None:
             return [[i for i, n in enumerate(lengths) if n > 0]]

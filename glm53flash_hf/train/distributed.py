@@ -1,63 +1,7 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for GLM-5.3-Flash: sharding plan, fp32-kept parameters and
-sharded (DCP) checkpoints.
+"""FSDP2 (``fully_shard``) for GLM-5.3-Flash: sharding plan, fp32-kept parameters, sharded (DCP) checkpoints.
 
-:func:`apply_fsdp2` shards a model the way accelerate's ``fsdp2_prepare_model`` does with
-``TRANSFORMER_BASED_WRAP`` (one FSDP unit per instance of a ``_no_split_modules`` class — decoder layers, the MTP
-layer, vision blocks —, then the root), and adds what a single ``MixedPrecisionPolicy`` cannot express: the
-parameters the model keeps in fp32 (``_keep_in_fp32_modules_strict``: KDA ``A_log`` / ``dt_bias`` / ``conv1d``,
-mHC ``base`` / ``scale``, router ``gate.weight``) stay fp32 in the forward under a bf16 policy
-(a dtype declaration such as ``_keep_in_fp32_modules`` does not survive ``MixedPrecisionPolicy``, which casts
-every parameter of a unit).
-
-How the fp32 parameters are kept: FSDP2 applies one policy per unit and casts every parameter of the unit, so each
-fp32-kept parameter is moved into its own *fp32 unit* (``param_dtype=None``: the fp32 master is all-gathered as
-is), rooted at the smallest module whose ``forward`` encloses every use of the parameter (the "anchor"; see
-:data:`FP32_ANCHOR_CLASSES`):
-
-* ``Glm53FlashHyperConnection`` (``attn_hc`` / ``ffn_hc``): ``base`` and ``scale`` — and ``fn``, which lives in
-  the same module and cannot be separated at module granularity. :func:`.mhc.hc_pre` computes with ``fn`` in fp32
-  anyway; the only difference to transformers' bf16 model is that the fp32 master of ``fn`` is not rounded to bf16
-  first (reported in :attr:`Fsdp2Plan.extra_fp32_parameters`).
-* ``Glm53FlashTopkRouter`` (``mlp.gate``): ``weight`` (the router computes in fp32). Its
-  ``e_score_correction_bias`` is a buffer: FSDP neither shards nor casts buffers, so it stays fp32 everywhere.
-* ``Glm53FlashLinearAttention`` (KDA ``self_attn``): ``conv1d.weight`` (read as ``self.conv1d.weight`` inside the
-  KDA forward — ``conv1d`` itself is never called, so it cannot anchor a unit) and ``forget_gate.A_log`` /
-  ``dt_bias``. The other children of the KDA module (``q/k/v_proj``, ``b_proj``, ``g_a/g_b_proj``, ``o_norm``,
-  ``o_proj``, ``forget_gate.f_a/f_b_proj``) each get their own bf16 unit *inside* the fp32 one, so they keep the
-  bf16 compute of transformers' bf16 model. One unit per module (not one grouped ``fully_shard([...])``): a group
-  registers its post-backward (reduce-scatter) on the inputs of the first module that runs, and ``q_proj`` shares
-  its input with ``k_proj`` / ``v_proj`` / ..., so a group could reshard before their backward ran. The price is
-  ten small all-gathers per KDA layer.
-
-The fp32 and low-precision units never cast forward inputs (``cast_forward_inputs=False``): the model already
-feeds each module the dtypes transformers' bf16 model feeds it (bf16 streams, fp32 gates), so the FSDP2 bf16
-forward computes exactly what the single-process model computes with bf16 parameters and the fp32-kept ones fp32
-(tested). Only the root casts floating inputs (``inputs_embeds``, pixel values) to ``param_dtype``.
-
-With ``param_dtype`` ``None`` / fp32 no fp32 units are needed: blocks and root only (the layout accelerate makes).
-
-Checkpoints: :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint` write and read model (+ optimizer)
-state with ``torch.distributed.checkpoint`` (each rank writes its shards; ``get_state_dict`` / ``set_state_dict``),
-the mechanism of accelerate's ``SHARDED_STATE_DICT`` (which writes model and optimizer to separate folders; these
-helpers write one folder with a ``"model"`` and an ``"optimizer"`` key).
-
-Loading never runs code from the folder: torch's ``FileSystemReader`` unpickles ``.metadata`` with plain
-``pickle`` and its ``DefaultLoadPlanner`` reads non-tensor items with ``torch.load(weights_only=False)``, so a
-downloaded folder could run code on load. :func:`load_sharded_checkpoint` reads ``.metadata`` with an unpickler that
-only builds torch.distributed.checkpoint's metadata classes (and the few torch and pathlib values they hold) and the
-non-tensor items with ``torch.load(weights_only=True)``; anything else raises ``ValueError`` naming the file.
-
-accelerate: ``configuration/accelerate_fsdp2.yaml`` gives the same blocks and root (plus an embedding unit and a
-``[norm, lm_head]`` unit); accelerate's own bf16 policy
-casts every parameter, so call :func:`shard_fp32_kept_units` on the model *before* ``accelerator.prepare(model)``
-(accelerate wraps around units that already exist). On CPU accelerate 1.15 silently drops FSDP, so the CPU tests
-use :func:`apply_fsdp2` on gloo.
-
-Sources: torch ``fully_shard`` / ``MixedPrecisionPolicy`` (``torch/distributed/fsdp/_fully_shard``, torch 2.13:
-uniform original dtype per unit, grouped-unit post-backward on the first module's inputs); accelerate 1.15
-``utils/fsdp_utils.py::fsdp2_prepare_model`` / ``fsdp2_prepare_auto_wrap_policy``; transformers 5.24
-``_keep_in_fp32_modules_strict`` matching (``core_model_loading.py``: glob alternation, ``re.search`` on the
-parameter name); xtuner's fp32 parameter handling for FSDP2.
+Sources: torch 2.13 ``torch/distributed/fsdp/_fully_shard``; accelerate 1.15 ``utils/fsdp_utils.py``
+(``fsdp2_prepare_model``); transformers 5.24 ``_keep_in_fp32_modules_strict`` matching (``core_model_loading.py``).
 """
 
 from __future__ import annotations
@@ -71,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-#: Module classes (by name) that anchor the fp32 units (see the module docstring). Every fp32-kept parameter must
+#: Module classes (by name) that anchor the fp32 units. Every fp32-kept parameter must
 #: lie under one of them, else :func:`apply_fsdp2` raises.
 FP32_ANCHOR_CLASSES = ("Glm53FlashHyperConnection", "Glm53FlashTopkRouter", "Glm53FlashLinearAttention")
 
@@ -80,16 +24,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 @dataclass
 class Fsdp2Plan:
-    """What :func:`apply_fsdp2` / :func:`shard_fp32_kept_units` sharded.
+    """What :func:`apply_fsdp2` / :func:`shard_fp32_kept_units` sharded (qualified names).
 
     Attributes:
-        blocks: qualified names of the ``_no_split_modules`` instances, one FSDP unit each (``param_dtype``).
-        fp32_units: qualified names of the fp32 anchor units (fp32-kept parameters; empty without a low-precision
-            ``param_dtype``).
-        low_precision_units: qualified names of the ``param_dtype`` units nested inside the fp32 units.
-        fp32_parameters: parameters that compute in fp32 in the forward (the fp32-kept ones plus
-            ``extra_fp32_parameters``); every other parameter computes in ``param_dtype``.
-        extra_fp32_parameters: parameters that are not fp32-kept but share a module with one (mHC ``fn``).
+        blocks: the ``_no_split_modules`` units. fp32_units: the fp32 anchor units.
+        low_precision_units: the ``param_dtype`` units nested inside the fp32 units.
+        fp32_parameters: parameters computing in fp32, ``extra_fp32_parameters`` (mHC ``fn``) included.
         param_dtype: the policy's compute dtype (``None``: the masters' dtype).
     """
 
@@ -102,20 +42,8 @@ class Fsdp2Plan:
 
 
 def fp32_kept_parameter_names(model: nn.Module, param_dtype: torch.dtype | None = torch.bfloat16) -> list[str]:
-    """Names of the parameters the model keeps in fp32 when it runs in ``param_dtype``.
-
-    transformers' rule (``PreTrainedModel._get_dtype_plan`` + ``core_model_loading``): the patterns of
-    ``_keep_in_fp32_modules_strict`` (for bf16 and fp16) and of ``_keep_in_fp32_modules`` (fp16 only), ``*`` a
-    wildcard, matched with ``re.search`` anywhere in the parameter name. For GLM-5.3-Flash: ``A_log``, ``dt_bias``,
-    ``conv1d.weight``, ``{attn,ffn}_hc.{base,scale}`` and the router ``mlp.gate.weight`` (``e_score_correction_bias``
-    is a buffer, not a parameter).
-
-    Args:
-        model: any ``nn.Module`` (a model without the attributes keeps nothing).
-        param_dtype: the compute dtype; ``None`` / fp32 / fp64 keep nothing.
-
-    Returns:
-        Parameter names in ``model.named_parameters()`` order.
+    """Names, in ``named_parameters()`` order, of the parameters kept in fp32 under ``param_dtype`` (transformers'
+    ``_keep_in_fp32_modules_strict`` / ``_keep_in_fp32_modules`` rule; none for ``None`` / fp32 / fp64).
     """
     if param_dtype not in _LOW_PRECISION:
         return []
@@ -129,11 +57,7 @@ def fp32_kept_parameter_names(model: nn.Module, param_dtype: torch.dtype | None 
 
 
 def no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The instances of ``model._no_split_modules`` classes (matched by class name, as accelerate's
-    ``TRANSFORMER_BASED_WRAP`` does), outermost first; a block nested in another block is not listed.
-
-    Unlike accelerate, a listed class that does not occur (e.g. ``Glm53FlashMTPLayer`` in a model without an MTP
-    layer) is simply absent.
+    """The outermost instances of ``model._no_split_modules`` classes (by class name, as accelerate), outermost first.
     """
     names = set(getattr(model, "_no_split_modules", None) or [])
     out: list[tuple[str, nn.Module]] = []
@@ -184,8 +108,7 @@ def _default_mesh():
 
 
 def _check_masters(model: nn.Module, param_dtype: torch.dtype | None) -> None:
-    """FSDP2 needs one original dtype per unit; with a low-precision ``param_dtype`` the trainable parameters must be
-    fp32 masters (the fp32-kept ones would otherwise not be fp32)."""
+    """Raise unless, with a low-precision ``param_dtype``, every trainable parameter is an fp32 master."""
     if param_dtype is not None and param_dtype not in _LOW_PRECISION + (torch.float32,):
         raise ValueError(f"param_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {param_dtype}")
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
@@ -212,25 +135,20 @@ def shard_fp32_kept_units(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
 ) -> Fsdp2Plan:
-    """Shard the fp32 anchor units (and the ``param_dtype`` units nested in them) — the part of :func:`apply_fsdp2`
-    that accelerate cannot express. Call it before ``accelerator.prepare(model)`` (or let :func:`apply_fsdp2` call
-    it); blocks and root are left for the caller.
+    """Shard the fp32 anchor units and the ``param_dtype`` units nested in them (call before ``accelerator.prepare``).
 
     Args:
-        model: a model with fp32 trainable parameters, not yet sharded.
-        mesh: 1-D ``DeviceMesh`` (default: all ranks of the default process group on the current accelerator).
-        param_dtype: ``torch.bfloat16`` or ``torch.float16``.
-        reduce_dtype: gradient reduce-scatter dtype (fp32 keeps the sum exact for bf16 gradients).
+        model: unsharded, fp32 trainable parameters. mesh: 1-D ``DeviceMesh`` (default: the default group).
+        param_dtype: bf16 or fp16. reduce_dtype: gradient reduction dtype.
         reshard_after_forward: as ``fully_shard``'s.
 
     Returns:
-        :class:`Fsdp2Plan` with ``fp32_units``, ``low_precision_units``, ``fp32_parameters`` and
-        ``extra_fp32_parameters`` filled.
+        :class:`Fsdp2Plan` (blocks empty).
 
     Raises:
-        ValueError: ``param_dtype`` not bf16/fp16; a trainable parameter that is not fp32 (naming it); an fp32-kept
-            parameter outside every :data:`FP32_ANCHOR_CLASSES` module (naming it); nested anchors; an anchor that
-            is already an FSDP unit.
+        ValueError: ``param_dtype`` not bf16/fp16; a non-fp32 trainable parameter; an fp32-kept parameter outside every
+            :data:`FP32_ANCHOR_CLASSES` module; nested anchors; an anchor already sharded (each naming the parameter
+            or module).
         RuntimeError: no process group and no ``mesh``.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -290,24 +208,14 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
 ) -> Fsdp2Plan:
-    """Shard ``model`` in place with FSDP2: fp32 units (low-precision ``param_dtype`` only, see
-    :func:`shard_fp32_kept_units`), one unit per ``_no_split_modules`` block, then the root.
-
-    After it, every parameter is a ``DTensor`` with placement ``Shard(0)`` on ``mesh`` (each rank holds
-    ``ceil(dim0 / world)`` rows); FSDP all-gathers them around each unit's forward and backward and reduce-scatters
-    the gradients (averaged over ranks). Pass each rank its part of the global batch and, for a loss summed and
-    divided by a global ``num_items_in_batch``, multiply it by the world size before ``backward`` (as transformers'
-    Trainer does) so the gradients equal the single-process ones.
+    """Shard ``model`` in place with FSDP2 (fp32 units under a low-precision ``param_dtype``, one unit per
+    ``_no_split_modules`` block, then the root); parameters become ``Shard(0)`` DTensors on ``mesh``.
 
     Args:
-        model: the model (trainable parameters in one dtype; fp32 when ``param_dtype`` is bf16/fp16), on CPU or on
-            the mesh's device (``fully_shard`` moves parameters and buffers to the mesh's device).
-        mesh: 1-D ``DeviceMesh`` (default: all ranks of the default process group on the current accelerator, CPU
-            when there is none).
-        param_dtype: compute dtype of the non-fp32-kept parameters (``None``: the masters' dtype).
-        reduce_dtype: gradient reduction dtype.
-        reshard_after_forward: free the unsharded parameters of blocks after their forward (``fully_shard``'s; the
-            root uses torch's default, no reshard).
+        model: trainable parameters in one dtype (fp32 under bf16/fp16). mesh: 1-D ``DeviceMesh`` (default: the
+            default group on the current accelerator).
+        param_dtype: compute dtype (``None``: the masters'). reduce_dtype: gradient reduction dtype.
+        reshard_after_forward: free the blocks' unsharded parameters after their forward.
 
     Returns:
         :class:`Fsdp2Plan`.
@@ -364,12 +272,11 @@ _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
 class UnsafeCheckpointError(ValueError):
-    """A DCP folder holds a pickle that would build something other than checkpoint metadata or plain values
-    (and so could run code from the folder)."""
+    """A DCP folder holds a pickle that would build something other than checkpoint metadata or plain values."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickler of a DCP ``.metadata`` that builds only its metadata classes (see :data:`_METADATA_GLOBALS`)."""
+    """Unpickler of a DCP ``.metadata`` that builds only :data:`_METADATA_GLOBALS`."""
 
     def __init__(self, file, path: str):
         super().__init__(file)
@@ -395,12 +302,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _safe_dcp_reader(path: str):
-    """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``read_metadata`` uses
-    :class:`_MetadataUnpickler` instead of ``pickle.load``.
-
-    Raises (from ``read_metadata``):
-        UnsafeCheckpointError: the ``.metadata`` pickles anything but DCP metadata (naming the file and the global).
-    """
+    """A ``FileSystemReader`` of ``path`` whose ``read_metadata`` uses :class:`_MetadataUnpickler`."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -418,12 +320,7 @@ def _safe_dcp_reader(path: str):
 
 
 def _safe_dcp_planner(path: str):
-    """A ``DefaultLoadPlanner`` reading non-tensor items (optimizer hyper-parameters, step counters) with
-    ``torch.load(weights_only=True)`` (torch's own uses ``weights_only=False``).
-
-    Raises (while loading):
-        UnsafeCheckpointError: an item holds other pickled objects than plain values (naming the folder and the item).
-    """
+    """A ``DefaultLoadPlanner`` reading non-tensor items with ``torch.load(weights_only=True)``."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
@@ -444,9 +341,7 @@ def _safe_dcp_planner(path: str):
 
 
 def read_sharded_metadata(checkpoint_dir):
-    """The ``torch.distributed.checkpoint.metadata.Metadata`` of a DCP folder, unpickled with an unpickler that
-    builds only DCP metadata classes (``state_dict_metadata``: ``{key: TensorStorageMetadata |
-    BytesStorageMetadata}``).
+    """The ``torch.distributed.checkpoint.metadata.Metadata`` of a DCP folder, built only from DCP metadata classes.
 
     Raises:
         FileNotFoundError: ``checkpoint_dir`` has no ``.metadata`` (naming it).
@@ -457,14 +352,12 @@ def read_sharded_metadata(checkpoint_dir):
 
 
 def load_dcp(state: dict, checkpoint_dir) -> None:
-    """``torch.distributed.checkpoint.load(state, checkpoint_id=checkpoint_dir)`` that runs no code from the folder:
-    ``.metadata`` is read as :func:`read_sharded_metadata` does and non-tensor items with
-    ``torch.load(weights_only=True)`` (tensors are read so by torch already). Collective.
+    """``torch.distributed.checkpoint.load(state, checkpoint_id=checkpoint_dir)`` that runs no code from the folder;
+    collective.
 
     Raises:
         FileNotFoundError: no ``.metadata`` (naming the folder).
-        UnsafeCheckpointError (a ``ValueError``): ``.metadata`` or an item pickles anything else (naming the file
-            or item).
+        UnsafeCheckpointError (a ``ValueError``): ``.metadata`` or an item pickles anything else.
         RuntimeError: keys of ``state`` missing in the checkpoint (from ``torch.distributed.checkpoint``).
     """
     import torch.distributed.checkpoint as dcp
@@ -482,9 +375,7 @@ def load_dcp(state: dict, checkpoint_dir) -> None:
 
 
 def save_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Save model (and optimizer) state as a sharded ``torch.distributed.checkpoint`` folder; collective (call
-    on every rank). Keys: ``"model"`` (``get_state_dict``'s FQNs, DTensor shards per rank) and, with an optimizer,
-    ``"optimizer"``.
+    """Save model (and optimizer) state as a sharded DCP folder with keys ``"model"`` and ``"optimizer"``; collective.
 
     Args:
         checkpoint_dir: folder (created; shared by the ranks).
@@ -503,21 +394,15 @@ def save_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.o
 
 
 def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a folder written by :func:`save_sharded_checkpoint` into ``model`` (and ``optimizer``) in place;
-    collective. The model must be sharded like the saved one or differently (DCP reshards on load); a fresh
-    optimizer gets its state created first (``get_state_dict``); parameters without any saved optimizer state (never
-    had a gradient) end without state, as in the saved optimizer.
+    """Load a folder written by :func:`save_sharded_checkpoint` into ``model`` (and ``optimizer``) in place; collective.
 
-    Runs no code from the folder, so a downloaded checkpoint is safe to load: ``.metadata`` is unpickled with an
-    unpickler that builds only torch.distributed.checkpoint's metadata classes (torch's reader uses plain
-    ``pickle.load``) and non-tensor items are read with ``torch.load(weights_only=True)`` (:func:`load_dcp`).
+    DCP reshards on load; a fresh optimizer gets its state created first. No code from the folder runs
+    (:func:`load_dcp`).
 
     Raises:
         FileNotFoundError: ``checkpoint_dir`` has no DCP ``.metadata`` (naming it).
-        UnsafeCheckpointError (a ``ValueError``): ``.metadata`` pickles anything but DCP metadata, or a non-tensor
-            item anything but plain values (naming the file or item, and what was refused).
-        RuntimeError: keys missing in the checkpoint (from ``torch.distributed.checkpoint``, naming them), e.g. an
-            optimizer requested from a weights-only checkpoint.
+        UnsafeCheckpointError (a ``ValueError``): ``.metadata`` or a non-tensor item pickles anything else.
+        RuntimeError: keys missing in the checkpoint (e.g. an optimizer requested from a weights-only checkpoint).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

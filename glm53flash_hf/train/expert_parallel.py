@@ -1,59 +1,8 @@
-"""Expert parallelism (EP) for GLM-5.3-Flash training: routed experts sharded by expert index over the ``"ep"``
-dimension of a ``DeviceMesh``, token dispatch / combine by all-to-all, and gradient reduction over exactly each
-parameter's replica group (checked at setup).
+"""Expert parallelism (EP) for GLM-5.3-Flash training: routed experts sharded over the ``"ep"`` dimension of a
+``(dp, ep)`` ``DeviceMesh``, all-to-all dispatch / combine, gradients reduced over each parameter's replica group.
 
-Layout (mesh ``init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))``, world ``W = dp * ep``):
-
-* Every ``Glm53FlashMoE`` keeps router, shared expert and the rest of the model whole (replicated on all ``W``
-  ranks, or FSDP2-sharded over all of them). Its ``experts`` keep only the ``E / ep`` experts
-  ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` (:func:`apply_expert_parallel`); they are replicated over the ``dp``
-  ranks with the same ep index (or FSDP2-sharded over those ``dp`` ranks, :func:`apply_fsdp2_ep`).
-* Each rank routes its own tokens; :class:`ExpertDispatcher` (installed as ``moe.expert_parallel``) builds the
-  routing metadata once per layer call (:func:`glm53flash_hf.moe_ops.routing_metadata`: the (token, slot) rows
-  sorted by global expert id, hence grouped by owner rank), exchanges the per-expert counts (one all-to-all of
-  ``E`` integers, one host sync for the split sizes), sends the rows with an autograd all-to-all (:class:`AllToAll`,
-  backward = the reverse all-to-all, as DeepSeek-V3 / GShard dispatch), runs ``experts`` — this rank's slice,
-  whatever wraps it (PEFT) — on the received rows as top-1 with unit weights through the ordinary
-  :func:`glm53flash_hf.moe.grouped_experts_forward` (no second copy of the maths), sends the results back and combines
-  them on the sender exactly as :func:`glm53flash_hf.moe_ops.experts_forward_torch` does (routing weight times the
-  row, then :func:`glm53flash_hf.moe_ops.combine_rows`: each token's rows added in the same expert-sorted order,
-  rounded once): the combine order is the 1-process order.
-* Gradients. Every rank backpropagates ``loss_r * W`` where ``loss_r`` is its tokens' loss divided by the global
-  token count (transformers' Trainer convention; ``sum_r loss_r`` is the global loss). A parameter's gradient is
-  *summed over the ranks holding a replica of it and divided by* ``W``: non-expert parameters over all ``W`` ranks
-  (the plain average); an expert's over the ``dp`` ranks with its ep index — the all-to-all backward has already
-  summed the contributions of the tokens of its ``ep`` peers, so dividing by ``dp`` (FSDP's default average over its
-  mesh) would overcount by ``ep``; :func:`apply_fsdp2_ep` sets the experts' units' gradient divide factor to ``W``.
-  :func:`check_reduction_groups` refuses any parameter whose reduction group is not exactly its replica group (a
-  parameter left on an EP-only "Replicate" submesh would be averaged over too few ranks and drift from its
-  replicas).
-* Gradient clipping: :func:`clip_grad_norm_ep` (every element counted once over all ranks; one all-reduce).
-* Aux-loss-free bias: :class:`glm53flash_hf.train.trainer.AuxLossFreeBalancingCallback` all-reduces the loads over
-  the default (whole) group before its update, so the bias (a buffer, replicated) stays identical everywhere.
-
-Why not transformers' EP machinery (``DistributedConfig(enable_expert_parallel)``, ``base_model_ep_plan``,
-``distributed/expert_parallel.py`` ``grouped_gemm`` + ``ep_dispatch_experts`` / ``AllToAllEP``)? It fits the
-experts' forward signature, but (1) ``grouped_gemm`` turns the expert weights into DTensors of the *global* shape
-``[E, ...]`` that ``_use_local_dtensor_params`` swaps for their local shard only inside the replaced experts
-forward; PEFT's ``ParamWrapper`` (LoRA on ``target_parameters``) wraps the experts module, sizes its per-expert
-adapters from the parameter's (global) shape and adds ``B @ A`` to the DTensor outside that swap, so LoRA on the
-experts does not work under it, while here the experts module simply *is* an ``E/ep``-expert module; (2) it is
-applied by ``from_pretrained(distributed_config=...)`` together with transformers' own FSDP plan, which does not
-know our fp32-kept units (:mod:`glm53flash_hf.train.distributed`); (3) it has no reduction-group check. The
-dispatch follows ``AllToAllEP`` (sort by expert, count exchange, ``all_to_all_single``, one host sync per layer).
-
-Checkpoints: :func:`save_pretrained_ep` gathers the full published layout (collective) and writes it with the
-unsharded model class's ``save_pretrained`` on rank 0 (per-expert keys, :mod:`glm53flash_hf.checkpoint`); loading
-is ``from_pretrained`` then :func:`apply_expert_parallel` again. :func:`save_sharded_checkpoint_ep` /
-:func:`load_sharded_checkpoint_ep` write DCP folders where each expert tensor (and its optimizer state) is a DTensor
-of the global shape over the ``ep`` mesh (replicas on other ``dp`` rows are deduplicated by DCP).
-
-Tested in ``tests/test_expert_parallel.py`` (CPU, gloo, 4 processes, dp 2 x ep 2 and ep 4, replicated and FSDP2,
-balanced / all rows to one rank / LoRA on the experts).
-
-Sources (details in ``docs/design.md``, section "Expert parallelism"): transformers ``distributed/expert_parallel.py``
-(``AllToAllEP``, ``MoEParamShard``), xtuner's expert-parallel training, DeepSeek-V3 (§3.2 dispatch/combine), GShard
-(all-to-all dispatch), torch ``fully_shard`` (``set_gradient_divide_factor``), torch.distributed.checkpoint.
+Sources: transformers ``distributed/expert_parallel.py`` (``AllToAllEP``), DeepSeek-V3 technical report §3.2,
+GShard, torch ``fully_shard`` (``set_gradient_divide_factor``), ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -72,10 +21,8 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 class AllToAll(torch.autograd.Function):
-    """Autograd all-to-all of rows: ``x [sum(input_splits), ...]`` -> ``[sum(output_splits), ...]``; the backward is
-    the reverse all-to-all of the gradient (splits swapped). Works on gloo (CPU) and NCCL.
-
-    ``apply(x, output_splits: list[int], input_splits: list[int], group)``.
+    """Autograd all-to-all of rows, ``apply(x, output_splits, input_splits, group)``: ``x [sum(input_splits), ...]`` ->
+    ``[sum(output_splits), ...]``; the backward is the reverse all-to-all.
     """
 
     @staticmethod
@@ -96,11 +43,11 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertDispatcher:
-    """Token dispatch and combine of one MoE block under EP (the module docstring describes it).
+    """Token dispatch and combine of one MoE block under EP; collective over the ep group (any ``T``, including 0).
 
     Called as ``dispatcher(experts, hidden [T, H], top_k_index int [T, k] (global ids), top_k_weights fp32 [T, k])``
-    -> ``[T, H]`` in ``hidden.dtype``; collective over the ep group (every rank of the group must call it, with any
-    ``T`` including 0).
+    -> ``[T, H]`` in ``hidden.dtype``; the combine adds each token's rows in the one-process order
+    (:func:`glm53flash_hf.moe_ops.combine_rows`).
 
     Args:
         num_experts: global ``E``. ep_size / ep_rank: the ep dimension. group: its process group.
@@ -135,13 +82,12 @@ class ExpertParallelPlan:
 
     Attributes:
         mesh: the ``DeviceMesh`` (dims ``("dp", "ep")``); flat_mesh: its flattened 1-D mesh (all ranks).
-        num_experts: the global routed-expert count ``E`` (the same in every block).
+        num_experts: the global routed-expert count ``E``.
         dp_size, ep_size, dp_rank, ep_rank: sizes and this rank's coordinates.
         moe_modules: qualified names of the MoE blocks whose experts are sharded.
         all_ranks: global ranks of the mesh. dp_ranks: ranks with this rank's ep index (an expert's replicas).
             ep_ranks: ranks with this rank's dp index (the all-to-all group).
-        reduction_groups: for parameters *not* managed by FSDP, the ranks :func:`reduce_gradients` reduces their
-            gradient over (filled by :func:`replicate_reduction_groups`; FSDP parameters read their DTensor mesh).
+        reduction_groups: for parameters not managed by FSDP, the ranks their gradient is reduced over.
     """
 
     mesh: object
@@ -163,8 +109,7 @@ class ExpertParallelPlan:
         return self.dp_size * self.ep_size
 
     def is_expert_parameter(self, name: str) -> bool:
-        """Whether ``name`` (a qualified parameter name of the model the plan was made on, PEFT prefixes allowed)
-        lives under a sharded experts module (expert weights and LoRA adapters on them)."""
+        """Whether parameter ``name`` (PEFT prefixes allowed) lives under a sharded experts module."""
         return any(f".{moe}.experts." in f".{name}" for moe in self.moe_modules)
 
     def replica_ranks(self, name: str) -> list[int]:
@@ -172,7 +117,7 @@ class ExpertParallelPlan:
         return self.dp_ranks if self.is_expert_parameter(name) else self.all_ranks
 
     def group(self, ranks: list[int]):
-        """The process group of ``ranks`` (the mesh's own groups; the whole mesh as its flattened dimension)."""
+        """The process group of ``ranks``."""
         key = tuple(ranks)
         if key not in self._groups:
             raise ValueError(f"no process group for ranks {list(ranks)}; expected one of {list(self._groups)}")
@@ -194,25 +139,20 @@ def find_moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
-    """Shard the routed experts of every MoE block of ``model`` over ``mesh["ep"]`` in place and install the
-    all-to-all dispatch (:class:`ExpertDispatcher`) as ``moe.expert_parallel``. Call it on the full, unsharded
-    model (every rank the same weights), before PEFT and before any FSDP sharding.
-
-    Each ``experts`` module keeps the slices ``gate_up_proj [E/ep, 2I, H]`` and ``down_proj [E/ep, H, I]`` of its
-    experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` as ordinary parameters (``num_experts`` becomes ``E/ep``;
-    ``expert_offset`` and ``num_global_experts`` record the slice).
+    """Shard the routed experts of every MoE block over ``mesh["ep"]`` in place (each keeps ``E/ep`` experts:
+    ``gate_up_proj [E/ep, 2I, H]``, ``down_proj [E/ep, H, I]``) and install :class:`ExpertDispatcher`; call it on the
+    full model, before PEFT and FSDP.
 
     Args:
-        model: the model (any ``nn.Module`` containing ``Glm53FlashMoE`` blocks).
-        mesh: ``DeviceMesh`` with ``mesh_dim_names`` ``("dp", "ep")`` covering the process group (``dp`` may be 1).
+        model: any ``nn.Module`` containing ``Glm53FlashMoE`` blocks.
+        mesh: ``DeviceMesh`` with ``mesh_dim_names`` ``("dp", "ep")`` covering the process group.
 
     Returns:
-        :class:`ExpertParallelPlan` (``reduction_groups`` empty: see :func:`replicate_reduction_groups` /
-        :func:`apply_fsdp2_ep`).
+        :class:`ExpertParallelPlan` (``reduction_groups`` empty).
 
     Raises:
-        ValueError: a mesh without those dimension names; ``n_routed_experts`` not divisible by the ep size (naming
-            both); no MoE block; experts already sharded or wrapped (e.g. by PEFT).
+        ValueError: a mesh without those dimensions; ``n_routed_experts`` not divisible by the ep size; no MoE block;
+            experts already sharded or wrapped.
     """
     dp_size, ep_size, dp_rank, ep_rank = _mesh_sizes(mesh)
     blocks = find_moe_blocks(model)
@@ -251,9 +191,9 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
 
 
 def replicate_reduction_groups(model: nn.Module, plan: ExpertParallelPlan) -> None:
-    """Replicated (no FSDP) training: assign every trainable parameter its reduction group, the ranks of its replica
-    group (:meth:`ExpertParallelPlan.replica_ranks`), then :func:`check_reduction_groups`. Call
-    :func:`reduce_gradients` after each backward."""
+    """Replicated (no FSDP) training: give every trainable parameter its replica group as reduction group, then
+    :func:`check_reduction_groups`; call :func:`reduce_gradients` after each backward.
+    """
     for name, p in model.named_parameters():
         if p.requires_grad:
             plan.reduction_groups[name] = plan.replica_ranks(name)
@@ -261,8 +201,8 @@ def replicate_reduction_groups(model: nn.Module, plan: ExpertParallelPlan) -> No
 
 
 def reduction_ranks(name: str, param: torch.Tensor, plan: ExpertParallelPlan) -> list[int] | None:
-    """The ranks parameter ``name``'s gradient is reduced over: an FSDP2 (DTensor) parameter's mesh, else the group
-    registered in ``plan.reduction_groups`` (``None``: not reduced at all)."""
+    """The ranks parameter ``name``'s gradient is reduced over (a DTensor's mesh, else ``plan.reduction_groups``; None).
+    """
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
@@ -274,8 +214,7 @@ def check_reduction_groups(model: nn.Module, plan: ExpertParallelPlan) -> None:
     """Refuse a setup where a trainable parameter's gradient is not reduced over exactly its replica group.
 
     Raises:
-        ValueError: naming the first such parameter, its reduction group and its replica group (e.g. a non-expert
-            parameter left on the EP-only submesh: reduced over ``ep_ranks``, replicated on all ranks).
+        ValueError: naming the first such parameter, its reduction group and its replica group.
     """
     if plan.world_size == 1:
         return
@@ -298,8 +237,7 @@ def check_reduction_groups(model: nn.Module, plan: ExpertParallelPlan) -> None:
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module, plan: ExpertParallelPlan) -> None:
-    """Replicated training: sum each gradient over its registered reduction group and divide by the world size (see
-    the module docstring), one flat all-reduce per group. Collective over the mesh."""
+    """Replicated training: sum each gradient over its reduction group and divide by the world size; collective."""
     buckets: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None or name not in plan.reduction_groups:
@@ -316,22 +254,15 @@ def reduce_gradients(model: nn.Module, plan: ExpertParallelPlan) -> None:
 
 
 def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
-    """FSDP2 under EP: every MoE block's ``experts`` (with any PEFT wrapper and adapters) becomes its own unit on the
-    ``dp`` mesh (the expert's replicas) with gradient divide factor ``W`` (a SUM reduce-scatter, then ``/ W``);
-    everything else is sharded by
-    :func:`glm53flash_hf.train.distributed.apply_fsdp2` over all ranks (the flattened mesh). Then
-    :func:`check_reduction_groups`.
+    """FSDP2 under EP: each ``experts`` (with PEFT wrappers) a unit on the ``dp`` mesh with divide factor ``W``, the
+    rest by :func:`glm53flash_hf.train.distributed.apply_fsdp2` over all ranks; then :func:`check_reduction_groups`.
 
     Args:
-        model: the model after :func:`apply_expert_parallel` (and PEFT, if any).
-        plan: its plan.
-        **fsdp_kwargs: ``param_dtype`` / ``reduce_dtype`` / ``reshard_after_forward`` of ``apply_fsdp2``.
+        model: after :func:`apply_expert_parallel` (and PEFT). plan: its plan.
+        **fsdp_kwargs: ``param_dtype`` / ``reduce_dtype`` / ``reshard_after_forward``.
 
     Returns:
         the :class:`glm53flash_hf.train.distributed.Fsdp2Plan` of the non-expert units.
-
-    Raises:
-        ValueError: see :func:`check_reduction_groups` and ``apply_fsdp2``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -363,23 +294,11 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
 
 @torch.no_grad()
 def clip_grad_norm_ep(model: nn.Module, plan: ExpertParallelPlan, max_norm: float) -> torch.Tensor:
-    """Global gradient 2-norm of the whole (unsharded) model under EP, and clipping to ``max_norm``; collective.
-
-    Every element of every logical parameter is counted once: a rank adds the squares of its local gradient (FSDP
-    shard, or replicated tensor divided by its number of replicas) in fp64, then one all-reduce over all ranks. Call
-    it after the gradients are reduced (after ``backward`` under FSDP2, after :func:`reduce_gradients` when
-    replicated). transformers' Trainer's mixed-mesh norm (one ``full_tensor`` norm per mesh) would see only this
-    rank's experts on the ``dp`` mesh, so ranks of different ep index would clip by different norms.
-
-    Args:
-        model, plan: as after :func:`apply_fsdp2_ep` / :func:`replicate_reduction_groups`.
-        max_norm: clip threshold; ``inf`` or ``<= 0`` only measures.
-
-    Returns:
-        fp32 scalar: the norm before clipping, the same on every rank.
+    """Global gradient 2-norm under EP (each element once, fp64 squares, one all-reduce), clipped to ``max_norm``
+    (``inf`` or ``<= 0``: measure only); collective, after reduction. Returns the fp32 norm before clipping.
 
     Raises:
-        ValueError: a gradient DTensor with a ``Replicate`` placement (not a layout this module makes).
+        ValueError: a gradient DTensor with a ``Replicate`` placement.
     """
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -424,11 +343,10 @@ def _full_local(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_full_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[str, torch.Tensor]:
-    """The unsharded model's ``state_dict`` on every rank (collective): FSDP DTensors gathered, each expert weight
-    all-gathered over the ep group into ``[E, ...]``. Not for PEFT-wrapped models (adapter keys are skipped).
+    """The unsharded model's ``state_dict`` on every rank (collective), experts all-gathered into ``[E, ...]``.
 
     Raises:
-        ValueError: a state-dict key from PEFT (``base_layer`` / ``lora_``) — gather the base model instead.
+        ValueError: a PEFT state-dict key (``base_layer`` / ``lora_``); gather the base model instead.
     """
     out = {}
     for name, t in model.state_dict().items():
@@ -444,9 +362,7 @@ def gather_full_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[s
 
 
 def _gather_expert_adapter(name: str, t: torch.Tensor, plan: ExpertParallelPlan) -> torch.Tensor:
-    """All-gather one expert LoRA factor over the ep group into the 1-process layout: ``lora_A [E_local * r, in]``
-    rows concatenated; ``lora_B [out, r * E_local]`` columns interleaved back (PEFT's ``(out, r, E)`` view,
-    ``peft/tuners/lora/layer.py`` ``ParamWrapper.get_delta_weight``)."""
+    """All-gather one expert LoRA factor over the ep group into PEFT's one-process layout (``ParamWrapper``)."""
     parts = [torch.empty_like(t) for _ in range(plan.ep_size)]
     dist.all_gather(parts, t.contiguous(), group=plan.group(plan.ep_ranks))
     if "lora_B" not in name:
@@ -458,9 +374,7 @@ def _gather_expert_adapter(name: str, t: torch.Tensor, plan: ExpertParallelPlan)
 
 
 def gather_adapter_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[str, torch.Tensor]:
-    """The PEFT model's adapter tensors (keys containing ``lora_`` or ``modules_to_save``) in the 1-process layout,
-    on every rank (collective): FSDP DTensors gathered, each expert adapter factor all-gathered over the ep group
-    (:func:`_gather_expert_adapter`), so rank ``i``'s slices land at its experts' positions."""
+    """The PEFT model's adapter tensors in the one-process layout, on every rank (collective)."""
     out = {}
     for name, t in model.state_dict().items():
         if "lora_" not in name and "modules_to_save" not in name:
@@ -473,9 +387,7 @@ def gather_adapter_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dic
 
 
 def save_adapter_ep(model: nn.Module, plan: ExpertParallelPlan, save_directory) -> None:
-    """``PeftModel.save_pretrained`` of an EP-trained adapter (collective): :func:`gather_adapter_state_dict`, then
-    rank 0 writes it with PEFT (``state_dict=``), the layout a 1-process run writes; load it with
-    ``PeftModel.from_pretrained`` on the unsharded base model."""
+    """``PeftModel.save_pretrained`` of an EP-trained adapter in the one-process layout (collective; rank 0 writes)."""
     full = gather_adapter_state_dict(model, plan)
     if dist.get_rank() == plan.all_ranks[0]:
         model.save_pretrained(os.fspath(save_directory), state_dict=full)
@@ -487,10 +399,9 @@ def _unsharded_class(model: nn.Module) -> type:
 
 
 def save_pretrained_ep(model: nn.Module, plan: ExpertParallelPlan, save_directory, **kwargs) -> None:
-    """``save_pretrained`` of the full model under EP (collective): :func:`gather_full_state_dict`, then rank 0 builds
-    the unsharded class on the meta device, assigns the gathered tensors (and the non-persistent buffers of ``model``)
-    and calls its ``save_pretrained(save_directory, **kwargs)`` — the published layout with per-expert keys. Load it
-    with ``from_pretrained`` and :func:`apply_expert_parallel`. Rank 0 holds the whole model once in memory."""
+    """``save_pretrained`` of the full model under EP in the published layout (collective; rank 0 builds the unsharded
+    class on meta and writes; load with ``from_pretrained`` and :func:`apply_expert_parallel`).
+    """
     full = gather_full_state_dict(model, plan)
     if dist.get_rank() == plan.all_ranks[0]:
         cls = _unsharded_class(model)
@@ -550,9 +461,9 @@ def _ep_state(model, optimizer, plan):
 
 
 def save_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, optimizer=None) -> None:
-    """DCP checkpoint under EP (collective): like :func:`glm53flash_hf.train.distributed.save_sharded_checkpoint`,
-    with every expert tensor (weights, expert LoRA adapters, their optimizer state) stored as a DTensor of the global
-    expert dimension over the ep mesh, so ranks of different ep index never write the same key's different data."""
+    """DCP checkpoint under EP (collective), expert tensors and their optimizer state as DTensors of the global expert
+    dimension over the ep mesh.
+    """
     import torch.distributed.checkpoint as dcp
 
     state, _ = _ep_state(model, optimizer, plan)
@@ -560,9 +471,8 @@ def save_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, 
 
 
 def load_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, optimizer=None) -> None:
-    """Load a folder of :func:`save_sharded_checkpoint_ep` into a model sharded the same way (collective).
-
-    Runs no code from the folder (as :func:`.distributed.load_sharded_checkpoint`: :func:`.distributed.load_dcp`).
+    """Load a folder of :func:`save_sharded_checkpoint_ep` into a model sharded the same way (collective; runs no code
+    from the folder).
 
     Raises:
         FileNotFoundError: no DCP ``.metadata`` in ``checkpoint_dir``. RuntimeError: keys missing (from DCP).

@@ -1,29 +1,8 @@
 """Training helpers: the ``Trainer`` subclass of the fine-tune job, a LoRA configuration for GLM-5.3-Flash, the
 aux-loss-free expert-balancing callback and the job's progress / loss-log callbacks.
 
-* :class:`Glm53FlashTrainer` is ``transformers.Trainer`` plus the MTP loss in the logs, a count of the trained
-  (non-padding) tokens, ``mtp=False`` passed to the model when the MTP loss is off, a ``FloatingPointError`` on a
-  non-finite loss or gradient norm, and sequence parallelism
-  (``sp_mesh=`` / ``sequence_parallel_size=``, :func:`sp_micro_batches`).
-
-* :func:`default_lora_config` builds a ``peft.LoraConfig`` that adapts the attention projections (MLA and KDA),
-  the dense / shared-expert MLP projections (``target_modules``, ``nn.Linear``) and the routed experts' 3-D weights
-  ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (``target_parameters``; PEFT 0.21 wraps the experts module
-  in ``lora.ParamWrapper``, which assumes transformers' ``[E, out, in]`` layout — ours). ``task_type="CAUSAL_LM"``
-  is set so that ``AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True)`` resolves the base
-  class through ``AutoModelForCausalLM`` (without it PEFT rejects the ``transformers_modules.*`` parent library;
-  see ``peft.AutoPeftModel``). The vision tower (``model.visual.*``) is excluded.
-* :class:`AuxLossFreeBalancingCallback` is DeepSeek-V3's auxiliary-loss-free load balancing as a
-  ``transformers.TrainerCallback``: forward hooks on every :class:`~.moe.Glm53FlashTopkRouter` count how many
-  tokens each routed expert received during one optimizer step (all gradient-accumulation micro-batches), and at
-  the end of the step each router's buffer is updated
-  ``e_score_correction_bias += speed * sign(mean(load) - load)`` — overloaded experts become less likely to be
-  chosen, underloaded ones more. The bias only enters the top-k choice, never the gate weights, so no gradient
-  flows through it. Off by default (``speed=0.0`` registers no hooks); DeepSeek-V3 used ``speed=1e-3``.
-
-Sources: DeepSeek-V3 technical report §2.1.2 ("Auxiliary-Loss-Free Load Balancing", bias update speed gamma);
-transformers ``TrainerCallback`` events (``on_train_begin`` / ``on_step_end`` / ``on_train_end``); PEFT 0.21
-``LoraConfig(target_parameters=...)``.
+Sources: DeepSeek-V3 technical report §2.1.2 ("Auxiliary-Loss-Free Load Balancing"); transformers
+``TrainerCallback``; PEFT 0.21 ``LoraConfig(target_parameters=...)``.
 """
 
 from __future__ import annotations
@@ -37,7 +16,7 @@ import re
 import torch
 from transformers import Trainer, TrainerCallback
 
-IGNORE_INDEX = -100
+from .sft import IGNORE_INDEX
 
 ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
 
@@ -65,7 +44,7 @@ EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def _module_regex(names) -> str:
-    """Regex full-matching qualified module names that end in one of ``names`` and are not in the vision tower."""
+    """Regex full-matching qualified module names that end in one of ``names``, outside the vision tower."""
     alternatives = "|".join(re.escape(n) for n in names)
     return rf"(?!(?:.*\.)?visual\.)(?:.*\.)?(?:{alternatives})"
 
@@ -77,24 +56,16 @@ def default_lora_config(
     experts: bool = True,
     **kwargs,
 ):
-    """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (text or VL classes).
+    """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (``task_type="CAUSAL_LM"``, no dropout, no bias, vision excluded).
 
     Args:
-        r: LoRA rank. For the experts PEFT uses one rank-``r`` pair per expert (``lora_A: nn.Linear(in, r*E)``,
-            ``lora_B: nn.Linear(r*E, out)``).
-        lora_alpha: scaling numerator (``scaling = lora_alpha / r``); default ``2 * r``.
-        target_modules: ``nn.Linear`` leaf names (see :data:`DEFAULT_TARGET_MODULES`); ``None`` or empty adapts only
-            the experts. They are turned into one regex (PEFT full-matches it against qualified module names) that
-            skips the vision tower ``model.visual.*``.
-        experts: add :data:`EXPERT_TARGET_PARAMETERS` as ``target_parameters``.
-        **kwargs: passed on to ``LoraConfig`` (e.g. ``modules_to_save``); they override the defaults.
-
-    Returns:
-        ``LoraConfig`` with ``task_type="CAUSAL_LM"``, ``lora_dropout=0.0`` (PEFT refuses dropout on
-        ``ParamWrapper``), ``bias="none"``.
+        r: LoRA rank (per expert for the experts). lora_alpha: default ``2 * r``.
+        target_modules: ``nn.Linear`` leaf names (default :data:`DEFAULT_TARGET_MODULES`); empty: experts only.
+        experts: adapt :data:`EXPERT_TARGET_PARAMETERS` (``target_parameters``).
+        **kwargs: override the ``LoraConfig`` defaults.
 
     Raises:
-        ValueError: ``r < 1``, or nothing to adapt (no ``target_modules`` and ``experts=False``).
+        ValueError: ``r < 1``, or nothing to adapt.
     """
     from peft import LoraConfig
 
@@ -117,12 +88,8 @@ def default_lora_config(
 
 
 def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``{qualified name: router}`` for every MoE router in ``model`` (PEFT / DDP / FSDP wrappers included).
-
-    Routers are recognised by class name, so a model loaded as remote code (a second copy of the class under
-    ``transformers_modules``) is found too, and along the class's MRO, so a router that is its own FSDP2 unit (class
-    ``FSDPGlm53FlashTopkRouter``, as :func:`glm53flash_hf.train.distributed.shard_fp32_kept_units` makes under a
-    bf16 policy) is found as well; each must have an ``e_score_correction_bias`` buffer ``[E]``.
+    """``{qualified name: router}`` for every MoE router in ``model`` (wrappers included; matched by class name along
+    the MRO, so remote-code and FSDP2 copies of the class count); each needs an ``e_score_correction_bias`` ``[E]``.
     """
     return {
         name: module
@@ -133,24 +100,18 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 class AuxLossFreeBalancingCallback(TrainerCallback):
-    """Aux-loss-free MoE load balancing (DeepSeek-V3 §2.1.2) for ``transformers.Trainer``.
-
-    Per optimizer step and per router: ``load[e]`` = number of (token, slot) routing assignments to expert ``e``
-    counted by a forward hook from the router's ``topk_indices`` over every training forward of the step
-    (gradient-accumulation micro-batches, MTP depths; summed over ranks with ``all_reduce`` when
-    ``torch.distributed`` is initialised); then ``bias += speed * sign(load.mean() - load)`` in fp32 (experts at
-    exactly the mean are left alone). Forwards in eval mode (``module.training`` False) are not counted. Under
-    gradient checkpointing the recomputed forward counts again; that scales one router's loads uniformly and does
-    not change the sign. Padding tokens are routed and counted like any other token.
+    """Aux-loss-free MoE load balancing (DeepSeek-V3 §2.1.2) for ``transformers.Trainer``: per optimizer step and
+    router, ``bias += speed * sign(load.mean() - load)`` (fp32) from the step's training routing counts (summed over
+    ranks).
 
     Args:
-        speed: update step ``gamma`` (finite, >= 0). ``0.0`` (default) disables the callback: no hooks, no updates.
+        speed: update step ``gamma`` (finite, >= 0; 0: no hooks, no updates).
 
     Attributes:
-        last_loads: ``{router name: float32 [E]}`` loads of the last completed step (for logging and tests).
+        last_loads: ``{router name: float32 [E]}`` loads of the last completed step.
 
     Raises:
-        ValueError: negative or non-finite ``speed``; at train begin, ``speed > 0`` but the model has no MoE router.
+        ValueError: negative or non-finite ``speed``; ``speed > 0`` and no MoE router at train begin.
     """
 
     def __init__(self, speed: float = 0.0):
@@ -229,19 +190,14 @@ _SP_DROPPED = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "
 
 
 def sp_micro_batches(inputs: dict, group, pad_token_id: int, min_shard: int = 4) -> list[dict]:
-    """The ``W`` micro-batches of an SP group, made equal in shape: every rank's ``[B, S_r]`` text batch is
-    all-gathered, right-padded to a common length that is a multiple of ``W`` (and at least ``W * min_shard``), and
-    returned in rank order; each rank then processes micro-batch ``j`` as its contiguous shard
-    (:func:`glm53flash_hf.sequence_parallel.shard_sequence`), all ranks on the same ``j`` at once.
+    """The ``W`` micro-batches of an SP group, equal in shape: every rank's ``[B, S_r]`` text batch all-gathered,
+    right-padded to a common multiple of ``W`` (at least ``W * min_shard``), in rank order.
 
-    Padding: ``input_ids`` = ``pad_token_id``, ``labels`` -100, ``position_ids`` restarting at 0 (a segment of its
-    own), ``attention_mask`` 0, ``mm_token_type_ids`` / ``seq_idx`` 0 / a fresh index. ``cu_seq_lens_*`` /
-    ``max_length_*`` are dropped (the boundaries are carried by ``position_ids``, which the packing collator
-    restarts per sample; a batch without them gets an ``attention_mask``).
+    Padding: ``input_ids`` = ``pad_token_id``, ``labels`` -100, ``position_ids`` restarting at 0, ``attention_mask`` 0,
+    ``mm_token_type_ids`` 0, ``seq_idx`` a fresh index; ``cu_seq_lens_*`` / ``max_length_*`` are dropped.
 
     Raises:
-        ValueError: visual inputs (``pixel_values`` / ``pixel_values_videos``: the vision tower is not sharded), a
-            batch without ``input_ids``, or ranks with different batch sizes (names them).
+        ValueError: visual inputs, a batch without ``input_ids``, or ranks with different batch sizes (names them).
     """
     import torch.distributed as dist
 
@@ -288,55 +244,26 @@ def sp_micro_batches(inputs: dict, group, pad_token_id: int, min_shard: int = 4)
 
 
 def _set_sp_group(model, group) -> None:
-    """Set ``sequence_parallel_group`` on every GLM-5.3-Flash text model inside ``model`` (wrappers, PEFT)."""
+    """Set ``sequence_parallel_group`` on every GLM-5.3-Flash text model inside ``model``."""
     for module in model.modules():
         if hasattr(module, "sequence_parallel_group"):
             module.sequence_parallel_group = group
 
 
 class Glm53FlashTrainer(Trainer):
-    """``transformers.Trainer`` for GLM-5.3-Flash causal-LM / VL fine-tuning.
-
-    Adds to the Trainer:
-
-    * ``mtp_loss`` in the logs: the unweighted MTP loss per optimizer step (the model's ``mtp_loss``, summed over the
-      step's micro-batches since the Trainer passes ``num_items_in_batch``), averaged over the logging interval;
-      this process's value (with several processes, an estimate of the global one);
-    * :attr:`trained_tokens`: positions that are not padding, counted per micro-batch as ``input_ids != pad`` or a
-      trained target (the packing collator pads with ``pad`` ids and -100 labels; a trained ``<|endoftext|>`` equal
-      to ``pad`` has a label);
-    * ``mtp=False`` passed to the model when ``mtp`` is off;
-    * a stop on a non-finite loss or gradient norm: ``FloatingPointError`` naming the step (1-based, as the logs'
-      ``step``), raised by the training step whose raw loss is NaN / inf (checked before the Trainer's
-      ``logging_nan_inf_filter``, which would log the mean of the earlier losses in its place) and after the
-      optimizer step whose gradient norm (the Trainer's, before clipping) is NaN / inf, unless the optimizer
-      skipped that step (fp16 loss scaling). Each process checks its own loss; the gradient norm is global;
-    * checkpoints that a kill cannot leave half-written under a ``checkpoint-N`` name (:meth:`_save_checkpoint`),
-      and resume / ``load_best_model_at_end`` that read their weights (saved in the published layout) through
-      ``from_pretrained`` (:meth:`_load_saved_weights`);
-    * sequence parallelism (the extension point; transformers' own context parallelism drives SDPA models only):
-      with ``sp_mesh`` (a ``DeviceMesh`` with an ``"sp"`` dimension, e.g. ``init_device_mesh("cuda", (dp, sp),
-      mesh_dim_names=("dp_shard", "sp"))``) or ``sequence_parallel_size=N`` (that mesh over all processes, ranks
-      ``[k N, (k + 1) N)`` one SP group), each training step sets the model's SP group (``set_sequence_parallel``;
-      unset again when the step ends, so evaluation and any other forward run unsharded), gathers the ``N``
-      micro-batches the data loader gave the group's ranks (:func:`sp_micro_batches`) and runs them one after
-      another, each rank on its contiguous shard of every row
-      (:func:`glm53flash_hf.sequence_parallel.shard_sequence`); gradient sync happens on the last one. The data
-      loader, ``num_items_in_batch`` (the Trainer's global count of this step's labels) and the Trainer's loss
-      scaling stay as they are: every row is processed exactly once by its group, each rank holding ``1 / N`` of
-      it, so the gradients are those of plain data parallelism on the same rows.
+    """``transformers.Trainer`` for GLM-5.3-Flash fine-tuning: ``mtp_loss`` in the logs, :attr:`trained_tokens`, a stop
+    on non-finite losses or gradient norms, atomic checkpoints read back through ``from_pretrained``, and sequence
+    parallelism (:func:`sp_micro_batches`).
 
     Args:
-        pad_token_id: the tokenizer's padding id (int).
-        mtp: train with the model's MTP loss (``out.loss`` then includes ``mtp_loss_weight * mtp_loss``).
-        sp_mesh: optional ``DeviceMesh`` with an ``"sp"`` dimension; sequence_parallel_size: optional int (``1``:
-            off), builds the mesh when ``sp_mesh`` is not given.
+        pad_token_id: the tokenizer's padding id.
+        mtp: train with the model's MTP loss (else ``mtp=False`` is passed to the model).
+        sp_mesh: optional ``DeviceMesh`` with an ``"sp"`` dimension; sequence_parallel_size: builds it (``1``: off).
         *args, **kwargs: ``transformers.Trainer``'s.
 
     Raises:
-        ValueError: ``sequence_parallel_size`` does not divide the world size, or is > 1 without a process group;
-            an SP mesh of several processes while the Trainer is not in distributed mode (``args.parallel_mode``,
-            e.g. ``accelerate launch`` on CPU without ``ACCELERATE_USE_CPU=true``).
+        ValueError: ``sequence_parallel_size`` not dividing the world size or without a process group; an SP mesh of
+            several processes outside distributed mode.
         FloatingPointError: during training, a non-finite loss or gradient norm (names the step and the value).
     """
 
@@ -372,17 +299,8 @@ class Glm53FlashTrainer(Trainer):
         super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """``Trainer._save_checkpoint`` that never leaves a partial ``checkpoint-N`` (which
-        ``trainer_utils.get_last_checkpoint`` and ``resume_from_checkpoint=True`` would take for complete).
-
-        Everything the Trainer writes (model, optimizer, scheduler, RNG states, ``trainer_state.json``) goes into
-        ``{output_dir}/.checkpoint-N.partial/checkpoint-N`` (the same name on every process), which is renamed to
-        ``{output_dir}/checkpoint-N`` once every process has finished writing; an existing ``checkpoint-N`` is
-        exchanged with it atomically (:func:`glm53flash_hf.checkpoint.exchange_paths`; without that call it is
-        moved aside first, and a kill in between leaves no ``checkpoint-N``: resuming takes the one before). Then old
-        checkpoints are rotated (``save_total_limit``) and the Hub push (``push_to_hub``) runs from the final
-        folder. A process killed midway leaves only the hidden ``.checkpoint-N.partial``, which no resume picks up
-        and the next checkpoint save deletes.
+        """``Trainer._save_checkpoint`` written under ``.checkpoint-N.partial/`` and swapped in when every process is
+        done.
         """
         import shutil
 
@@ -429,11 +347,9 @@ class Glm53FlashTrainer(Trainer):
             super()._push_from_checkpoint(final)
 
     def _load_saved_weights(self, folder: str, model) -> bool:
-        """Load the weights of a checkpoint folder that ``save_pretrained`` wrote (the published layout) into
-        ``model`` through ``from_pretrained``; the Trainer's own resume and best-model loading read the file's keys
-        into ``load_state_dict(strict=False)``, which matches none of them (the saved names are not the in-memory
-        ones) and keeps the current weights. Returns False (the Trainer's path applies) for a PEFT, FSDP or
-        DeepSpeed model, another model class, or a folder without safetensors weights."""
+        """Load a ``save_pretrained`` folder into ``model`` via ``from_pretrained``; False where the Trainer's path
+        applies.
+        """
         from transformers.trainer import _is_peft_model
 
         target = self.accelerator.unwrap_model(model)
@@ -518,8 +434,7 @@ class Glm53FlashTrainer(Trainer):
 
 
 def sequence_parallel_mesh(sp: int, device_type: str | None = None):
-    """``init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))`` over the default
-    process group (``device_type``: ``"cuda"`` when available, else ``"cpu"``).
+    """``init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))`` over the default group.
 
     Raises:
         ValueError: no process group is initialised, or ``sp`` does not divide the world size (names both).
@@ -538,8 +453,7 @@ def sequence_parallel_mesh(sp: int, device_type: str | None = None):
 
 
 class ProgressWithLossCallback(TrainerCallback):
-    """A tqdm progress bar over the optimizer steps showing the current loss (main process only); replaces the
-    Trainer's ``ProgressCallback``, which prints every log dict."""
+    """A tqdm progress bar over the optimizer steps showing the current loss (main process only)."""
 
     def __init__(self):
         self.bar = None
@@ -565,11 +479,8 @@ class ProgressWithLossCallback(TrainerCallback):
 
 
 class LossLogCallback(TrainerCallback):
-    """Writes one JSON line per logged training step (``step``, ``epoch`` and the Trainer's log dict: ``loss``,
-    ``mtp_loss``, ``grad_norm``, ``learning_rate``) to ``path``, truncated at train begin; main process only.
-
-    Args:
-        path: the log file (str); its folder is created.
+    """Writes one JSON line per logged training step (``step``, ``epoch`` and the log dict) to ``path`` (truncated at
+    train begin; main process only).
     """
 
     def __init__(self, path: str):
