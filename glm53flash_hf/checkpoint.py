@@ -923,11 +923,17 @@ _MODEL_LOADING_KWARGS = {
 
 
 def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
-    """Names, relative to the text model, of the modules whose weights ``ckpt`` stores in FP8: the FP8 keys without
-    their text prefix and ``.weight``; per-expert keys (``mlp.experts.N.gate_proj.weight``) name the merged
+    """Names, relative to the text model, of the modules whose weights ``ckpt`` stores in FP8
+    (:func:`fp8_module_names_of_keys` of its FP8 weight keys)."""
+    return fp8_module_names_of_keys(ckpt.fp8_weights)
+
+
+def fp8_module_names_of_keys(keys) -> set[str]:
+    """Names, relative to the text model, of the modules holding the published FP8 weight ``keys``: each key
+    without its text prefix and ``.weight``; per-expert keys (``mlp.experts.N.gate_proj.weight``) name the merged
     ``mlp.experts`` module."""
     out = set()
-    for key in ckpt.fp8_weights:
+    for key in keys:
         name = key.removesuffix(".weight")
         for prefix in TEXT_PREFIXES[:-1]:
             if name.startswith(prefix):

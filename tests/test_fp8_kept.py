@@ -89,6 +89,31 @@ def test_fp8_modules_kept_as_e4m3_with_scales(tiny_fp8, models):
     assert whole_deq["total"] - whole_kept["total"] == (4 - 1) * whole_kept["fp8"] - whole_kept["scales"]
 
 
+def test_fp8_load_bytes_on_meta_equal_the_load_and_release_ratio(tiny_fp8, models):
+    """plan.fp8_load_bytes (meta device, the load's quantizer and module classes) counts exactly the bytes of the
+    real tiny loads, FP8-kept and dequantized. At the release configuration it finds the release's 37,338 FP8
+    tensors (one per ``*_scale_inv`` of the FP8 release's index) in 229 converted modules, agrees with the plan's
+    own FP8 byte count, and the whole FP8-kept model takes <= 0.55 of the bf16 dequantized load. (The tiny model's
+    whole-model ratio is not meaningful: about half its bytes are embeddings, head and mHC, ~2 % in the release.)"""
+    from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
+    from glm53flash_hf.tools import plan
+
+    kept, deq = models
+    got = plan.fp8_load_bytes(Glm53FlashConfig.from_pretrained(tiny_fp8), torch.float32)
+    assert {k: got[k] for k in ("fp8", "scales", "other", "total")} == fp8_weight_bytes(kept)
+    assert got["dequantized"] == fp8_weight_bytes(deq)["total"]
+    assert got["fp8_keys"] == len(inspect_checkpoint(tiny_fp8).fp8_weights)
+    assert got["fp8_modules"] == len(_converted(kept)) == len(fp8_module_names(inspect_checkpoint(tiny_fp8)))
+    release = plan.load_config(None)
+    got = plan.fp8_load_bytes(release, torch.bfloat16)
+    assert got["fp8_keys"] == 37338 and got["fp8_modules"] == 229  # 43 experts, 43 x 3 shared, 9 dense, 12 x 4 attn
+    names, _, _ = plan.parameter_shapes(release)
+    dsa = {n[: -len("q_a_proj.weight")] for n in names if n.endswith("self_attn.q_a_proj.weight")}
+    assert got["converted"] == sum(plan._fp8_bytes(s) for n, s in names.items() if plan._is_fp8(n, dsa))
+    assert got["converted"] <= 0.55 * got["converted_dequantized"]
+    assert got["total"] <= 0.55 * got["dequantized"], got["total"] / got["dequantized"]
+
+
 def test_fp8_kept_logits_equal_dequantized(models):
     """fp32 compute: the FP8-kept model's logits equal the dequantized model's within 1e-5 relative."""
     kept, deq = models
