@@ -10,7 +10,8 @@ fit in ``--gpu-memory-gib`` less ``--reserve-gib``:
   ranks (``ceil(dim0 / n)`` rows each), routed experts ``E / ep`` per EP rank and FSDP2 over the ``dp = gpus / ep``
   ranks holding the same experts. Full fine-tune: fp32 masters. LoRA: the frozen base in its stored dtype (the
   fp32-kept parameters fp32; with ``--base fp8`` the tensors the FP8 release quantizes,
-  :func:`glm53flash_hf.tools.fp8.fp8_keys_of`, as e4m3 plus one fp32 scale per 128x128 block) and the fp32
+  :func:`glm53flash_hf.tools.fp8.fp8_keys_of`, as e4m3 plus one fp32 scale per 128x128 block, the bytes of the
+  FP8 module classes the load builds, :func:`fp8_load_bytes`) and the fp32
   adapters of :func:`glm53flash_hf.train.trainer.default_lora_config` (``r (in + out)`` per adapted linear,
   ``r E (in + out)`` per expert weight).
 * gradients: fp32, one per trainable element (sharded like the parameter); optimizer states: AdamW's two fp32
