@@ -792,8 +792,14 @@ _MODEL_LOADING_KWARGS = {
 
 def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
     """Names, relative to the text model, of the modules whose weights ``ckpt`` stores in FP8."""
+    return fp8_module_names_of_keys(ckpt.fp8_weights)
+
+
+def fp8_module_names_of_keys(keys) -> set[str]:
+    """Text-model-relative names of the modules holding the published FP8 weight ``keys`` (per-expert keys name the
+    merged ``mlp.experts`` module)."""
     out = set()
-    for key in ckpt.fp8_weights:
+    for key in keys:
         name = key.removesuffix(".weight")
         for prefix in TEXT_PREFIXES[:-1]:
             if name.startswith(prefix):

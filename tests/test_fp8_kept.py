@@ -89,6 +89,31 @@ def test_fp8_modules_kept_as_e4m3_with_scales(tiny_fp8, models):
     assert whole_deq["total"] - whole_kept["total"] == (4 - 1) * whole_kept["fp8"] - whole_kept["scales"]
 
 
+def test_fp8_load_bytes_on_meta_equal_the_load_and_release_ratio(tiny_fp8, models):
+    """plan.fp8_load_bytes (meta device, the load's quantizer and module classes) counts exactly the bytes of the
+    real tiny loads, FP8-kept and dequantized. At the release configuration it finds the release's 37,338 FP8
+    tensors (one per ``*_scale_inv`` of the FP8 release's index) in 229 converted modules, agrees with the plan's
+    own FP8 byte count, and the whole FP8-kept model takes <= 0.55 of the bf16 dequantized load. (The tiny model's
+    whole-model ratio is not meaningful: about half its bytes are embeddings, head and mHC, ~2 % in the release.)"""
+    from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
+    from glm53flash_hf.tools import plan
+
+    kept, deq = models
+    got = plan.fp8_load_bytes(Glm53FlashConfig.from_pretrained(tiny_fp8), torch.float32)
+    assert {k: got[k] for k in ("fp8", "scales", "other", "total")} == fp8_weight_bytes(kept)
+    assert got["dequantized"] == fp8_weight_bytes(deq)["total"]
+    assert got["fp8_keys"] == len(inspect_checkpoint(tiny_fp8).fp8_weights)
+    assert got["fp8_modules"] == len(_converted(kept)) == len(fp8_module_names(inspect_checkpoint(tiny_fp8)))
+    release = plan.load_config(None)
+    got = plan.fp8_load_bytes(release, torch.bfloat16)
+    assert got["fp8_keys"] == 37338 and got["fp8_modules"] == 229  # 43 experts, 43 x 3 shared, 9 dense, 12 x 4 attn
+    names, _, _ = plan.parameter_shapes(release)
+    dsa = {n[: -len("q_a_proj.weight")] for n in names if n.endswith("self_attn.q_a_proj.weight")}
+    assert got["converted"] == sum(plan._fp8_bytes(s) for n, s in names.items() if plan._is_fp8(n, dsa))
+    assert got["converted"] <= 0.55 * got["converted_dequantized"]
+    assert got["total"] <= 0.55 * got["dequantized"], got["total"] / got["dequantized"]
+
+
 def test_fp8_kept_logits_equal_dequantized(models):
     """fp32 compute: the FP8-kept model's logits equal the dequantized model's within 1e-5 relative."""
     kept, deq = models
@@ -266,35 +291,123 @@ def test_lora_on_fp8_base_equals_lora_on_dequantized_and_trains(tiny_fp8):
             assert p.dtype == torch.float8_e4m3fn and torch.equal(p.view(torch.uint8), before[n].view(torch.uint8))
 
 
-def test_merge_lora_into_fp8_and_dense(tiny_fp8, tmp_path):
-    """merge_lora_fp8: dense (fp32) merge gives the adapter model's logits (within finetune.MERGE_RTOL) and
-    drops FP8; FP8 merge re-quantizes dequantize(W) + delta with block scales within the e4m3 bound (reported),
-    stays FP8, and merge -> save -> reload gives the merged model's logits bit for bit."""
-    from glm53flash_hf.tools.finetune import MERGE_RTOL
-    from glm53flash_hf.train.fp8_lora import merge_lora_fp8
+MERGE_IDS = torch.randint(0, 2000, (2, 12), generator=torch.Generator().manual_seed(2))
 
-    ids = torch.randint(0, 2000, (2, 12), generator=torch.Generator().manual_seed(2))
-    for fp8 in (False, True):
-        peft_model = _lora(Glm53FlashForCausalLM.from_pretrained(tiny_fp8, dtype=torch.float32), b_std=0.002)
-        with torch.no_grad():
-            ref = peft_model(input_ids=ids).logits
-        merged, report = merge_lora_fp8(peft_model, fp8=fp8, dtype=torch.float32)
-        assert report["merged_fp8_weights"] == 49  # 37 FP8Linear + 2 per routed-experts module
-        assert bool(_converted(merged)) == fp8
-        with torch.no_grad():
-            got = merged(input_ids=ids).logits
-        if fp8:
-            assert 0 < report["max_rel_roundtrip_error"] <= 2.0**-4  # e4m3: 3 mantissa bits
-            assert fp8_weight_bytes(merged)["fp8"] > 0
-        else:
-            assert report["max_rel_roundtrip_error"] == 0
-            assert (got - ref).abs().max() <= MERGE_RTOL * max(1.0, ref.abs().max().item())
-        out = str(tmp_path / f"merged-{fp8}")
-        merged.save_pretrained(out)
-        reloaded = Glm53FlashForCausalLM.from_pretrained(out, dtype=torch.float32)
-        assert bool(_converted(reloaded)) == fp8
-        with torch.no_grad():
-            assert torch.equal(reloaded(input_ids=ids).logits, got)
+
+def _fp8_weights(model, names):
+    """``{(module, parameter): tensor}`` of the weights of the modules ``names`` (those the checkpoint stores in
+    FP8)."""
+    out = {}
+    for n, m in model.named_modules():
+        if n in names:
+            for p in ("gate_up_proj", "down_proj") if hasattr(m, "gate_up_proj") else ("weight",):
+                out[(n, p)] = getattr(m, p)
+    return out
+
+
+def _roundtrip(x, halves):
+    """(rt(x), elementwise bound) of one 2-D weight with fresh block scales, gate/up halves blocked separately."""
+    from glm53flash_hf.tools.fp8 import roundtrip_error_bound
+
+    rts, bounds = [], []
+    for part in x.chunk(2) if halves else [x]:
+        q, s = quantize_fp8_blockwise(part)
+        rts.append(dequantize_fp8_blockwise(q, s, torch.float32))
+        bounds.append(roundtrip_error_bound(part, dequantize_fp8_blockwise(torch.ones_like(q), s, torch.float32)))
+    return torch.cat(rts), torch.cat(bounds)
+
+
+@pytest.fixture(scope="module")
+def merge_oracle(tiny_fp8, models):
+    """A trained-like LoRA adapter on the FP8 base, its logits, and the oracle built without merge_lora_fp8: the same
+    adapter on transformers' dequantized load merged by PEFT (``x = W + delta``), then each FP8-stored weight
+    replaced by its block-scaled e4m3 round trip ``rt(x)`` (:func:`quantize_fp8_blockwise` /
+    :func:`dequantize_fp8_blockwise`), with its logits, the ``x`` and the elementwise round-trip bounds."""
+    kept, _ = models
+    names = set(_converted(kept))
+    peft_model = _lora(Glm53FlashForCausalLM.from_pretrained(tiny_fp8, dtype=torch.float32), b_std=0.02)
+    lora = {k: v.detach().clone() for k, v in peft_model.state_dict().items() if "lora_" in k}
+    with torch.no_grad():
+        adapter_logits = peft_model(input_ids=MERGE_IDS).logits
+    oracle = _lora(Glm53FlashForCausalLM.from_pretrained(tiny_fp8, dtype=torch.float32, dequantize_fp8=True))
+    assert not oracle.load_state_dict(lora, strict=False).unexpected_keys
+    oracle = oracle.merge_and_unload()
+    xs, bounds = {}, {}
+    with torch.no_grad():
+        for (n, p), w in _fp8_weights(oracle, names).items():
+            xs[(n, p)] = w.clone()
+            pairs = [_roundtrip(w[e], p == "gate_up_proj") for e in range(len(w))] if w.dim() == 3 else None
+            rt, bound = (torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])) if pairs else (
+                _roundtrip(w, False))  # fmt: skip
+            w.copy_(rt)
+            bounds[(n, p)] = bound
+        rt_logits = oracle.eval()(input_ids=MERGE_IDS).logits
+    return {"names": names, "lora": lora, "adapter_logits": adapter_logits, "rt_logits": rt_logits, "x": xs,
+            "bounds": bounds}
+
+
+def _merge_and_reload(tiny_fp8, oracle, fp8, folder, delta_factor=1.0, monkeypatch=None):
+    """merge_lora_fp8 of the oracle's adapter on a fresh FP8 base (``delta_factor`` != 1: a broken merge that scales
+    each FP8 weight's delta), save_pretrained, reload; returns the reloaded model's errors against the contract:
+    ``rt`` (logits vs the round-trip oracle, relative to its max), ``adapter`` (vs the adapter model), ``bound``
+    (largest elementwise ``|reloaded - x| / bound``), the merge's report and whether the reload is FP8."""
+    from glm53flash_hf.train import fp8_lora
+
+    peft_model = _lora(Glm53FlashForCausalLM.from_pretrained(tiny_fp8, dtype=torch.float32))
+    peft_model.load_state_dict(oracle["lora"], strict=False)
+    if delta_factor != 1.0:
+        merge_one = fp8_lora._merge_one
+        monkeypatch.setattr(fp8_lora, "_merge_one", lambda w, s, d, *a: merge_one(w, s, d * delta_factor, *a))
+    merged, report = fp8_lora.merge_lora_fp8(peft_model, fp8=fp8, dtype=torch.float32)
+    merged.save_pretrained(folder)
+    reloaded = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = reloaded(input_ids=MERGE_IDS).logits
+    dense = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32, dequantize_fp8=True) if fp8 else reloaded
+    bound = max(
+        ((w - oracle["x"][k]).abs() / oracle["bounds"][k]).max().item()
+        for k, w in _fp8_weights(dense, oracle["names"]).items()
+    )
+    ref, rt = oracle["adapter_logits"], oracle["rt_logits"]
+    return {
+        "rt": ((logits - rt).abs().max() / rt.abs().max()).item(),
+        "adapter": ((logits - ref).abs().max() / ref.abs().max()).item(),
+        "bound": bound, "report": report, "fp8": bool(_converted(reloaded)),
+    }  # fmt: skip
+
+
+def test_fp8_merge_reload_is_the_adapter_model_with_round_tripped_weights(tiny_fp8, merge_oracle, tmp_path):
+    """merge_lora_fp8(fp8=True) -> save -> reload: the logits equal (fp32, 1e-5 relative) the adapter model's with
+    each merged weight W + delta replaced by its e4m3 round trip, i.e. the round trip is the only difference; every
+    reloaded weight element is within the e4m3 round-trip bound of W + delta, as the merge's report says; the
+    model stays FP8."""
+    got = _merge_and_reload(tiny_fp8, merge_oracle, True, str(tmp_path / "fp8"))
+    report = got["report"]
+    assert got["fp8"] and report["fp8"] and report["merged_fp8_weights"] == 49  # 37 FP8Linear + 2 per experts
+    assert got["rt"] <= 1e-5, got
+    assert 0 < got["bound"] <= 1 and 0 < report["max_roundtrip_bound_ratio"] <= 1, got
+    assert abs(got["bound"] - report["max_roundtrip_bound_ratio"]) <= 1e-6, got
+    assert 0 < report["max_rel_roundtrip_error"] <= 2.0**-4
+
+
+def test_dense_merge_reload_equals_the_adapter_model(tiny_fp8, merge_oracle, tmp_path):
+    """merge_lora_fp8(fp8=False, fp32) -> save -> reload: the adapter model's logits within 1e-5 relative (the order
+    of fp32 sums); the FP8-stored weights equal W + delta of the PEFT merge on the dequantized base to fp32
+    rounding; no FP8 left."""
+    got = _merge_and_reload(tiny_fp8, merge_oracle, False, str(tmp_path / "dense"))
+    assert not got["fp8"] and got["report"]["max_roundtrip_bound_ratio"] == 0
+    assert got["adapter"] <= 1e-5, got
+    assert got["bound"] <= 1e-3, got
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "dense"])
+@pytest.mark.parametrize("delta_factor", [0.0, 2.0], ids=["delta-dropped", "delta-twice"])
+def test_merge_contract_checks_fail_on_a_broken_merge(tiny_fp8, merge_oracle, tmp_path, monkeypatch, fp8,
+                                                      delta_factor):
+    """The two tests above can fail: a merge that drops each FP8 weight's delta or adds it twice misses the logits
+    by far more than 1e-5 and the weights by far more than the round-trip bound."""
+    got = _merge_and_reload(tiny_fp8, merge_oracle, fp8, str(tmp_path / "broken"), delta_factor, monkeypatch)
+    assert got["rt" if fp8 else "adapter"] > 1e-2 and got["bound"] > 10, got
 
 
 def test_merge_lora_fp8_rejects_two_adapters(tiny_fp8):

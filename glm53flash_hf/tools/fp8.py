@@ -112,6 +112,31 @@ def dequantize_fp8_blockwise(
     return (weight.float() * scale).to(dtype)
 
 
+#: e4m3fn round-to-nearest error, relative, of a normal value (3 mantissa bits: half a spacing of 2**(e-3)).
+E4M3_NORMAL_RTOL = 2.0**-4
+#: e4m3fn round-to-nearest error, absolute in units of the block scale, below the normal range (|x / scale| <
+#: 2**-6: subnormal spacing 2**-9).
+E4M3_SUBNORMAL_ATOL = 2.0**-10
+#: fp32 rounding of ``x / scale`` and ``q * scale`` (and the clamp at 448 it can trigger), relative to ``|x|``.
+FP32_SLACK_RTOL = 2.0**-22
+
+
+def roundtrip_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on ``|dequantize(quantize(x)) - x|`` for :func:`quantize_fp8_blockwise` /
+    :func:`dequantize_fp8_blockwise`: ``max(2**-4 |x|, 2**-10 scale) + 2**-22 |x|``, ``scale`` being the block's
+    ``amax / 448`` (see docs/design.md, FP8).
+
+    Args:
+        x: float tensor.
+        scale: the scale of each element's block, broadcastable to ``x``.
+
+    Returns:
+        fp32 tensor of ``x``'s shape.
+    """
+    ax = x.float().abs()
+    return torch.maximum(E4M3_NORMAL_RTOL * ax, E4M3_SUBNORMAL_ATOL * scale.float()) + FP32_SLACK_RTOL * ax
+
+
 def fp8_quantization_config() -> dict:
     """The ``quantization_config`` of an FP8 checkpoint's ``config.json`` (transformers' ``FineGrainedFP8Config``)."""
     return {

@@ -10,7 +10,8 @@ fit in ``--gpu-memory-gib`` less ``--reserve-gib``:
   ranks (``ceil(dim0 / n)`` rows each), routed experts ``E / ep`` per EP rank and FSDP2 over the ``dp = gpus / ep``
   ranks holding the same experts. Full fine-tune: fp32 masters. LoRA: the frozen base in its stored dtype (the
   fp32-kept parameters fp32; with ``--base fp8`` the tensors the FP8 release quantizes,
-  :func:`glm53flash_hf.tools.fp8.fp8_keys_of`, as e4m3 plus one fp32 scale per 128x128 block) and the fp32
+  :func:`glm53flash_hf.tools.fp8.fp8_keys_of`, as e4m3 plus one fp32 scale per 128x128 block, the bytes of the
+  FP8 module classes the load builds, :func:`fp8_load_bytes`) and the fp32
   adapters of :func:`glm53flash_hf.train.trainer.default_lora_config` (``r (in + out)`` per adapted linear,
   ``r E (in + out)`` per expert weight).
 * gradients: fp32, one per trainable element (sharded like the parameter); optimizer states: AdamW's two fp32
@@ -361,6 +362,58 @@ def load_config(path: str | None):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"checkpoint={path!r} must be a folder with a config.json")
     return Glm53FlashConfig.from_pretrained(path).get_text_config(decoder=True)
+
+
+def fp8_load_bytes(config, dtype=None) -> dict[str, int]:
+    """Weight bytes of ``Glm53FlashForCausalLM`` of ``config`` loaded from an FP8 checkpoint in the release's layout
+    (the tensors :func:`glm53flash_hf.tools.fp8.fp8_keys_of` names stored as block-scaled e4m3), kept in FP8 and
+    dequantized, counted from the shapes and dtypes of the modules the load builds, without memory: the model is
+    built on the meta device in ``dtype`` as ``from_pretrained(dtype=...)`` builds it (fp32-kept parameters fp32),
+    its published keys come from transformers' save-time conversion (``revert_weight_conversion``), and the
+    quantizer that loading installs (:class:`glm53flash_hf.fp8_kept.Glm53FlashFP8Quantizer`) converts it.
+
+    Args:
+        config: a ``Glm53FlashConfig`` or ``Glm53FlashTextConfig``.
+        dtype: the load dtype (default bf16).
+
+    Returns:
+        ``{"fp8", "scales", "other", "total"}`` of the FP8-kept model (:func:`glm53flash_hf.fp8_kept.fp8_weight_bytes`),
+        ``"dequantized"`` (total of the dequantized load), ``"converted"`` (bytes of the converted modules' FP8
+        weights and scales), ``"converted_dequantized"`` (the same tensors dequantized), ``"fp8_keys"`` (published FP8
+        weight tensors; each has one ``*_scale_inv``) and ``"fp8_modules"`` (modules converted).
+    """
+    import torch
+    from transformers import FineGrainedFP8Config
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from ..checkpoint import fp8_module_names_of_keys
+    from ..fp8_kept import FP8_DTYPE, Glm53FlashFP8Quantizer, fp8_quantizer_for_load, fp8_weight_bytes
+    from ..modeling_glm53flash import Glm53FlashForCausalLM
+    from .fp8 import MODULES_TO_NOT_CONVERT, fp8_keys_of
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    with torch.device("meta"):
+        model = Glm53FlashForCausalLM._from_config(config, dtype=dtype)
+    dequantized = fp8_weight_bytes(model)["total"]
+    fp8_keys = fp8_keys_of(revert_weight_conversion(model, model.state_dict()))
+    names = fp8_module_names_of_keys(fp8_keys)
+    before = {n: t.numel() * t.element_size() for n, t in model.named_parameters()}
+    quantizer = Glm53FlashFP8Quantizer(
+        FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK), modules_to_not_convert=MODULES_TO_NOT_CONVERT),
+        pre_quantized=True,
+    )
+    with fp8_quantizer_for_load(names):
+        quantizer.preprocess_model(model)
+    out = fp8_weight_bytes(model)
+    converted = [(n, t) for n, t in model.named_parameters() if t.dtype == FP8_DTYPE or n.endswith("_scale_inv")]
+    out.update(
+        dequantized=dequantized,
+        converted=sum(t.numel() * t.element_size() for _, t in converted),
+        converted_dequantized=sum(before[n] for n, t in converted if t.dtype == FP8_DTYPE),
+        fp8_keys=len(fp8_keys),
+        fp8_modules=sum(type(m).__name__.startswith("Glm53FlashFP8") for m in model.modules()),
+    )
+    return out
 
 
 def format_plan(plan: MemoryPlan, setup: Setup) -> str:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..fp8_kept import _row_groups, _tiles
-from ..tools.fp8 import quantize_fp8_blockwise
+from ..tools.fp8 import quantize_fp8_blockwise, roundtrip_error_bound
 
 
 def dequantize_rows(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
@@ -36,13 +36,16 @@ def quantize_rows(dense: torch.Tensor, scale_rows: int, block) -> tuple[torch.Te
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _merge_one(weight, scale, delta, block, fp8: bool, errors: list):
+def _merge_one(weight, scale, delta, block, fp8: bool, errors: list, bound_ratios: list):
     dense = dequantize_rows(weight, scale, block) + delta.float()
     if not fp8:
         return dense, None
     q, s = quantize_rows(dense, scale.shape[0], block)
     back = dequantize_rows(q, s, block)
-    errors.append(((back - dense).abs().max() / dense.abs().max().clamp_min(1e-30)).item())
+    err = (back - dense).abs()
+    errors.append((err.max() / dense.abs().max().clamp_min(1e-30)).item())
+    block_scale = dequantize_rows(torch.ones_like(q), s, block)  # each element's block scale
+    bound_ratios.append((err / roundtrip_error_bound(dense, block_scale)).max().item())
     return q, s
 
 
@@ -58,10 +61,19 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
             ``dtype`` (False).
         dtype: dtype of the dense merged weights (``fp8=False``).
 
+    Contract (each FP8 weight ``W`` with block scales, its adapter's ``delta``, ``x = dequantize(W) + delta`` in
+    fp32): ``fp8=False`` stores ``x`` (in ``dtype``), so in fp32 the merged model's logits are the adapter model's up
+    to the order of fp32 sums. ``fp8=True`` stores ``quantize(x)`` with fresh ``amax / 448`` block scales
+    (:func:`glm53flash_hf.tools.fp8.quantize_fp8_blockwise` per independently blocked row group), so the merged
+    model is the adapter model with each merged weight replaced by its round trip ``rt(x)`` and nothing else
+    changed; each element satisfies ``|rt(x) - x| <= max(2**-4 |x|, 2**-10 s) + 2**-22 |x|`` (``s`` its block's
+    scale; :func:`glm53flash_hf.tools.fp8.roundtrip_error_bound`), which the report checks.
+
     Returns:
         the merged base model (no LoRA layers) and ``{"fp8": fp8, "merged_fp8_weights": n,
-        "max_rel_roundtrip_error": e}``: ``e`` is the largest ``max |requantized - merged| / max |merged|`` over the
-        re-quantized weights (0 with ``fp8=False``).
+        "max_rel_roundtrip_error": e, "max_roundtrip_bound_ratio": b}``: ``e`` is the largest ``max |rt(x) - x| /
+        max |x|`` over the re-quantized weights, ``b`` the largest ``|rt(x) - x| / bound`` over their elements (at
+        most 1 when the contract holds); both 0 with ``fp8=False``.
 
     Raises:
         ValueError: when ``peft_model`` has more than one active adapter.
@@ -76,6 +88,7 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
         raise ValueError(f"merge_lora_fp8 merges one active adapter; got active_adapters={adapters!r}")
     adapter = adapters[0]
     errors: list[float] = []
+    ratios: list[float] = []
     merged = 0
     for _, layer in list(peft_model.named_modules()):
         if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
@@ -86,7 +99,8 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
             weight, scale = getattr(base, name), getattr(base, name + "_scale_inv")
             delta = layer.get_delta_weight(adapter)
             pairs = [
-                _merge_one(weight[e], scale[e], delta[e], base.block_size, fp8, errors) for e in range(len(weight))
+                _merge_one(weight[e], scale[e], delta[e], base.block_size, fp8, errors, ratios)
+                for e in range(len(weight))
             ]
             if fp8:
                 weight.data.copy_(torch.stack([p[0] for p in pairs]))
@@ -97,7 +111,7 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
             merged += 1
         elif isinstance(base, Glm53FlashFP8Linear) and base.weight.dtype == FP8_DTYPE:
             delta = layer.get_delta_weight(adapter)
-            q, s = _merge_one(base.weight, base.weight_scale_inv, delta, base.block_size, fp8, errors)
+            q, s = _merge_one(base.weight, base.weight_scale_inv, delta, base.block_size, fp8, errors, ratios)
             if fp8:
                 base.weight.data.copy_(q)
                 base.weight_scale_inv.data.copy_(s)
@@ -111,7 +125,11 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
     model = peft_model.merge_and_unload()
     if not fp8:
         _densify(model, dtype, Glm53FlashFP8Linear, Glm53FlashFP8Experts, Glm53FlashExperts)
-    return model, {"fp8": fp8, "merged_fp8_weights": merged, "max_rel_roundtrip_error": max(errors, default=0.0)}
+    report = {
+        "fp8": fp8, "merged_fp8_weights": merged, "max_rel_roundtrip_error": max(errors, default=0.0),
+        "max_roundtrip_bound_ratio": max(ratios, default=0.0),
+    }  # fmt: skip
+    return model, report
 
 
 def _densify(model, dtype, linear_cls, experts_cls, dense_experts_cls) -> None:
