@@ -1,27 +1,23 @@
-"""Per-call choice between the torch path and a fused kernel, for each operator family.
+"""Per-call choice between a torch op and its fused alternative, for each operator family.
 
-``config.kernels[family]`` (family in ``kda``, ``mhc``, ``dsa``, ``moe``) says what the caller wants:
+``config.kernels[family]`` (family in ``kda``, ``mhc``, ``dsa``, ``moe``), read per call by
+:func:`requested_backend` (the one reader of the setting):
 
-* ``"torch"``: always the torch path (the oracle; runs everywhere);
-* ``"auto"``: the fused kernel when it can run on these tensors (CUDA tensors, kernel installed), else torch;
-* ``"fused"``: the fused kernel; when it cannot run, a warning says why (once per family and reason) and the
-  torch path runs instead — a forward never fails because a kernel is missing.
+* ``"torch"``: always the torch op (the oracle; runs everywhere);
+* ``"auto"``: the fused alternative when it can run on these tensors, else the torch op;
+* ``"fused"``: the fused alternative; when it cannot run, a warning says why (once per family and reason) and the
+  torch op runs instead.
 
-The choice is made per call from the tensors' device, never from ``module.training`` (an activation-checkpoint
-recompute in eval mode must pick the same path as the forward it replays) and never at import time: CPU tensors
-never reach a GPU-only kernel even when fla/triton are installed.
-
-Fused kernels are probed through :data:`FUSED_AVAILABILITY` (family → callable returning ``(ok, reason)`` for the
-given tensors). The probes import their kernel module ``glm53flash_hf.<family>_fused`` lazily, only for CUDA
-tensors: ``kda_fused`` (fla-core), ``mhc_fused``, ``dsa_fused`` and ``moe_fused`` (our Triton kernels); each exposes
-``fused_<family>_available(*tensors) -> (ok, reason)``.
-
-:func:`local_tensor` unwraps parameters that arrive as DTensors (FSDP2 / tensor parallel) before a fused kernel
-reads their storage: replicated ones become their local tensor, sharded ones raise naming the parameter.
+:func:`choose_backend` decides from the tensors only (device, dtype, shapes), asking the family's probe in
+:data:`FUSED_AVAILABILITY`. Each family module registers the fused alternative of its torch ops beside them
+(:func:`register_fused`); :func:`op_for` returns the op to call. Fused modules are imported on first use, only for
+CUDA tensors (or under ``TRITON_INTERPRET=1`` where a probe allows it). :func:`local_tensor` unwraps replicated
+DTensor parameters before a kernel reads their storage.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable
 
@@ -29,7 +25,18 @@ import torch
 
 from .configuration_glm53flash import KERNEL_CHOICES, KERNEL_FAMILIES
 
-# family -> function(*tensors) -> (can_run: bool, reason_if_not: str)
+# family -> (kernel module, its probe): probe(*tensors) -> (can_run: bool, reason_if_not: str)
+PROBES: dict[str, tuple[str, str]] = {
+    "kda": ("kda_fused", "fused_kda_available"),
+    "mhc": ("mhc_fused", "fused_mhc_available"),
+    "dsa": ("dsa_fused", "fused_dsa_available"),
+    "moe": ("moe_fused", "fused_moe_available"),
+}
+
+# torch op name -> (family, loader() -> its fused alternative with the same contract); filled by register_fused
+FUSED_ALTERNATIVES: dict[str, tuple[str, Callable[[], Callable]]] = {}
+
+# family -> the probe of PROBES, wrapped to import its module on first use (tests may replace an entry)
 FUSED_AVAILABILITY: dict[str, Callable[..., tuple[bool, str]]] = {}
 
 _warned: set[tuple[str, str]] = set()
@@ -87,16 +94,40 @@ def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
     return "torch"
 
 
+def register_fused(family: str, torch_op: Callable, loader: Callable[[], Callable]) -> None:
+    """Register the fused alternative of ``torch_op``: ``loader()`` imports its kernel module (on the first fused
+    call only) and returns the op, which takes ``torch_op``'s arguments and keeps its contract.
+
+    Raises:
+        ValueError: unknown family.
+    """
+    if family not in KERNEL_FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {KERNEL_FAMILIES}")
+    FUSED_ALTERNATIVES[torch_op.__name__] = (family, loader)
+
+
+def op_for(torch_op: Callable, requested: str, *tensors: torch.Tensor) -> Callable:
+    """The op to call for these tensors: ``torch_op`` or its registered fused alternative (:func:`register_fused`),
+    as :func:`choose_backend` decides for ``requested``.
+
+    Raises:
+        KeyError: ``torch_op`` has no registered fused alternative.
+        ValueError: as :func:`choose_backend`.
+    """
+    family, loader = FUSED_ALTERNATIVES[torch_op.__name__]
+    if choose_backend(family, requested, *tensors) == "fused":
+        return loader()
+    return torch_op
+
+
 def _lazy_probe(module: str, probe: str) -> Callable[..., tuple[bool, str]]:
-    """A probe that imports ``glm53flash_hf.<module>`` on first use (only ever for CUDA tensors, so CPU runs never
-    import triton or fla) and calls its ``probe`` function; an import failure is reported as the reason."""
+    """A probe that imports ``glm53flash_hf.<module>`` on first use and calls its ``probe`` function; an import
+    failure is reported as the reason."""
 
     loaded: list = []  # [module] or [ImportError message], filled on the first call
 
     def run(*tensors: torch.Tensor) -> tuple[bool, str]:
         if not loaded:
-            import importlib
-
             try:
                 loaded.append(importlib.import_module(f"{__package__}.{module}"))
             except ImportError as exc:  # kernel module or its dependency (triton, fla-core) missing
@@ -109,16 +140,12 @@ def _lazy_probe(module: str, probe: str) -> Callable[..., tuple[bool, str]]:
     return run
 
 
-for _family in KERNEL_FAMILIES:
-    FUSED_AVAILABILITY[_family] = _lazy_probe(f"{_family}_fused", f"fused_{_family}_available")
+FUSED_AVAILABILITY.update({family: _lazy_probe(*PROBES[family]) for family in KERNEL_FAMILIES})
 
 
 def local_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """The plain tensor a fused kernel may read, for a parameter that may arrive as a DTensor.
-
-    FSDP2 all-gathers parameters to plain tensors for the forward, but under tensor/expert parallelism (or a
-    module used outside its FSDP forward hooks) a parameter can still be a ``DTensor``; Triton/fla kernels read raw
-    storage and would silently use one shard. Replicated DTensors are unwrapped to their (full) local tensor.
+    """The plain tensor a fused kernel may read, for a parameter that may arrive as a DTensor (replicated ones are
+    unwrapped to their full local tensor).
 
     Args:
         tensor: a tensor or ``torch.distributed.tensor.DTensor``.

@@ -18,9 +18,9 @@ What differs from the transformers module (the maths is the same):
   query chunks each wrapped in activation checkpointing, so neither keeps ``[S, S]``-sized buffers.
 
 The torch operators (sparse MLA, KPool pooling, pool scoring and top-k selection) are in :mod:`.dsa_ops`. The
-attention core is :func:`sparse_mla`, which chooses per call (:func:`.dispatch.choose_backend` on ``backend`` =
-``config.kernels["dsa"]`` and the tensors' device) between :func:`.dsa_ops.sparse_mla_torch` and, on CUDA, the
-Triton kernel :func:`glm53flash_hf.dsa_fused.sparse_mla_fused` (forward and backward).
+attention core is :func:`.dsa_ops.sparse_mla_torch` or its fused alternative
+:func:`glm53flash_hf.dsa_fused.sparse_mla_fused`, chosen per call by :func:`.dispatch.op_for` (``config.kernels["dsa"]``
+and the tensors).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .dispatch import choose_backend, requested_backend
+from .dispatch import op_for, register_fused, requested_backend
 from .dsa_ops import (
     DEFAULT_INDEXER_SCORE_ELEMENTS,
     kpool_pool_keys,
@@ -49,6 +49,15 @@ __all__ = [
     "init_dsa_weights",
     "sparse_mla",
 ]
+
+
+def _sparse_mla_fused():
+    from .dsa_fused import sparse_mla_fused  # CUDA tensors only: CPU runs never import triton
+
+    return sparse_mla_fused
+
+
+register_fused("dsa", sparse_mla_torch, _sparse_mla_fused)
 
 
 def sparse_mla(
@@ -77,11 +86,8 @@ def sparse_mla(
     Raises:
         ValueError: for an unknown ``backend`` (:func:`.dispatch.choose_backend`), and the errors of the chosen path.
     """
-    if choose_backend("dsa", backend, q_abs, latent, indices) == "fused":
-        from .dsa_fused import sparse_mla_fused  # CUDA tensors only: CPU runs never import triton
-
-        return sparse_mla_fused(q_abs, latent, indices, scale)
-    return sparse_mla_torch(q_abs, latent, indices, scale, query_chunk=query_chunk)
+    op = op_for(sparse_mla_torch, backend, q_abs, latent, indices)
+    return op(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -402,7 +408,6 @@ class Glm53FlashAttention(nn.Module):
             not self.skip_topk and layer_idx + 1 < num_layers and config.indexer_types[layer_idx + 1] == "shared"
         )
         self.scaling = self.qk_head_dim**-0.5
-        self.backend = requested_backend(config, "dsa")
         self.query_chunk: int | None = None
 
         bias = config.attention_bias
@@ -416,6 +421,11 @@ class Glm53FlashAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=bias)
         self.indexer = None if self.skip_topk else Glm53FlashIndexer(config, layer_idx)
+
+    @property
+    def backend(self) -> str:
+        """The sparse-MLA implementation requested for this call (``config.kernels["dsa"]``)."""
+        return requested_backend(self.config, "dsa")
 
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
         """Effective ``kv_b_proj`` weight ``[H * (qk_nope + v_head_dim), kv_lora_rank]`` for the absorbed form.
@@ -533,9 +543,8 @@ class Glm53FlashAttention(nn.Module):
         if output_attentions:
             out_lat, weights = sparse_mla_with_weights(q_abs, latent, topk_indices, self.scaling)
         else:
-            out_lat, _ = sparse_mla(
-                q_abs, latent, topk_indices, self.scaling, backend=self.backend, query_chunk=self.query_chunk
-            )
+            op = op_for(sparse_mla_torch, self.backend, q_abs, latent, topk_indices)
+            out_lat, _ = op(q_abs, latent, topk_indices, self.scaling, query_chunk=self.query_chunk)
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         attn = self.o_proj(attn)

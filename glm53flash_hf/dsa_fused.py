@@ -45,7 +45,7 @@ fp32 summation order (and its last bits) may vary between GPU runs.
 Custom ops
 ----------
 The kernels run inside custom ops of the namespace ``glm53flash`` (registered at import by
-:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; listed in :data:`OPS`), with fake
+:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; also ``torch.ops.glm53flash.<name>``), with fake
 implementations, so ``torch.compile(fullgraph=True)`` traces :func:`sparse_mla_fused` without a graph break:
 
 * ``sparse_mla_fwd(q_abs, latent, indices, scale, block_h, block_w) -> (out, lse)``; its autograd formula saves the
@@ -366,12 +366,10 @@ def _sparse_mla_backward(ctx, grad_out, grad_lse):
     return (dq if need_dq else None), (dlat if need_dlat else None), None, None, None, None
 
 
-OPS: dict = {}  # op name -> op (also torch.ops.glm53flash.<name>); empty without triton
 if TRITON_AVAILABLE:
     _SPARSE_MLA_BWD = define_op("sparse_mla_bwd", _sparse_mla_bwd_impl, _sparse_mla_bwd_fake)
     _SPARSE_MLA_FWD = define_op("sparse_mla_fwd", _sparse_mla_fwd_impl, _sparse_mla_fwd_fake,
                                 backward=_sparse_mla_backward, setup_context=_sparse_mla_setup)
-    OPS.update(sparse_mla_fwd=_SPARSE_MLA_FWD, sparse_mla_bwd=_SPARSE_MLA_BWD)
 
 
 # ====================================================================================================== public API
@@ -383,6 +381,7 @@ def sparse_mla_fused(
     *,
     block_h: int | None = None,
     block_w: int | None = None,
+    query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse multi-query attention in the absorbed MLA form (Triton forward and backward).
 
@@ -404,6 +403,7 @@ def sparse_mla_fused(
         block_h: heads per program (power of two >= 16; ``None``: automatic). Results do not depend on it beyond
             fp32 summation order.
         block_w: ids per inner-loop block (power of two >= 16; ``None``: automatic).
+        query_chunk: accepted for the torch op's signature and ignored (the kernel's memory is ``O(S * W)``).
 
     Returns:
         ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] fp32 natural log)`` — the torch path's dtypes for these

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from transformers import initialization as init
 
 from .dispatch import choose_backend, requested_backend
 from .generation_cache import check_cache
-from .kda_ops import LayerOps, causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
+from .kda_ops import causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
 from .offload import call_onloaded
 from .packing import DocumentLayout
 
@@ -33,6 +34,9 @@ __all__ = [
     "Glm53FlashRMSNormGated",
     "Glm53FlashLinearAttention",
     "init_kda_weights",
+    "kda_boundary_transition",
+    "sp_chunk_kda",
+    "sp_conv_initial_state",
 ]
 
 
@@ -51,8 +55,7 @@ class Glm53FlashForgetGate(nn.Module):
     * with ``linear_lower_bound = None``: ``g = -exp(A_log[h]) * softplus(f + dt_bias)`` (softplus linear above 20).
 
     Same maths as transformers' ``Glm5NextTextForgetGate`` and fla's ``naive_kda_lowerbound_gate`` /
-    ``naive_kda_gate``. The softplus uses ``torch.nn.functional.softplus`` (``log1p``), which differs from HF's
-    ``log(1 + exp(x))`` by < 1e-7 absolute and keeps gradients finite where ``exp`` overflows.
+    ``naive_kda_gate``.
 
     Parameters: ``f_a_proj.weight`` [K, hidden], ``f_b_proj.weight`` [H*K, K], ``dt_bias`` fp32 [H*K],
     ``A_log`` fp32 [H].
@@ -125,8 +128,9 @@ class Glm53FlashLinearAttention(nn.Module):
     ``beta = sigmoid(b_proj x)`` (computed in fp32), ``o = KDA(q, k, v, g, beta)`` (l2-normalised q, k; scale
     ``K^-0.5``), ``out = o_proj(o_norm(o, g_b_proj(g_a_proj x)))``.
 
-    The implementation is chosen per call by ``config.kernels["kda"]`` (``"auto"`` / ``"torch"`` / ``"fused"``) and
-    the tensors' device: see :meth:`bind_ops`.
+    Each call runs either the torch ops of :mod:`.kda_ops` or the fused ones of :mod:`.kda_fused` (gate, beta
+    sigmoid and q/k l2-norm inside fla's kernels), chosen once per call from ``config.kernels["kda"]`` and the
+    tensors (:func:`glm53flash_hf.dispatch.choose_backend`).
     """
 
     def __init__(self, config, layer_idx: int) -> None:
@@ -140,7 +144,7 @@ class Glm53FlashLinearAttention(nn.Module):
         self.activation = config.hidden_act
         if self.activation not in ("silu", "swish"):
             raise ValueError(f"hidden_act must be 'silu' for the KDA short convolution; got {self.activation!r}")
-        self.backend = requested_backend(config, "kda")
+        self.config = config
 
         self.q_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)
         self.k_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)
@@ -162,44 +166,6 @@ class Glm53FlashLinearAttention(nn.Module):
         self.o_norm = Glm53FlashRMSNormGated(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(self.qkv_dim, self.hidden_size, bias=False)
 
-    def bind_ops(self, hidden_states: torch.Tensor, decode: bool) -> LayerOps:
-        """The gate, conv, core and norm of one call, all on one backend.
-
-        ``choose_backend("kda", self.backend, ...)`` is asked once, from the tensors only (device, dtype, and the head
-        dim carried by ``o_norm.weight`` viewed ``[1, 1, 1, K]``), never from ``self.training`` or grad mode, so an
-        activation-checkpoint recompute takes the path of the forward it replays.
-
-        * ``"fused"``: :func:`glm53flash_hf.kda_fused.bind_layer_fused` (fla's conv, ``chunk_kda`` with the gate,
-          the beta sigmoid and the l2-norm in the kernel, or for a decode step without gradients
-          ``fused_recurrent_kda``; ``rms_norm_gated``).
-        * ``"torch"``: :func:`~glm53flash_hf.kda_ops.causal_conv1d_torch`, then
-          :func:`~glm53flash_hf.kda_ops.recurrent_kda_torch` for a decode step (``decode``: one token continuing a
-          cached state) or :func:`~glm53flash_hf.kda_ops.chunk_kda_torch`; the gate and the norm are the submodules.
-
-        Args:
-            hidden_states: ``[B, S, D]``, this call's input.
-            decode: whether the call is a cached decode step.
-
-        Returns:
-            A :class:`~glm53flash_hf.kda_ops.LayerOps`.
-
-        Raises:
-            ValueError: on the fused path, a sharded DTensor parameter (named).
-        """
-        if choose_backend("kda", self.backend, hidden_states, self.o_norm.weight.view(1, 1, 1, -1)) == "fused":
-            from .kda_fused import bind_layer_fused
-
-            return call_onloaded(
-                (self.conv1d, self.forget_gate, self.o_norm), lambda: bind_layer_fused(self, hidden_states, decode)
-            )
-        conv_weight = call_onloaded((self.conv1d,), lambda: self.conv1d.weight[:, 0, :])
-        return LayerOps(
-            gate=lambda x: (self.forget_gate(x), torch.sigmoid(self.b_proj(x).float())),
-            conv=functools.partial(causal_conv1d_torch, weight=conv_weight, activation=self.activation),
-            core=recurrent_kda_torch if decode else chunk_kda_torch,
-            norm=self.o_norm,
-        )
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -212,33 +178,20 @@ class Glm53FlashLinearAttention(nn.Module):
 
         Args:
             hidden_states: ``[B, S, D]``.
-            layout: the batch's :class:`~glm53flash_hf.packing.DocumentLayout`. Padding tokens are zeroed (as HF
-                does with a 2-D mask, but with ``masked_fill`` so non-finite padding cannot leak). Without a cache:
-                with ``layout.trivial`` the rows run batched; otherwise the batch is flattened to ``[1, B*S]`` and the
-                convolution and recurrence restart at every segment of ``layout.cu_seqlens`` (padding runs are their
-                own segments; their outputs are finite and unused). With a cache, ``layout`` only gives the padding
-                (``layout.valid``) of this call's tokens and the rows run batched.
-            cache: optional transformers ``Cache`` whose layer ``layer_idx`` is transformers' ``LinearAttentionLayer``:
-                the conv state ``[B, 3*H*K, W]`` (the row's last ``W`` conv inputs ``[q|k|v]``, oldest first, in the
-                projections' dtype, the layout transformers' glm5_next writes) and the recurrent state fp32
-                ``[B, H, K, V]``. Both are read as the initial states of this call (zeros when empty) and replaced
-                by the final ones. A call of one token with both states present is a decode step
-                (:meth:`bind_ops`); a longer call continues the chunked form, so two chunks equal one prefill. Left
-                padding is zeroed first: a zero input gives ``q = k = v = 0`` after the conv, so the state and the
-                conv history stay zero until the row's first real token, the same numbers as the uncached forward,
-                which restarts a segment there. While the cache records its past (``cache.is_recording_past``,
-                assisted / MTP decoding with :class:`~.generation_cache.Glm53FlashKDACacheLayer`), every call
-                hands the cache its raw conv inputs and what restores the state after any of its tokens: a
-                continuation of ``S > 1`` tokens runs the decode recurrence token by token (the maths of ``S``
-                decode steps) and hands the ``S`` per-token states, a decode step its one state, and a first call
-                (run chunked) a replay over a prefix of its inputs, so that ``crop(-n)`` restores the state ``n``
-                tokens back exactly.
-            cache_context: unused here (accepted for a uniform layer signature).
-
-        Sequence parallelism: when ``layout.sequence_parallel`` is set (:mod:`.sequence_parallel`), the first
-        segment's conv history comes from the previous rank
-        (:meth:`~.sequence_parallel.SequenceParallelContext.kda_conv_initial_state`) and the recurrence passes its
-        state between ranks (:meth:`~.sequence_parallel.SequenceParallelContext.kda_core`).
+            layout: the batch's :class:`~glm53flash_hf.packing.DocumentLayout`. Padding tokens are zeroed. Without a
+                cache: with ``layout.trivial`` the rows run batched, otherwise the batch is flattened to
+                ``[1, B*S]`` and the convolution and recurrence restart at every segment of ``layout.cu_seqlens``.
+                With a cache, ``layout`` only gives the padding (``layout.valid``) and the rows run batched. With
+                ``layout.sequence_parallel`` set, this rank's shard continues the previous ranks' documents
+                (:func:`sp_conv_initial_state`, :func:`sp_chunk_kda`).
+            cache: optional transformers ``Cache`` whose layer ``layer_idx`` is a ``LinearAttentionLayer``: conv
+                state ``[B, 3*H*K, W]`` (the last ``W`` conv inputs ``[q|k|v]``, oldest first) and recurrent state
+                fp32 ``[B, H, K, V]``, read as the initial states (zeros when empty) and replaced by the final ones.
+                One token continuing both states is a decode step (:meth:`decode`); a continuation of ``S > 1``
+                tokens while the cache records its past (``cache.is_recording_past``) is a verification
+                (:meth:`verify`); every other call is a prefill (:meth:`prefill`, chunked, so two chunks equal one
+                call).
+            cache_context: unused (accepted for a uniform layer signature).
 
         Returns:
             ``[B, S, D]`` in ``hidden_states``' dtype.
@@ -246,94 +199,298 @@ class Glm53FlashLinearAttention(nn.Module):
         Raises:
             NotImplementedError: ``cache`` that is not a transformers ``Cache``
                 (:class:`~.generation_cache.UnsupportedCacheError`, also a ``TypeError``).
-            ValueError: ``layout`` does not match ``[B, S]``; the cache layer is not a linear-attention layer
-                (transformers' message); on the fused path, a sharded DTensor parameter (named).
+            ValueError: ``layout`` does not match ``[B, S]``; a cache under sequence parallelism; the cache layer
+                is not a linear-attention layer (transformers' message); on the fused path, a sharded DTensor
+                parameter (named).
         """
         B, S, _ = hidden_states.shape
-        H, K = self.num_heads, self.head_dim
         if layout.batch_size != B or layout.seq_len != S:
             raise ValueError(
                 f"layout is for [{layout.batch_size}, {layout.seq_len}] but hidden_states is [{B}, {S}, ...]"
             )
         conv_state = recurrent_state = None
+        recording = False
         if cache is not None:
             check_cache(cache, "Glm53FlashLinearAttention")
+            if getattr(layout, "sequence_parallel", None) is not None:
+                raise ValueError("sequence parallelism runs uncached forwards only; got a cache")
             conv_state = cache.get_conv_state(self.layer_idx)
             recurrent_state = cache.get_recurrent_state(self.layer_idx)
-        continuing = conv_state is not None and recurrent_state is not None
-        recording = cache is not None and cache.is_recording_past(self.layer_idx)
-        if recording and conv_state is not None:
-            # a recording layer keeps every input since the last crop; the convolution reads the last W
-            conv_state = conv_state[..., -self.conv_kernel_size :]
-        # a multi-token continuation while the cache records its past (assisted decoding's verification call) runs
-        # the decode recurrence token by token and keeps each state, so crop(-n) can restore any of them
-        stepwise = continuing and S > 1 and recording
-        ops = self.bind_ops(hidden_states, decode=continuing and (S == 1 or stepwise))
+            recording = cache.is_recording_past(self.layer_idx)
+            if recording and conv_state is not None:  # a recording layer keeps every input since the last crop
+                conv_state = conv_state[..., -self.conv_kernel_size :]
+        # one choice per call, from the tensors only (never from self.training: a checkpoint recompute replays it)
+        fused = choose_backend("kda", requested_backend(self.config, "kda"), hidden_states,
+                               self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
+        params = self._kernel_params(fused)
         if not layout.trivial:
-            # masked_fill, not a multiply: garbage (even non-finite) padding embeddings cannot reach any gradient.
             hidden_states = hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
+        if conv_state is not None and recurrent_state is not None:
+            if S == 1:
+                return self.decode(hidden_states, params, conv_state, recurrent_state, cache, recording)
+            if recording:
+                return self.verify(hidden_states, params, conv_state, recurrent_state, cache)
+        return self.prefill(hidden_states, layout, params, conv_state, recurrent_state, cache, recording)
 
-        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-        g, beta = ops.gate(hidden_states)
+    def prefill(self, x, layout, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
+        """The chunked form over ``x [B, S, D]`` (padding already zeroed): uncached (batched, packed or a
+        sequence-parallel shard), a first cached call, or a continuation that does not record its past. A recorded
+        first call hands the cache a replay of its prefixes (``crop`` may cut into it)."""
+        B, S, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        mixed, g, beta = self._projections(x, params)
         varlen = {}
         if cache is None and not layout.trivial:
-            mixed = mixed.reshape(1, B * S, self.conv_dim)
-            g = g.reshape(1, B * S, H, K)
-            beta = beta.reshape(1, B * S, H)
+            mixed, g, beta = mixed.reshape(1, B * S, -1), g.reshape(1, B * S, H, K), beta.reshape(1, B * S, H)
             varlen = {"cu_seqlens": layout.cu_seqlens}
-        states = {"output_final_state": cache is not None}
         sp = getattr(layout, "sequence_parallel", None)
-        if sp is not None:  # a sequence-parallel shard: conv history and recurrent state from the previous ranks
-            if cache is not None:
-                raise ValueError("sequence parallelism runs uncached forwards only; got a cache")
-            conv_state = sp.kda_conv_initial_state(mixed.view(B, S, self.conv_dim), self.conv_kernel_size,
-                                                   layout.num_segments)
-        conv_inputs = mixed
-        mixed, conv_final = ops.conv(mixed, initial_state=conv_state, **states, **varlen)
-        b, t = mixed.shape[:2]
-        q, k, v = (x.reshape(b, t, H, K) for x in mixed.split(self.qkv_dim, dim=-1))
-        per_token_states = None
         if sp is not None:
-            o = sp.kda_core(ops.core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, cp_core=ops.cp_core)
-            recurrent_final = None
-        elif stepwise:
-            outs, per_token = [], []
-            state = recurrent_state
-            for i in range(S):
-                step = (x[:, i : i + 1] for x in (q, k, v, g, beta))
-                o_i, state = ops.core(*step, initial_state=state, output_final_state=True)
-                outs.append(o_i)
-                per_token.append(state.float())
-            o, recurrent_final, per_token_states = torch.cat(outs, dim=1), state, torch.stack(per_token)
-        else:
-            o, recurrent_final = ops.core(q, k, v, g, beta, initial_state=recurrent_state, **states, **varlen)
+            conv_state = sp_conv_initial_state(sp, mixed.view(B, S, self.conv_dim), self.conv_kernel_size,
+                                               layout.num_segments)
+        (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state,
+                                           output_final_state=cache is not None, **varlen)
+        core = cp_core = chunk_kda_torch
+        if params["fused"]:
+            from .kda_fused import chunk_kda_context_parallel, chunk_kda_gate_in_kernel
+
+            core = functools.partial(chunk_kda_gate_in_kernel, **params["gate"])
+            cp_core = functools.partial(chunk_kda_context_parallel, **params["gate"])
+        if sp is not None:
+            o = sp_chunk_kda(sp, core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens,
+                             cp_core=cp_core if params["fused"] else None)
+            return self._output(o, x, params)
+        o, final = core(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
+                        **varlen)
+        continuing = conv_state is not None and recurrent_state is not None
         if cache is not None:
-            # the final conv state holds exactly the last W inputs: stored as is, first call or continuation. While
-            # the cache records its past, the call hands transformers' layer its raw inputs [B, 3*H*K, S] instead
-            # (a first call behind W zero columns, the inputs before the row's first token), which it appends to the
-            # recorded window so that crop(-n) can cut it back
-            conv_update = conv_final
-            if recording:
-                conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
-                if not continuing:
-                    conv_update = torch.nn.functional.pad(conv_update, (self.conv_kernel_size, 0))
-            cache.update_conv_state(conv_update, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             history = {}
-            if recording and per_token_states is not None:
-                history = {"per_token_states": per_token_states}
-            elif recording and S == 1:
-                history = {"per_token_states": recurrent_final.float()[None]}
+            if recording and S == 1:
+                history = {"per_token_states": final.float()[None]}
             elif recording and not continuing:
-                # a recorded first call (assisted decoding's prefill, which may end with candidate tokens): the
-                # state after any prefix is recomputed from these inputs if a crop reaches into the call
-                def replay(j, core=ops.core, inputs=(q, k, v, g, beta)):
-                    prefix = (x[:, :j].contiguous() for x in inputs)
+
+                def replay(j, core=core, inputs=(q, k, v, g, beta)):
+                    prefix = (t[:, :j].contiguous() for t in inputs)
                     return core(*prefix, initial_state=None, output_final_state=True)[1].float()
 
                 history = {"replay": (S, replay)}
-            cache.update_recurrent_state(recurrent_final.float(), self.layer_idx, **history)
-        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, S, H, K)
-        return self.o_proj(ops.norm(o.reshape(B, S, H, K), gate).reshape(B, S, self.qkv_dim))
+            self._store(cache, conv_final, mixed, final, continuing, recording, history)
+        return self._output(o, x, params)
+
+    def decode(self, x, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
+        """One cached token per row (``x [B, 1, D]``): the recurrence advances the cached state by one step; a
+        recording cache gets that state as its one per-token state."""
+        mixed, g, beta = self._projections(x, params)
+        (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state, output_final_state=True)
+        o, final = self._step_core(x, params)(q, k, v, g, beta, initial_state=recurrent_state,
+                                               output_final_state=True)
+        history = {"per_token_states": final.float()[None]} if recording else {}
+        self._store(cache, conv_final, mixed, final, True, recording, history)
+        return self._output(o, x, params)
+
+    def verify(self, x, params, conv_state, recurrent_state, cache) -> torch.Tensor:
+        """``S > 1`` cached tokens while the cache records its past (assisted / MTP verification): the decode
+        recurrence runs token by token and the cache gets every per-token state, so ``crop(-n)`` restores the state
+        ``n`` tokens back exactly."""
+        mixed, g, beta = self._projections(x, params)
+        (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state, output_final_state=True)
+        step = self._step_core(x, params)
+        outs, states, state = [], [], recurrent_state
+        for i in range(x.shape[1]):
+            o_i, state = step(*(t[:, i : i + 1] for t in (q, k, v, g, beta)), initial_state=state,
+                              output_final_state=True)
+            outs.append(o_i)
+            states.append(state.float())
+        self._store(cache, conv_final, mixed, state, True, True, {"per_token_states": torch.stack(states)})
+        return self._output(torch.cat(outs, dim=1), x, params)
+
+    # ------------------------------------------------------------------------------------------ shared pieces
+    def _kernel_params(self, fused: bool) -> dict:
+        """What the ops of this call read directly: ``fused`` (bool), ``conv`` ``[3*H*K, W]``, and on the fused path
+        ``gate`` (``A_log``, ``dt_bias``, ``lower_bound``) and ``norm`` ``[K]``; loaded when offloaded, replicated
+        DTensors unwrapped (:func:`.kda_fused.kernel_params`)."""
+        if not fused:
+            return call_onloaded((self.conv1d,), lambda: {"fused": False, "conv": self.conv1d.weight[:, 0, :]})
+        from .kda_fused import kernel_params
+
+        return call_onloaded((self.conv1d, self.forget_gate, self.o_norm),
+                             lambda: dict(kernel_params(self), fused=True))
+
+    def _projections(self, x, params):
+        """``(mixed [B, S, 3*H*K], g [B, S, H, K], beta [B, S, H])``: the conv inputs and the gate inputs of the
+        chosen core (torch: the activated log decay and ``sigmoid(b_proj x)`` fp32; fused: their pre-activations)."""
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if not params["fused"]:
+            return mixed, self.forget_gate(x), torch.sigmoid(self.b_proj(x).float())
+        fg = self.forget_gate
+        return mixed, fg.f_b_proj(fg.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim)), self.b_proj(x)
+
+    def _conv(self, mixed, params, **kwargs):
+        """Short convolution + SiLU of ``mixed [b, t, 3*H*K]``: ``((q, k, v) each [b, t, H, K], final state)``."""
+        conv = causal_conv1d_torch
+        if params["fused"]:
+            from .kda_fused import causal_conv1d_fused as conv
+        y, final = conv(mixed, weight=params["conv"], activation=self.activation, **kwargs)
+        b, t = y.shape[:2]
+        return tuple(z.reshape(b, t, self.num_heads, self.head_dim) for z in y.split(self.qkv_dim, dim=-1)), final
+
+    def _step_core(self, x, params):
+        """The core of cached steps: torch ``recurrent_kda_torch``; fused ``fused_recurrent_step`` when no gradient
+        is needed, else the chunked kernel (which has a backward)."""
+        if not params["fused"]:
+            return recurrent_kda_torch
+        from .kda_fused import chunk_kda_gate_in_kernel, fused_recurrent_step
+
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if needs_grad:
+            return functools.partial(chunk_kda_gate_in_kernel, **params["gate"])
+
+        def step(q, k, v, g_raw, beta_logits, *, initial_state, output_final_state):
+            return fused_recurrent_step(q, k, v, g_raw, beta_logits, state=initial_state, **params["gate"])
+
+        return step
+
+    def _store(self, cache, conv_final, conv_inputs, recurrent_final, continuing, recording, history) -> None:
+        """Write the final states. The conv state holds the last ``W`` inputs; a recording cache gets the raw inputs
+        ``[B, 3*H*K, S]`` instead (a first call behind ``W`` zero columns), appended to its window."""
+        conv_update = conv_final
+        if recording:
+            conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
+            if not continuing:
+                conv_update = F.pad(conv_update, (self.conv_kernel_size, 0))
+        cache.update_conv_state(conv_update, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        cache.update_recurrent_state(recurrent_final.float(), self.layer_idx, **history)
+
+    def _output(self, o, x, params) -> torch.Tensor:
+        """Gated RMSNorm of ``o`` with ``g_b_proj(g_a_proj x)``, then ``o_proj``: ``[B, S, D]``."""
+        B, S = x.shape[:2]
+        shape = (B, S, self.num_heads, self.head_dim)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(shape)
+        o = o.reshape(shape)
+        if not params["fused"]:
+            return self.o_proj(self.o_norm(o, gate).reshape(B, S, self.qkv_dim))
+        from .kda_fused import rms_norm_gated_fused
+
+        normed = rms_norm_gated_fused(o, gate, params["norm"], self.o_norm.variance_epsilon)
+        return self.o_proj(normed.reshape(B, S, self.qkv_dim))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sequence parallelism
+# ----------------------------------------------------------------------------------------------------------------------
+
+_CP_WARNED: set[str] = set()
+
+
+def sp_conv_initial_state(sp, mixed: torch.Tensor, kernel: int, num_segments: int) -> torch.Tensor:
+    """Conv ``initial_state`` ``[N, D, kernel]`` of a shard's local segments: zeros, except the first segment of each
+    row, whose last ``kernel - 1`` columns are the previous rank's last ``kernel - 1`` conv inputs where they belong
+    to the document continuing into this shard.
+
+    Args:
+        sp: the :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext` of the forward.
+        mixed: ``[B, L, D]`` pre-convolution inputs (``q_proj | k_proj | v_proj``), any float dtype.
+        kernel: the conv width ``W_conv``; num_segments: ``N``, segments of the local layout.
+
+    Raises:
+        ValueError: ``L < kernel - 1`` (the history would span two ranks).
+    """
+    B, L, D = mixed.shape
+    hist = kernel - 1
+    if L < hist:
+        raise ValueError(f"sequence parallelism needs local_len >= linear_conv_kernel_dim - 1 = {hist}; got {L}")
+    pos = sp.offset - hist + torch.arange(hist, device=mixed.device)  # global positions of the history
+    doc_first = sp.global_layout.doc_start[:, sp.offset]  # [B] first token of the continuing document
+    keep = sp.continues[:, None] & (pos[None] >= doc_first[:, None])  # [B, hist]
+    prev = sp.previous_rank_tail(mixed, hist, keep)  # [B, hist, D]
+    first = torch.cat([prev.new_zeros(B, D, 1), prev.transpose(1, 2)], dim=-1)  # [B, D, kernel]
+    return mixed.new_zeros(num_segments, D, kernel).index_copy(0, sp.first_seg, first)
+
+
+def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, cp_core=None) -> torch.Tensor:
+    """The chunked KDA of a shard with the recurrent state passed between ranks.
+
+    With ``cp_core`` (the fused path's :func:`~.kda_fused.chunk_kda_context_parallel`) and when
+    :func:`~.kda_fused.fla_cp_refusal` is None, the shard runs in fla's context-parallel kernels. Otherwise (a warning
+    names the reason once when ``cp_core`` was given): per row, ``B_r`` is the final state of the shard's last
+    segment from a zero state and ``A_r`` (:func:`kda_boundary_transition`) the transition of its first segment,
+    kept only when that segment is the whole shard and continues a document; every rank folds the incoming state
+    with :meth:`~glm53flash_hf.sequence_parallel.SequenceParallelContext.affine_prefix` and re-runs its first
+    segments from it. The boundary passes run inside ``torch.utils.checkpoint``.
+
+    Args:
+        sp: the :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext` of the forward.
+        core: the chunk op (``chunk_kda_torch`` or the fused one: same contract).
+        q, k, g: ``[1, B*L, H, K]``; v: ``[1, B*L, H, V]``; beta: ``[1, B*L, H]`` (the flattened local rows).
+        cu_seqlens: the local layout's segment boundaries.
+        cp_core: optional ``cp_core(q, k, v, g, beta, *, cp_context) -> o``.
+
+    Returns:
+        ``o`` ``[1, B*L, H, V]``.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if cp_core is not None:
+        from .kda_fused import fla_cp_context, fla_cp_refusal
+
+        refusal = fla_cp_refusal(sp, q.device)
+        if refusal is None:
+            return cp_core(q, k, v, g, beta, cp_context=fla_cp_context(sp, cu_seqlens))
+        if refusal not in _CP_WARNED:
+            _CP_WARNED.add(refusal)
+            warnings.warn(
+                f"sequence parallelism: fla's context-parallel KDA is not used ({refusal}); the shards pass the "
+                "KDA state with this package's scheme (same result, fla's chunk kernels)",
+                stacklevel=3,
+            )
+
+    ft, first_cu = sp.first_tokens, sp.first_cu
+    q1, k1, v1, g1, beta1 = (t.index_select(1, ft) for t in (q, k, v, g, beta))
+
+    def boundary(q1, k1, v1, g1, beta1):
+        a = kda_boundary_transition(core, k1, g1, beta1, cu_seqlens=first_cu, like_q=q1)
+        _, b = core(q1, k1, v1, g1, beta1, cu_seqlens=first_cu, output_final_state=True)
+        return a, b
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q1, k1, v1, g1, beta1)):
+        a_local, b_first = checkpoint(boundary, q1, k1, v1, g1, beta1, use_reentrant=False)
+    else:
+        a_local, b_first = boundary(q1, k1, v1, g1, beta1)
+    a_local = a_local * (sp.single & sp.continues).to(a_local.dtype)[:, None, None, None]
+    o_rest = None
+    b_local = b_first
+    if sp.rest_tokens.numel():
+        rest = [t.index_select(1, sp.rest_tokens) for t in (q, k, v, g, beta)]
+        o_rest, finals = core(*rest, cu_seqlens=sp.rest_cu, output_final_state=True)
+        b_rest = finals.index_select(0, sp.last_rest.clamp_min(0))
+        b_local = torch.where(sp.single[:, None, None, None], b_first, b_rest)
+    state = sp.affine_prefix(a_local, b_local, keep=sp.continues)
+    o1, _ = core(q1, k1, v1, g1, beta1, initial_state=state, cu_seqlens=first_cu)
+    o = o1.new_zeros(v.shape).index_copy(1, ft, o1)
+    if o_rest is not None:
+        o = o.index_copy(1, sp.rest_tokens, o_rest.to(o.dtype))
+    return o
+
+
+def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None = None, like_q=None) -> torch.Tensor:
+    """The state transition ``A`` of each segment: ``S_end = A S_start + B`` for the KDA delta rule, from the same
+    chunk op run with ``v = 0`` (width ``K``) from ``S_start = I``.
+
+    Args:
+        core: the chunk op (``chunk_kda_torch`` contract, with ``use_qk_l2norm_in_kernel`` default True).
+        k, g: ``[1, T, H, K]``; beta: ``[1, T, H]``; cu_seqlens: ``[N + 1]`` segment boundaries (``None``: one).
+        like_q: the queries ``[1, T, H, K]`` (their values do not affect ``A``; defaults to ``k``).
+
+    Returns:
+        fp32 ``[N, H, K, K]``.
+    """
+    T, H, K = k.shape[1], k.shape[2], k.shape[3]
+    n = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(n, H, K, K)
+    q = like_q if like_q is not None else k
+    zeros = k.new_zeros(k.shape[0], T, H, K)
+    kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    _, a = core(q, k, zeros, g, beta, initial_state=eye, output_final_state=True, **kwargs)
+    return a
 
 
 def init_kda_weights(module: nn.Module, config) -> None:

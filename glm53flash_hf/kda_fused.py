@@ -1,8 +1,7 @@
 """The fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops, with the maths of the torch path in
 :mod:`glm53flash_hf.kda_ops` (which equals transformers' ``Glm5NextTextLinearAttention``).
 
-What runs where in one call of the KDA layer bound by :func:`bind_layer_fused` (each function's docstring states its
-contract):
+What runs where in one call of the KDA layer on the fused path (each function's docstring states its contract):
 
 * the projections: torch ``nn.Linear``, as in the torch path;
 * the short convolution + SiLU over ``[q|k|v]``: :func:`causal_conv1d_fused`;
@@ -33,7 +32,6 @@ section "KDA".
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 
@@ -55,7 +53,7 @@ from .fla_compat import (
     recurrent_step,
 )
 from .graph_ops import define_op
-from .kda_ops import LayerOps, check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
+from .kda_ops import check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
 
 __all__ = [
     "fused_kda_available",
@@ -63,10 +61,12 @@ __all__ = [
     "chunk_kda_gate_in_kernel",
     "chunk_kda_context_parallel",
     "fla_cp_available",
+    "fla_cp_context",
+    "fla_cp_refusal",
     "causal_conv1d_fused",
     "rms_norm_gated_fused",
     "fused_recurrent_step",
-    "bind_layer_fused",
+    "kernel_params",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,6 +91,42 @@ def fla_cp_available(device: torch.device) -> tuple[bool, str]:
     if error is not None:
         return False, f"fla refuses the device {device}: {error}"
     return True, ""
+
+
+def fla_cp_refusal(sp, device) -> str | None:
+    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (a
+    :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext`), ``None`` when it can: the global batch must
+    be one token row, and :func:`fla_cp_available` must accept ``device``."""
+    if sp.global_layout.batch_size != 1:
+        return (f"it chains one token row and this batch has {sp.global_layout.batch_size} rows; pack the "
+                "documents into one row per step to use it")
+    ok, reason = fla_cp_available(device)
+    return None if ok else reason
+
+
+def fla_cp_context(sp, cu_seqlens: torch.Tensor):
+    """fla's ``FLACPContext`` of this rank, built once per forward (kept in ``sp.memo``) by fla's
+    ``build_cp_context`` from the global row's boundaries and the SP group.
+
+    Args:
+        sp: the :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext` of the forward.
+        cu_seqlens: this rank's local segment boundaries.
+
+    Raises:
+        RuntimeError: fla's local boundaries differ from ``cu_seqlens``, i.e. fla and this package would split the
+            row differently.
+    """
+    if "fla_cp" not in sp.memo:
+        glob = sp.global_layout.cu_seqlens
+        ctx = load_cp().build_cp_context(cu_seqlens=glob, group=sp.group, cu_seqlens_cpu=glob.cpu())
+        mine = cu_seqlens.tolist()
+        if ctx.cu_seqlens_cpu.tolist() != mine:
+            raise RuntimeError(
+                f"fla's context-parallel split of the row differs from this rank's layout: fla "
+                f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {sp.rank} of {sp.world})"
+            )
+        sp.memo["fla_cp"] = ctx
+    return sp.memo["fla_cp"]
 
 
 def _interpreting() -> bool:
@@ -527,12 +563,13 @@ def chunk_kda_fused(
         TypeError: the installed fla does not accept an argument (:func:`call_checked`).
         ImportError: fla-core missing.
     """
-    return _chunk_kda(
+    o, final = _CHUNK_FWD(*_chunk_args(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=False,
         use_beta_sigmoid_in_kernel=False,
-    )
+    ))[:2]
+    return o, final if output_final_state else None
 
 
 def _check_chunk_call(q, k, v, g, beta, chunk_size: int, gate=None) -> None:
@@ -553,16 +590,18 @@ def _check_chunk_call(q, k, v, g, beta, chunk_size: int, gate=None) -> None:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
 
 
-def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None, **flags):
-    """The checks and the op call shared by :func:`chunk_kda_fused` and :func:`chunk_kda_gate_in_kernel`. ``gate``:
-    ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel; ``flags``: the kernel's ``use_*`` switches."""
+def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None,
+                **flags):
+    """The checked arguments of ``fla_chunk_kda_fwd``, shared by :func:`chunk_kda_fused` and
+    :func:`chunk_kda_gate_in_kernel`. ``gate``: ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel;
+    ``flags``: the kernel's ``use_*`` switches."""
     _check_chunk_call(q, k, v, g, beta, chunk_size, gate)
     B, T, H, K = q.shape
     V = v.shape[-1]
     A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     if cu_seqlens is None:  # with documents, the op checks the state against the boundaries it reads
         check_state(initial_state, B, H, K, V)
-    o, final = _CHUNK_FWD(
+    return (
         q, k, v, g, beta, A_log, dt_bias,
         initial_state.float() if initial_state is not None else None,
         cu_seqlens,
@@ -574,8 +613,7 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         _safe_gate(lower_bound) if gate is not None else False,
         lower_bound,
         chunk_size,
-    )[:2]
-    return o, final if output_final_state else None
+    )
 
 
 def chunk_kda_gate_in_kernel(
@@ -618,13 +656,14 @@ def chunk_kda_gate_in_kernel(
         ValueError / TypeError / ImportError: as :func:`chunk_kda_fused`; wrong ``A_log``/``dt_bias`` shapes or a
             non-negative ``lower_bound``.
     """
-    return _chunk_kda(
+    o, final = _CHUNK_FWD(*_chunk_args(
         q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
         gate=(A_log, dt_bias, lower_bound),
         use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True,
-    )
+    ))[:2]
+    return o, final if output_final_state else None
 
 
 def chunk_kda_context_parallel(
@@ -644,7 +683,7 @@ def chunk_kda_context_parallel(
     """One rank's shard of a context-parallel chunked KDA: fla's ``chunk_kda`` entry point with ``cp_context``
     (``fla.ops.cp``), the gate, beta sigmoid and q/k l2-norm in the kernel as :func:`chunk_kda_gate_in_kernel`.
 
-    fla's scheme (as :meth:`glm53flash_hf.sequence_parallel.SequenceParallelContext.kda_core`, in fla's kernels):
+    fla's scheme (as :func:`glm53flash_hf.kda.sp_chunk_kda`, in fla's kernels):
     each rank computes its first document's state transition and last document's contribution, the ranks
     all-gather them and fold the prefix, and the backward passes the state gradient back the same way. No initial or
     final state; one flattened token row (``B == 1``); documents from ``cp_context.cu_seqlens`` (the rank's local
@@ -771,7 +810,7 @@ def fused_recurrent_step(
     """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda`` (``glm53flash::fla_fused_recurrent_kda``), gate,
     beta sigmoid and q/k l2-norm in the kernel.
 
-    The core of a cached decode step without gradients (:func:`bind_layer_fused`): ``o, new_state =
+    The core of a cached decode step without gradients (``Glm53FlashLinearAttention``): ``o, new_state =
     fused_recurrent_step(q, k, v, forget_gate.f_b_proj(forget_gate.f_a_proj(x)).view(B, S, H, K), b_proj(x),
     forget_gate.A_log, forget_gate.dt_bias, forget_gate.lower_bound, recurrent_state)``. Equals
     :func:`glm53flash_hf.kda_ops.recurrent_kda_torch` on ``(q, k, v, forget_gate(x), sigmoid(b_proj(x)))`` with
@@ -816,61 +855,20 @@ def fused_recurrent_step(
                       None if scale is None else float(scale), lower_bound)
 
 
-# ============================================================================================================ the layer
-def bind_layer_fused(module, hidden_states: torch.Tensor, decode: bool) -> LayerOps:
-    """The fused operations of one call of a :class:`glm53flash_hf.kda.Glm53FlashLinearAttention` (what its
-    ``bind_ops`` returns when the backend choice is ``"fused"``); same maths as its torch operations.
-
-    * gate: ``(f_b_proj(f_a_proj(x)) [B, S, H, K], b_proj(x) [B, S, H])``, the pre-activations (without ``dt_bias``,
-      before the sigmoid) that the kernels activate;
-    * conv: :func:`causal_conv1d_fused` with ``conv1d.weight[:, 0, :]`` and the layer's activation;
-    * core: for a decode step when grad mode is off or neither ``hidden_states`` nor any parameter requires grad,
-      :func:`fused_recurrent_step`; otherwise :func:`chunk_kda_gate_in_kernel`; both with ``A_log``, ``dt_bias`` and
-      ``forget_gate.lower_bound``;
-    * norm: :func:`rms_norm_gated_fused` with ``o_norm``'s weight and epsilon;
-    * cp_core (not for a decode step): :func:`chunk_kda_context_parallel` with the same gate parameters, which a
-      sequence-parallel shard runs when fla's context-parallel path applies.
-
-    Args:
-        module: the layer.
-        hidden_states: ``[B, S, D]``, the call's input.
-        decode: whether the call is a cached decode step (one token continuing the cached states).
-
-    Returns:
-        A :class:`glm53flash_hf.kda_ops.LayerOps`.
+def kernel_params(layer) -> dict:
+    """The parameters of a :class:`glm53flash_hf.kda.Glm53FlashLinearAttention` that its fused ops read directly:
+    ``gate`` (``A_log``, ``dt_bias``, ``lower_bound``), ``conv`` (``conv1d.weight[:, 0, :]``), ``norm``
+    (``o_norm.weight``), replicated DTensors unwrapped.
 
     Raises:
-        ValueError: a sharded DTensor among ``A_log``, ``dt_bias``, ``conv1d.weight``, ``o_norm.weight`` (named with
-            the layer index).
+        ValueError: a sharded DTensor among them (named with the layer index).
     """
-    where = f"KDA layer {module.layer_idx}"
-    gate_mod = module.forget_gate
-    gate_params = dict(
-        A_log=local_tensor(gate_mod.A_log, f"{where} forget_gate.A_log"),
-        dt_bias=local_tensor(gate_mod.dt_bias, f"{where} forget_gate.dt_bias"),
-        lower_bound=gate_mod.lower_bound,
-    )
-    conv_weight = local_tensor(module.conv1d.weight, f"{where} conv1d.weight")[:, 0, :]
-    norm_weight = local_tensor(module.o_norm.weight, f"{where} o_norm.weight")
-    heads = (module.num_heads, module.head_dim)
-
-    def gate(x):
-        return gate_mod.f_b_proj(gate_mod.f_a_proj(x)).unflatten(-1, heads), module.b_proj(x)
-
-    needs_grad = torch.is_grad_enabled() and (
-        hidden_states.requires_grad or any(p.requires_grad for p in module.parameters())
-    )
-    if decode and not needs_grad:
-
-        def core(q, k, v, g_raw, beta_logits, *, initial_state, output_final_state):
-            return fused_recurrent_step(q, k, v, g_raw, beta_logits, state=initial_state, **gate_params)
-
-    else:
-        core = functools.partial(chunk_kda_gate_in_kernel, **gate_params)
-    return LayerOps(
-        gate=gate,
-        conv=functools.partial(causal_conv1d_fused, weight=conv_weight, activation=module.activation),
-        core=core,
-        norm=functools.partial(rms_norm_gated_fused, weight=norm_weight, eps=module.o_norm.variance_epsilon),
-        cp_core=None if decode else functools.partial(chunk_kda_context_parallel, **gate_params),
-    )
+    where = f"KDA layer {layer.layer_idx}"
+    gate = layer.forget_gate
+    return {
+        "gate": dict(A_log=local_tensor(gate.A_log, f"{where} forget_gate.A_log"),
+                     dt_bias=local_tensor(gate.dt_bias, f"{where} forget_gate.dt_bias"),
+                     lower_bound=gate.lower_bound),
+        "conv": local_tensor(layer.conv1d.weight, f"{where} conv1d.weight")[:, 0, :],
+        "norm": local_tensor(layer.o_norm.weight, f"{where} o_norm.weight"),
+    }

@@ -26,9 +26,7 @@ varlen convention: ``B == 1``, boundaries over the flattened tokens).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +35,6 @@ from torch.utils.checkpoint import checkpoint
 from .graph_ops import in_graph, recompute_op
 
 __all__ = [
-    "LayerOps",
     "check_conv_inputs",
     "check_core_inputs",
     "check_cu_seqlens",
@@ -186,31 +183,6 @@ def _prepare_core(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
-
-
-class LayerOps(NamedTuple):
-    """The operations of one call of the KDA layer, all bound to the one backend chosen for that call
-    (``Glm53FlashLinearAttention.bind_ops`` for the torch path, :func:`glm53flash_hf.kda_fused.bind_layer_fused` for
-    the fused one). Shapes: ``D`` hidden, ``H`` heads, ``K`` head dim, ``C = 3 * H * K`` conv channels.
-
-    Attributes:
-        gate: ``gate(x [B, S, D]) -> (g [B, S, H, K], beta [B, S, H])``, the gate inputs the bound ``core`` expects
-            (torch: the activated log decay and ``sigmoid(b_proj x)`` in fp32; fused: their pre-activations).
-        conv: ``conv(x [B, T, C], *, initial_state=None, output_final_state=False[, cu_seqlens]) -> (y, final)``,
-            the short convolution + SiLU with the layer's weight (the contract of :func:`causal_conv1d_torch`).
-        core: ``core(q, k, v, g, beta, *, initial_state=None, output_final_state=False[, cu_seqlens]) -> (o, final)``,
-            the delta rule with ``q``/``k`` l2-normalised (the contract of :func:`chunk_kda_torch`; a bound decode
-            step takes no ``cu_seqlens``).
-        norm: ``norm(o [B, S, H, K], gate [B, S, H, K]) -> [B, S, H, K]``, the gated RMSNorm with the layer's weight.
-        cp_core: ``cp_core(q, k, v, g, beta, *, cp_context) -> o``, the core of one sequence-parallel shard in fla's
-            context-parallel kernels (fused path only; ``None`` on the torch path and for decode steps).
-    """
-
-    gate: Callable
-    conv: Callable
-    core: Callable
-    norm: Callable
-    cp_core: Callable | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """Manifold-constrained hyper-connections (mHC) of GLM-5.3-Flash: the site module, its init, and the per-call entry
 points of the two operators ``hc_pre`` and ``hc_post``.
 
-Each entry point picks, per call, one of two implementations with :func:`glm53flash_hf.dispatch.choose_backend`
-(family ``"mhc"``): the torch maths of :mod:`glm53flash_hf.mhc_ops` (the oracle; CPU tensors, decoding) or the
-Triton kernels of :mod:`glm53flash_hf.mhc_fused` (CUDA tensors, imported on first use). Parameter names, shapes and
+Each entry point calls, per call, the torch op of :mod:`glm53flash_hf.mhc_ops` or its fused alternative in
+:mod:`glm53flash_hf.mhc_fused` (:func:`glm53flash_hf.dispatch.op_for`, family ``"mhc"``). Parameter names, shapes and
 dtypes equal transformers' ``Glm5NextTextHyperConnection`` (``transformers/models/glm5_next/modeling_glm5_next.py``):
 ``fn [(2+N)*N, N*D]`` (model dtype), ``base [(2+N)*N]`` fp32, ``scale [3]`` fp32.
 
@@ -16,8 +15,24 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .dispatch import choose_backend, requested_backend
+from .dispatch import op_for, register_fused, requested_backend
 from .mhc_ops import hc_expand, hc_head, hc_post_torch, hc_pre_torch, sinkhorn_normalize
+
+
+def _hc_pre_fused():
+    from .mhc_fused import hc_pre_fused
+
+    return hc_pre_fused
+
+
+def _hc_post_fused():
+    from .mhc_fused import hc_post_fused
+
+    return hc_post_fused
+
+
+register_fused("mhc", hc_pre_torch, _hc_pre_fused)
+register_fused("mhc", hc_post_torch, _hc_post_fused)
 
 
 def hc_pre(
@@ -49,12 +64,8 @@ def hc_pre(
     Raises:
         ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1``, unknown backend.
     """
-    kwargs = dict(sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    if choose_backend("mhc", backend, hidden_streams, fn, base, scale) == "fused":
-        from .mhc_fused import hc_pre_fused
-
-        return hc_pre_fused(hidden_streams, fn, base, scale, **kwargs)
-    return hc_pre_torch(hidden_streams, fn, base, scale, **kwargs)
+    op = op_for(hc_pre_torch, backend, hidden_streams, fn, base, scale)
+    return op(hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
 
 def hc_post(
@@ -82,11 +93,7 @@ def hc_post(
     Raises:
         ValueError: shapes that do not fit, unknown backend.
     """
-    if choose_backend("mhc", backend, y, residual, post, comb) == "fused":
-        from .mhc_fused import hc_post_fused
-
-        return hc_post_fused(y, residual, post, comb)
-    return hc_post_torch(y, residual, post, comb)
+    return op_for(hc_post_torch, backend, y, residual, post, comb)(y, residual, post, comb)
 
 
 class Glm53FlashHyperConnection(nn.Module):
@@ -126,16 +133,10 @@ class Glm53FlashHyperConnection(nn.Module):
             raise ValueError(
                 f"hidden_streams must be [B, S, hc_mult={self.hc_mult}, D]; got shape {tuple(hidden_streams.shape)}"
             )
-        return hc_pre(
-            hidden_streams,
-            self.fn,
-            self.base,
-            self.scale,
-            sinkhorn_iters=self.hc_sinkhorn_iters,
-            hc_eps=self.hc_eps,
-            norm_eps=self.norm_eps,
-            backend=requested_backend(self.config, "mhc"),
-        )
+        op = op_for(hc_pre_torch, requested_backend(self.config, "mhc"), hidden_streams, self.fn, self.base,
+                    self.scale)
+        return op(hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters,
+                  hc_eps=self.hc_eps, norm_eps=self.norm_eps)
 
     def extra_repr(self) -> str:
         return f"hc_mult={self.hc_mult}, sinkhorn_iters={self.hc_sinkhorn_iters}, hc_eps={self.hc_eps}"

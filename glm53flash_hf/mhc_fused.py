@@ -33,8 +33,8 @@ What is fused
 
 Custom ops
 ----------
-Every kernel launch runs inside a custom op of the namespace ``glm53flash`` (registered at import by
-:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; listed in :data:`OPS`), each with a fake
+Every kernel launch runs inside a custom op ``torch.ops.glm53flash.<name>`` (registered at import by
+:func:`glm53flash_hf.graph_ops.define_op` when triton is installed), each with a fake
 implementation (output shapes and dtypes), so ``torch.compile(fullgraph=True)`` traces the public functions without a
 graph break:
 
@@ -489,8 +489,6 @@ def _hc_pre_backward(ctx, dpost, dcomb, dcollapsed, _dproj, _dsumsq):
     return dx, dfn, dbase, dscale, None, None, None
 
 
-# op name -> op (also torch.ops.glm53flash.<name>); empty without triton
-OPS: dict = {}
 if TRITON_AVAILABLE:
     _HC_POST_BWD = define_op("hc_post_bwd", _hc_post_bwd_impl, _hc_post_bwd_fake)
     _HC_POST_FWD = define_op("hc_post_fwd", _hc_post_fwd_impl, _hc_post_fwd_fake, backward=_hc_post_backward,
@@ -500,8 +498,6 @@ if TRITON_AVAILABLE:
     _HC_PRE_DFN = define_op("hc_pre_dfn", _hc_pre_dfn_impl, _hc_pre_dfn_fake)
     _HC_PRE_FWD = define_op("hc_pre_fwd", _hc_pre_fwd_impl, _hc_pre_fwd_fake, backward=_hc_pre_backward,
                             setup_context=_hc_pre_setup)
-    OPS.update(hc_post_fwd=_HC_POST_FWD, hc_post_bwd=_HC_POST_BWD, hc_pre_fwd=_HC_PRE_FWD, hc_pre_dpre=_HC_PRE_DPRE,
-               hc_pre_dx=_HC_PRE_DX, hc_pre_dfn=_HC_PRE_DFN)
 
 
 # ====================================================================================================== public API

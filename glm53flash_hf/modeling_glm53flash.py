@@ -94,6 +94,7 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
@@ -105,7 +106,6 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = Glm53FlashHyperConnection(config)
         self.ffn_hc = Glm53FlashHyperConnection(config)
-        self.hc_backend = requested_backend(config, "mhc")
 
     def forward(
         self,
@@ -128,13 +128,13 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
                 output_attentions=output_attentions,
             )
             weights = rest[0] if rest else None
-        hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
+        hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
 
         residual = hidden_states
         post, comb, x = self.ffn_hc(hidden_states)
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
-        hidden_states = hc_post(x, residual, post, comb, backend=self.hc_backend)
+        hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
         if output_attentions:
             return hidden_states, topk_indices, weights
         return hidden_states, topk_indices

@@ -2,10 +2,9 @@
 block (routed + shared expert), with the per-call entry point of the routed experts.
 
 The maths (clamped SwiGLU, routing, the grouped-GEMM experts) lives in :mod:`glm53flash_hf.moe_ops`;
-:func:`grouped_experts_forward` picks per call, with :func:`glm53flash_hf.dispatch.choose_backend` (family ``"moe"``),
-the torch path :func:`glm53flash_hf.moe_ops.experts_forward_torch` (the oracle; CPU tensors, decoding) or
-:func:`glm53flash_hf.moe_fused.experts_forward_fused` (CUDA tensors: the same routing metadata and grouped GEMMs with
-Triton kernels for the clamped SwiGLU and the weighted combine; imported on first use).
+the routed experts run the torch op :func:`glm53flash_hf.moe_ops.experts_forward_torch` or its fused alternative
+:func:`glm53flash_hf.moe_fused.experts_forward_fused`, chosen per call by :func:`glm53flash_hf.dispatch.op_for`
+(family ``"moe"``).
 
 Reference: transformers' ``transformers/models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextMLP``,
 ``Glm5NextTextExperts``, ``Glm5NextTextTopkRouter``, ``Glm5NextTextMoE``). Parameter names, shapes and dtypes equal
@@ -45,7 +44,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 
-from .dispatch import choose_backend, requested_backend
+from .dispatch import op_for, register_fused, requested_backend
 from .moe_ops import clamped_swiglu, experts_forward_torch, topk_routing
 
 
@@ -151,6 +150,15 @@ class Glm53FlashTopkRouter(nn.Module):
         )
 
 
+def _experts_forward_fused():
+    from .moe_fused import experts_forward_fused
+
+    return experts_forward_fused
+
+
+register_fused("moe", experts_forward_torch, _experts_forward_fused)
+
+
 def grouped_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -183,19 +191,9 @@ def grouped_experts_forward(
     Raises:
         ValueError: unknown backend; shapes that do not fit together.
     """
-    kwargs = dict(swiglu_limit=swiglu_limit, drop_out_of_range=drop_out_of_range)
-    if choose_backend("moe", backend, hidden_states, gate_up_proj, down_proj, top_k_weights) == "fused":
-        from .moe_fused import experts_forward_fused
-
-        return experts_forward_fused(
-            hidden_states=hidden_states,
-            top_k_index=top_k_index,
-            top_k_weights=top_k_weights,
-            gate_up_proj=gate_up_proj,
-            down_proj=down_proj,
-            **kwargs,
-        )
-    return experts_forward_torch(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, **kwargs)
+    op = op_for(experts_forward_torch, backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
+    return op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
+              drop_out_of_range=drop_out_of_range)
 
 
 @use_experts_implementation
@@ -225,16 +223,11 @@ class Glm53FlashExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        return grouped_experts_forward(
-            hidden_states,
-            top_k_index,
-            top_k_weights,
-            self.gate_up_proj,
-            self.down_proj,
-            self.swiglu_limit,
-            drop_out_of_range=getattr(self, "_is_expert_parallel", False),
-            backend=requested_backend(self.config, "moe"),
-        )
+        gate_up, down = self.gate_up_proj, self.down_proj
+        op = op_for(experts_forward_torch, requested_backend(self.config, "moe"), hidden_states, gate_up, down,
+                    top_k_weights)
+        return op(hidden_states, top_k_index, top_k_weights, gate_up, down, self.swiglu_limit,
+                  drop_out_of_range=getattr(self, "_is_expert_parallel", False))
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[S, 2I]`` gate/up projection -> ``[S, I]`` clamped SwiGLU (called by transformers' implementations)."""

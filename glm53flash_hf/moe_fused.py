@@ -40,9 +40,9 @@ Expert-parallel sentinels (ids ``>= E`` with ``drop_out_of_range=True``) sort to
 group offset are treated as absent by both kernels (zero activation, zero contribution, zero gradients), so the
 grouped GEMMs' unwritten rows are never read.
 
-Custom ops (namespace ``glm53flash``, registered at import by :func:`glm53flash_hf.graph_ops.define_op` when
-triton is installed; listed in :data:`OPS`; each with a fake implementation, so ``torch.compile(fullgraph=True)``
-traces :func:`experts_forward_fused` without a graph break):
+Custom ops (namespace ``glm53flash``, ``torch.ops.glm53flash.<name>``, registered at import by
+:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; each with a fake implementation, so
+``torch.compile(fullgraph=True)`` traces :func:`experts_forward_fused` without a graph break):
 
 * ``clamped_swiglu_fwd(gate_up, valid_rows, limit) -> act``; autograd formula:
   ``clamped_swiglu_bwd(gate_up, dact, valid_rows, limit) -> dgate_up``.
@@ -373,7 +373,6 @@ def _combine_backward(ctx, grad):
     return drows, dw.to(row_weights.dtype), None, None, None, None
 
 
-OPS: dict = {}  # op name -> op (also torch.ops.glm53flash.<name>); empty without triton
 if TRITON_AVAILABLE:
     _SWIGLU_BWD = define_op("clamped_swiglu_bwd", _swiglu_bwd_impl, _swiglu_bwd_fake)
     _SWIGLU_FWD = define_op("clamped_swiglu_fwd", _swiglu_fwd_impl, _swiglu_fwd_fake, backward=_swiglu_backward,
@@ -381,8 +380,6 @@ if TRITON_AVAILABLE:
     _COMBINE_BWD = define_op("weighted_combine_bwd", _combine_bwd_impl, _combine_bwd_fake)
     _COMBINE_FWD = define_op("weighted_combine_fwd", _combine_fwd_impl, _combine_fwd_fake,
                              backward=_combine_backward, setup_context=_combine_setup)
-    OPS.update(clamped_swiglu_fwd=_SWIGLU_FWD, clamped_swiglu_bwd=_SWIGLU_BWD, weighted_combine_fwd=_COMBINE_FWD,
-               weighted_combine_bwd=_COMBINE_BWD)
 
 
 # ====================================================================================================== public API
@@ -411,6 +408,11 @@ def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_ro
         ValueError: ``gate_up`` not 2-D with an even last dim, an unsupported dtype or device, a non-unit last
             stride, a negative ``limit``, or a ``valid_rows`` that is not a one-element int32 tensor on that device.
     """
+    return _SWIGLU_FWD(*_swiglu_args(gate_up, limit, valid_rows))
+
+
+def _swiglu_args(gate_up, limit, valid_rows):
+    """The checked arguments of ``clamped_swiglu_fwd`` (the checks of :func:`clamped_swiglu_fused`)."""
     require_triton("glm53flash_hf.moe_fused")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [S, 2I] with an even last dim; got shape {tuple(gate_up.shape)}")
@@ -421,7 +423,7 @@ def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_ro
     if limit is not None and not float(limit) >= 0:
         raise ValueError(f"limit must be None or >= 0; got limit={limit}")
     valid_rows = _valid_rows(valid_rows, gate_up.shape[0], gate_up.device)
-    return _SWIGLU_FWD(gate_up, valid_rows, None if limit is None else float(limit))
+    return gate_up, valid_rows, None if limit is None else float(limit)
 
 
 def weighted_combine_fused(
@@ -457,6 +459,11 @@ def weighted_combine_fused(
         RuntimeError: triton is not installed.
         ValueError: shapes that do not fit, unsupported dtypes or devices, a non-unit last stride.
     """
+    return _COMBINE_FWD(*_combine_args(rows, row_weights, token_rows, token_of_row, out_dtype, valid_rows))
+
+
+def _combine_args(rows, row_weights, token_rows, token_of_row, out_dtype, valid_rows):
+    """The checked arguments of ``weighted_combine_fwd`` (the checks of :func:`weighted_combine_fused`)."""
     require_triton("glm53flash_hf.moe_fused")
     if rows.dim() != 2:
         raise ValueError(f"rows must be [S, H]; got shape {tuple(rows.shape)}")
@@ -481,7 +488,7 @@ def weighted_combine_fused(
     if rows.shape[1] and rows.stride(1) != 1:
         raise ValueError(f"rows must have unit stride in its last dim; got strides {rows.stride()}")
     valid_rows = _valid_rows(valid_rows, num_rows, rows.device)
-    return _COMBINE_FWD(rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows, out_dtype)
+    return rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows, out_dtype
 
 
 def experts_forward_fused(
@@ -536,8 +543,8 @@ def experts_forward_fused(
         # grouped_mm leaves the input gradient of rows past offsets[-1] unwritten: zero it (as the torch path).
         x = x.masked_fill((sorted_ids >= num_experts).unsqueeze(-1), 0.0)
     gate_up = grouped_mm(x, gate_up_proj.transpose(-2, -1), offsets)  # [S, 2I]
-    act = clamped_swiglu_fused(gate_up, swiglu_limit, valid_rows=valid_rows)  # [S, I]
+    act = _SWIGLU_FWD(*_swiglu_args(gate_up, swiglu_limit, valid_rows))  # [S, I]
     out_rows = grouped_mm(act, down_proj.transpose(-2, -1), offsets)  # [S, H]
     token_rows = rows_by_token(token_of_row, top_k_index.shape[1])
-    return weighted_combine_fused(out_rows, row_weights, token_rows, token_of_row, out_dtype=hidden_states.dtype,
-                                  valid_rows=valid_rows)
+    return _COMBINE_FWD(*_combine_args(out_rows, row_weights, token_rows, token_of_row, hidden_states.dtype,
+                                       valid_rows))

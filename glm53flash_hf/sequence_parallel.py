@@ -13,16 +13,9 @@ What crosses the shard boundaries (everything else, mHC and MoE, is per token an
   ``seq_idx``) are all-gathered (``cu_seq_lens_q`` / ``cu_seqlens`` must already describe the global rows), so every
   rank knows the global :class:`~.packing.DocumentLayout`; its local layout cuts a segment at the shard start and the
   context records, per row, whether that first segment continues a document of the previous rank.
-* **KDA short convolution** (:meth:`SequenceParallelContext.kda_conv_initial_state`): the last ``W_conv - 1``
-  pre-convolution inputs (the ``q|k|v`` projections) of the previous rank, zeroed where they belong to another
-  document, are the ``initial_state`` of the first local segment.
-* **KDA recurrence** (:meth:`SequenceParallelContext.kda_core`): the delta rule is affine in its state,
-  ``S_end = A_r S_start + B_r``; each rank computes ``(A_r, B_r)`` of its shard, they are all-gathered, every rank
-  folds the prefix over the previous ranks to get its incoming state, and re-runs its first segment from it
-  (the scheme of fla's ``fla.ops.cp``; maths: Kimi Linear, arXiv:2510.26692 §3; sources: ``docs/design.md``,
-  section "Sequence parallelism"). On the fused path, when the global batch is one row and fla's CP kernels accept
-  the device (CUDA, compute capability >= 8.0), the shard runs in fla's own context-parallel ``chunk_kda`` instead
-  (:meth:`SequenceParallelContext.fla_cp_refusal`).
+* **KDA** (:func:`glm53flash_hf.kda.sp_conv_initial_state`, :func:`glm53flash_hf.kda.sp_chunk_kda`): the conv
+  history from :meth:`SequenceParallelContext.previous_rank_tail`, the recurrent state from
+  :meth:`SequenceParallelContext.affine_prefix` (the delta rule is affine in its state).
 * **DSA** (:meth:`SequenceParallelContext.gather_sequence`): the MLA latent and the indexer's per-token state are
   all-gathered; the local queries (at row offset ``r * L``) select and attend over the global keys, causal within
   documents. See :meth:`SequenceParallelContext.gather_sequence` for memory and bytes moved.
@@ -42,7 +35,6 @@ from ``layout.sequence_parallel``. With no group set (the default) nothing here 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +46,6 @@ __all__ = [
     "SequenceParallelContext",
     "build_sp_layout",
     "shard_sequence",
-    "kda_boundary_transition",
     "sp_loss_kwargs",
 ]
 
@@ -127,6 +118,7 @@ class SequenceParallelContext:
             segments, row by row; ``first_cu``: long ``[B + 1]`` their boundaries.
         rest_tokens, rest_cu: the same for all the other local segments (``[T - T1]``, ``[N - B + 1]``);
             last_rest: long ``[B]``, index of each row's last segment among them (``-1`` for a single-segment row).
+        memo: values computed once per forward and shared by the layers (e.g. fla's CP context of the KDA layers).
     """
 
     group: object
@@ -145,7 +137,7 @@ class SequenceParallelContext:
     rest_tokens: torch.Tensor
     rest_cu: torch.Tensor
     last_rest: torch.Tensor
-    _fla_cp: object = field(default=None, repr=False, compare=False)  # fla's FLACPContext, built on first use
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------------------------------------ generic
     def gather_sequence(self, x: torch.Tensor, grad: bool = True) -> torch.Tensor:
@@ -218,183 +210,54 @@ class SequenceParallelContext:
         nxt = self._next_rank_head(labels, 1, ignore_index)
         return torch.cat([labels[:, 1:], nxt], dim=1)
 
-    # ------------------------------------------------------------------------------------------------ KDA
-    def kda_conv_initial_state(self, mixed: torch.Tensor, kernel: int, num_segments: int) -> torch.Tensor:
-        """Conv ``initial_state`` ``[N, D, kernel]`` of the local segments: zeros, except the first segment of each
-        row, whose last ``kernel - 1`` columns are the previous rank's last ``kernel - 1`` conv inputs where they
-        belong to the document continuing into this shard (zeros for other documents, and when the shard's first
-        token starts a document).
-
-        Args:
-            mixed: ``[B, L, D]`` pre-convolution inputs (``q_proj | k_proj | v_proj``), any float dtype.
-            kernel: the conv width ``W_conv``; num_segments: ``N``, segments of the local layout.
+    def previous_rank_tail(self, x: torch.Tensor, count: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The previous rank's last ``count`` positions of ``x [B, L, ...]``: ``[B, count, ...]``, zeros on rank 0
+        and where ``keep`` (bool ``[B, count]``) is False. Autograd-aware when ``x`` requires grad.
 
         Raises:
-            ValueError: ``L < kernel - 1`` (the history would span two ranks).
+            ValueError: ``L < count``.
         """
-        B, L, D = mixed.shape
-        hist = kernel - 1
-        if L < hist:
-            raise ValueError(f"sequence parallelism needs local_len >= linear_conv_kernel_dim - 1 = {hist}; got {L}")
-        parts = _gather_autograd(mixed[:, L - hist :], self.group) if mixed.requires_grad else _gather_plain(
-            mixed[:, L - hist :], self.group
-        )
-        prev = parts[self.rank - 1] if self.rank > 0 else torch.zeros_like(parts[0])  # [B, hist, D]
-        pos = self.offset - hist + torch.arange(hist, device=mixed.device)  # global positions of the history
-        doc_first = self.global_layout.doc_start[:, self.offset]  # [B] first token of the continuing document
-        keep = self.continues[:, None] & (pos[None] >= doc_first[:, None])  # [B, hist]
-        prev = torch.where(keep[..., None], prev, torch.zeros_like(prev))
-        if mixed.requires_grad:
+        L = x.shape[1]
+        if L < count:
+            raise ValueError(f"previous_rank_tail needs local_len >= count = {count}; got {L}")
+        tail = x[:, L - count :]
+        parts = _gather_autograd(tail, self.group) if x.requires_grad else _gather_plain(tail, self.group)
+        prev = parts[self.rank - 1] if self.rank > 0 else torch.zeros_like(parts[0])
+        if keep is not None:
+            prev = torch.where(keep.view(keep.shape + (1,) * (prev.dim() - 2)), prev, torch.zeros_like(prev))
+        if x.requires_grad:
             prev = _anchor(prev, parts)
-        first = torch.cat([prev.new_zeros(B, D, 1), prev.transpose(1, 2)], dim=-1)  # [B, D, kernel]
-        return mixed.new_zeros(num_segments, D, kernel).index_copy(0, self.first_seg, first)
+        return prev
 
-    def kda_core(self, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, cp_core=None) -> torch.Tensor:
-        """The chunked KDA of the local shard with the recurrent state passed between ranks.
-
-        With ``cp_core`` (the fused path's :func:`~.kda_fused.chunk_kda_context_parallel`) and when fla's
-        context-parallel kernels apply (:meth:`fla_cp_refusal` is None: one row per rank, a device fla's CP accepts),
-        the shard runs in fla's ``chunk_kda`` with ``cp_context`` (:meth:`fla_cp_context`), the same scheme in fla's
-        kernels. Otherwise (a warning names the reason once when ``cp_core`` was given) the scheme below runs with
-        ``core``:
-
-        Per row: ``B_r`` = the final state of the shard's last segment from a zero state, ``A_r``
-        (:func:`kda_boundary_transition`) = the transition of the first segment, kept only when that segment is
-        the whole shard and continues a document (else 0: the state restarts inside the shard). After an
-        all-gather of ``(A, B)`` every rank folds ``S_in(0) = 0``, ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}`` and
-        runs its first segments from ``S_in`` (zero where the shard starts a document); the other segments run
-        from a zero state, as without sequence parallelism.
-
-        Cost: the shard's tokens go through the chunk op once for the outputs; the first segments go through it
-        twice more (``A`` with ``v = 0`` and ``V = K``; ``B`` when the first segment is the row's last), both inside
-        ``torch.utils.checkpoint`` (their activations are recomputed in the backward, not kept), so the memory held
-        for the backward is that of one pass.
+    def affine_prefix(self, a_local: torch.Tensor, b_local: torch.Tensor,
+                      keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The state entering this rank when rank ``r`` maps a state ``S -> A_r S + B_r``: after an all-gather of
+        ``(A, B)``, ``S_in(0) = 0``, ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}``.
 
         Args:
-            core: the chunk op (``chunk_kda_torch`` or the fused one: same contract).
-            q, k, g: ``[1, B*L, H, K]``; v: ``[1, B*L, H, V]``; beta: ``[1, B*L, H]`` (the flattened local rows).
-            cu_seqlens: the local layout's segment boundaries.
-            cp_core: optional ``cp_core(q, k, v, g, beta, *, cp_context) -> o`` (see above).
+            a_local: this rank's ``A`` ``[B, ..., K, K]``; b_local: its ``B`` ``[B, ..., K, V]``.
+            keep: optional bool ``[B]``: rows whose incoming state is kept (zeros elsewhere).
 
         Returns:
-            ``o`` ``[1, B*L, H, V]``.
+            ``S_in`` shaped like ``b_local``. Autograd-aware when ``a_local`` or ``b_local`` requires grad.
         """
-        from torch.utils.checkpoint import checkpoint
-
-        if cp_core is not None:
-            refusal = self.fla_cp_refusal(q.device)
-            if refusal is None:
-                return cp_core(q, k, v, g, beta, cp_context=self.fla_cp_context(cu_seqlens))
-            if refusal not in _CP_WARNED:
-                _CP_WARNED.add(refusal)
-                warnings.warn(
-                    f"sequence parallelism: fla's context-parallel KDA is not used ({refusal}); the shards pass the "
-                    "KDA state with this package's scheme (same result, fla's chunk kernels)",
-                    stacklevel=3,
-                )
-
-        ft, first_cu = self.first_tokens, self.first_cu
-        q1, k1, v1, g1, beta1 = (t.index_select(1, ft) for t in (q, k, v, g, beta))
-
-        def boundary(q1, k1, v1, g1, beta1):
-            a = kda_boundary_transition(core, k1, g1, beta1, cu_seqlens=first_cu, like_q=q1)
-            _, b = core(q1, k1, v1, g1, beta1, cu_seqlens=first_cu, output_final_state=True)
-            return a, b
-
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q1, k1, v1, g1, beta1)):
-            a_local, b_first = checkpoint(boundary, q1, k1, v1, g1, beta1, use_reentrant=False)
-        else:
-            a_local, b_first = boundary(q1, k1, v1, g1, beta1)
-        a_local = a_local * (self.single & self.continues).to(a_local.dtype)[:, None, None, None]
-        o_rest = None
-        b_local = b_first
-        if self.rest_tokens.numel():
-            rest = [t.index_select(1, self.rest_tokens) for t in (q, k, v, g, beta)]
-            o_rest, finals = core(*rest, cu_seqlens=self.rest_cu, output_final_state=True)
-            b_rest = finals.index_select(0, self.last_rest.clamp_min(0))
-            b_local = torch.where(self.single[:, None, None, None], b_first, b_rest)
         grads = a_local.requires_grad or b_local.requires_grad
         gather = _gather_autograd if grads else _gather_plain
         a_all, b_all = gather(a_local, self.group), gather(b_local, self.group)
         state = torch.zeros_like(b_local)
         for r in range(self.rank):
-            state = torch.matmul(a_all[r], state) + b_all[r]  # [B, H, K, K] @ [B, H, K, V]
-        state = torch.where(self.continues[:, None, None, None], state, torch.zeros_like(state))
+            state = torch.matmul(a_all[r], state) + b_all[r]
+        if keep is not None:
+            state = torch.where(keep.view((-1,) + (1,) * (state.dim() - 1)), state, torch.zeros_like(state))
         if grads:
             state = _anchor(state, tuple(a_all) + tuple(b_all))
-        o1, _ = core(q1, k1, v1, g1, beta1, initial_state=state, cu_seqlens=first_cu)
-        o = o1.new_zeros(v.shape).index_copy(1, ft, o1)
-        if o_rest is not None:
-            o = o.index_copy(1, self.rest_tokens, o_rest.to(o.dtype))
-        return o
+        return state
 
     def global_count(self, count: torch.Tensor) -> torch.Tensor:
         """The group's sum of an integer count (e.g. supervised targets on this shard): an all-reduce of a copy."""
         total = count.detach().clone()
         dist.all_reduce(total, group=self.group)
         return total
-
-    def fla_cp_refusal(self, device) -> str | None:
-        """Why fla's context-parallel KDA cannot run this shard (``None`` when it can): fla chains the documents of
-        one flattened token row, so the global batch must be one row; and fla's CP kernels must accept ``device``
-        (:func:`~.kda_fused.fla_cp_available`: NVIDIA compute capability >= 8.0, or Ascend)."""
-        if self.global_layout.batch_size != 1:
-            return (f"it chains one token row and this batch has {self.global_layout.batch_size} rows; pack the "
-                    "documents into one row per step to use it")
-        from .kda_fused import fla_cp_available
-
-        ok, reason = fla_cp_available(device)
-        return None if ok else reason
-
-    def fla_cp_context(self, cu_seqlens: torch.Tensor):
-        """fla's ``FLACPContext`` of this rank (built once per forward, shared by the KDA layers): fla's
-        ``build_cp_context`` from the global row's boundaries and the SP group.
-
-        Raises:
-            RuntimeError: fla's local boundaries differ from ``cu_seqlens`` (this rank's layout), i.e. fla and this
-                package would split the row differently.
-        """
-        if self._fla_cp is None:
-            from .fla_compat import load_cp
-
-            glob = self.global_layout.cu_seqlens
-            ctx = load_cp().build_cp_context(cu_seqlens=glob, group=self.group, cu_seqlens_cpu=glob.cpu())
-            mine = cu_seqlens.tolist()
-            if ctx.cu_seqlens_cpu.tolist() != mine:
-                raise RuntimeError(
-                    f"fla's context-parallel split of the row differs from this rank's layout: fla "
-                    f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {self.rank} of {self.world})"
-                )
-            self._fla_cp = ctx
-        return self._fla_cp
-
-
-_CP_WARNED: set[str] = set()
-
-
-def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None = None, like_q=None) -> torch.Tensor:
-    """The state transition ``A`` of each segment: ``S_end = A S_start + B`` for the KDA delta rule.
-
-    Per token ``S <- (I - beta k k^T) diag(exp(g)) S + beta k v^T`` is affine in ``S``; its linear part does not
-    depend on ``v``, so running the same chunk op with ``v = 0`` (width ``K``) from ``S_start = I`` gives ``A``
-    itself (one implementation of the maths: the op's own normalisation of ``k`` and chunking apply).
-
-    Args:
-        core: the chunk op (``chunk_kda_torch`` contract, with ``use_qk_l2norm_in_kernel`` default True).
-        k, g: ``[1, T, H, K]``; beta: ``[1, T, H]``; cu_seqlens: ``[N + 1]`` segment boundaries (``None``: one).
-        like_q: the queries ``[1, T, H, K]`` (their values do not affect ``A``; defaults to ``k``).
-
-    Returns:
-        fp32 ``[N, H, K, K]``.
-    """
-    T, H, K = k.shape[1], k.shape[2], k.shape[3]
-    n = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
-    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(n, H, K, K)
-    q = like_q if like_q is not None else k
-    zeros = k.new_zeros(k.shape[0], T, H, K)
-    kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    _, a = core(q, k, zeros, g, beta, initial_state=eye, output_final_state=True, **kwargs)
-    return a
 
 
 def sp_loss_kwargs(sp: SequenceParallelContext, labels: torch.Tensor, loss_kwargs: dict) -> dict:

@@ -139,8 +139,12 @@ def sp_worker(args) -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         ms = times.tolist()
-        fused = layer.bind_ops(x, decode=False).cp_core is not None
-        refusal = layout.sequence_parallel.fla_cp_refusal(device) if fused else "torch kernels"
+        from glm53flash_hf import kda_fused
+        from glm53flash_hf.dispatch import choose_backend, requested_backend
+
+        fused = choose_backend("kda", requested_backend(layer.config, "kda"), x,
+                               layer.o_norm.weight.view(1, 1, 1, -1)) == "fused"
+        refusal = kda_fused.fla_cp_refusal(layout.sequence_parallel, device) if fused else "torch kernels"
         path = "fla chunk_kda(cp_context)" if refusal is None else f"package state passing ({refusal})"
         with open(args.worker_out, "w") as f:
             json.dump({"mode": f"SP={world}", "devices": world, "device": str(device), "ms": statistics.median(ms),

@@ -145,7 +145,6 @@ def _sp_step(model, opt, step, rank, world, group, out_grads=None, make_batch=gl
 def _sp_run(rank, world, ref, out):
     import torch.distributed as dist
 
-    from glm53flash_hf import sequence_parallel as sp_mod
     from glm53flash_hf.sequence_parallel import shard_sequence
 
     group = dist.group.WORLD
@@ -199,9 +198,11 @@ def _sp_run(rank, world, ref, out):
     out["micro"] = [{k: v.tolist() for k, v in m.items()} for m in micro]
 
     # negative control: the KDA recurrence without state passing (each shard's first segment from a zero state)
-    original = sp_mod.SequenceParallelContext.kda_core
+    from glm53flash_hf import kda as kda_mod
+
+    original = kda_mod.sp_chunk_kda
     try:
-        sp_mod.SequenceParallelContext.kda_core = lambda self, core, q, k, v, g, beta, cu_seqlens, cp_core=None: core(
+        kda_mod.sp_chunk_kda = lambda sp, core, q, k, v, g, beta, cu_seqlens, cp_core=None: core(
             q, k, v, g, beta, cu_seqlens=cu_seqlens
         )[0]
         broken = make_model(0)
@@ -209,7 +210,7 @@ def _sp_run(rank, world, ref, out):
         bad: dict = {}
         bad_loss = _sp_step(broken, None, 1, rank, world, group, bad)
     finally:
-        sp_mod.SequenceParallelContext.kda_core = original
+        kda_mod.sp_chunk_kda = original
     out["control_loss"] = bad_loss
     out["control_grad_rel_err"] = _worst(bad, ref["grads"])
 

@@ -35,7 +35,7 @@ import pytest
 import torch
 from interp import INTERPRETING, interpreted_module, run_interpreter_child
 
-from glm53flash_hf import dispatch, dsa
+from glm53flash_hf import dispatch
 from glm53flash_hf.dsa import sparse_mla
 from glm53flash_hf.dsa_ops import sparse_mla_torch
 
@@ -403,8 +403,8 @@ def test_module_fused_matches_torch(td, monkeypatch):
     from glm53flash_hf.packing import build_document_layout
 
     calls = []
-    real_choose = dsa.choose_backend
-    monkeypatch.setattr(dsa, "choose_backend", lambda family, requested, *tensors: calls.append(requested) or (
+    real_choose = dispatch.choose_backend
+    monkeypatch.setattr(dispatch, "choose_backend", lambda family, requested, *tensors: calls.append(requested) or (
         "fused" if requested == "fused" else real_choose(family, requested, *tensors)))
     text = dict(PARITY_TEXT)
     layer = text["layer_types"].index("indexed_attention")
@@ -458,11 +458,11 @@ def test_opcheck_sparse_mla(td, dtype):
     sparse_mla_bwd) and sparse_mla_bwd with and without an lse gradient, one and both input gradients."""
     q, lat, g_out, g_lse, gen = inputs(1, 4, 2, 16, 5, dtype, seed=30)
     idx = random_ids(1, 4, 3, 5, gen)
-    opcheck(td.OPS["sparse_mla_fwd"], q, lat, idx, 0.5, None, None)
+    opcheck(torch.ops.glm53flash.sparse_mla_fwd, q, lat, idx, 0.5, None, None)
     q, lat = q.detach(), lat.detach()
-    out, lse = td.OPS["sparse_mla_fwd"](q, lat, idx, 0.5, None, 16)
+    out, lse = torch.ops.glm53flash.sparse_mla_fwd(q, lat, idx, 0.5, None, 16)
     for grad_lse, need in ((g_lse, (True, True)), (None, (True, False)), (g_lse, (False, True))):
-        opcheck(td.OPS["sparse_mla_bwd"], q, lat, idx, out, lse, g_out, grad_lse, 0.5, None, 16, *need)
+        opcheck(torch.ops.glm53flash.sparse_mla_bwd, q, lat, idx, out, lse, g_out, grad_lse, 0.5, None, 16, *need)
 
 
 @pytest.mark.interpreter

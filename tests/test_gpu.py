@@ -101,12 +101,8 @@ def cuda_session():
         del sys.modules["fla"]
         # A probe run earlier in this process (another file's GPU test) may have cached "cannot import fla":
         # fresh lazy probes import again.
-        if hasattr(dispatch, "_lazy_probe"):
-            for family, (module, probe) in {"kda": ("kda_fused", "fused_kda_available"),
-                                            "mhc": ("mhc_fused", "fused_mhc_available"),
-                                            "dsa": ("dsa_fused", "fused_dsa_available"),
-                                            "moe": ("moe_fused", "fused_moe_available")}.items():
-                dispatch.FUSED_AVAILABILITY[family] = dispatch._lazy_probe(module, probe)
+        for family, (module, probe) in dispatch.PROBES.items():
+            dispatch.FUSED_AVAILABILITY[family] = dispatch._lazy_probe(module, probe)
         compat = sys.modules.get("glm53flash_hf.fla_compat")  # its own cache of fla's import failure
         for name in ("import_error", "load", "load_cp"):
             cached = getattr(compat, name, None)

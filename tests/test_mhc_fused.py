@@ -249,7 +249,7 @@ def test_hc_pre_partial_outputs(tm):
 def test_entry_points_route_to_fused(tm, monkeypatch):
     """mhc.hc_pre / hc_post run the fused functions when the dispatcher answers "fused" (forced here: on CPU it
     never does)."""
-    monkeypatch.setattr(mhc, "choose_backend", lambda *a, **k: "fused")
+    monkeypatch.setattr(dispatch, "choose_backend", lambda *a, **k: "fused")
     calls = []
     for fname in ("hc_pre_fused", "hc_post_fused"):
         original = getattr(tm, fname)
@@ -276,8 +276,8 @@ def opcheck(op, *args):
 def test_opcheck_hc_post(tm, dtype):
     """glm53flash::hc_post_fwd (differentiable: its autograd formula calls hc_post_bwd) and hc_post_bwd."""
     (y, res, post, comb), grad = post_inputs(1, 3, 3, 20, dtype, seed=10)
-    opcheck(tm.OPS["hc_post_fwd"], y, res, post, comb)
-    opcheck(tm.OPS["hc_post_bwd"], grad, *(t.detach() for t in (y, res, post, comb)))
+    opcheck(torch.ops.glm53flash.hc_post_fwd, y, res, post, comb)
+    opcheck(torch.ops.glm53flash.hc_post_bwd, grad, *(t.detach() for t in (y, res, post, comb)))
 
 
 @pytest.mark.interpreter
@@ -287,14 +287,14 @@ def test_opcheck_hc_pre(tm):
     forward call."""
     (x, fn, base, scale), (_, _, dcol) = pre_inputs(1, 3, 3, 20, torch.float32, seed=11)
     cfg = (3, KW["hc_eps"], KW["norm_eps"])
-    opcheck(tm.OPS["hc_pre_fwd"], x, fn, base, scale, *cfg)
+    opcheck(torch.ops.glm53flash.hc_pre_fwd, x, fn, base, scale, *cfg)
     x, fn = x.detach(), fn.detach()
-    *_, proj, sumsq = tm.OPS["hc_pre_fwd"](x, fn, base.detach(), scale.detach(), *cfg)
+    *_, proj, sumsq = torch.ops.glm53flash.hc_pre_fwd(x, fn, base.detach(), scale.detach(), *cfg)
     pre = torch.rand(proj.shape[0], 3)
-    opcheck(tm.OPS["hc_pre_dpre"], x, dcol)
+    opcheck(torch.ops.glm53flash.hc_pre_dpre, x, dcol)
     for dc in (dcol, None):
-        opcheck(tm.OPS["hc_pre_dx"], x, fn, torch.randn_like(proj), torch.randn_like(sumsq), pre, dc)
-    opcheck(tm.OPS["hc_pre_dfn"], x, torch.randn_like(proj))
+        opcheck(torch.ops.glm53flash.hc_pre_dx, x, fn, torch.randn_like(proj), torch.randn_like(sumsq), pre, dc)
+    opcheck(torch.ops.glm53flash.hc_pre_dfn, x, torch.randn_like(proj))
 
 
 @pytest.mark.interpreter

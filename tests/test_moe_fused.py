@@ -322,14 +322,15 @@ def test_experts_sentinels_and_odd_sizes(tm):
 def test_entry_point_routes_to_fused(tm, monkeypatch):
     """grouped_experts_forward (and so Glm53FlashExperts) runs experts_forward_fused when the dispatcher answers
     "fused" (forced here: on CPU it never does), with every argument passed through."""
-    monkeypatch.setattr(moe, "choose_backend", lambda *a, **k: "fused")
+    monkeypatch.setattr(dispatch, "choose_backend", lambda *a, **k: "fused")
     calls = []
     original = tm.experts_forward_fused
-    monkeypatch.setattr(tm, "experts_forward_fused", lambda **kw: calls.append(sorted(kw)) or original(**kw))
+    monkeypatch.setattr(tm, "experts_forward_fused",
+                        lambda *a, **kw: calls.append((len(a), sorted(kw))) or original(*a, **kw))
     x, idx, w, gate_up, down, _ = experts_inputs(5, 32, 16, 4, 2, torch.float32, seed=11)
     out = moe.grouped_experts_forward(x, idx, w, gate_up, down, 1.0, backend="fused")
-    assert calls == [sorted(["hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj",
-                             "swiglu_limit", "drop_out_of_range"])]
+    # hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit; drop_out_of_range by name
+    assert calls == [(6, ["drop_out_of_range"])]
     monkeypatch.undo()
     assert_rel(out, moe_ops.experts_forward_torch(x, idx, w, gate_up, down, 1.0), 1e-6, "out")
 
@@ -395,9 +396,9 @@ def test_opcheck_swiglu(tm, limit):
     clamped_swiglu_bwd, with one absent row."""
     gate_up = gate_up_input(5, 16, torch.float32, limit, seed=40)
     valid = torch.tensor([4], dtype=torch.int32)
-    opcheck(tm.OPS["clamped_swiglu_fwd"], gate_up, valid, limit)
+    opcheck(torch.ops.glm53flash.clamped_swiglu_fwd, gate_up, valid, limit)
     dact = torch.randn(5, 16, generator=torch.Generator().manual_seed(41))
-    opcheck(tm.OPS["clamped_swiglu_bwd"], gate_up.detach(), dact, valid, limit)
+    opcheck(torch.ops.glm53flash.clamped_swiglu_bwd, gate_up.detach(), dact, valid, limit)
 
 
 @pytest.mark.interpreter
@@ -411,9 +412,9 @@ def test_opcheck_combine(tm, dtype):
     token_rows = tm.rows_by_token(token_of_row, k)
     rows = torch.randn(tokens * k, hidden, generator=torch.Generator().manual_seed(43)).to(dtype).requires_grad_()
     row_w = row_w.detach().requires_grad_()
-    opcheck(tm.OPS["weighted_combine_fwd"], rows, row_w, token_rows, token_of_row, offsets[-1:], dtype)
+    opcheck(torch.ops.glm53flash.weighted_combine_fwd, rows, row_w, token_rows, token_of_row, offsets[-1:], dtype)
     grad = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(44)).to(dtype)
-    opcheck(tm.OPS["weighted_combine_bwd"], grad, rows.detach(), row_w.detach(), token_of_row, offsets[-1:])
+    opcheck(torch.ops.glm53flash.weighted_combine_bwd, grad, rows.detach(), row_w.detach(), token_of_row, offsets[-1:])
 
 
 @pytest.mark.interpreter

@@ -29,8 +29,9 @@ from mp_launch import free_port, run_workers
 from test_kda import naive_kda
 from tiny import fp64_error_tol, rel_err
 
+from glm53flash_hf.kda import kda_boundary_transition
 from glm53flash_hf.kda_ops import chunk_kda_torch
-from glm53flash_hf.sequence_parallel import kda_boundary_transition, shard_sequence
+from glm53flash_hf.sequence_parallel import shard_sequence
 
 WORKER_DEADLINE_S = 420
 TOL = 1e-5
