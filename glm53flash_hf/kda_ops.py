@@ -431,51 +431,63 @@ def _lower_blocks(a: torch.Tensor, h: int) -> torch.Tensor:
     return a.as_strided((M, C // (2 * h), h, h), (C * C, 2 * h * (C + 1), C, 1), a.storage_offset() + h * C)
 
 
-def _decay_levels(g: torch.Tensor):
-    """Yield, for ``h = 1, 2, 4, .. < C``, ``(h, e_row, e_col)`` of :func:`_intra_chunk_products`: ``e_row``
-    ``[M, C / 2h, h, K]`` the exponentials of the inclusive prefix sums of ``g`` inside the second half of every
-    ``2h`` block, ``e_col`` those of the exclusive suffix sums inside the first half. The sums are built level by
-    level by adding the previous level's block totals (sums of terms of one sign: no cancellation)."""
-    M, C, K = g.shape
-    prefix = g.clone()  # inclusive prefix sums inside blocks of h
-    suffix = torch.zeros_like(g)  # exclusive suffix sums inside blocks of h
-    h = 1
-    while h < C:
-        nb = C // (2 * h)
-        pv, sv = prefix.view(M, nb, 2, h, K), suffix.view(M, nb, 2, h, K)
-        yield h, torch.exp(pv[:, :, 1]), torch.exp(sv[:, :, 0])
-        sv[:, :, 0] += pv[:, :, 1, -1:]
-        pv[:, :, 1] += pv[:, :, 0, -1:]
-        h *= 2
+class _DecayLevels:
+    """Iterate, for ``h = 1, 2, 4, .. < C``, over ``(h, e_row, e_col)`` of :func:`_intra_chunk_products` for ``g``
+    ``[M, C, K]``: ``e_row`` ``[M, C / 2h, h, K]`` the exponentials of the inclusive prefix sums of ``g`` inside the
+    second half of every ``2h`` block, ``e_col`` those of the exclusive suffix sums inside the first half. The sums
+    are built level by level by adding the previous level's block totals (sums of terms of one sign: no
+    cancellation); after the iteration ``prefix`` / ``suffix`` hold the inclusive prefix and exclusive suffix sums
+    over the whole chunk."""
+
+    def __init__(self, g: torch.Tensor):
+        self.prefix = g.clone()  # inclusive prefix sums inside blocks of h
+        self.suffix = torch.zeros_like(g)  # exclusive suffix sums inside blocks of h
+
+    def __iter__(self):
+        M, C, K = self.prefix.shape
+        h = 1
+        while h < C:
+            nb = C // (2 * h)
+            pv, sv = self.prefix.view(M, nb, 2, h, K), self.suffix.view(M, nb, 2, h, K)
+            yield h, torch.exp(pv[:, :, 1]), torch.exp(sv[:, :, 0])
+            sv[:, :, 0] += pv[:, :, 1, -1:]
+            pv[:, :, 1] += pv[:, :, 0, -1:]
+            h *= 2
 
 
 class _IntraChunkProducts(torch.autograd.Function):
-    """:func:`_intra_chunk_products` with a hand-written backward that recomputes only the decay factors."""
+    """:func:`_intra_chunk_products` with a hand-written backward that recomputes only the level decay factors."""
 
     @staticmethod
     def forward(ctx, q, k, g):
         M, C, K = k.shape
         akk, aqk = k.new_zeros(M, C, C), k.new_zeros(M, C, C)
         aqk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
-        for h, e_row, e_col in _decay_levels(g):
+        levels = _DecayLevels(g)
+        for h, e_row, e_col in levels:
             qv, kv = (t.view(M, C // (2 * h), 2, h, K) for t in (q, k))
             col = (kv[:, :, 0] * e_col).transpose(-1, -2)  # [M, nb, K, h]
             _lower_blocks(akk, h).copy_((kv[:, :, 1] * e_row) @ col)
             _lower_blocks(aqk, h).copy_((qv[:, :, 1] * e_row) @ col)
-        ctx.save_for_backward(q, k, g)
-        return akk, aqk
+        decay_in, decay_out = levels.prefix.exp_(), levels.suffix.exp_()
+        ctx.save_for_backward(q, k, g, decay_in, decay_out)
+        return akk, aqk, decay_in, decay_out
 
     @staticmethod
-    def backward(ctx, d_akk, d_aqk):
-        q, k, g = ctx.saved_tensors
+    def backward(ctx, d_akk, d_aqk, d_in, d_out):
+        q, k, g, decay_in, decay_out = ctx.saved_tensors
         M, C, K = k.shape
         d_akk, d_aqk = d_akk.contiguous(), d_aqk.contiguous()
         d_diag = d_aqk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # [M, C, 1]
         dq, dk = d_diag * k, d_diag * q
         # The gradient with respect to the inclusive chunk prefix sums G: a product's row position gets +x dx, its
         # column position -z dz (E_ij = exp(G_i - G_j)); the diagonal of Aqk does not depend on G.
-        d_big_g = torch.zeros_like(g)
-        for h, e_row, e_col in _decay_levels(g):
+        # decay_in = exp(G), decay_out = exp(G_last - G).
+        d_big_g = d_in * decay_in
+        t_out = d_out * decay_out
+        d_big_g -= t_out
+        d_big_g[:, -1] += t_out.sum(-2)
+        for h, e_row, e_col in _DecayLevels(g):
             nb = C // (2 * h)
             qv, kv, dqv, dkv, dgv = (t.view(M, nb, 2, h, K) for t in (q, k, dq, dk, d_big_g))
             x, y, z = kv[:, :, 1] * e_row, qv[:, :, 1] * e_row, kv[:, :, 0] * e_col  # [M, nb, h, K]
@@ -491,15 +503,17 @@ class _IntraChunkProducts(torch.autograd.Function):
         return dq, dk, dg
 
 
-def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decay-weighted intra-chunk Gram matrices, with every exponential ``<= 1``.
+def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Decay-weighted intra-chunk Gram matrices and the decays to the chunk start and end, every exponential ``<= 1``.
 
     For one chunk with inclusive cumulative log decay ``G_i = sum_{s <= i} g_s``:
     ``Akk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` for ``j < i`` (strictly lower, zero elsewhere) and
     ``Aqk[i, j] = sum_d q_id k_jd exp(G_id - G_jd)`` for ``j <= i``.
 
-    Args: ``q``, ``k``, ``g`` fp32 ``[M, C, K]`` (``C`` a power of two). Returns ``(Akk, Aqk)`` ``[M, C, C]``.
-    Differentiable (a custom backward, see :class:`_IntraChunkProducts`).
+    Args: ``q``, ``k``, ``g`` fp32 ``[M, C, K]`` (``C`` a power of two). Returns ``(Akk, Aqk, decay_in,
+    decay_out)``: ``Akk``, ``Aqk`` ``[M, C, C]``; ``decay_in[i] = exp(G_i)`` and ``decay_out[i] = exp(G_{C-1} - G_i)``
+    ``[M, C, K]``, the latter from exclusive suffix sums (no cancellation). Differentiable (a custom backward that
+    recomputes the level factors, :class:`_IntraChunkProducts`).
 
     Hierarchical factorisation (no ``[C, C, K]`` and no ``[16, 16, K]`` tensor): at level ``h`` the chunk is cut
     into blocks of ``2h``; for the pairs (row in the second half, column in the first half) of every block, the
@@ -667,15 +681,11 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
     qc, kc, vc, gc = (plan.to_chunks(t) for t in (q, k, v, g))  # [L, R, H, C, *]
     bc = plan.to_chunks(beta.unsqueeze(-1))  # [L, R, H, C, 1]
 
-    # Decays relative to the chunk start (prefix sums) and to the chunk end (exclusive suffix sums).
-    g_in = gc.cumsum(-2)
-    g_out = F.pad(gc.flip(-2).cumsum(-2).flip(-2)[..., 1:, :], (0, 0, 0, 1))
-    decay_in = torch.exp(g_in)
-    decay_chunk = decay_in[..., -1, :]  # [L, R, H, K]
-
+    # Gram matrices and the decays relative to the chunk start (prefix sums) and to its end (exclusive suffix sums).
     M = L * R * H
-    flat = (qc.view(M, C, K), kc.view(M, C, K), gc.view(M, C, K))
-    akk, aqk = _intra_chunk_products(*flat)
+    akk, aqk, decay_in, decay_out = _intra_chunk_products(qc.view(M, C, K), kc.view(M, C, K), gc.view(M, C, K))
+    decay_in, decay_out = decay_in.view(L, R, H, C, K), decay_out.view(L, R, H, C, K)
+    decay_chunk = decay_in[..., -1, :]  # [L, R, H, K]
     a = akk * bc.view(M, C, 1)
     rhs = torch.cat([vc * bc, kc * bc * decay_in], dim=-1).view(M, C, V + K)
     w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).view(L, R, H, C, V + K)
@@ -686,7 +696,7 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
     intra = torch.matmul if finite else _causal_matmul
     aqk = aqk.view(L, R, H, C, C)
     qg = qc * decay_in
-    kg_t = (kc * torch.exp(g_out)).transpose(-1, -2)  # [L, R, H, K, C]
+    kg_t = (kc * decay_out).transpose(-1, -2)  # [L, R, H, K, C]
 
     # Sequential part (the state recurrence only), then every chunk's output in two batched products.
     states, u, final = _StateRecurrence.apply(w_v, w_k, kg_t, decay_chunk, h0, plan, output_final_state)
