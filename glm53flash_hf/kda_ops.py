@@ -483,9 +483,8 @@ class _IntraChunkProducts(torch.autograd.Function):
         # The gradient with respect to the inclusive chunk prefix sums G: a product's row position gets +x dx, its
         # column position -z dz (E_ij = exp(G_i - G_j)); the diagonal of Aqk does not depend on G.
         # decay_in = exp(G), decay_out = exp(G_last - G).
-        d_big_g = d_in * decay_in
         t_out = d_out * decay_out
-        d_big_g -= t_out
+        d_big_g = torch.addcmul(-t_out, d_in, decay_in)
         d_big_g[:, -1] += t_out.sum(-2)
         for h, e_row, e_col in _DecayLevels(g):
             nb = C // (2 * h)
@@ -493,12 +492,12 @@ class _IntraChunkProducts(torch.autograd.Function):
             x, y, z = kv[:, :, 1] * e_row, qv[:, :, 1] * e_row, kv[:, :, 0] * e_col  # [M, nb, h, K]
             b_kk, b_qk = _lower_blocks(d_akk, h), _lower_blocks(d_aqk, h)  # [M, nb, h, h]
             dx, dy = b_kk @ z, b_qk @ z
-            dz = b_kk.transpose(-1, -2) @ x + b_qk.transpose(-1, -2) @ y
-            dkv[:, :, 1] += dx * e_row
-            dqv[:, :, 1] += dy * e_row
-            dkv[:, :, 0] += dz * e_col
-            dgv[:, :, 1] += dx * x + dy * y
-            dgv[:, :, 0] -= dz * z
+            dz = (b_kk.transpose(-1, -2) @ x).add_(b_qk.transpose(-1, -2) @ y)
+            dkv[:, :, 1].addcmul_(dx, e_row)
+            dqv[:, :, 1].addcmul_(dy, e_row)
+            dkv[:, :, 0].addcmul_(dz, e_col)
+            dgv[:, :, 1].addcmul_(dx, x).addcmul_(dy, y)
+            dgv[:, :, 0].addcmul_(dz, z, value=-1)
         dg = d_big_g.flip(-2).cumsum(-2).flip(-2)  # G_i = sum_{s <= i} g_s
         return dq, dk, dg
 
