@@ -455,6 +455,11 @@ class _DecayLevels:
             h *= 2
 
 
+def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum from the end along dim -2."""
+    return x.flip(-2).cumsum(-2).flip(-2)
+
+
 class _IntraChunkProducts(torch.autograd.Function):
     """:func:`_intra_chunk_products` with a hand-written backward that recomputes only the level decay factors."""
 
@@ -480,15 +485,16 @@ class _IntraChunkProducts(torch.autograd.Function):
         d_akk, d_aqk = d_akk.contiguous(), d_aqk.contiguous()
         d_diag = d_aqk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # [M, C, 1]
         dq, dk = d_diag * k, d_diag * q
-        # The gradient with respect to the inclusive chunk prefix sums G: a product's row position gets +x dx, its
-        # column position -z dz (E_ij = exp(G_i - G_j)); the diagonal of Aqk does not depend on G.
-        # decay_in = exp(G), decay_out = exp(G_last - G).
-        t_out = d_out * decay_out
-        d_big_g = torch.addcmul(-t_out, d_in, decay_in)
-        d_big_g[:, -1] += t_out.sum(-2)
+        # The gate gradient from local sums, as the forward builds its factors: a level's row factor is the exponential
+        # of a prefix sum inside the second half (g_s for s <= i), its column factor that of an exclusive suffix sum
+        # inside the first half (s > j). Summing, per position, only the pairs that straddle it keeps the rounding
+        # error at the size of the true gradient (a reverse cumulative sum over the chunk of row-minus-column terms
+        # would cancel large terms). decay_in = exp(sum_{s <= i} g_s), decay_out = exp(sum_{s > i} g_s).
+        dg = _reverse_cumsum(d_in * decay_in)
+        dg[:, 1:] += (d_out * decay_out)[:, :-1].cumsum(-2)
         for h, e_row, e_col in _DecayLevels(g):
             nb = C // (2 * h)
-            qv, kv, dqv, dkv, dgv = (t.view(M, nb, 2, h, K) for t in (q, k, dq, dk, d_big_g))
+            qv, kv, dqv, dkv, dgv = (t.view(M, nb, 2, h, K) for t in (q, k, dq, dk, dg))
             x, y, z = kv[:, :, 1] * e_row, qv[:, :, 1] * e_row, kv[:, :, 0] * e_col  # [M, nb, h, K]
             b_kk, b_qk = _lower_blocks(d_akk, h), _lower_blocks(d_aqk, h)  # [M, nb, h, h]
             dx, dy = b_kk @ z, b_qk @ z
@@ -496,9 +502,11 @@ class _IntraChunkProducts(torch.autograd.Function):
             dkv[:, :, 1].addcmul_(dx, e_row)
             dqv[:, :, 1].addcmul_(dy, e_row)
             dkv[:, :, 0].addcmul_(dz, e_col)
-            dgv[:, :, 1].addcmul_(dx, x).addcmul_(dy, y)
-            dgv[:, :, 0].addcmul_(dz, z, value=-1)
-        dg = d_big_g.flip(-2).cumsum(-2).flip(-2)  # G_i = sum_{s <= i} g_s
+            d_row = (dx * x).addcmul_(dy, y)
+            d_col = dz.mul_(z)
+            dgv[:, :, 1] += _reverse_cumsum(d_row) if h > 1 else d_row
+            if h > 1:
+                dgv[:, :, 0, 1:] += d_col[:, :, :-1].cumsum(-2)
         return dq, dk, dg
 
 
