@@ -593,12 +593,13 @@ def chunk_kda_torch(
       ``k = v = q = 0``, ``beta = 0`` and ``g = 0``: they neither write nor decay the state, so a document's final
       state is the state after its last chunk. A document's result depends only on its own tokens and ``C``.
     * Intra-chunk, for all chunks at once: the decay-weighted Gram matrices of :func:`_intra_chunk_products`
-      (every exponential ``<= 1``, local sums, recomputed in backward rather than stored), then
+      (every exponential ``<= 1``, local sums; a custom backward recomputes their level factors, none is stored), then
       ``(I + diag(beta) Akk)^-1`` applied by one batched ``torch.linalg.solve_triangular`` to ``[beta v | beta k
       exp(G)]``.
-    * Inter-chunk: a loop over the ``L`` chunk positions carrying ``S`` ``[R, H, K, V]``: ``U = W_v - W_k S``,
-      ``o = (q exp(G)) S + Aqk U``, ``S <- exp(G_C) S + (k exp(G_C - G))^T U``; the decays to the chunk end are
-      exclusive suffix sums (no cancellation).
+    * Inter-chunk: a loop over the ``L`` chunk positions carrying only ``S`` ``[R, H, K, V]``:
+      ``U = W_v - W_k S``, ``S <- exp(G_C) S + (k exp(G_C - G))^T U`` (:class:`_StateRecurrence`, whose backward is
+      one reverse loop carrying ``dS``); then ``o = (q exp(G)) S_n + Aqk U_n`` for all chunks in two batched
+      products over the stacked states. The decays to the chunk end are exclusive suffix sums (no cancellation).
     * Memory, forward and backward: ``O(T * H * (K + V + C))`` plus the per-chunk states ``O(T / C * H * K * V)``;
       nothing is ``O(T^2)`` and nothing holds ``[C, C, K]``.
     """
