@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .graph_ops import in_graph, recompute_op
 
@@ -397,26 +396,103 @@ def _make_plan(B: int, T: int, H: int, C: int, cu_host: list[int] | None, device
     )
 
 
-def _assemble_blocks(diag: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-    """Merge pairs of ``[h, h]`` diagonal blocks and their ``[h, h]`` lower off-diagonal block into ``[2h, 2h]``.
-
-    ``diag`` ``[M, 2 * nb, h, h]``, ``off`` ``[M, nb, h, h]`` -> ``[M, nb, 2h, 2h]`` (upper block zero).
-    """
-    M, nb, h, _ = off.shape
-    d = diag.view(M, nb, 2, h, h)
-    top = torch.cat([d[:, :, 0], torch.zeros_like(off)], dim=-1)
-    bottom = torch.cat([off, d[:, :, 1]], dim=-1)
-    return torch.cat([top, bottom], dim=-2)
+def _lower_blocks(a: torch.Tensor, h: int) -> torch.Tensor:
+    """The ``[h, h]`` blocks (rows ``2hb + h ..``, columns ``2hb ..``) below the diagonal ``[h, h]`` blocks of every
+    ``[2h, 2h]`` diagonal block of a contiguous ``a`` ``[M, C, C]``, as a strided view ``[M, C / 2h, h, h]``."""
+    M, C, _ = a.shape
+    return a.as_strided((M, C // (2 * h), h, h), (C * C, 2 * h * (C + 1), C, 1), a.storage_offset() + h * C)
 
 
-def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decay-weighted intra-chunk Gram matrices, with every exponential ``<= 1``.
+class _DecayLevels:
+    """Iterate, for ``h = 1, 2, 4, .. < C``, over ``(h, e_row, e_col)`` of :func:`_intra_chunk_products` for ``g``
+    ``[M, C, K]``: ``e_row`` ``[M, C / 2h, h, K]`` the exponentials of the inclusive prefix sums of ``g`` inside the
+    second half of every ``2h`` block, ``e_col`` those of the exclusive suffix sums inside the first half. The sums
+    are built level by level by adding the previous level's block totals (sums of terms of one sign: no
+    cancellation); after the iteration ``prefix`` / ``suffix`` hold the inclusive prefix and exclusive suffix sums
+    over the whole chunk."""
+
+    def __init__(self, g: torch.Tensor):
+        self.prefix = g.clone()  # inclusive prefix sums inside blocks of h
+        self.suffix = torch.zeros_like(g)  # exclusive suffix sums inside blocks of h
+
+    def __iter__(self):
+        M, C, K = self.prefix.shape
+        h = 1
+        while h < C:
+            nb = C // (2 * h)
+            pv, sv = self.prefix.view(M, nb, 2, h, K), self.suffix.view(M, nb, 2, h, K)
+            yield h, torch.exp(pv[:, :, 1]), torch.exp(sv[:, :, 0])
+            sv[:, :, 0] += pv[:, :, 1, -1:]
+            pv[:, :, 1] += pv[:, :, 0, -1:]
+            h *= 2
+
+
+def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum from the end along dim -2."""
+    return x.flip(-2).cumsum(-2).flip(-2)
+
+
+class _IntraChunkProducts(torch.autograd.Function):
+    """:func:`_intra_chunk_products` with a hand-written backward that recomputes only the level decay factors."""
+
+    @staticmethod
+    def forward(ctx, q, k, g):
+        M, C, K = k.shape
+        akk, aqk = k.new_zeros(M, C, C), k.new_zeros(M, C, C)
+        aqk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+        levels = _DecayLevels(g)
+        for h, e_row, e_col in levels:
+            qv, kv = (t.view(M, C // (2 * h), 2, h, K) for t in (q, k))
+            col = (kv[:, :, 0] * e_col).transpose(-1, -2)  # [M, nb, K, h]
+            _lower_blocks(akk, h).copy_((kv[:, :, 1] * e_row) @ col)
+            _lower_blocks(aqk, h).copy_((qv[:, :, 1] * e_row) @ col)
+        decay_in, decay_out = levels.prefix.exp_(), levels.suffix.exp_()
+        ctx.save_for_backward(q, k, g, decay_in, decay_out)
+        return akk, aqk, decay_in, decay_out
+
+    @staticmethod
+    def backward(ctx, d_akk, d_aqk, d_in, d_out):
+        q, k, g, decay_in, decay_out = ctx.saved_tensors
+        M, C, K = k.shape
+        d_akk, d_aqk = d_akk.contiguous(), d_aqk.contiguous()
+        d_diag = d_aqk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # [M, C, 1]
+        dq, dk = d_diag * k, d_diag * q
+        # The gate gradient from local sums, as the forward builds its factors: a level's row factor is the exponential
+        # of a prefix sum inside the second half (g_s for s <= i), its column factor that of an exclusive suffix sum
+        # inside the first half (s > j). Summing, per position, only the pairs that straddle it keeps the rounding
+        # error at the size of the true gradient (a reverse cumulative sum over the chunk of row-minus-column terms
+        # would cancel large terms). decay_in = exp(sum_{s <= i} g_s), decay_out = exp(sum_{s > i} g_s).
+        dg = _reverse_cumsum(d_in * decay_in)
+        dg[:, 1:] += (d_out * decay_out)[:, :-1].cumsum(-2)
+        for h, e_row, e_col in _DecayLevels(g):
+            nb = C // (2 * h)
+            qv, kv, dqv, dkv, dgv = (t.view(M, nb, 2, h, K) for t in (q, k, dq, dk, dg))
+            x, y, z = kv[:, :, 1] * e_row, qv[:, :, 1] * e_row, kv[:, :, 0] * e_col  # [M, nb, h, K]
+            b_kk, b_qk = _lower_blocks(d_akk, h), _lower_blocks(d_aqk, h)  # [M, nb, h, h]
+            dx, dy = b_kk @ z, b_qk @ z
+            dz = (b_kk.transpose(-1, -2) @ x).add_(b_qk.transpose(-1, -2) @ y)
+            dkv[:, :, 1].addcmul_(dx, e_row)
+            dqv[:, :, 1].addcmul_(dy, e_row)
+            dkv[:, :, 0].addcmul_(dz, e_col)
+            d_row = (dx * x).addcmul_(dy, y)
+            d_col = dz.mul_(z)
+            dgv[:, :, 1] += _reverse_cumsum(d_row) if h > 1 else d_row
+            if h > 1:
+                dgv[:, :, 0, 1:] += d_col[:, :, :-1].cumsum(-2)
+        return dq, dk, dg
+
+
+def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Decay-weighted intra-chunk Gram matrices and the decays to the chunk start and end, every exponential ``<= 1``.
 
     For one chunk with inclusive cumulative log decay ``G_i = sum_{s <= i} g_s``:
     ``Akk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` for ``j < i`` (strictly lower, zero elsewhere) and
     ``Aqk[i, j] = sum_d q_id k_jd exp(G_id - G_jd)`` for ``j <= i``.
 
-    Args: ``q``, ``k``, ``g`` fp32 ``[M, C, K]`` (``C`` a power of two). Returns ``(Akk, Aqk)`` ``[M, C, C]``.
+    Args: ``q``, ``k``, ``g`` fp32 ``[M, C, K]`` (``C`` a power of two). Returns ``(Akk, Aqk, decay_in,
+    decay_out)``: ``Akk``, ``Aqk`` ``[M, C, C]``; ``decay_in[i] = exp(G_i)`` and ``decay_out[i] = exp(G_{C-1} - G_i)``
+    ``[M, C, K]``, the latter from exclusive suffix sums (no cancellation). Differentiable (a custom backward that
+    recomputes the level factors, :class:`_IntraChunkProducts`).
 
     Hierarchical factorisation (no ``[C, C, K]`` and no ``[16, 16, K]`` tensor): at level ``h`` the chunk is cut
     into blocks of ``2h``; for the pairs (row in the second half, column in the first half) of every block, the
@@ -426,25 +502,10 @@ def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> 
     terms, so both factors are in ``[0, 1]``: no overflow whatever the gate (a factor that underflows to 0 means
     the exact product is below fp32's range too), and because the sums are *local* (not differences of chunk
     cumulative sums) there is no cancellation error when the gate is large. The off-diagonal block is then
-    one batched matmul ``[h, K] @ [K, h]``. ``log2(C)`` levels cover every pair ``j < i``; the diagonal of ``Aqk``
-    is ``q_i . k_i``. Temporaries are ``O(M * C * K)`` per level.
+    one batched matmul ``[h, K] @ [K, h]``, written in place into the result. ``log2(C)`` levels cover every pair
+    ``j < i``; the diagonal of ``Aqk`` is ``q_i . k_i``. Temporaries are ``O(M * C * K)`` per level.
     """
-    M, C, K = k.shape
-    akk = k.new_zeros(M, C, 1, 1)
-    aqk = (q * k).sum(-1).view(M, C, 1, 1)
-    h = 1
-    while h < C:
-        nb = C // (2 * h)
-        qv, kv, gv = (t.view(M, nb, 2, h, K) for t in (q, k, g))
-        e_row = torch.exp(gv[:, :, 1].cumsum(-2))  # exp(G_i - G_r), i in the second half
-        suffix = gv[:, :, 0].flip(-2).cumsum(-2).flip(-2)  # inclusive suffix sums of the first half
-        e_col = torch.exp(F.pad(suffix[:, :, 1:], (0, 0, 0, 1)))  # exp(G_r - G_j), exclusive suffix
-        col = (kv[:, :, 0] * e_col).transpose(-1, -2)  # [M, nb, K, h]
-        akk = _assemble_blocks(akk, (kv[:, :, 1] * e_row) @ col)
-        aqk = _assemble_blocks(aqk, (qv[:, :, 1] * e_row) @ col)
-        h *= 2
-    return akk.view(M, C, C), aqk.view(M, C, C)
-
+    return _IntraChunkProducts.apply(q.contiguous(), k.contiguous(), g.contiguous())
 
 
 @_autocast_off
@@ -504,12 +565,13 @@ def chunk_kda_torch(
       ``k = v = q = 0``, ``beta = 0`` and ``g = 0``: they neither write nor decay the state, so a document's final
       state is the state after its last chunk. A document's result depends only on its own tokens and ``C``.
     * Intra-chunk, for all chunks at once: the decay-weighted Gram matrices of :func:`_intra_chunk_products`
-      (every exponential ``<= 1``, local sums, recomputed in backward rather than stored), then
+      (every exponential ``<= 1``, local sums; a custom backward recomputes their level factors, none is stored), then
       ``(I + diag(beta) Akk)^-1`` applied by one batched ``torch.linalg.solve_triangular`` to ``[beta v | beta k
       exp(G)]``.
-    * Inter-chunk: a loop over the ``L`` chunk positions carrying ``S`` ``[R, H, K, V]``: ``U = W_v - W_k S``,
-      ``o = (q exp(G)) S + Aqk U``, ``S <- exp(G_C) S + (k exp(G_C - G))^T U``; the decays to the chunk end are
-      exclusive suffix sums (no cancellation).
+    * Inter-chunk: a loop over the ``L`` chunk positions carrying only ``S`` ``[R, H, K, V]``:
+      ``U = W_v - W_k S``, ``S <- exp(G_C) S + (k exp(G_C - G))^T U`` (:class:`_StateRecurrence`, whose backward is
+      one reverse loop carrying ``dS``); then ``o = (q exp(G)) S_n + Aqk U_n`` for all chunks in two batched
+      products over the stacked states. The decays to the chunk end are exclusive suffix sums (no cancellation).
     * Memory, forward and backward: ``O(T * H * (K + V + C))`` plus the per-chunk states ``O(T / C * H * K * V)``;
       nothing is ``O(T^2)`` and nothing holds ``[C, C, K]``.
     """
@@ -599,18 +661,11 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
     qc, kc, vc, gc = (plan.to_chunks(t) for t in (q, k, v, g))  # [L, R, H, C, *]
     bc = plan.to_chunks(beta.unsqueeze(-1))  # [L, R, H, C, 1]
 
-    # Decays relative to the chunk start (prefix sums) and to the chunk end (exclusive suffix sums).
-    g_in = gc.cumsum(-2)
-    g_out = F.pad(gc.flip(-2).cumsum(-2).flip(-2)[..., 1:, :], (0, 0, 0, 1))
-    decay_in = torch.exp(g_in)
-    decay_chunk = decay_in[..., -1, :]  # [L, R, H, K]
-
+    # Gram matrices and the decays relative to the chunk start (prefix sums) and to its end (exclusive suffix sums).
     M = L * R * H
-    flat = (qc.view(M, C, K), kc.view(M, C, K), gc.view(M, C, K))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-        akk, aqk = checkpoint(_intra_chunk_products, *flat, use_reentrant=False)
-    else:
-        akk, aqk = _intra_chunk_products(*flat)
+    akk, aqk, decay_in, decay_out = _intra_chunk_products(qc.view(M, C, K), kc.view(M, C, K), gc.view(M, C, K))
+    decay_in, decay_out = decay_in.view(L, R, H, C, K), decay_out.view(L, R, H, C, K)
+    decay_chunk = decay_in[..., -1, :]  # [L, R, H, K]
     a = akk * bc.view(M, C, 1)
     rhs = torch.cat([vc * bc, kc * bc * decay_in], dim=-1).view(M, C, V + K)
     w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).view(L, R, H, C, V + K)
@@ -621,48 +676,132 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
     intra = torch.matmul if finite else _causal_matmul
     aqk = aqk.view(L, R, H, C, C)
     qg = qc * decay_in
-    kg_t = (kc * torch.exp(g_out)).transpose(-1, -2)  # [L, R, H, K, C]
+    kg_t = (kc * decay_out).transpose(-1, -2)  # [L, R, H, K, C]
 
-    # Sequential part: one step per chunk position, all rows (documents) in parallel.
-    # state None stands for an all-zero state (no initial state): the first chunk then needs no state products,
-    # and a single chunk without a requested final state never builds the [R, H, K, V] state at all.
-    state = None
-    if h0 is not None:
-        state = h0 if plan.first_docs is None else h0.index_select(0, plan.first_docs)
-    # unbind (not w_v[n]): its backward stacks the per-chunk grads once instead of scattering each into zeros.
-    w_v, w_k, qg, aqk, kg_t, decay_chunk = (t.unbind(0) for t in (w_v, w_k, qg, aqk, kg_t, decay_chunk))
-    outs, finals, final_docs = [], [], []
-    for n in range(L):
-        if plan.resets and n in plan.resets and (state is not None or h0 is not None):
-            rows, docs = plan.resets[n]
-            if state is None:
-                state = q.new_zeros(R, H, K, V)
-            seed = h0.index_select(0, docs) if h0 is not None else state.new_zeros(rows.numel(), H, K, V)
-            state = state.index_put((rows,), seed)
-        if state is None:
-            u = w_v[n]
-            outs.append(intra(aqk[n], u))
+    # Sequential part (the state recurrence only), then every chunk's output in two batched products.
+    states, u, final = _StateRecurrence.apply(w_v, w_k, kg_t, decay_chunk, h0, plan, output_final_state)
+    o = plan.from_chunks(qg @ states + intra(aqk, u))
+    return o, (final if output_final_state else None)
+
+
+class _StateRecurrence(torch.autograd.Function):
+    """The inter-chunk state recurrence of the chunked delta rule, with a hand-written backward.
+
+    Per chunk position ``n`` (all rows and heads at once), from the state ``S_n`` ``[K, V]`` entering chunk ``n``::
+
+        U_n = W_v,n - W_k,n S_n               # [C, V]
+        S_{n+1} = diag(d_n) S_n + KG_n U_n    # KG_n [K, C], d_n [K]
+
+    ``S_0`` is ``h0`` (rows seeded from ``plan.first_docs``) or zero, and a row is re-seeded (``h0[doc]`` or zero)
+    at the chunk where a document starts (``plan.resets``). Only the two state products run in the loop; the
+    outputs that read the states are batched products over the returned stack.
+
+    Inputs: ``w_v`` ``[L, R, H, C, V]``, ``w_k`` ``[L, R, H, C, K]``, ``kg_t`` ``[L, R, H, K, C]``, ``decay``
+    ``[L, R, H, K]`` (any float dtype, all the same), ``h0`` ``[N, H, K, V]`` or ``None``, ``plan`` (a
+    :class:`_ChunkPlan`), ``output_final_state``.
+
+    Returns ``(states [L, R, H, K, V], u [L, R, H, C, V], final)``: ``states[n] = S_n`` (after any re-seeding),
+    ``u[n] = U_n``, ``final`` the state after every document's last chunk (``[N, H, K, V]``; an empty tensor when
+    ``output_final_state`` is false). Backward: one reverse loop carrying ``dS`` (two products per step), then the
+    gradients of ``w_k``, ``kg_t`` and ``decay`` as batched products over the stacked states; it saves only the
+    inputs it needs and the two outputs.
+    """
+
+    @staticmethod
+    def forward(ctx, w_v, w_k, kg_t, decay, h0, plan, output_final_state):
+        L, R, H, C, V = w_v.shape
+        K = w_k.shape[-1]
+        M = R * H
+        wv3, wk3, kg3 = (t.contiguous().view(L, M, *t.shape[-2:]) for t in (w_v, w_k, kg_t))
+        dec3 = decay.contiguous().view(L, M, K, 1)
+        states = w_v.new_empty(L, M, K, V)
+        u = w_v.new_empty(L, M, C, V)
+        if h0 is None:
+            states[0].zero_()
         else:
-            u = w_v[n] - w_k[n] @ state
-            outs.append(qg[n] @ state + intra(aqk[n], u))
-        if n == L - 1 and not output_final_state:
-            break
-        update = kg_t[n] @ u
-        state = update if state is None else decay_chunk[n].unsqueeze(-1) * state + update
-        if output_final_state and plan.ends is not None and n in plan.ends:
-            rows, docs = plan.ends[n]
-            finals.append(state.index_select(0, rows))
-            final_docs.append(docs)
-    o = plan.from_chunks(torch.stack(outs, dim=0))
-
-    final = None
-    if output_final_state:
-        if plan.ends is None:
-            final = state
+            states[0].copy_((h0 if plan.first_docs is None else h0.index_select(0, plan.first_docs)).view(M, K, V))
+        finals, final_docs = [], []
+        last = None
+        for n in range(L):
+            s = states[n]
+            if n > 0 and plan.resets and n in plan.resets:
+                rows, docs = plan.resets[n]
+                seed = h0.index_select(0, docs) if h0 is not None else s.new_zeros(rows.numel(), H, K, V)
+                s.view(R, H, K, V).index_copy_(0, rows, seed.to(s.dtype))
+            if n == 0 and h0 is None:
+                u[0].copy_(wv3[0])  # zero state: no product
+            else:
+                torch.baddbmm(wv3[n], wk3[n], s, alpha=-1, out=u[n])
+            if n == L - 1 and not output_final_state:
+                break
+            nxt = states[n + 1] if n + 1 < L else torch.empty_like(s)
+            torch.mul(s, dec3[n], out=nxt)
+            nxt.baddbmm_(kg3[n], u[n])
+            last = nxt
+            if output_final_state and plan.ends is not None and n in plan.ends:
+                rows, docs = plan.ends[n]
+                finals.append(nxt.view(R, H, K, V).index_select(0, rows))
+                final_docs.append(docs)
+        if not output_final_state:
+            final = w_v.new_empty(0)
+        elif plan.ends is None:
+            final = last.view(R, H, K, V).clone()
         else:
             stacked = torch.cat(finals)
             final = stacked.new_zeros(plan.num_docs, H, K, V).index_copy(0, torch.cat(final_docs), stacked)
-    return o, final
+        ctx.plan, ctx.output_final_state, ctx.has_h0 = plan, output_final_state, h0 is not None
+        ctx.h0_shape = None if h0 is None else h0.shape
+        ctx.save_for_backward(wk3, kg3, dec3, states, u)
+        return states.view(L, R, H, K, V), u.view(L, R, H, C, V), final
+
+    @staticmethod
+    def backward(ctx, d_states, d_u, d_final):
+        wk3, kg3, dec3, states, u = ctx.saved_tensors
+        plan, output_final_state, has_h0 = ctx.plan, ctx.output_final_state, ctx.has_h0
+        L, M, K, V = states.shape
+        C = u.shape[-2]
+        R = plan.num_rows
+        H = M // R
+        ds3 = d_states.contiguous().view(L, M, K, V)
+        du3 = d_u.contiguous().view(L, M, C, V)
+        # grad_next[n]: the gradient of the state leaving chunk n (before any re-seeding at chunk n + 1).
+        grad_next = states.new_zeros(L, M, K, V)
+        if output_final_state:
+            if plan.ends is None:
+                grad_next[L - 1].copy_(d_final.reshape(M, K, V))
+            elif L - 1 in plan.ends:
+                rows, docs = plan.ends[L - 1]
+                grad_next[L - 1].view(R, H, K, V).index_add_(0, rows, d_final.index_select(0, docs))
+        du_tot = torch.empty_like(du3)
+        d_h0 = states.new_zeros(ctx.h0_shape) if has_h0 else None
+        for n in range(L - 1, -1, -1):
+            gn = grad_next[n]
+            torch.baddbmm(du3[n], kg3[n].transpose(-1, -2), gn, out=du_tot[n])
+            if n == 0 and not has_h0:
+                break
+            target = grad_next[n - 1] if n > 0 else torch.empty_like(gn)
+            torch.addcmul(ds3[n], dec3[n], gn, out=target)
+            target.baddbmm_(wk3[n].transpose(-1, -2), du_tot[n], alpha=-1)
+            t4 = target.view(R, H, K, V)
+            if n > 0:
+                if plan.resets and n in plan.resets:
+                    rows, docs = plan.resets[n]
+                    if has_h0:
+                        d_h0.index_add_(0, docs, t4.index_select(0, rows))
+                    t4.index_fill_(0, rows, 0.0)
+                if output_final_state and plan.ends is not None and n - 1 in plan.ends:
+                    rows, docs = plan.ends[n - 1]
+                    t4.index_add_(0, rows, d_final.index_select(0, docs))
+            elif plan.first_docs is None:
+                d_h0.copy_(t4)
+            else:
+                d_h0.index_add_(0, plan.first_docs, t4)
+        d_wk = -(du_tot @ states.transpose(-1, -2))
+        d_kg = grad_next @ u.transpose(-1, -2)
+        d_decay = (grad_next * states).sum(-1)
+        shape = (L, R, H)
+        return (du_tot.view(*shape, C, V), d_wk.view(*shape, C, K), d_kg.view(*shape, K, C),
+                d_decay.view(*shape, K), d_h0, None, None)
 
 
 @_autocast_off

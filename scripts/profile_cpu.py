@@ -1,0 +1,342 @@
+#!/usr/bin/env python
+"""CPU profile of one training step (forward + backward) of the benchmarks' wide tiny config, per model family.
+
+The model is ``Glm53FlashForCausalLM`` on ``_common.WIDE_TEXT`` (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts,
+fp32), random weights (``_common.randomize_``), ``labels = input_ids``. One untimed step warms up, then one step runs
+under ``torch.profiler`` (CPU activity, input shapes, FLOPs).
+
+Families, attributed from the outside (nothing of this script is in ``glm53flash_hf``):
+
+* ``KDA``: ``Glm53FlashLinearAttention`` (projections, gate, convolution, delta rule, gated norm, output proj).
+* ``DSA indexer``: ``Glm53FlashIndexer``.  ``sparse MLA``: ``Glm53FlashAttention`` less its indexer.
+* ``mHC``: ``Glm53FlashHyperConnection`` (``hc_pre``) and ``hc_post`` (wrapped where the decoder layer calls it).
+* ``MoE``: ``Glm53FlashMoE`` and the dense ``Glm53FlashMLP``.  ``loss``: ``lm_head`` and the loss function (from
+  ``lm_head``'s input to the end of the model's forward).  ``other``: everything else (embedding, RMSNorms, glue).
+
+Forward: a forward pre-hook opens a ``torch.profiler.record_function`` range ``fam::<family>`` and a forward hook
+closes it. Backward: the hooks also pass the region's floating inputs and outputs through identity
+``autograd.Function`` markers; the first output marker's backward opens the range, the last input marker's backward
+closes it (the loss range opens when backward starts). Time: the step's wall time on the profiler's clock is cut at
+every range boundary and each piece goes to the innermost open range (the one opened last; none open: ``other``),
+so a family's time includes its Python overhead and the shares add up to 100 %. Op calls, FLOPs and bytes: every
+``aten::`` op not called from another ``aten::`` op is counted in the family whose range is innermost at its start.
+FLOPs are the profiler's ``with_flops`` formulas (matrix products, convolutions, elementwise add/mul; e.g. the
+triangular solve counts 0). Bytes are an estimate: the sizes of the op's tensor inputs (recorded shapes) plus one
+output the size of its largest input, at 4 bytes per element (fp32; index tensors are counted at 4 bytes too).
+
+Usage::
+
+    python scripts/profile_cpu.py                          # S = 2048 8192 32768
+    python scripts/profile_cpu.py --seqlens 2048 8192 --threads 2 --json prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import torch  # noqa: E402
+from _common import WIDE_TEXT, randomize_  # noqa: E402
+
+FAMILIES = ("KDA", "DSA indexer", "sparse MLA", "mHC", "MoE", "loss", "other")
+PHASES = ("forward", "backward")
+_PREFIX = "fam::"
+
+
+class _Range:
+    """One profiler range opened and closed from different call sites (forward hooks, backward markers)."""
+
+    def __init__(self, family: str):
+        self.family = family
+        self.handle = None
+
+    def open(self):
+        if self.handle is None:
+            self.handle = torch.autograd.profiler.record_function(_PREFIX + self.family)
+            self.handle.__enter__()
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.__exit__(None, None, None)
+            self.handle = None
+
+
+class _Marker(torch.autograd.Function):
+    """Identity on ``xs``; its backward calls ``action(last)`` where ``last`` says whether every marked tensor of
+    this call has now received its gradient."""
+
+    @staticmethod
+    def forward(ctx, action, state, *xs):
+        ctx.action, ctx.state = action, state
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state["left"] -= 1
+        ctx.action(ctx.state["left"] == 0)
+        return (None, None, *grads)
+
+
+def _mark(values, action):
+    """Pass the floating tensors that require grad among ``values`` (a tuple, may nest one level of tuple/list)
+    through one :class:`_Marker`; return ``values`` with them replaced (unchanged when there are none)."""
+    flat = []
+
+    def visit(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad and torch.is_grad_enabled():
+            flat.append(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+
+    visit(values)
+    if not flat:
+        return values
+    marked = iter(_Marker.apply(action, {"left": len(flat)}, *flat))
+    ids = {id(x) for x in flat}
+
+    def rebuild(v):
+        if isinstance(v, torch.Tensor) and id(v) in ids:
+            return next(marked)
+        if isinstance(v, (tuple, list)):
+            return type(v)(rebuild(x) for x in v)
+        return v
+
+    return rebuild(values)
+
+
+class _Region:
+    """Enter/exit a family region around one call: forward range plus backward markers."""
+
+    def __init__(self, family: str):
+        self.family = family
+        self.calls = []
+
+    def enter(self, args):
+        fwd = _Range(self.family)
+        bwd = _Range(self.family)
+        self.calls.append((fwd, bwd))
+        fwd.open()
+        return _mark(args, lambda last: bwd.close() if last else None)
+
+    def exit(self, out):
+        fwd, bwd = self.calls.pop()
+        fwd.close()
+        return _mark(out, lambda last: bwd.open())
+
+
+def instrument(model) -> tuple[list, _Range]:
+    """Install the family hooks on ``model``; return the hook handles (and patches to undo) and the loss range."""
+    from glm53flash_hf import modeling_glm53flash as modeling
+    from glm53flash_hf.dsa import Glm53FlashAttention, Glm53FlashIndexer
+    from glm53flash_hf.kda import Glm53FlashLinearAttention
+    from glm53flash_hf.mhc import Glm53FlashHyperConnection
+    from glm53flash_hf.moe import Glm53FlashMLP, Glm53FlashMoE
+
+    classes = {Glm53FlashLinearAttention: "KDA", Glm53FlashIndexer: "DSA indexer", Glm53FlashAttention: "sparse MLA",
+               Glm53FlashHyperConnection: "mHC", Glm53FlashMoE: "MoE", Glm53FlashMLP: "MoE"}
+    undo = []
+    for module in model.modules():
+        family = next((f for c, f in classes.items() if type(module) is c), None)
+        if family is None:
+            continue
+        region = _Region(family)
+
+        def pre(mod, args, kwargs, region=region):
+            return region.enter(args), kwargs
+
+        def post(mod, args, kwargs, out, region=region):
+            return region.exit(out)
+
+        undo.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        undo.append(module.register_forward_hook(post, with_kwargs=True))
+
+    hc_region = _Region("mHC")
+    original_hc_post = modeling.hc_post
+
+    def hc_post(*args, **kwargs):
+        return hc_region.exit(original_hc_post(*hc_region.enter(args), **kwargs))
+
+    modeling.hc_post = hc_post
+    undo.append(type("Undo", (), {"remove": staticmethod(lambda: setattr(modeling, "hc_post", original_hc_post))})())
+
+    loss_fwd, loss_bwd = _Range("loss"), _Range("loss")
+
+    def head_pre(mod, args):
+        loss_fwd.open()
+        return _mark(args, lambda last: loss_bwd.close() if last else None)
+
+    def model_post(mod, args, out):
+        loss_fwd.close()
+
+    undo.append(model.lm_head.register_forward_pre_hook(head_pre))
+    undo.append(model.register_forward_hook(model_post))
+    return undo, loss_bwd
+
+
+def build_model(seed: int = 0):
+    from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+
+    torch.manual_seed(seed)
+    model = Glm53FlashForCausalLM(Glm53FlashTextConfig(**WIDE_TEXT)).float()
+    randomize_(model, seed, std=0.04)
+    return model.train()
+
+
+def _innermost_partition(intervals, t0, t1):
+    """Cut ``[t0, t1]`` at every interval boundary; return ``{family: time}`` giving each piece to the innermost
+    (latest-opened) interval covering it, ``other`` where none does. ``intervals``: ``(start, end, family)``."""
+    points = sorted({t0, t1, *(max(t0, min(t1, x)) for s, e, _ in intervals for x in (s, e))})
+    out = dict.fromkeys(FAMILIES, 0.0)
+    ordered = sorted(intervals)
+    for a, b in zip(points[:-1], points[1:]):
+        if b <= a:
+            continue
+        mid = (a + b) / 2
+        family = "other"
+        for s, e, f in ordered:  # latest start wins
+            if s > mid:
+                break
+            if e > mid:
+                family = f
+        out[family] += b - a
+    return out
+
+
+def _innermost_at(intervals_sorted, starts, t):
+    """The family innermost at time ``t`` (``intervals_sorted`` by start; ``starts`` their start times)."""
+    import bisect
+
+    i = bisect.bisect_right(starts, t)
+    for _s, e, f in reversed(intervals_sorted[:i]):
+        if e > t:
+            return f
+    return "other"
+
+
+def _bytes_estimate(shapes) -> int:
+    sizes = [math.prod(s) for s in shapes if isinstance(s, (list, tuple)) and len(s) > 0]
+    return 4 * (sum(sizes) + max(sizes)) if sizes else 0
+
+
+def summarise(events) -> dict:
+    """Per phase and family: time (s), op calls, FLOPs, estimated bytes; from the profiler's events."""
+    phases = {}
+    for ev in events:
+        if ev.name.startswith("phase::"):
+            phases[ev.name[len("phase::"):]] = (ev.time_range.start, ev.time_range.end)
+    fams = sorted((ev.time_range.start, ev.time_range.end, ev.name[len(_PREFIX):]) for ev in events
+                  if ev.name.startswith(_PREFIX))
+    starts = [s for s, _, _ in fams]
+    result = {}
+    for phase, (t0, t1) in phases.items():
+        inside = [(max(s, t0), min(e, t1), f) for s, e, f in fams if s < t1 and e > t0]
+        times = _innermost_partition(inside, t0, t1)
+        rows = {f: {"time_s": times[f] / 1e6, "calls": 0, "flops": 0, "bytes": 0} for f in FAMILIES}
+        result[phase] = rows
+        for ev in events:
+            if not ev.name.startswith("aten::") or not t0 <= ev.time_range.start < t1:
+                continue
+            parent = ev.cpu_parent
+            if parent is not None and parent.name.startswith("aten::"):
+                continue
+            row = rows[_innermost_at(fams, starts, ev.time_range.start)]
+            row["calls"] += 1
+            row["flops"] += int(ev.flops or 0)
+            row["bytes"] += _bytes_estimate(ev.input_shapes or [])
+        # FLOPs of nested aten ops (e.g. addmm under linear) are counted at the outermost op only when it has a
+        # formula; add the nested ones that carry FLOPs their outermost op does not.
+        for ev in events:
+            if not ev.name.startswith("aten::") or not t0 <= ev.time_range.start < t1 or not ev.flops:
+                continue
+            parent = ev.cpu_parent
+            if parent is None or not parent.name.startswith("aten::"):
+                continue
+            top = parent
+            while top.cpu_parent is not None and top.cpu_parent.name.startswith("aten::"):
+                top = top.cpu_parent
+            if not top.flops:
+                rows[_innermost_at(fams, starts, ev.time_range.start)]["flops"] += int(ev.flops)
+    return result
+
+
+def profile_step(model, seq_len: int, seed: int = 1) -> dict:
+    """Warm-up step, then one profiled forward + backward at ``seq_len``; returns :func:`summarise`'s dict plus the
+    step's wall time and loss."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, seq_len), generator=gen)
+    undo, loss_bwd = instrument(model)
+    try:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+            t0 = time.perf_counter()
+            with record_function("phase::forward"):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            with record_function("phase::backward"):
+                loss_bwd.open()
+                loss.backward()
+                loss_bwd.close()
+            wall = time.perf_counter() - t0
+    finally:
+        for h in undo:
+            h.remove()
+    out = summarise(prof.events())
+    return {"seq_len": seq_len, "step_s": wall, "loss": loss.item(), "families": out}
+
+
+def table(res: dict) -> str:
+    fam = res["families"]
+    total = sum(r["time_s"] for p in fam.values() for r in p.values())
+    lines = [f"S={res['seq_len']}: step {res['step_s']:.2f} s under the profiler (attributed {total:.2f} s)", "",
+             "| family | phase | time (s) | share | op calls | GFLOP | GB moved (est.) | GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        for p in PHASES:
+            r = fam.get(p, {}).get(f)
+            if r is None:
+                continue
+            rate = r["flops"] / r["time_s"] / 1e9 if r["time_s"] > 0 else 0.0
+            lines.append(f"| {f} | {p} | {r['time_s']:.3f} | {100 * r['time_s'] / total:.1f} % | {r['calls']} | "
+                         f"{r['flops'] / 1e9:.2f} | {r['bytes'] / 1e9:.2f} | {rate:.1f} |")
+    per_family = {f: sum(fam[p][f]["time_s"] for p in fam) for f in FAMILIES}
+    lines.append("")
+    lines.append("shares by family (forward + backward): " + ", ".join(
+        f"{f} {100 * t / total:.1f} %" for f, t in per_family.items()))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 32768], help="sequence lengths")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_model()
+    results = []
+    for s in args.seqlens:
+        res = profile_step(model, s)
+        results.append(res)
+        print(table(res), flush=True)
+        print(flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``scripts/profile_cpu.py`` runs end to end at a tiny length: every family of the wide config shows up in the
+forward and (where it has parameters reached by the loss) the backward, the time pieces cover the profiled step and
+the shares add up to 100 %."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_profile_cpu_smoke(tmp_path):
+    out_json = tmp_path / "prof.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "profile_cpu.py"), "--seqlens", "64", "--threads", "1",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| family | phase | time (s) | share | op calls | GFLOP | GB moved (est.) | GFLOP/s |" in proc.stdout
+    (res,) = json.loads(out_json.read_text())
+    fams = res["families"]
+    assert set(fams) == {"forward", "backward"}
+    expected = {"KDA", "DSA indexer", "sparse MLA", "mHC", "MoE", "loss", "other"}
+    for phase in fams:
+        assert set(fams[phase]) == expected
+    # every family does work in the forward; all but the indexer (integer top-k output) in the backward
+    for family in expected - {"other"}:
+        row = fams["forward"][family]
+        assert row["calls"] > 0 and row["time_s"] > 0, (family, row)
+    for family in expected - {"other", "DSA indexer"}:
+        row = fams["backward"][family]
+        assert row["calls"] > 0 and row["time_s"] > 0 and row["flops"] > 0, (family, row)
+    assert fams["forward"]["KDA"]["flops"] > 0 and fams["forward"]["MoE"]["bytes"] > 0
+    attributed = sum(r["time_s"] for p in fams.values() for r in p.values())
+    assert 0.8 * res["step_s"] <= attributed <= 1.01 * res["step_s"], (attributed, res["step_s"])
+    shares = [float(x.split()[-2]) for x in proc.stdout.split("shares by family (forward + backward): ")[1]
+              .splitlines()[0].split(", ")]
+    assert abs(sum(shares) - 100.0) < 0.5, shares
