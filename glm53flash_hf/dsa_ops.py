@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .graph_ops import _autograd_recording, define_op
+
 __all__ = [
     "DEFAULT_INDEXER_SCORE_ELEMENTS",
     "DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS",
@@ -63,45 +65,58 @@ def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: to
         raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
 
 
-def _sparse_mla_probs(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The softmax of the sparse MLA core over each query's slots: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` ->
-    ``(probs [B,C,H,W], lse [B,C,H], gathered [B,C,W,Dl], safe [B,C,W])`` in the compute dtype (``safe``: long
-    ids, 0 at invalid slots, whose probability and gathered latent are 0)."""
-    batch, chunk, _, dim = q_abs.shape
-    kv_len = latent.shape[1]
-    width = indices.shape[-1]
-    compute_dtype = torch.promote_types(torch.promote_types(q_abs.dtype, latent.dtype), torch.float32)
+def _padded_latent(latent: torch.Tensor, indices: torch.Tensor, compute_dtype: torch.dtype):
+    """The latent in the compute dtype with one zero row appended per batch row, flattened, and the ids into it.
 
+    Returns ``(latent_pad [B * (S_kv + 1), Dl], flat_ids long [B, S, W], valid bool [B, S, W])``: ``flat_ids`` are
+    the row-local ids offset by ``b * (S_kv + 1)``, and every invalid slot (``-1`` or out of range) reads the zero
+    row of its batch row, so a gathered invalid slot is exactly zero without a mask over the gathered latents (and
+    never reads another document's, possibly non-finite, row)."""
+    batch, kv_len, dim = latent.shape
     idx = indices.long()
-    valid = (idx >= 0) & (idx < kv_len)  # [B, C, W]
-    safe = torch.where(valid, idx, torch.zeros_like(idx))
-    gathered = torch.gather(latent, 1, safe.reshape(batch, chunk * width, 1).expand(-1, -1, dim))
-    gathered = gathered.view(batch, chunk, width, dim).to(compute_dtype)  # [B, C, W, Dl]
-    # Padding slots read row 0, which may belong to another document: select zeros there (a zero probability
-    # times a non-finite latent would still give NaN in the matmul below).
-    gathered = torch.where(valid[..., None], gathered, torch.zeros((), dtype=compute_dtype, device=gathered.device))
+    valid = (idx >= 0) & (idx < kv_len)  # [B, S, W]
+    rows = torch.arange(batch, device=idx.device).view(batch, 1, 1) * (kv_len + 1)
+    flat_ids = torch.where(valid, idx, kv_len) + rows
+    pad = latent.new_zeros(batch, 1, dim, dtype=compute_dtype)
+    latent_pad = torch.cat([latent.to(compute_dtype), pad], dim=1).view(batch * (kv_len + 1), dim)
+    return latent_pad, flat_ids, valid
 
-    scores = torch.matmul(q_abs.to(compute_dtype), gathered.transpose(-1, -2)) * scale  # [B, C, H, W]
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty rows: all -inf
-    expo = torch.exp(scores - row_max)
-    denom = expo.sum(dim=-1, keepdim=True)
-    nonempty = denom > 0
-    safe_denom = torch.where(nonempty, denom, torch.ones_like(denom))
-    probs = expo / safe_denom
-    lse = torch.where(nonempty, row_max + torch.log(safe_denom), torch.full_like(denom, float("-inf"))).squeeze(-1)
-    return probs, lse, gathered, safe
+
+def _sparse_mla_probs(
+    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax of the sparse MLA core over each query's slots, for a chunk of queries: ``q_abs [B,C,H,Dl]``,
+    ``latent_pad``, ``flat_ids`` and ``valid`` of :func:`_padded_latent` (``[B,C,W]``) -> ``(probs [B,C,H,W],
+    lse [B,C,H], gathered [B,C,W,Dl])`` in the compute dtype (``latent_pad.dtype``).
+
+    Invalid slots gather the zero row (score exactly 0) and get the additive bias ``finfo.min``: their probability
+    underflows to exactly 0 next to any valid slot; a query without a valid slot gets uniform probabilities over
+    zero rows (``out = 0``, zero gradients for ``q_abs``, the latent gradient lands on the dropped zero row) and
+    ``lse = -inf``."""
+    batch, chunk, heads, dim = q_abs.shape
+    width = flat_ids.shape[-1]
+    dtype = latent_pad.dtype
+    gathered = latent_pad.index_select(0, flat_ids.reshape(-1)).view(batch * chunk, width, dim)
+    bias = torch.zeros(batch * chunk, 1, width, dtype=dtype, device=q_abs.device)
+    bias.masked_fill_(~valid.reshape(batch * chunk, 1, width), torch.finfo(dtype).min)
+    q = q_abs.to(dtype).reshape(batch * chunk, heads, dim)
+    scores = torch.baddbmm(bias, q, gathered.transpose(1, 2), alpha=scale)  # [B*C, H, W]
+    probs = torch.softmax(scores, dim=-1)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~valid.any(-1).reshape(batch * chunk, 1), float("-inf"))
+    return (
+        probs.view(batch, chunk, heads, width),
+        lse.view(batch, chunk, heads),
+        gathered.view(batch, chunk, width, dim),
+    )
 
 
 def _sparse_mla_chunk(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
+    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query chunk of :func:`sparse_mla_torch`: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` -> out, lse."""
-    probs, lse, gathered, _ = _sparse_mla_probs(q_abs, latent, indices, scale)
-    return torch.matmul(probs, gathered), lse  # [B, C, H, Dl]
+    """One query chunk of :func:`sparse_mla_torch`: ``q_abs [B,C,H,Dl]``, ``flat_ids``/``valid [B,C,W]`` -> out
+    ``[B,C,H,Dl]`` (compute dtype), lse ``[B,C,H]``."""
+    probs, lse, gathered = _sparse_mla_probs(q_abs, latent_pad, flat_ids, valid, scale)
+    return torch.matmul(probs, gathered), lse
 
 
 def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
@@ -110,6 +125,108 @@ def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
     if torch.compiler.is_compiling():
         return [(0, seq_len)]
     return [(start, min(seq_len, start + chunk)) for start in range(0, seq_len, chunk)]
+
+
+def _auto_query_chunk(q_abs: torch.Tensor, indices: torch.Tensor, query_chunk: int | None) -> int:
+    batch, _, heads, dim = q_abs.shape
+    if query_chunk is None:
+        query_chunk = max(1, DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS // max(1, batch * indices.shape[-1] * (dim + heads)))
+    if query_chunk < 1:
+        raise ValueError(f"query_chunk must be >= 1; got query_chunk={query_chunk}")
+    return query_chunk
+
+
+def _compute_dtype(q_abs: torch.Tensor, latent: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(q_abs.dtype, latent.dtype), torch.float32)
+
+
+def _sparse_mla_chunked(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, query_chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query-chunk loop of :func:`sparse_mla_torch` (eager; each chunk checkpointed when gradients are
+    needed)."""
+    seq_len = q_abs.shape[1]
+    latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
+    use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
+    outs, lses = [], []
+    for start, end in [(s, min(seq_len, s + query_chunk)) for s in range(0, seq_len, query_chunk)]:
+        args = (q_abs[:, start:end], latent_pad, flat_ids[:, start:end], valid[:, start:end], scale)
+        if use_checkpoint:
+            out, lse = checkpoint(_sparse_mla_chunk, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out, lse = _sparse_mla_chunk(*args)
+        outs.append(out)
+        lses.append(lse)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
+    return out.to(q_abs.dtype), lse
+
+
+def _sparse_mla_op_impl(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, query_chunk: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out, lse = _sparse_mla_chunked(q_abs, latent, indices, scale, _auto_query_chunk(q_abs, indices, query_chunk))
+    return out.contiguous(), lse.contiguous()
+
+
+def _sparse_mla_op_fake(q_abs, latent, indices, scale, query_chunk):
+    batch, seq_len, heads, _ = q_abs.shape
+    return q_abs.new_empty(q_abs.shape), q_abs.new_empty(batch, seq_len, heads, dtype=_compute_dtype(q_abs, latent))
+
+
+def _sparse_mla_bwd_impl(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None, scale: float, query_chunk: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`_sparse_mla_op_impl` w.r.t. ``q_abs`` and ``latent``: each query chunk is recomputed and
+    differentiated on its own (activation checkpointing by hand), so one chunk's activations live at a time."""
+    seq_len = q_abs.shape[1]
+    query_chunk = _auto_query_chunk(q_abs, indices, query_chunk)
+    dtype = _compute_dtype(q_abs, latent)
+    latent_pad, flat_ids, valid = _padded_latent(latent.detach(), indices, dtype)
+    grad_pad = torch.zeros_like(latent_pad)
+    grad_q = torch.empty(q_abs.shape, dtype=dtype, device=q_abs.device)
+    with _autograd_recording():
+        pad_leaf = latent_pad.requires_grad_()
+        for start in range(0, seq_len, query_chunk):
+            end = min(seq_len, start + query_chunk)
+            q_leaf = q_abs[:, start:end].detach().to(dtype).requires_grad_()
+            out, lse = _sparse_mla_chunk(q_leaf, pad_leaf, flat_ids[:, start:end], valid[:, start:end], scale)
+            outputs, grads = [out], [grad_out[:, start:end].to(dtype)]
+            if grad_lse is not None:
+                outputs.append(lse)
+                grads.append(grad_lse[:, start:end].to(dtype))
+            dq, dpad = torch.autograd.grad(outputs, (q_leaf, pad_leaf), grads)
+            grad_q[:, start:end] = dq
+            grad_pad += dpad
+    batch, kv_len, dim = latent.shape
+    grad_latent = grad_pad.view(batch, kv_len + 1, dim)[:, :kv_len]
+    return grad_q.to(q_abs.dtype), grad_latent.to(latent.dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _sparse_mla_bwd_fake(q_abs, latent, indices, grad_out, grad_lse, scale, query_chunk):
+    return q_abs.new_empty(q_abs.shape), latent.new_empty(latent.shape)
+
+
+def _sparse_mla_op_setup(ctx, inputs, output):
+    q_abs, latent, indices, scale, query_chunk = inputs
+    ctx.scale, ctx.query_chunk = scale, query_chunk
+    ctx.save_for_backward(q_abs, latent, indices)
+
+
+def _sparse_mla_op_backward(ctx, grad_out, grad_lse):
+    q_abs, latent, indices = ctx.saved_tensors
+    grad_q, grad_latent = _SPARSE_MLA_BWD(q_abs, latent, indices, grad_out, grad_lse, ctx.scale, ctx.query_chunk)
+    need_q, need_latent = ctx.needs_input_grad[:2]
+    return (grad_q if need_q else None), (grad_latent if need_latent else None), None, None, None
+
+
+# The chunked core as an opaque op under torch.compile: the graph then keeps the eager path's memory (one query
+# chunk of gathered latents at a time, recomputed in backward) whatever the sequence length, static or symbolic.
+_SPARSE_MLA_BWD = define_op("sparse_mla_torch_bwd", _sparse_mla_bwd_impl, _sparse_mla_bwd_fake)
+_SPARSE_MLA_OP = define_op("sparse_mla_torch", _sparse_mla_op_impl, _sparse_mla_op_fake,
+                           backward=_sparse_mla_op_backward, setup_context=_sparse_mla_op_setup)
 
 
 def sparse_mla_torch(
@@ -144,7 +261,7 @@ def sparse_mla_torch(
         indices: integer ``[B, S, W]`` row-local token ids into ``latent`` (int32 or int64), ``-1`` = invalid.
         scale: softmax scale (``qk_head_dim ** -0.5``; GLM-5.3 has no rope part, so ``qk_nope_head_dim ** -0.5``).
         query_chunk: queries per chunk; ``None`` picks one so that ``B * chunk * W * (Dl + H)`` stays under
-            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``. Under ``torch.compile`` all queries are one chunk.
+            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS`` (also under ``torch.compile``, where the core is one opaque op).
 
     Returns:
         ``(out_lat, lse)``: ``out_lat`` ``[B, S, H, Dl]`` in ``q_abs.dtype``; ``lse`` ``[B, S, H]`` natural-log
@@ -155,11 +272,9 @@ def sparse_mla_torch(
             ``query_chunk < 1``.
     """
     check_sparse_mla_args(q_abs, latent, indices)
-    batch, seq_len, heads, dim = q_abs.shape
+    batch, seq_len, heads, _ = q_abs.shape
     width = indices.shape[-1]
-    if query_chunk is None:
-        query_chunk = max(1, DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS // max(1, batch * width * (dim + heads)))
-    if query_chunk < 1:
+    if query_chunk is not None and query_chunk < 1:
         raise ValueError(f"query_chunk must be >= 1; got query_chunk={query_chunk}")
 
     if width == 0 or seq_len == 0:
@@ -167,20 +282,9 @@ def sparse_mla_torch(
         out = torch.zeros_like(q_abs)
         lse = torch.full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype, device=q_abs.device)
         return out, lse
-
-    use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
-    outs, lses = [], []
-    for start, end in _query_chunks(seq_len, query_chunk):
-        args = (q_abs[:, start:end], latent, indices[:, start:end], scale)
-        if use_checkpoint:
-            out, lse = checkpoint(_sparse_mla_chunk, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out, lse = _sparse_mla_chunk(*args)
-        outs.append(out)
-        lses.append(lse)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
-    return out.to(q_abs.dtype), lse
+    if torch.compiler.is_compiling():
+        return _SPARSE_MLA_OP(q_abs, latent, indices, scale, query_chunk)
+    return _sparse_mla_chunked(q_abs, latent, indices, scale, _auto_query_chunk(q_abs, indices, query_chunk))
 
 
 def sparse_mla_with_weights(
@@ -210,10 +314,13 @@ def sparse_mla_with_weights(
     check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, heads, _ = q_abs.shape
     kv_len = latent.shape[1]
-    probs, _, _, safe = _sparse_mla_probs(q_abs, latent, indices, scale)  # [B, S, H, W]; invalid slots 0
-    weights = probs.new_zeros(batch, heads, seq_len, kv_len)
-    weights = weights.scatter_add(-1, safe[:, None].expand(-1, heads, -1, -1), probs.transpose(1, 2))
-    weights = weights.to(q_abs.dtype)
+    latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
+    probs, _, _ = _sparse_mla_probs(q_abs, latent_pad, flat_ids, valid, scale)  # [B, S, H, W]
+    # row-local ids into [0, S_kv]: the weights of invalid slots (all of an empty row's) land in column S_kv, dropped
+    local = flat_ids - torch.arange(batch, device=flat_ids.device).view(batch, 1, 1) * (kv_len + 1)
+    weights = probs.new_zeros(batch, heads, seq_len, kv_len + 1)
+    weights = weights.scatter_add(-1, local[:, None].expand(-1, heads, -1, -1), probs.transpose(1, 2))
+    weights = weights[..., :kv_len].contiguous().to(q_abs.dtype)
     out = torch.einsum("bhsk,bkl->bshl", weights.to(probs.dtype), latent.to(probs.dtype))
     return out.to(q_abs.dtype), weights
 
