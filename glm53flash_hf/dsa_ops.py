@@ -4,7 +4,7 @@ top-k selection, with the argument checks of the sparse MLA core.
 This is the torch path of the DSA family: the oracle of the fused kernels (:mod:`glm53flash_hf.dsa_fused`), the
 path of CPU tensors, and the path of cached decoding (a query attends over the selected cached latents in the
 absorbed MLA form; the indexer scores the cached pool keys). The modules that call these functions are in
-:mod:`glm53flash_hf.dsa`. Leaf module: it imports torch only.
+:mod:`glm53flash_hf.dsa`. Leaf module: it imports torch and :mod:`.graph_ops` only.
 
 Sources: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextAttention``, ``Glm5NextTextIndexer``)
 for the maths, DeepSeek-V3.2's DeepSeek Sparse Attention (lightning indexer + top-k sparse MLA) and the contract of
@@ -15,9 +15,8 @@ DeepSeek's FlashMLA sparse kernel (``flash_mla_sparse_fwd``: one shared latent K
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from .graph_ops import _autograd_recording, define_op
+from .graph_ops import define_op
 
 __all__ = [
     "DEFAULT_INDEXER_SCORE_ELEMENTS",
@@ -99,8 +98,9 @@ def _sparse_mla_probs(
     gathered = latent_pad.index_select(0, flat_ids.reshape(-1)).view(batch * chunk, width, dim)
     bias = torch.zeros(batch * chunk, 1, width, dtype=dtype, device=q_abs.device)
     bias.masked_fill_(~valid.reshape(batch * chunk, 1, width), torch.finfo(dtype).min)
-    q = q_abs.to(dtype).reshape(batch * chunk, heads, dim)
-    scores = torch.baddbmm(bias, q, gathered.transpose(1, 2), alpha=scale)  # [B*C, H, W]
+    # the scale on the small query tensor (an alpha would scale the [B*C, Dl, W] gradient of the gathered latents)
+    q = (q_abs.to(dtype) * scale).reshape(batch * chunk, heads, dim)
+    scores = torch.baddbmm(bias, q, gathered.transpose(1, 2))  # [B*C, H, W]
     probs = torch.softmax(scores, dim=-1)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(~valid.any(-1).reshape(batch * chunk, 1), float("-inf"))
     return (
@@ -108,15 +108,6 @@ def _sparse_mla_probs(
         lse.view(batch, chunk, heads),
         gathered.view(batch, chunk, width, dim),
     )
-
-
-def _sparse_mla_chunk(
-    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query chunk of :func:`sparse_mla_torch`: ``q_abs [B,C,H,Dl]``, ``flat_ids``/``valid [B,C,W]`` -> out
-    ``[B,C,H,Dl]`` (compute dtype), lse ``[B,C,H]``."""
-    probs, lse, gathered = _sparse_mla_probs(q_abs, latent_pad, flat_ids, valid, scale)
-    return torch.matmul(probs, gathered), lse
 
 
 def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
@@ -140,69 +131,68 @@ def _compute_dtype(q_abs: torch.Tensor, latent: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(q_abs.dtype, latent.dtype), torch.float32)
 
 
-def _sparse_mla_chunked(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, query_chunk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query-chunk loop of :func:`sparse_mla_torch` (eager; each chunk checkpointed when gradients are
-    needed)."""
-    seq_len = q_abs.shape[1]
-    latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
-    use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
-    outs, lses = [], []
-    for start, end in [(s, min(seq_len, s + query_chunk)) for s in range(0, seq_len, query_chunk)]:
-        args = (q_abs[:, start:end], latent_pad, flat_ids[:, start:end], valid[:, start:end], scale)
-        if use_checkpoint:
-            out, lse = checkpoint(_sparse_mla_chunk, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out, lse = _sparse_mla_chunk(*args)
-        outs.append(out)
-        lses.append(lse)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
-    return out.to(q_abs.dtype), lse
-
-
-def _sparse_mla_op_impl(
+def _sparse_mla_forward(
     q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, query_chunk: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():
-        out, lse = _sparse_mla_chunked(q_abs, latent, indices, scale, _auto_query_chunk(q_abs, indices, query_chunk))
-    return out.contiguous(), lse.contiguous()
+    """Forward of :func:`sparse_mla_torch` over query chunks (no autograd graph is needed: the backward
+    recomputes): ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] in the compute dtype)``."""
+    batch, seq_len, heads, dim = q_abs.shape
+    chunk = _auto_query_chunk(q_abs, indices, query_chunk)
+    latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
+    out = q_abs.new_empty(batch, seq_len, heads, dim)
+    lse = latent_pad.new_empty(batch, seq_len, heads)
+    for start in range(0, seq_len, chunk):
+        end = min(seq_len, start + chunk)
+        probs, lse_c, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, flat_ids[:, start:end],
+                                                   valid[:, start:end], scale)
+        out[:, start:end] = torch.matmul(probs, gathered)
+        lse[:, start:end] = lse_c
+    return out, lse
+
+
+def _sparse_mla_backward(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None, scale: float, query_chunk: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`sparse_mla_torch` w.r.t. ``q_abs`` and ``latent`` (in their dtypes), chunk by chunk
+    with the chunk's softmax recomputed (one chunk's ``[B, C, W, Dl]`` latents live at a time). With ``s`` the
+    scaled scores, ``P`` their softmax, ``G`` the gathered latents and ``q_s = scale * q_abs``::
+
+        dP = dO G^T;   dS = P * (dP - rowsum(P * dP) + dlse);   dq_abs = scale * dS G;   dG = dS^T q_s + P^T dO
+
+    ``dG`` is one product (``[dS | P]^T [q_s | dO]`` over ``2H``) scattered (added) onto the latent rows; the
+    invalid slots' share lands on the dropped zero row. An empty row has ``dS = 0`` (its ``lse`` is a constant
+    ``-inf``)."""
+    batch, seq_len, heads, dim = q_abs.shape
+    chunk = _auto_query_chunk(q_abs, indices, query_chunk)
+    dtype = _compute_dtype(q_abs, latent)
+    latent_pad, flat_ids, valid = _padded_latent(latent, indices, dtype)
+    grad_pad = torch.zeros_like(latent_pad)
+    grad_q = q_abs.new_empty(batch, seq_len, heads, dim)
+    for start in range(0, seq_len, chunk):
+        end = min(seq_len, start + chunk)
+        rows = batch * (end - start)
+        ids_c, valid_c = flat_ids[:, start:end], valid[:, start:end]
+        probs, _, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, ids_c, valid_c, scale)
+        probs, gathered = probs.reshape(rows, heads, -1), gathered.reshape(rows, -1, dim)
+        d_out = grad_out[:, start:end].to(dtype).reshape(rows, heads, dim)
+        d_probs = torch.bmm(d_out, gathered.transpose(1, 2))  # [rows, H, W]
+        d_probs -= (probs * d_probs).sum(-1, keepdim=True)
+        if grad_lse is not None:
+            d_lse = grad_lse[:, start:end].to(dtype).masked_fill(~valid_c.any(-1)[..., None], 0.0)
+            d_probs += d_lse.reshape(rows, heads, 1)
+        d_scores = d_probs.mul_(probs)
+        grad_q[:, start:end] = (torch.bmm(d_scores, gathered) * scale).view(batch, end - start, heads, dim)
+        q_s = (q_abs[:, start:end].to(dtype) * scale).reshape(rows, heads, dim)
+        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s) + torch.bmm(probs.transpose(1, 2), d_out)
+        grad_pad.index_add_(0, ids_c.reshape(-1), d_gathered.view(-1, dim))
+    grad_latent = grad_pad.view(batch, -1, dim)[:, : latent.shape[1]]
+    return grad_q, grad_latent.to(latent.dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def _sparse_mla_op_fake(q_abs, latent, indices, scale, query_chunk):
     batch, seq_len, heads, _ = q_abs.shape
     return q_abs.new_empty(q_abs.shape), q_abs.new_empty(batch, seq_len, heads, dtype=_compute_dtype(q_abs, latent))
-
-
-def _sparse_mla_bwd_impl(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
-    grad_lse: torch.Tensor | None, scale: float, query_chunk: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`_sparse_mla_op_impl` w.r.t. ``q_abs`` and ``latent``: each query chunk is recomputed and
-    differentiated on its own (activation checkpointing by hand), so one chunk's activations live at a time."""
-    seq_len = q_abs.shape[1]
-    query_chunk = _auto_query_chunk(q_abs, indices, query_chunk)
-    dtype = _compute_dtype(q_abs, latent)
-    latent_pad, flat_ids, valid = _padded_latent(latent.detach(), indices, dtype)
-    grad_pad = torch.zeros_like(latent_pad)
-    grad_q = torch.empty(q_abs.shape, dtype=dtype, device=q_abs.device)
-    with _autograd_recording():
-        pad_leaf = latent_pad.requires_grad_()
-        for start in range(0, seq_len, query_chunk):
-            end = min(seq_len, start + query_chunk)
-            q_leaf = q_abs[:, start:end].detach().to(dtype).requires_grad_()
-            out, lse = _sparse_mla_chunk(q_leaf, pad_leaf, flat_ids[:, start:end], valid[:, start:end], scale)
-            outputs, grads = [out], [grad_out[:, start:end].to(dtype)]
-            if grad_lse is not None:
-                outputs.append(lse)
-                grads.append(grad_lse[:, start:end].to(dtype))
-            dq, dpad = torch.autograd.grad(outputs, (q_leaf, pad_leaf), grads)
-            grad_q[:, start:end] = dq
-            grad_pad += dpad
-    batch, kv_len, dim = latent.shape
-    grad_latent = grad_pad.view(batch, kv_len + 1, dim)[:, :kv_len]
-    return grad_q.to(q_abs.dtype), grad_latent.to(latent.dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def _sparse_mla_bwd_fake(q_abs, latent, indices, grad_out, grad_lse, scale, query_chunk):
@@ -222,10 +212,11 @@ def _sparse_mla_op_backward(ctx, grad_out, grad_lse):
     return (grad_q if need_q else None), (grad_latent if need_latent else None), None, None, None
 
 
-# The chunked core as an opaque op under torch.compile: the graph then keeps the eager path's memory (one query
-# chunk of gathered latents at a time, recomputed in backward) whatever the sequence length, static or symbolic.
-_SPARSE_MLA_BWD = define_op("sparse_mla_torch_bwd", _sparse_mla_bwd_impl, _sparse_mla_bwd_fake)
-_SPARSE_MLA_OP = define_op("sparse_mla_torch", _sparse_mla_op_impl, _sparse_mla_op_fake,
+# The chunked core as one custom op (eager and compiled alike): its forward keeps no activations, its backward
+# recomputes each chunk, so memory is one chunk's gathered latents whatever the sequence length; under
+# torch.compile the op is opaque, so the graph neither materialises nor saves [S, W, Dl] (static or symbolic S).
+_SPARSE_MLA_BWD = define_op("sparse_mla_torch_bwd", _sparse_mla_backward, _sparse_mla_bwd_fake)
+_SPARSE_MLA_OP = define_op("sparse_mla_torch", _sparse_mla_forward, _sparse_mla_op_fake,
                            backward=_sparse_mla_op_backward, setup_context=_sparse_mla_op_setup)
 
 
@@ -251,9 +242,10 @@ def sparse_mla_torch(
     (the indexer never repeats ids). A query without any valid slot gets ``out = 0`` and ``lse = -inf``; its
     gradients are zero, never NaN. ``S`` may be 1 and ``S_kv`` a cache length (a decoding step).
 
-    The computation runs in ``promote(input dtype, float32)`` (softmax in fp32 at least) over query chunks; each
-    chunk is wrapped in ``torch.utils.checkpoint`` (non-reentrant) when gradients are needed, so memory is
-    ``O(S * W)`` for the indices plus one chunk's ``[B, chunk, W, Dl]`` gathered latents, never ``[S, S_kv]``.
+    The computation runs in ``promote(input dtype, float32)`` (softmax in fp32 at least) over query chunks, as the
+    custom op ``glm53flash::sparse_mla_torch`` whose backward recomputes each chunk (activation checkpointing), so
+    memory is ``O(S * W)`` for the indices plus one chunk's ``[B, chunk, W, Dl]`` gathered latents, never
+    ``[S, S_kv]``; the same under ``torch.compile``, where the op is opaque.
 
     Args:
         q_abs: ``[B, S, H, Dl]`` queries already multiplied by ``W_kc`` (``Dl = kv_lora_rank``), any float dtype.
@@ -282,9 +274,7 @@ def sparse_mla_torch(
         out = torch.zeros_like(q_abs)
         lse = torch.full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype, device=q_abs.device)
         return out, lse
-    if torch.compiler.is_compiling():
-        return _SPARSE_MLA_OP(q_abs, latent, indices, scale, query_chunk)
-    return _sparse_mla_chunked(q_abs, latent, indices, scale, _auto_query_chunk(q_abs, indices, query_chunk))
+    return _SPARSE_MLA_OP(q_abs, latent, indices, scale, query_chunk)
 
 
 def sparse_mla_with_weights(
