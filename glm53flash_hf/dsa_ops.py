@@ -15,6 +15,7 @@ DeepSeek's FlashMLA sparse kernel (``flash_mla_sparse_fwd``: one shared latent K
 from __future__ import annotations
 
 import torch
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from .graph_ops import define_op
 
@@ -218,6 +219,17 @@ def _sparse_mla_op_backward(ctx, grad_out, grad_lse):
 _SPARSE_MLA_BWD = define_op("sparse_mla_torch_bwd", _sparse_mla_backward, _sparse_mla_bwd_fake)
 _SPARSE_MLA_OP = define_op("sparse_mla_torch", _sparse_mla_forward, _sparse_mla_op_fake,
                            backward=_sparse_mla_op_backward, setup_context=_sparse_mla_op_setup)
+
+
+def _sparse_mla_flops(q_abs_shape, latent_shape, indices_shape, *args, out_shape=None, **kwargs) -> int:
+    """Matrix-multiply FLOPs of the forward (scores and ``P @ G``) for ``FlopCounterMode``, which does not see
+    inside a custom op."""
+    batch, seq_len, heads, dim = q_abs_shape
+    return 4 * batch * seq_len * heads * indices_shape[-1] * dim
+
+
+if torch.ops.glm53flash.sparse_mla_torch not in flop_registry:  # a second copy of this module shares the first's
+    register_flop_formula(torch.ops.glm53flash.sparse_mla_torch)(_sparse_mla_flops)
 
 
 def sparse_mla_torch(
