@@ -185,7 +185,7 @@ def _sparse_mla_backward(
         d_scores = d_probs.mul_(probs)
         grad_q[:, start:end] = (torch.bmm(d_scores, gathered) * scale).view(batch, end - start, heads, dim)
         q_s = (q_abs[:, start:end].to(dtype) * scale).reshape(rows, heads, dim)
-        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s) + torch.bmm(probs.transpose(1, 2), d_out)
+        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s).baddbmm_(probs.transpose(1, 2), d_out)
         grad_pad.index_add_(0, ids_c.reshape(-1), d_gathered.view(-1, dim))
     grad_latent = grad_pad.view(batch, -1, dim)[:, : latent.shape[1]]
     return grad_q, grad_latent.to(latent.dtype, memory_format=torch.contiguous_format, copy=True)
