@@ -4,7 +4,7 @@ top-k selection, with the argument checks of the sparse MLA core.
 This is the torch path of the DSA family: the oracle of the fused kernels (:mod:`glm53flash_hf.dsa_fused`), the
 path of CPU tensors, and the path of cached decoding (a query attends over the selected cached latents in the
 absorbed MLA form; the indexer scores the cached pool keys). The modules that call these functions are in
-:mod:`glm53flash_hf.dsa`. Leaf module: it imports torch only.
+:mod:`glm53flash_hf.dsa`. Leaf module: it imports torch and :mod:`.graph_ops` only.
 
 Sources: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextAttention``, ``Glm5NextTextIndexer``)
 for the maths, DeepSeek-V3.2's DeepSeek Sparse Attention (lightning indexer + top-k sparse MLA) and the contract of
@@ -15,7 +15,9 @@ DeepSeek's FlashMLA sparse kernel (``flash_mla_sparse_fwd``: one shared latent K
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+from .graph_ops import define_op
 
 __all__ = [
     "DEFAULT_INDEXER_SCORE_ELEMENTS",
@@ -63,45 +65,50 @@ def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: to
         raise ValueError(f"indices must be an integer tensor; got dtype {indices.dtype}")
 
 
-def _sparse_mla_probs(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The softmax of the sparse MLA core over each query's slots: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` ->
-    ``(probs [B,C,H,W], lse [B,C,H], gathered [B,C,W,Dl], safe [B,C,W])`` in the compute dtype (``safe``: long
-    ids, 0 at invalid slots, whose probability and gathered latent are 0)."""
-    batch, chunk, _, dim = q_abs.shape
-    kv_len = latent.shape[1]
-    width = indices.shape[-1]
-    compute_dtype = torch.promote_types(torch.promote_types(q_abs.dtype, latent.dtype), torch.float32)
+def _padded_latent(latent: torch.Tensor, indices: torch.Tensor, compute_dtype: torch.dtype):
+    """The latent in the compute dtype with one zero row appended per batch row, flattened, and the ids into it.
 
+    Returns ``(latent_pad [B * (S_kv + 1), Dl], flat_ids long [B, S, W], valid bool [B, S, W])``: ``flat_ids`` are
+    the row-local ids offset by ``b * (S_kv + 1)``, and every invalid slot (``-1`` or out of range) reads the zero
+    row of its batch row, so a gathered invalid slot is exactly zero without a mask over the gathered latents (and
+    never reads another document's, possibly non-finite, row)."""
+    batch, kv_len, dim = latent.shape
     idx = indices.long()
-    valid = (idx >= 0) & (idx < kv_len)  # [B, C, W]
-    safe = torch.where(valid, idx, torch.zeros_like(idx))
-    gathered = torch.gather(latent, 1, safe.reshape(batch, chunk * width, 1).expand(-1, -1, dim))
-    gathered = gathered.view(batch, chunk, width, dim).to(compute_dtype)  # [B, C, W, Dl]
-    # Padding slots read row 0, which may belong to another document: select zeros there (a zero probability
-    # times a non-finite latent would still give NaN in the matmul below).
-    gathered = torch.where(valid[..., None], gathered, torch.zeros((), dtype=compute_dtype, device=gathered.device))
-
-    scores = torch.matmul(q_abs.to(compute_dtype), gathered.transpose(-1, -2)) * scale  # [B, C, H, W]
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty rows: all -inf
-    expo = torch.exp(scores - row_max)
-    denom = expo.sum(dim=-1, keepdim=True)
-    nonempty = denom > 0
-    safe_denom = torch.where(nonempty, denom, torch.ones_like(denom))
-    probs = expo / safe_denom
-    lse = torch.where(nonempty, row_max + torch.log(safe_denom), torch.full_like(denom, float("-inf"))).squeeze(-1)
-    return probs, lse, gathered, safe
+    valid = (idx >= 0) & (idx < kv_len)  # [B, S, W]
+    rows = torch.arange(batch, device=idx.device).view(batch, 1, 1) * (kv_len + 1)
+    flat_ids = torch.where(valid, idx, kv_len) + rows
+    pad = latent.new_zeros(batch, 1, dim, dtype=compute_dtype)
+    latent_pad = torch.cat([latent.to(compute_dtype), pad], dim=1).view(batch * (kv_len + 1), dim)
+    return latent_pad, flat_ids, valid
 
 
-def _sparse_mla_chunk(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query chunk of :func:`sparse_mla_torch`: ``q_abs [B,C,H,Dl]``, ``indices [B,C,W]`` -> out, lse."""
-    probs, lse, gathered, _ = _sparse_mla_probs(q_abs, latent, indices, scale)
-    return torch.matmul(probs, gathered), lse  # [B, C, H, Dl]
+def _sparse_mla_probs(
+    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax of the sparse MLA core over each query's slots, for a chunk of queries: ``q_abs [B,C,H,Dl]``,
+    ``latent_pad``, ``flat_ids`` and ``valid`` of :func:`_padded_latent` (``[B,C,W]``) -> ``(probs [B,C,H,W],
+    lse [B,C,H], gathered [B,C,W,Dl])`` in the compute dtype (``latent_pad.dtype``).
+
+    Invalid slots gather the zero row (score exactly 0) and get the additive bias ``finfo.min``: their probability
+    underflows to exactly 0 next to any valid slot; a query without a valid slot gets uniform probabilities over
+    zero rows (``out = 0``, zero gradients for ``q_abs``, the latent gradient lands on the dropped zero row) and
+    ``lse = -inf``."""
+    batch, chunk, heads, dim = q_abs.shape
+    width = flat_ids.shape[-1]
+    dtype = latent_pad.dtype
+    gathered = latent_pad.index_select(0, flat_ids.reshape(-1)).view(batch * chunk, width, dim)
+    bias = torch.zeros(batch * chunk, 1, width, dtype=dtype, device=q_abs.device)
+    bias.masked_fill_(~valid.reshape(batch * chunk, 1, width), torch.finfo(dtype).min)
+    # the scale on the small query tensor (an alpha would scale the [B*C, Dl, W] gradient of the gathered latents)
+    q = (q_abs.to(dtype) * scale).reshape(batch * chunk, heads, dim)
+    scores = torch.baddbmm(bias, q, gathered.transpose(1, 2))  # [B*C, H, W]
+    probs = torch.softmax(scores, dim=-1)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~valid.any(-1).reshape(batch * chunk, 1), float("-inf"))
+    return (
+        probs.view(batch, chunk, heads, width),
+        lse.view(batch, chunk, heads),
+        gathered.view(batch, chunk, width, dim),
+    )
 
 
 def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
@@ -110,6 +117,119 @@ def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
     if torch.compiler.is_compiling():
         return [(0, seq_len)]
     return [(start, min(seq_len, start + chunk)) for start in range(0, seq_len, chunk)]
+
+
+def _auto_query_chunk(q_abs: torch.Tensor, indices: torch.Tensor, query_chunk: int | None) -> int:
+    batch, _, heads, dim = q_abs.shape
+    if query_chunk is None:
+        query_chunk = max(1, DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS // max(1, batch * indices.shape[-1] * (dim + heads)))
+    if query_chunk < 1:
+        raise ValueError(f"query_chunk must be >= 1; got query_chunk={query_chunk}")
+    return query_chunk
+
+
+def _compute_dtype(q_abs: torch.Tensor, latent: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(q_abs.dtype, latent.dtype), torch.float32)
+
+
+def _sparse_mla_forward(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, query_chunk: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of :func:`sparse_mla_torch` over query chunks (no autograd graph is needed: the backward
+    recomputes): ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] in the compute dtype)``."""
+    batch, seq_len, heads, dim = q_abs.shape
+    chunk = _auto_query_chunk(q_abs, indices, query_chunk)
+    latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
+    out = q_abs.new_empty(batch, seq_len, heads, dim)
+    lse = latent_pad.new_empty(batch, seq_len, heads)
+    for start in range(0, seq_len, chunk):
+        end = min(seq_len, start + chunk)
+        probs, lse_c, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, flat_ids[:, start:end],
+                                                   valid[:, start:end], scale)
+        out[:, start:end] = torch.matmul(probs, gathered)
+        lse[:, start:end] = lse_c
+    return out, lse
+
+
+def _sparse_mla_backward(
+    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None, scale: float, query_chunk: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`sparse_mla_torch` w.r.t. ``q_abs`` and ``latent`` (in their dtypes), chunk by chunk
+    with the chunk's softmax recomputed (one chunk's ``[B, C, W, Dl]`` latents live at a time). With ``s`` the
+    scaled scores, ``P`` their softmax, ``G`` the gathered latents and ``q_s = scale * q_abs``::
+
+        dP = dO G^T;   dS = P * (dP - rowsum(P * dP) + dlse);   dq_abs = scale * dS G;   dG = dS^T q_s + P^T dO
+
+    ``dG`` is one product (``[dS | P]^T [q_s | dO]`` over ``2H``) scattered (added) onto the latent rows; the
+    invalid slots' share lands on the dropped zero row. An empty row has ``dS = 0`` (its ``lse`` is a constant
+    ``-inf``)."""
+    batch, seq_len, heads, dim = q_abs.shape
+    chunk = _auto_query_chunk(q_abs, indices, query_chunk)
+    dtype = _compute_dtype(q_abs, latent)
+    latent_pad, flat_ids, valid = _padded_latent(latent, indices, dtype)
+    grad_pad = torch.zeros_like(latent_pad)
+    grad_q = q_abs.new_empty(batch, seq_len, heads, dim)
+    for start in range(0, seq_len, chunk):
+        end = min(seq_len, start + chunk)
+        rows = batch * (end - start)
+        ids_c, valid_c = flat_ids[:, start:end], valid[:, start:end]
+        probs, _, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, ids_c, valid_c, scale)
+        probs, gathered = probs.reshape(rows, heads, -1), gathered.reshape(rows, -1, dim)
+        d_out = grad_out[:, start:end].to(dtype).reshape(rows, heads, dim)
+        d_probs = torch.bmm(d_out, gathered.transpose(1, 2))  # [rows, H, W]
+        d_probs -= (probs * d_probs).sum(-1, keepdim=True)
+        if grad_lse is not None:
+            d_lse = grad_lse[:, start:end].to(dtype).masked_fill(~valid_c.any(-1)[..., None], 0.0)
+            d_probs += d_lse.reshape(rows, heads, 1)
+        d_scores = d_probs.mul_(probs)
+        grad_q[:, start:end] = (torch.bmm(d_scores, gathered) * scale).view(batch, end - start, heads, dim)
+        q_s = (q_abs[:, start:end].to(dtype) * scale).reshape(rows, heads, dim)
+        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s).baddbmm_(probs.transpose(1, 2), d_out)
+        grad_pad.index_add_(0, ids_c.reshape(-1), d_gathered.view(-1, dim))
+    grad_latent = grad_pad.view(batch, -1, dim)[:, : latent.shape[1]]
+    return grad_q, grad_latent.to(latent.dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _sparse_mla_op_fake(q_abs, latent, indices, scale, query_chunk):
+    batch, seq_len, heads, _ = q_abs.shape
+    return q_abs.new_empty(q_abs.shape), q_abs.new_empty(batch, seq_len, heads, dtype=_compute_dtype(q_abs, latent))
+
+
+def _sparse_mla_bwd_fake(q_abs, latent, indices, grad_out, grad_lse, scale, query_chunk):
+    return q_abs.new_empty(q_abs.shape), latent.new_empty(latent.shape)
+
+
+def _sparse_mla_op_setup(ctx, inputs, output):
+    q_abs, latent, indices, scale, query_chunk = inputs
+    ctx.scale, ctx.query_chunk = scale, query_chunk
+    ctx.save_for_backward(q_abs, latent, indices)
+
+
+def _sparse_mla_op_backward(ctx, grad_out, grad_lse):
+    q_abs, latent, indices = ctx.saved_tensors
+    grad_q, grad_latent = _SPARSE_MLA_BWD(q_abs, latent, indices, grad_out, grad_lse, ctx.scale, ctx.query_chunk)
+    need_q, need_latent = ctx.needs_input_grad[:2]
+    return (grad_q if need_q else None), (grad_latent if need_latent else None), None, None, None
+
+
+# The chunked core as one custom op (eager and compiled alike): its forward keeps no activations, its backward
+# recomputes each chunk, so memory is one chunk's gathered latents whatever the sequence length; under
+# torch.compile the op is opaque, so the graph neither materialises nor saves [S, W, Dl] (static or symbolic S).
+_SPARSE_MLA_BWD = define_op("sparse_mla_torch_bwd", _sparse_mla_backward, _sparse_mla_bwd_fake)
+_SPARSE_MLA_OP = define_op("sparse_mla_torch", _sparse_mla_forward, _sparse_mla_op_fake,
+                           backward=_sparse_mla_op_backward, setup_context=_sparse_mla_op_setup)
+
+
+def _sparse_mla_flops(q_abs_shape, latent_shape, indices_shape, *args, out_shape=None, **kwargs) -> int:
+    """Matrix-multiply FLOPs of the forward (scores and ``P @ G``) for ``FlopCounterMode``, which does not see
+    inside a custom op."""
+    batch, seq_len, heads, dim = q_abs_shape
+    return 4 * batch * seq_len * heads * indices_shape[-1] * dim
+
+
+if torch.ops.glm53flash.sparse_mla_torch not in flop_registry:  # a second copy of this module shares the first's
+    register_flop_formula(torch.ops.glm53flash.sparse_mla_torch)(_sparse_mla_flops)
 
 
 def sparse_mla_torch(
@@ -134,9 +254,10 @@ def sparse_mla_torch(
     (the indexer never repeats ids). A query without any valid slot gets ``out = 0`` and ``lse = -inf``; its
     gradients are zero, never NaN. ``S`` may be 1 and ``S_kv`` a cache length (a decoding step).
 
-    The computation runs in ``promote(input dtype, float32)`` (softmax in fp32 at least) over query chunks; each
-    chunk is wrapped in ``torch.utils.checkpoint`` (non-reentrant) when gradients are needed, so memory is
-    ``O(S * W)`` for the indices plus one chunk's ``[B, chunk, W, Dl]`` gathered latents, never ``[S, S_kv]``.
+    The computation runs in ``promote(input dtype, float32)`` (softmax in fp32 at least) over query chunks, as the
+    custom op ``glm53flash::sparse_mla_torch`` whose backward recomputes each chunk (activation checkpointing), so
+    memory is ``O(S * W)`` for the indices plus one chunk's ``[B, chunk, W, Dl]`` gathered latents, never
+    ``[S, S_kv]``; the same under ``torch.compile``, where the op is opaque.
 
     Args:
         q_abs: ``[B, S, H, Dl]`` queries already multiplied by ``W_kc`` (``Dl = kv_lora_rank``), any float dtype.
@@ -144,7 +265,7 @@ def sparse_mla_torch(
         indices: integer ``[B, S, W]`` row-local token ids into ``latent`` (int32 or int64), ``-1`` = invalid.
         scale: softmax scale (``qk_head_dim ** -0.5``; GLM-5.3 has no rope part, so ``qk_nope_head_dim ** -0.5``).
         query_chunk: queries per chunk; ``None`` picks one so that ``B * chunk * W * (Dl + H)`` stays under
-            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``. Under ``torch.compile`` all queries are one chunk.
+            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS`` (also under ``torch.compile``, where the core is one opaque op).
 
     Returns:
         ``(out_lat, lse)``: ``out_lat`` ``[B, S, H, Dl]`` in ``q_abs.dtype``; ``lse`` ``[B, S, H]`` natural-log
@@ -155,11 +276,9 @@ def sparse_mla_torch(
             ``query_chunk < 1``.
     """
     check_sparse_mla_args(q_abs, latent, indices)
-    batch, seq_len, heads, dim = q_abs.shape
+    batch, seq_len, heads, _ = q_abs.shape
     width = indices.shape[-1]
-    if query_chunk is None:
-        query_chunk = max(1, DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS // max(1, batch * width * (dim + heads)))
-    if query_chunk < 1:
+    if query_chunk is not None and query_chunk < 1:
         raise ValueError(f"query_chunk must be >= 1; got query_chunk={query_chunk}")
 
     if width == 0 or seq_len == 0:
@@ -167,20 +286,7 @@ def sparse_mla_torch(
         out = torch.zeros_like(q_abs)
         lse = torch.full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype, device=q_abs.device)
         return out, lse
-
-    use_checkpoint = torch.is_grad_enabled() and (q_abs.requires_grad or latent.requires_grad)
-    outs, lses = [], []
-    for start, end in _query_chunks(seq_len, query_chunk):
-        args = (q_abs[:, start:end], latent, indices[:, start:end], scale)
-        if use_checkpoint:
-            out, lse = checkpoint(_sparse_mla_chunk, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out, lse = _sparse_mla_chunk(*args)
-        outs.append(out)
-        lses.append(lse)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
-    return out.to(q_abs.dtype), lse
+    return _SPARSE_MLA_OP(q_abs, latent, indices, scale, query_chunk)
 
 
 def sparse_mla_with_weights(
@@ -210,10 +316,13 @@ def sparse_mla_with_weights(
     check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, heads, _ = q_abs.shape
     kv_len = latent.shape[1]
-    probs, _, _, safe = _sparse_mla_probs(q_abs, latent, indices, scale)  # [B, S, H, W]; invalid slots 0
-    weights = probs.new_zeros(batch, heads, seq_len, kv_len)
-    weights = weights.scatter_add(-1, safe[:, None].expand(-1, heads, -1, -1), probs.transpose(1, 2))
-    weights = weights.to(q_abs.dtype)
+    latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
+    probs, _, _ = _sparse_mla_probs(q_abs, latent_pad, flat_ids, valid, scale)  # [B, S, H, W]
+    # row-local ids into [0, S_kv]: the weights of invalid slots (all of an empty row's) land in column S_kv, dropped
+    local = flat_ids - torch.arange(batch, device=flat_ids.device).view(batch, 1, 1) * (kv_len + 1)
+    weights = probs.new_zeros(batch, heads, seq_len, kv_len + 1)
+    weights = weights.scatter_add(-1, local[:, None].expand(-1, heads, -1, -1), probs.transpose(1, 2))
+    weights = weights[..., :kv_len].contiguous().to(q_abs.dtype)
     out = torch.einsum("bhsk,bkl->bshl", weights.to(probs.dtype), latent.to(probs.dtype))
     return out.to(q_abs.dtype), weights
 

@@ -340,6 +340,42 @@ def test_sparse_mla_torch_matches_dense_float64(query_chunk):
     assert rel_err(lat.grad, lat64.grad) < 1e-5
 
 
+def test_sparse_mla_torch_compile_op_equals_eager():
+    """Under torch.compile the chunked torch core is the opaque op glm53flash::sparse_mla_torch (opcheck: schema,
+    fake, autograd registration); compiled (fullgraph, several query chunks) equals eager in out, lse and both
+    gradients, and a non-finite latent row that no valid slot reads reaches neither (invalid slots read the zero
+    row appended to the latent)."""
+    from glm53flash_hf import dsa_ops
+
+    gen = torch.Generator().manual_seed(12)
+    B, S, H, D, W = 2, 13, 3, 8, 7
+    q = torch.randn(B, H, S, D, generator=gen).transpose(1, 2).requires_grad_()  # strided, as an einsum's output
+    lat = torch.randn(B, S + 1, D, generator=gen)
+    lat[:, S] = float("nan")  # never a valid id: the ids are < S
+    lat.requires_grad_()
+    idx = random_sparse_ids(B, S, W, gen)
+    idx[idx == S] = S + 1  # still out of range (invalid) for the S + 1 latent rows
+    g_out, g_lse = torch.randn(B, S, H, D, generator=gen), torch.randn(B, S, H, generator=gen)
+    g_lse[1, 5] = 0.0  # the empty row's lse is -inf
+    checks = torch.library.opcheck(dsa_ops._SPARSE_MLA_OP, (q, lat, idx, 0.37, 4))
+    assert set(checks.values()) == {"SUCCESS"}, checks
+
+    def attend(q, lat):
+        return sparse_mla_torch(q, lat, idx, 0.37, query_chunk=4)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    results = []
+    for fn in (attend, compiled):
+        out, lse = fn(q, lat)
+        grads = torch.autograd.grad((out, torch.where(torch.isfinite(lse), lse, 0.0)), (q, lat), (g_out, g_lse))
+        results.append((out.detach(), lse.detach(), *grads))
+    for name, a, b in zip(("out", "lse", "dq", "dlatent"), *results):
+        assert torch.isfinite(a if name != "lse" else a[torch.isfinite(a)]).all(), name
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    assert bool((results[0][3][:, S] == 0).all())
+
+
 def test_sparse_mla_dispatch_and_validation():
     q = torch.randn(1, 4, 2, 8)
     lat = torch.randn(1, 4, 8)
