@@ -1,14 +1,11 @@
-"""Checkpoint layout: conversions between the published GLM-5.3-Flash keys and our modules, strict loading.
+"""Checkpoint layout: conversions between the published GLM-5.3-Flash keys and our modules, strict loading, saving.
 
-Published layout (the release's safetensors index, under ``model.language_model.``): per-expert
+Published keys (under ``model.language_model.``, ``language_model.``, ``model.`` or no prefix): per-expert
 ``mlp.experts.{i}.{gate,up,down}_proj.weight``, ``self_attn.{q,k,v}_conv1d.weight``,
-``self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}`` and ``hc_{attn,ffn}_{fn,base,scale}``. In memory (as transformers'
-``glm5_next``): fused 3-D experts, one ``conv1d``, a ``forget_gate`` submodule, ``attn_hc`` / ``ffn_hc`` modules.
-
-Text keys are accepted under ``model.language_model.``, ``language_model.``, ``model.`` or no prefix; vision
-tensors are dropped by the text-only classes. Saving always writes the canonical ``model.language_model.`` layout.
-FP8 (block-scaled e4m3, ``<name>_scale_inv``) loads kept in FP8 (:mod:`glm53flash_hf.fp8_kept`) or, with
-``dequantize_fp8=True``, dequantized by transformers' ``FineGrainedFP8HfQuantizer``.
+``self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}``, ``hc_{attn,ffn}_{fn,base,scale}``; in memory, as transformers'
+``glm5_next``: fused experts, one ``conv1d``, ``forget_gate``, ``attn_hc`` / ``ffn_hc``. Saving writes the
+``model.language_model.`` layout. FP8 (block-scaled e4m3, ``<name>_scale_inv``) loads kept in FP8
+(:mod:`.fp8_kept`) or, with ``dequantize_fp8=True``, dequantized.
 """
 
 from __future__ import annotations
@@ -173,9 +170,8 @@ def register_conversions() -> None:
 
 @contextlib.contextmanager
 def own_conversions():
-    """Context manager: transformers' registry holds this module copy's conversions while the block runs (re-entrant,
-    serialised across threads and module copies); on exit the replaced entries are registered again.
-    """
+    """Context manager: transformers' registry holds this module copy's conversions while the block runs
+    (re-entrant, serialised across threads and module copies)."""
     lock = _conversion_registry.__dict__.setdefault("_glm53flash_registry_lock", threading.RLock())
     with lock:
         previous = {name: get_checkpoint_conversion_mapping(name) for name in model_conversions()}
@@ -223,11 +219,8 @@ def _no_duplicate_keys(path: str):
 
 
 def read_json(path: str, *, unique_keys: bool = False):
-    """The parsed JSON file ``path``; with ``unique_keys`` a name given twice in one object raises.
-
-    Raises:
-        ValueError: naming the file, for an unreadable or invalid file or a repeated name.
-    """
+    """The parsed JSON file ``path``; ``ValueError`` naming the file when it is unreadable, invalid, or (with
+    ``unique_keys``) gives a name twice in one object."""
     try:
         with open(path) as f:
             return json.load(f, object_pairs_hook=_no_duplicate_keys(path) if unique_keys else None)
@@ -236,12 +229,8 @@ def read_json(path: str, *, unique_keys: bool = False):
 
 
 def read_weight_map(folder: str) -> dict[str, str] | None:
-    """``{tensor name: shard file name}`` of a local folder (index or single ``model.safetensors``), or None.
-
-    Raises:
-        ValueError: naming the file: both an index and ``model.safetensors`` present; an invalid index or one listing
-            a tensor twice; a corrupt single file.
-    """
+    """``{tensor name: shard file name}`` of a local folder (index or single ``model.safetensors``), or None;
+    ``ValueError`` naming the file for both present, an invalid index (or a tensor listed twice), a corrupt file."""
     index = os.path.join(folder, _SAFETENSORS_INDEX)
     single = os.path.join(folder, _SAFETENSORS_SINGLE)
     if os.path.isfile(index) and os.path.isfile(single):
@@ -268,11 +257,7 @@ def read_weight_map(folder: str) -> dict[str, str] | None:
 
 
 class open_shard:
-    """``safetensors.safe_open(path, framework="pt")`` (a context manager) whose errors name the file.
-
-    Raises:
-        ValueError: ``"<path>: corrupt or truncated safetensors file (...)"``, for a missing, truncated or damaged file.
-    """
+    """``safetensors.safe_open(path, framework="pt")`` raising ``ValueError`` naming a missing or damaged file."""
 
     def __init__(self, path: str):
         self.path = path
@@ -300,11 +285,7 @@ class open_shard:
 
 
 def read_config_json(folder: str) -> dict | None:
-    """The parsed ``folder/config.json``, or None when there is none.
-
-    Raises:
-        ValueError: naming the file, when it is not a valid JSON object.
-    """
+    """The parsed ``folder/config.json`` or None; ``ValueError`` naming it when it is not a JSON object."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         return None
@@ -315,11 +296,7 @@ def read_config_json(folder: str) -> dict | None:
 
 
 def read_quantization_config(folder: str) -> dict | None:
-    """The ``quantization_config`` dict of ``folder/config.json`` (top level or in ``text_config``), or None.
-
-    Raises:
-        ValueError: naming the file, when ``config.json`` is not valid JSON.
-    """
+    """The ``quantization_config`` of ``folder/config.json`` (top level or in ``text_config``) or None."""
     config = read_config_json(folder) or {}
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
 
@@ -332,14 +309,8 @@ def fp8_block_size(quantization_config: dict | None) -> tuple[int, int]:
 
 @dataclass
 class CheckpointInfo:
-    """What :func:`inspect_checkpoint` read from a local folder's safetensors headers.
-
-    Attributes:
-        folder: the folder. weight_map: ``{tensor name: shard file name}``.
-        dtypes / shapes: ``{tensor name: safetensors dtype string / shape list}``.
-        quantization_config: the config's ``quantization_config`` or None.
-        fp8_weights: names of the FP8 tensors. non_float: sorted names of the integer or bool tensors.
-    """
+    """What :func:`inspect_checkpoint` read from a folder's headers: ``{name: shard}``, ``{name: safetensors dtype /
+    shape}``, the ``quantization_config``, the FP8 tensor names and the sorted integer or bool tensor names."""
 
     folder: str
     weight_map: dict[str, str]
@@ -361,10 +332,8 @@ def is_fp8_dtype(dtype: str) -> bool:
 
 
 def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], *, for_transformers: bool) -> None:
-    """Check that ``<key>_scale_inv`` tiles ``<key>`` with ``block``-sized blocks (last blocks may be partial).
-
-    With ``for_transformers=True`` also require the grid transformers' ``Fp8Dequantize`` derives
-    (``rows // scale_rows``) to equal ``block``.
+    """Check that ``<key>_scale_inv`` tiles ``<key>`` with ``block``-sized blocks (last blocks may be partial; with
+    ``for_transformers`` not, where transformers' ``Fp8Dequantize`` would infer another block).
 
     Raises:
         ValueError: naming the key, both shapes and the block size.
@@ -392,11 +361,8 @@ def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], 
 
 
 def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = True) -> CheckpointInfo | None:
-    """Read and check the safetensors headers of a local checkpoint folder (None for a Hub id or no safetensors).
-
-    Checks: valid ``config.json`` and index (:func:`read_weight_map`); every shard opens and holds the tensors the
-    index assigns to it; FP8 tensors and scales come in pairs with a ``quantization_config`` and tiling grids
-    (:func:`check_fp8_pair`). Integer/bool tensors are recorded in ``non_float``. Only headers are read.
+    """Read and check the safetensors headers of a local checkpoint folder (None for a Hub id or no safetensors):
+    config and index valid, every shard holds its indexed tensors, FP8 tensors and scales paired and tiling.
 
     Raises:
         ValueError: naming the file or key.
@@ -459,11 +425,7 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
 
 
 def check_loaded_dtypes(ckpt: CheckpointInfo, unexpected_keys) -> None:
-    """Raise for the integer or bool tensors of ``ckpt`` loaded into the model (those not in ``unexpected_keys``).
-
-    Raises:
-        ValueError: naming the folder, the first 10 keys with their safetensors dtypes and the count.
-    """
+    """``ValueError`` naming the integer or bool tensors of ``ckpt`` loaded into the model (not ``unexpected_keys``)."""
     unexpected = set(unexpected_keys or ())
     loaded = [k for k in ckpt.non_float if k not in unexpected]
     if loaded:
@@ -503,10 +465,8 @@ _SIZE_FIELDS = (
 
 
 def text_size_fields(config, folder: str) -> dict[str, int]:
-    """The integer text-config fields of :data:`_SIZE_FIELDS` the model will be built with, from ``config`` or else
-    ``folder/config.json`` (its ``text_config`` or top level; missing fields take :class:`Glm53FlashTextConfig`'s
-    defaults).
-    """
+    """The integer text-config size fields the model will be built with, from ``config`` or ``folder/config.json``
+    (missing fields take :class:`Glm53FlashTextConfig`'s defaults)."""
     import dataclasses
 
     from transformers import PreTrainedConfig
@@ -552,11 +512,8 @@ def check_config_matches_checkpoint(
     allow_unexpected: bool = False,
     allow_mismatched: bool = False,
 ) -> None:
-    """Check the text config's sizes (``fields``, :func:`text_size_fields`) against ``ckpt``'s headers before the model
-    is built: layer indices, experts per MoE layer, and the shapes of embeddings, head, norms, MLPs, experts, router.
-
-    Args:
-        allow_missing / allow_unexpected / allow_mismatched: as for :func:`strict_load_report`.
+    """Check the text config's sizes (:func:`text_size_fields`) against ``ckpt``'s headers before the model is built:
+    layer count, experts per layer, shapes; the ``allow_*`` flags warn instead, as in :func:`strict_load_report`.
 
     Raises:
         ValueError: naming the config field, its value and what the checkpoint holds (the key and its file).
@@ -659,12 +616,8 @@ def strict_load_report(
     allow_unexpected: bool = False,
     allow_mismatched: bool = False,
 ) -> None:
-    """Raise on a load that would leave parameters at random init or drop checkpoint tensors.
-
-    Args:
-        model: the loaded model.
-        info: ``from_pretrained(..., output_loading_info=True)``'s dict.
-        allow_missing / allow_unexpected / allow_mismatched: warn instead.
+    """Raise on a load (``info`` from ``output_loading_info=True``) that left parameters at their initial values or
+    dropped checkpoint tensors; the ``allow_*`` flags warn instead.
 
     Raises:
         ValueError: listing the first 20 keys and the count, for missing, unexpected or shape-mismatched keys.
@@ -715,13 +668,8 @@ def strict_load_report(
 
 
 def nonfinite_tensors(named_tensors, chunk: int = 1 << 24) -> list[str]:
-    """Describe the floating-point tensors of ``named_tensors`` (``(name, tensor)`` pairs) that hold NaN or Inf.
-
-    Read ``chunk`` elements at a time; DTensors on this process's shard; meta, empty and non-float tensors skipped.
-
-    Returns:
-        ``["name (n NaN, m Inf; first at index (i, j, ...))", ...]`` in order; ``[]`` when all are finite.
-    """
+    """``["name (n NaN, m Inf; first at index (i, ...))", ...]`` for the ``(name, tensor)`` pairs holding NaN or Inf,
+    read ``chunk`` elements at a time (DTensors: the local shard; meta, empty, non-float skipped)."""
     bad = []
     for name, tensor in named_tensors:
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
@@ -756,11 +704,8 @@ def _listing_bad(bad: list[str], limit: int = 10) -> str:
 
 
 def check_finite_weights(model, source, *, allow: bool = False) -> None:
-    """Raise when a loaded parameter or buffer of ``model`` holds NaN or Inf (``allow``: warn instead).
-
-    Raises:
-        ValueError: naming ``source``, the count and the first 10 tensors with their NaN/Inf counts.
-    """
+    """``ValueError`` naming ``source`` and the first 10 parameters or buffers of ``model`` holding NaN or Inf
+    (``allow``: a warning)."""
     bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
     if bad:
         message = f"{source}: {len(bad)} loaded weights hold NaN or Inf values: {_listing_bad(bad)}"
@@ -845,17 +790,12 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, d
 
 
 def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
-    """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader with our checks around it.
+    """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader inside our checks.
 
-    Before: :func:`inspect_checkpoint` and :func:`check_config_matches_checkpoint`. FP8 checkpoints load kept in FP8,
-    or dequantized with ``dequantize_fp8=True`` (unless a ``quantization_config`` is passed). After:
-    :func:`check_loaded_dtypes`, :func:`strict_load_report` (``allow_missing_keys`` / ``allow_unexpected_keys`` /
-    ``ignore_mismatched_sizes`` warn instead; ``output_loading_info=True`` and ``state_dict=`` without a checkpoint
-    imply them), the full registered ``_weight_conversions`` for saving, and :func:`check_finite_weights`
-    (``allow_nonfinite_weights=True`` warns instead).
-
-    Returns:
-        the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
+    Header and config checks before; after, dtypes, strict keys (``allow_missing_keys`` / ``allow_unexpected_keys`` /
+    ``ignore_mismatched_sizes`` warn instead, implied by ``output_loading_info=True`` and by ``state_dict=`` without a
+    checkpoint) and finiteness (``allow_nonfinite_weights``). FP8 stays FP8 unless ``dequantize_fp8=True``. Returns
+    the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
 
     Raises:
         ValueError: naming the file, key or config field; ``dequantize_fp8`` not a bool.
@@ -932,9 +872,7 @@ _REPLACED_NAMES = re.compile(
 
 
 def replaced_by_save(name: str) -> bool:
-    """Whether the top-level entry ``name`` of a checkpoint folder is replaced as a whole by a save (weights, indexes,
-    ``config.json``, ``generation_config.json``).
-    """
+    """Whether a save replaces the folder entry ``name`` as a whole (weights, indexes, config, generation config)."""
     return bool(_REPLACED_NAMES.match(name))
 
 
@@ -951,11 +889,8 @@ _AT_FDCWD = -100
 
 
 def exchange_paths(a: str, b: str) -> bool:
-    """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False when unavailable.
-
-    Raises:
-        OSError: any other failure of the call (e.g. ``EBUSY`` / ``EXDEV``), naming both paths.
-    """
+    """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False when unavailable,
+    ``OSError`` naming both paths on any other failure (``EBUSY`` / ``EXDEV``)."""
     import ctypes
     import errno
     import sys
@@ -1055,15 +990,8 @@ def _roll_forward(target: str, journal: str) -> None:
 
 
 def recover_interrupted_save(save_directory, subfolder: str = "") -> None:
-    """Undo or finish what a killed :func:`atomic_save` of ``save_directory`` left; a no-op when nothing was left.
-
-    Args:
-        save_directory: the folder (str or path-like; anything else is ignored).
-        subfolder: a subfolder of it to treat as the folder.
-
-    Raises:
-        OSError: a rename needed to restore or finish the folder failed.
-    """
+    """Undo or finish what a killed :func:`atomic_save` of ``save_directory`` (``/ subfolder``) left; non-paths are
+    ignored. Raises ``OSError`` when a rename needed to restore or finish the folder fails."""
     if not isinstance(save_directory, (str, os.PathLike)):
         return
     target = os.path.realpath(os.path.abspath(os.path.join(os.fspath(save_directory), subfolder or "")))
@@ -1128,17 +1056,11 @@ def _journal_save(target: str, write=None, staged: str | None = None) -> None:
 
 
 def atomic_save(save_directory, write) -> str:
-    """Write a folder with ``write(tmp)`` and swap it in at ``save_directory`` only when ``write`` returned.
+    """Fill an empty folder with ``write(tmp)`` and swap it in at ``save_directory`` once ``write`` returned.
 
-    ``save_directory`` always holds the complete old or new folder, also across ``kill -9`` (not power loss); the old
-    folder's non-checkpoint entries (:func:`replaced_by_save`) are kept; a symbolic link to a folder is kept.
-
-    Args:
-        save_directory: the folder to (re)write; its parent is created when missing.
-        write: ``write(tmp: str)`` fills the empty folder ``tmp``.
-
-    Returns:
-        The absolute path of the folder written.
+    ``save_directory`` (parent created when missing) always holds the complete old or new folder, also across
+    ``kill -9`` (not power loss); the old folder's non-checkpoint entries and a link to the folder are kept. Returns
+    the absolute path written.
 
     Raises:
         ValueError: ``save_directory`` is an existing file; whatever ``write`` raises (the old folder is kept).
@@ -1202,11 +1124,7 @@ def atomic_save(save_directory, write) -> str:
 
 
 def check_finite_for_save(state_dict, owner: str) -> None:
-    """Refuse to save NaN or Inf values of ``state_dict`` (``owner`` names them in the message).
-
-    Raises:
-        ValueError: naming the count, the first 10 tensors and ``allow_nonfinite_weights=True``.
-    """
+    """``ValueError`` naming ``owner`` and the first 10 tensors of ``state_dict`` holding NaN or Inf."""
     bad = nonfinite_tensors(state_dict.items())
     if bad:
         raise ValueError(
@@ -1216,11 +1134,8 @@ def check_finite_for_save(state_dict, owner: str) -> None:
 
 
 def check_state_dict_dtypes(model, state_dict) -> None:
-    """Raise for an integer or bool tensor of ``state_dict`` loading into a floating-point tensor of ``model``.
-
-    Raises:
-        ValueError: naming the key, the tensor's dtype and the model's dtype (first 10 offenders, and the count).
-    """
+    """``ValueError`` naming the integer or bool tensors of ``state_dict`` (first 10, dtypes, count) that would load
+    into floating-point tensors of ``model``."""
     own = model.state_dict()
     bad = []
     for key, value in state_dict.items():

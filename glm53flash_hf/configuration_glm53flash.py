@@ -1,9 +1,6 @@
-"""Configurations of GLM-5.3-Flash, subclasses of transformers' ``Glm5Next*Config`` (``model_type = "glm5_next"``).
-
-Field meanings: transformers' ``models/glm5_next/configuration_glm5_next.py``. Added text fields:
-``num_nextn_predict_layers``, ``kernels``, ``mtp_depth``, ``mtp_loss_weight`` (:class:`Glm53FlashTextConfig`).
-Out-of-range numbers and unsupported combinations raise ``ValueError`` naming the field, its value and what is
-expected.
+"""Configurations of GLM-5.3-Flash, subclasses of transformers' ``Glm5Next*Config`` (``model_type = "glm5_next"``;
+field meanings: transformers' ``configuration_glm5_next.py``). Out-of-range numbers and unsupported combinations
+raise ``ValueError`` naming the field, its value and what is expected.
 """
 
 import math
@@ -69,11 +66,7 @@ def check_numeric_fields(config, positive_ints=(), non_negative_ints=(), positiv
 
 
 def normalize_kernels(value) -> dict:
-    """Return ``{family: choice}`` for every family in :data:`KERNEL_FAMILIES`.
-
-    Raises:
-        ValueError: for an unknown family or choice.
-    """
+    """``{family: choice}`` for every family of :data:`KERNEL_FAMILIES`; ``ValueError`` for an unknown one or choice."""
     if value is None:
         value = "auto"
     if isinstance(value, str):
@@ -128,18 +121,13 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
         dropout = self.attention_dropout
         if not (_is_number(dropout) and 0 <= dropout < 1):
             raise ValueError(f"attention_dropout must be a number in [0, 1); got attention_dropout={dropout!r}")
-        # The special token ids are checked against vocab_size when a model is built (check_special_token_ids), not
-        # here: as for transformers' Glm5NextTextConfig, a config may hold the release's pad id (154820) with a
-        # smaller vocab_size until the id is set, e.g. when the vocabulary is cut for a test model.
+        # special token ids are checked when a model is built (check_special_token_ids): a config may hold the
+        # release's pad id with a smaller vocab_size until the id is set
         super().__post_init__(**kwargs)
 
     def check_special_token_ids(self) -> None:
-        """Check that ``pad_token_id`` / ``bos_token_id`` are ``None`` or ids in ``[0, vocab_size)`` and
-        ``eos_token_id`` is ``None``, such an id or a list of them.
-
-        Raises:
-            ValueError: naming the field, its value and ``vocab_size``.
-        """
+        """Raise ``ValueError`` naming the field unless ``pad_token_id`` / ``bos_token_id`` / ``eos_token_id`` are
+        ``None`` or ids in ``[0, vocab_size)`` (``eos_token_id`` also a list of them)."""
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name, None)
             ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
@@ -223,11 +211,7 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
 
 @strict
 class Glm53FlashVisionConfig(Glm5NextVisionConfig):
-    """Vision-tower configuration: the fields of transformers' ``Glm5NextVisionConfig``.
-
-    Raises:
-        ValueError: a non-positive size or ``rms_norm_eps``, naming the field and its value.
-    """
+    """Vision-tower configuration, transformers' ``Glm5NextVisionConfig``; non-positive sizes raise ``ValueError``."""
 
     def __post_init__(self, **kwargs):
         check_numeric_fields(self, _VISION_POSITIVE_INTS, positive_floats=("rms_norm_eps",))

@@ -1,18 +1,7 @@
-"""Per-call choice between a torch op and its fused alternative, for each operator family.
+"""Per-call choice between a torch op and its fused alternative, per family (``kda``, ``mhc``, ``dsa``, ``moe``).
 
-``config.kernels[family]`` (family in ``kda``, ``mhc``, ``dsa``, ``moe``), read per call by
-:func:`requested_backend` (the one reader of the setting):
-
-* ``"torch"``: always the torch op (the oracle; runs everywhere);
-* ``"auto"``: the fused alternative when it can run on these tensors, else the torch op;
-* ``"fused"``: the fused alternative; when it cannot run, a warning says why (once per family and reason) and the
-  torch op runs instead.
-
-:func:`choose_backend` decides from the tensors only (device, dtype, shapes), asking the family's probe in
-:data:`FUSED_AVAILABILITY`. Each family module registers the fused alternative of its torch ops beside them
-(:func:`register_fused`); :func:`op_for` returns the op to call. Fused modules are imported on first use, only for
-CUDA tensors (or under ``TRITON_INTERPRET=1`` where a probe allows it). :func:`local_tensor` unwraps replicated
-DTensor parameters before a kernel reads their storage.
+``config.kernels[family]``: ``"torch"`` (the oracle, runs everywhere), ``"auto"`` (fused when the family's probe accepts
+the tensors) or ``"fused"`` (the same, warning once per family and reason when the torch op runs instead).
 """
 
 from __future__ import annotations
@@ -43,11 +32,7 @@ _warned: set[tuple[str, str]] = set()
 
 
 def requested_backend(config, family: str) -> str:
-    """``config.kernels[family]`` (``"auto"`` when the config has no ``kernels`` setting).
-
-    Raises:
-        ValueError: unknown family or choice.
-    """
+    """``config.kernels[family]`` (default ``"auto"``); ``ValueError`` for an unknown family or choice."""
     if family not in KERNEL_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {KERNEL_FAMILIES}")
     kernels = getattr(config, "kernels", None)
@@ -58,16 +43,8 @@ def requested_backend(config, family: str) -> str:
 
 
 def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
-    """Return ``"torch"`` or ``"fused"`` for this call (see the module docstring).
-
-    Args:
-        family: operator family (``kda``, ``mhc``, ``dsa``, ``moe``).
-        requested: ``"auto"``, ``"torch"`` or ``"fused"``.
-        tensors: the call's input tensors (their device decides).
-
-    Raises:
-        ValueError: unknown family or choice.
-    """
+    """``"torch"`` or ``"fused"`` for a call on ``tensors`` given the ``requested`` choice (module docstring);
+    ``ValueError`` for an unknown family or choice."""
     if family not in KERNEL_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {KERNEL_FAMILIES}")
     if requested not in KERNEL_CHOICES:
@@ -95,25 +72,16 @@ def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
 
 
 def register_fused(family: str, torch_op: Callable, loader: Callable[[], Callable]) -> None:
-    """Register the fused alternative of ``torch_op``: ``loader()`` imports its kernel module (on the first fused
-    call only) and returns the op, which takes ``torch_op``'s arguments and keeps its contract.
-
-    Raises:
-        ValueError: unknown family.
-    """
+    """Register the fused alternative of ``torch_op`` (same arguments and contract), imported by ``loader()`` on the
+    first fused call; ``ValueError`` for an unknown family."""
     if family not in KERNEL_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {KERNEL_FAMILIES}")
     FUSED_ALTERNATIVES[torch_op.__name__] = (family, loader)
 
 
 def op_for(torch_op: Callable, requested: str, *tensors: torch.Tensor) -> Callable:
-    """The op to call for these tensors: ``torch_op`` or its registered fused alternative (:func:`register_fused`),
-    as :func:`choose_backend` decides for ``requested``.
-
-    Raises:
-        KeyError: ``torch_op`` has no registered fused alternative.
-        ValueError: as :func:`choose_backend`.
-    """
+    """``torch_op`` or its registered fused alternative, as :func:`choose_backend` decides; ``KeyError`` when
+    ``torch_op`` has none registered."""
     family, loader = FUSED_ALTERNATIVES[torch_op.__name__]
     if choose_backend(family, requested, *tensors) == "fused":
         return loader()
@@ -121,8 +89,7 @@ def op_for(torch_op: Callable, requested: str, *tensors: torch.Tensor) -> Callab
 
 
 def _lazy_probe(module: str, probe: str) -> Callable[..., tuple[bool, str]]:
-    """A probe that imports ``glm53flash_hf.<module>`` on first use and calls its ``probe`` function; an import
-    failure is reported as the reason."""
+    """A probe importing its kernel module on first use; an import failure becomes the reason."""
 
     loaded: list = []  # [module] or [ImportError message], filled on the first call
 
@@ -144,20 +111,8 @@ FUSED_AVAILABILITY.update({family: _lazy_probe(*PROBES[family]) for family in KE
 
 
 def local_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """The plain tensor a fused kernel may read, for a parameter that may arrive as a DTensor (replicated ones are
-    unwrapped to their full local tensor).
-
-    Args:
-        tensor: a tensor or ``torch.distributed.tensor.DTensor``.
-        name: the parameter's name, for the error message.
-
-    Returns:
-        ``tensor`` itself when it is not a DTensor, else its local tensor (all placements ``Replicate``).
-
-    Raises:
-        ValueError: a DTensor with any non-replicated placement (``Shard``, ``Partial``), naming ``name`` and the
-            placements.
-    """
+    """``tensor``, or a replicated DTensor's local tensor, for a kernel that reads raw storage; ``ValueError`` naming
+    ``name`` and the placements for a sharded or partial DTensor."""
     try:
         from torch.distributed.tensor import DTensor, Replicate
     except ImportError:  # torch built without distributed

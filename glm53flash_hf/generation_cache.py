@@ -1,9 +1,6 @@
-"""Generation-cache plumbing around transformers' cache classes (``transformers/cache_utils.py``).
-
-``DynamicCache(config=...)`` / ``StaticCache`` hold per KDA layer a conv state ``[B, 3*H*K, W]`` and an fp32
-recurrent state ``[B, H, K, V]``, per DSA layer the MLA latent ``[B, 1, S, kv_lora_rank]`` and the fp32 KPool indexer
-state ``[B, S, 2 * Dk]``. :func:`make_croppable` makes them croppable for assisted / MTP decoding. Cached rows must
-be ``[left padding][one document]``.
+"""Generation-cache plumbing around transformers' cache classes: per KDA layer a conv state ``[B, 3*H*K, W]`` and
+an fp32 recurrent state ``[B, H, K, V]``, per DSA layer the MLA latent ``[B, 1, S, kv_lora_rank]`` and the fp32 KPool
+indexer state ``[B, S, 2 * Dk]``. Cached rows must be ``[left padding][one document]``.
 """
 
 from __future__ import annotations
@@ -52,9 +49,8 @@ def check_cache(cache, who: str) -> None:
 
 
 def check_cache_layers(cache: Cache, config, who: str) -> None:
-    """Raise ``ValueError`` unless ``cache`` has one layer per main layer of ``config`` of the kind its ``layer_types``
-    entry needs (names the layer count or the first mismatching layer).
-    """
+    """Raise ``ValueError`` naming the layer count or the first layer of ``cache`` whose kind does not fit
+    ``config.layer_types``."""
     kinds = list(config.layer_types[: config.num_hidden_layers])
     layers = cache.layers
     fix = "build the cache for this model: DynamicCache(config=model.config) or StaticCache(config=model.config, ...)"
@@ -73,9 +69,8 @@ def check_cache_layers(cache: Cache, config, who: str) -> None:
 
 
 def check_left_padding(valid: torch.Tensor, name: str = "attention_mask") -> None:
-    """Raise ``ValueError``, naming the row, unless every row of the bool ``[B, L]`` mask ``valid`` is ``[padding][real
-    tokens]`` with at least one real token.
-    """
+    """Raise ``ValueError`` naming the first row of the bool ``[B, L]`` ``valid`` that is not ``[padding][one or more
+    real tokens]``."""
     empty = ~valid.any(dim=1)
     if bool(empty.any()):
         row = int(empty.nonzero()[0, 0])
@@ -95,9 +90,8 @@ def check_left_padding(valid: torch.Tensor, name: str = "attention_mask") -> Non
 
 
 def check_cache_continuation(cache, input_len: int, mask_len: int | None) -> None:
-    """Raise ``ValueError`` when a filled ``cache`` cannot be continued: the mask (``mask_len``; None: no mask) or else
-    the input (``input_len``) must be longer than the ``cached`` tokens.
-    """
+    """Raise ``ValueError`` unless the mask (``mask_len``, or without one ``input_len``) is longer than the tokens a
+    filled ``cache`` holds."""
     past = cache_seq_length(cache) if isinstance(cache, Cache) else 0
     width = input_len if mask_len is None else mask_len
     if past > 0 and width <= past:
@@ -111,16 +105,9 @@ def check_cache_continuation(cache, input_len: int, mask_len: int | None) -> Non
 
 @dataclass
 class CacheContext:
-    """What the cached layers of one forward share (built by :func:`build_cache_context`).
-
-    Attributes:
-        past: tokens already in the cache: a Python int, or a long 0-d tensor in a traced call without a mask.
-        seq_len: tokens in this call, ``S``.
-        valid: bool ``[B, S]``, False on padding tokens of this call.
-        first: long ``[B]``, position of the row's first real token (``past + S`` when it has none yet).
-        positions: long ``[S]``, ``past + arange(S)`` (= cache slots).
-        local_pos: long ``[B, S]``, ``positions - first`` (negative on left padding).
-    """
+    """What the cached layers of one forward share: ``past`` tokens (an int, or a long 0-d tensor when traced without
+    a mask), ``seq_len`` ``S``, ``valid`` bool ``[B, S]``, ``first`` long ``[B]`` (each row's first real token, ``past +
+    S`` if none), ``positions`` long ``[S]`` (the cache slots) and ``local_pos = positions - first`` ``[B, S]``."""
 
     past: int | torch.Tensor
     seq_len: int
@@ -164,19 +151,14 @@ def build_cache_context(
     position_ids: torch.Tensor | None = None,
     **kwargs,
 ) -> CacheContext:
-    """The :class:`CacheContext` of a cached forward over ``[B, S]`` new tokens.
+    """The :class:`CacheContext` of a cached forward over ``[B, S]`` new tokens (``cache`` is read, not written).
 
-    Args:
-        cache: the transformers ``Cache`` of the call (read, not written).
-        attention_mask: optional 2-D ``[B, past + S]`` or, for an empty cache, ``[B, S]``; ``None``: no padding.
-        position_ids: optional ``[B, S]`` (or ``[B, past + S]``); a restart inside a multi-token call is refused.
-        kwargs: the forward's other keyword arguments; packing keys (``cu_seq_lens_q``, ``cu_seqlens``, ``seq_idx``)
-            are refused.
+    ``attention_mask``: optional 2-D ``[B, past + S]``; ``position_ids``: optional ``[B, S]`` or ``[B, past + S]``.
 
     Raises:
-        ValueError: packed documents; a static cache shorter than ``past + S``; a mask not 2-D or not covering
-            ``past + S`` tokens; padding after a real token or a row without one (eager multi-token or first calls;
-            skipped under ``torch.compile``).
+        ValueError: packing kwargs or a position restart; a static cache shorter than ``past + S``; a mask not 2-D or
+            not covering ``past + S``; padding after a real token or a row without one (eager multi-token or first
+            calls only).
     """
     for key in _PACKING_KWARGS:
         if kwargs.get(key) is not None:
@@ -185,9 +167,7 @@ def build_cache_context(
                 "use_cache=False for packed batches, or generate one document per row (left padding)"
             )
     if torch.compiler.is_compiling():
-        # a traced graph reads no tensor value: the past length is the mask's width, or (no mask, so no padding) the
-        # cache's own length tensor (``StaticCache`` keeps one), taken as a tensor and cloned before the layers
-        # advance it in place
+        # a traced graph reads no tensor value: past from the mask's width, or the cache's own length tensor
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(
@@ -257,13 +237,9 @@ def build_cache_context(
 
 
 class Glm53FlashKDACacheLayer(LinearAttentionLayer):
-    """transformers' ``LinearAttentionLayer`` that ``crop(-n)`` rolls back exactly while past recording is on.
-
-    Conv state: transformers' recording (``[old W | every new input]``). Recurrent state: each recorded call adds a
-    ``history`` entry (per-token states, or a replay of a first call); ``crop(-n)`` restores the state after the first
-    ``T - n`` of the ``T`` tokens recorded since the last crop and clears the history. ``is_croppable`` once the layer
-    holds a state and recording is on; otherwise transformers' behaviour.
-    """
+    """transformers' ``LinearAttentionLayer`` that ``crop(-n)`` rolls back exactly while past recording is on: each
+    recorded call adds a ``history`` entry (per-token states, or a replay of a first call), and ``crop(-n)`` restores
+    the state ``n`` tokens back among those recorded since the last crop."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -286,14 +262,9 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
         replay: tuple | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """Store the final state in place and, while recording, this call's history entry.
-
-        Args:
-            recurrent_states: fp32 ``[B, H, K, V]``, the state after the call.
-            per_token_states: fp32 ``[S, B, H, K, V]``, the state after each of the call's ``S`` tokens.
-            replay: ``(S, fn)`` instead, for a call of ``S`` tokens from the zero state: ``fn(j)`` returns the state
-                after its first ``j`` tokens (``1 <= j < S``).
-        """
+        """Store the fp32 ``[B, H, K, V]`` final state and, while recording, the call's history: ``per_token_states``
+        ``[S, B, H, K, V]``, or ``replay = (S, fn)`` for a call from the zero state, ``fn(j)`` the state after its
+        first ``j`` tokens."""
         if self.record_past:
             if not self.history[state_idx]:  # the first call since the last crop: keep the state it starts from
                 initialized = self.is_recurrent_states_initialized[state_idx]
@@ -308,11 +279,8 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
         return super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` recorded tokens (conv window and recurrent state); ``crop(0)`` shrinks
-        the conv window back to ``W``.
-
-        Raises:
-            RuntimeError: not recording, a positive argument, or more tokens removed than recorded since the last crop.
+        """Remove the last ``-tokens_to_remove`` recorded tokens (``crop(0)``: shrink the conv window to ``W``).
+        ``RuntimeError`` when not recording, for a positive argument, or beyond what was recorded since the last crop.
         """
         super().crop(tokens_to_remove)
         n = abs(tokens_to_remove)
@@ -350,9 +318,8 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
 
 
 class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
-    """transformers' ``DynamicIndexedLayer`` whose ``crop`` also restores the KPool pool keys written since the last
-    crop for pools the crop makes incomplete again.
-    """
+    """transformers' ``DynamicIndexedLayer`` whose ``crop`` also restores the KPool pool keys of pools it makes
+    incomplete again."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -365,14 +332,8 @@ class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
     def record_pool_keys(
         self, slots: torch.Tensor, old_keys: torch.Tensor, pool_last: torch.Tensor, written: torch.Tensor
     ) -> None:
-        """Remember one call's pool-key writes until the next crop.
-
-        Args:
-            slots: long ``[B, c]``, the slot each candidate pool key went to.
-            old_keys: ``[B, c, Dk]``, the values it replaced.
-            pool_last: long ``[B, c]``, position of each pool's last token.
-            written: bool ``[B, c]``, the pool completed in this call.
-        """
+        """Remember one call's pool-key writes until the next crop: ``slots``, ``pool_last`` (each pool's last token)
+        long ``[B, c]``, the replaced ``old_keys`` ``[B, c, Dk]``, ``written`` bool ``[B, c]``."""
         if self.record_past:
             self.pool_key_undo.append((slots, old_keys, pool_last, written))
 
@@ -397,10 +358,8 @@ class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
 
 
 def make_croppable(cache: Cache) -> Cache:
-    """Swap, in place, the empty ``LinearAttentionLayer`` / ``DynamicIndexedLayer`` layers of a ``DynamicCache`` for
-    :class:`Glm53FlashKDACacheLayer` / :class:`Glm53FlashIndexedCacheLayer`; other caches and filled layers are left
-    as they are. Returns ``cache``.
-    """
+    """Swap, in place, a ``DynamicCache``'s empty KDA / DSA layers for the croppable ones above; returns ``cache``
+    (other caches and filled layers unchanged)."""
     if not isinstance(cache, DynamicCache):
         return cache
     for i, layer in enumerate(cache.layers):
@@ -416,9 +375,8 @@ def make_croppable(cache: Cache) -> Cache:
 
 
 class MtpDraftCache(Cache):
-    """Cache of the MTP layer's DSA attention while drafting: one :class:`Glm53FlashIndexedCacheLayer` at ``layer_idx``
-    (lower indices are unused placeholders); it only receives verified positions and is never cropped.
-    """
+    """Cache of the MTP layer's DSA attention while drafting: one :class:`Glm53FlashIndexedCacheLayer` at
+    ``layer_idx`` (lower indices unused); it receives verified positions only and is never cropped."""
 
     def __init__(self, layer_idx: int):
         super().__init__(layers=[DynamicIndexedLayer() for _ in range(layer_idx)] + [Glm53FlashIndexedCacheLayer()])

@@ -1,16 +1,7 @@
-"""Kimi Delta Attention (KDA): the linear-attention layer of GLM-5.3-Flash.
+"""Kimi Delta Attention (KDA), the linear-attention layer of GLM-5.3-Flash (Kimi Linear, arXiv:2510.26692 §3).
 
-The layer :class:`Glm53FlashLinearAttention` with its :class:`Glm53FlashForgetGate` and
-:class:`Glm53FlashRMSNormGated` (parameter names and dtypes equal to transformers' ``Glm5NextTextLinearAttention``,
-``models/glm5_next/modeling_glm5_next.py``, so state dicts are interchangeable), :func:`init_kda_weights` (the
-from-scratch initialisation of transformers' ``_init_weights``).
-
-The maths is in :mod:`glm53flash_hf.kda_ops` (the torch path: short convolution, chunked and recurrent delta rule;
-Kimi Linear, arXiv:2510.26692 §3). The fused CUDA path is :mod:`glm53flash_hf.kda_fused` (fla-core's
-``fla.ops.kda.chunk_kda`` with the gate, beta and l2-norm in the kernel, varlen ``causal_conv1d``,
-``rms_norm_gated``; ``fla.ops.kda.fused_recurrent_kda`` for decode steps without gradients). Each call picks one of
-the two from ``config.kernels["kda"]`` and the tensors (:func:`glm53flash_hf.dispatch.choose_backend`).
-"""
+Parameters as transformers' ``Glm5NextTextLinearAttention`` (names, shapes, dtypes); ops from :mod:`.kda_ops` or
+:mod:`.kda_fused`, chosen per call by :func:`.dispatch.choose_backend`."""
 
 from __future__ import annotations
 
@@ -46,19 +37,10 @@ __all__ = [
 
 
 class Glm53FlashForgetGate(nn.Module):
-    """KDA forget gate: per-channel log decay ``g`` [B, S, H, K], fp32.
+    """KDA forget gate (transformers' ``Glm5NextTextForgetGate``): fp32 per-channel log decay ``g`` [B, S, H, K].
 
-    ``f = f_b_proj(f_a_proj(x))`` (low rank ``hidden -> K -> H*K``, in ``x``'s dtype), then in fp32, per head ``h``:
-
-    * with ``config.linear_lower_bound = lb`` (release: -5): ``g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))``,
-      in ``(lb, 0)``;
-    * with ``linear_lower_bound = None``: ``g = -exp(A_log[h]) * softplus(f + dt_bias)`` (softplus linear above 20).
-
-    Same maths as transformers' ``Glm5NextTextForgetGate`` and fla's ``naive_kda_lowerbound_gate`` /
-    ``naive_kda_gate``.
-
-    Parameters: ``f_a_proj.weight`` [K, hidden], ``f_b_proj.weight`` [H*K, K], ``dt_bias`` fp32 [H*K],
-    ``A_log`` fp32 [H].
+    With ``f = f_b_proj(f_a_proj(x))``, per head ``h``: ``g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` for
+    ``lb = config.linear_lower_bound`` (in ``(lb, 0)``), or ``-exp(A_log[h]) * softplus(f + dt_bias)`` when it is None.
     """
 
     def __init__(self, config) -> None:
@@ -87,16 +69,8 @@ class Glm53FlashForgetGate(nn.Module):
 
 
 class Glm53FlashRMSNormGated(nn.Module):
-    """Gated RMSNorm of the KDA output: ``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)``.
-
-    Args:
-        hidden_size: last dim (the KDA head dim ``K``).
-        eps: variance epsilon (``config.rms_norm_eps``).
-
-    ``forward(x [..., hidden], gate [..., hidden])``; everything in fp32, cast back to ``x.dtype``. Same maths as
-    transformers' ``Glm5NextTextRMSNormGated`` and fla's ``FusedRMSNormGated(activation="sigmoid")``.
-    Parameter: ``weight`` [hidden].
-    """
+    """``forward(x, gate)`` on ``[..., hidden_size]``: ``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)``
+    (transformers' ``Glm5NextTextRMSNormGated``); raises ``ValueError`` when the shapes differ."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -116,21 +90,11 @@ class Glm53FlashRMSNormGated(nn.Module):
 
 
 class Glm53FlashLinearAttention(nn.Module):
-    """The KDA token mixer of GLM-5.3-Flash (the ``"linear_attention"`` entries of ``config.layer_types``).
+    """The KDA token mixer (the ``"linear_attention"`` entries of ``config.layer_types``).
 
-    Parameters (names, shapes and dtypes equal to transformers' ``Glm5NextTextLinearAttention``; ``D`` hidden,
-    ``H`` ``linear_num_heads``, ``K`` ``linear_head_dim``, ``W`` ``linear_conv_kernel_dim``):
-    ``q_proj``, ``k_proj``, ``v_proj`` [H*K, D]; ``conv1d.weight`` fp32 [3*H*K, 1, W] (depthwise, channels q|k|v);
-    ``forget_gate`` (:class:`Glm53FlashForgetGate`); ``b_proj`` [H, D]; ``g_a_proj`` [K, D]; ``g_b_proj`` [H*K, K];
-    ``o_norm.weight`` [K]; ``o_proj`` [D, H*K]. No biases.
-
-    Forward: ``q, k, v = silu(causal_conv([q_proj x | k_proj x | v_proj x]))``, ``g = forget_gate(x)``,
-    ``beta = sigmoid(b_proj x)`` (computed in fp32), ``o = KDA(q, k, v, g, beta)`` (l2-normalised q, k; scale
-    ``K^-0.5``), ``out = o_proj(o_norm(o, g_b_proj(g_a_proj x)))``.
-
-    Each call runs either the torch ops of :mod:`.kda_ops` or the fused ones of :mod:`.kda_fused` (gate, beta
-    sigmoid and q/k l2-norm inside fla's kernels), chosen once per call from ``config.kernels["kda"]`` and the
-    tensors (:func:`glm53flash_hf.dispatch.choose_backend`).
+    ``q, k, v = silu(causal_conv([q_proj x | k_proj x | v_proj x]))`` (fp32 ``conv1d.weight`` ``[3*H*K, 1, W]``),
+    ``o = KDA(q, k, v, forget_gate(x), sigmoid(b_proj x))`` (l2-normalised q, k, scale ``K^-0.5``),
+    ``out = o_proj(o_norm(o, g_b_proj(g_a_proj x)))``. Raises ``ValueError`` unless ``config.hidden_act`` is silu.
     """
 
     def __init__(self, config, layer_idx: int) -> None:
@@ -174,34 +138,16 @@ class Glm53FlashLinearAttention(nn.Module):
         cache_context=None,
         **kwargs,
     ) -> torch.Tensor:
-        """Mix tokens within documents, optionally continuing from (and updating) this layer's cache states.
+        """Mix the tokens of ``hidden_states`` ``[B, S, D]`` within the documents of ``layout`` (padding zeroed).
 
-        Args:
-            hidden_states: ``[B, S, D]``.
-            layout: the batch's :class:`~glm53flash_hf.packing.DocumentLayout`. Padding tokens are zeroed. Without a
-                cache: with ``layout.trivial`` the rows run batched, otherwise the batch is flattened to
-                ``[1, B*S]`` and the convolution and recurrence restart at every segment of ``layout.cu_seqlens``.
-                With a cache, ``layout`` only gives the padding (``layout.valid``) and the rows run batched. With
-                ``layout.sequence_parallel`` set, this rank's shard continues the previous ranks' documents
-                (:func:`sp_conv_initial_state`, :func:`sp_chunk_kda`).
-            cache: optional transformers ``Cache`` whose layer ``layer_idx`` is a ``LinearAttentionLayer``: conv
-                state ``[B, 3*H*K, W]`` (the last ``W`` conv inputs ``[q|k|v]``, oldest first) and recurrent state
-                fp32 ``[B, H, K, V]``, read as the initial states (zeros when empty) and replaced by the final ones.
-                One token continuing both states is a decode step (:meth:`decode`); a continuation of ``S > 1``
-                tokens while the cache records its past (``cache.is_recording_past``) is a verification
-                (:meth:`verify`); every other call is a prefill (:meth:`prefill`, chunked, so two chunks equal one
-                call).
-            cache_context: unused (accepted for a uniform layer signature).
-
-        Returns:
-            ``[B, S, D]`` in ``hidden_states``' dtype.
+        ``cache``: optional transformers ``Cache`` whose layer ``layer_idx`` is a ``LinearAttentionLayer`` (conv state
+        ``[B, 3*H*K, W]``, oldest first; fp32 recurrent state ``[B, H, K, V]``), read as the initial states and
+        replaced by the final ones. ``cache_context`` is unused. Returns ``[B, S, D]`` in ``hidden_states``' dtype.
 
         Raises:
-            NotImplementedError: ``cache`` that is not a transformers ``Cache``
-                (:class:`~.generation_cache.UnsupportedCacheError`, also a ``TypeError``).
-            ValueError: ``layout`` does not match ``[B, S]``; a cache under sequence parallelism; the cache layer
-                is not a linear-attention layer (transformers' message); on the fused path, a sharded DTensor
-                parameter (named).
+            NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
+            ValueError: ``layout`` does not match ``[B, S]``; a cache under sequence parallelism; a cache layer that
+                is not linear attention; on the fused path, a sharded DTensor parameter.
         """
         B, S, _ = hidden_states.shape
         if layout.batch_size != B or layout.seq_len != S:
@@ -233,9 +179,7 @@ class Glm53FlashLinearAttention(nn.Module):
         return self.prefill(hidden_states, layout, params, conv_state, recurrent_state, cache, recording)
 
     def prefill(self, x, layout, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
-        """The chunked form over ``x [B, S, D]`` (padding already zeroed): uncached (batched, packed or a
-        sequence-parallel shard), a first cached call, or a continuation that does not record its past. A recorded
-        first call hands the cache a replay of its prefixes (``crop`` may cut into it)."""
+        """The chunked form: uncached, a first cached call, or a continuation that does not record its past."""
         B, S, _ = x.shape
         H, K = self.num_heads, self.head_dim
         mixed, g, beta = self._projections(x, params)
@@ -277,8 +221,7 @@ class Glm53FlashLinearAttention(nn.Module):
         return self._output(o, x, params)
 
     def decode(self, x, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
-        """One cached token per row (``x [B, 1, D]``): the recurrence advances the cached state by one step; a
-        recording cache gets that state as its one per-token state."""
+        """One cached token per row (``x [B, 1, D]``): one recurrence step."""
         mixed, g, beta = self._projections(x, params)
         (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state, output_final_state=True)
         o, final = self._step_core(x, params)(q, k, v, g, beta, initial_state=recurrent_state,
@@ -288,9 +231,7 @@ class Glm53FlashLinearAttention(nn.Module):
         return self._output(o, x, params)
 
     def verify(self, x, params, conv_state, recurrent_state, cache) -> torch.Tensor:
-        """``S > 1`` cached tokens while the cache records its past (assisted / MTP verification): the decode
-        recurrence runs token by token and the cache gets every per-token state, so ``crop(-n)`` restores the state
-        ``n`` tokens back exactly."""
+        """``S > 1`` cached tokens while the cache records its past: token by token, every state to the cache."""
         mixed, g, beta = self._projections(x, params)
         (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state, output_final_state=True)
         step = self._step_core(x, params)
@@ -305,9 +246,6 @@ class Glm53FlashLinearAttention(nn.Module):
 
     # ------------------------------------------------------------------------------------------ shared pieces
     def _kernel_params(self, fused: bool) -> dict:
-        """What the ops of this call read directly: ``fused`` (bool), ``conv`` ``[3*H*K, W]``, and on the fused path
-        ``gate`` (``A_log``, ``dt_bias``, ``lower_bound``) and ``norm`` ``[K]``; loaded when offloaded, replicated
-        DTensors unwrapped (:func:`.kda_fused.kernel_params`)."""
         if not fused:
             return call_onloaded((self.conv1d,), lambda: {"fused": False, "conv": self.conv1d.weight[:, 0, :]})
         from .kda_fused import kernel_params
@@ -316,8 +254,7 @@ class Glm53FlashLinearAttention(nn.Module):
                              lambda: dict(kernel_params(self), fused=True))
 
     def _projections(self, x, params):
-        """``(mixed [B, S, 3*H*K], g [B, S, H, K], beta [B, S, H])``: the conv inputs and the gate inputs of the
-        chosen core (torch: the activated log decay and ``sigmoid(b_proj x)`` fp32; fused: their pre-activations)."""
+        """``(mixed [B, S, 3*H*K], g, beta)``: activated for the torch core, pre-activations for the fused one."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if not params["fused"]:
             return mixed, self.forget_gate(x), torch.sigmoid(self.b_proj(x).float())
@@ -325,7 +262,6 @@ class Glm53FlashLinearAttention(nn.Module):
         return mixed, fg.f_b_proj(fg.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim)), self.b_proj(x)
 
     def _conv(self, mixed, params, **kwargs):
-        """Short convolution + SiLU of ``mixed [b, t, 3*H*K]``: ``((q, k, v) each [b, t, H, K], final state)``."""
         conv = causal_conv1d_torch
         if params["fused"]:
             from .kda_fused import causal_conv1d_fused as conv
@@ -334,8 +270,7 @@ class Glm53FlashLinearAttention(nn.Module):
         return tuple(z.reshape(b, t, self.num_heads, self.head_dim) for z in y.split(self.qkv_dim, dim=-1)), final
 
     def _step_core(self, x, params):
-        """The core of cached steps: torch ``recurrent_kda_torch``; fused ``fused_recurrent_step`` when no gradient
-        is needed, else the chunked kernel (which has a backward)."""
+        """The core of cached steps (fused: the chunked kernel when a gradient is needed)."""
         if not params["fused"]:
             return recurrent_kda_torch
         from .kda_fused import chunk_kda_gate_in_kernel, fused_recurrent_step
@@ -350,8 +285,6 @@ class Glm53FlashLinearAttention(nn.Module):
         return step
 
     def _store(self, cache, conv_final, conv_inputs, recurrent_final, continuing, recording, history) -> None:
-        """Write the final states. The conv state holds the last ``W`` inputs; a recording cache gets the raw inputs
-        ``[B, 3*H*K, S]`` instead (a first call behind ``W`` zero columns), appended to its window."""
         conv_update = conv_final
         if recording:
             conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
@@ -361,7 +294,6 @@ class Glm53FlashLinearAttention(nn.Module):
         cache.update_recurrent_state(recurrent_final.float(), self.layer_idx, **history)
 
     def _output(self, o, x, params) -> torch.Tensor:
-        """Gated RMSNorm of ``o`` with ``g_b_proj(g_a_proj x)``, then ``o_proj``: ``[B, S, D]``."""
         B, S = x.shape[:2]
         shape = (B, S, self.num_heads, self.head_dim)
         gate = self.g_b_proj(self.g_a_proj(x)).view(shape)
@@ -382,18 +314,8 @@ _CP_WARNED: set[str] = set()
 
 
 def sp_conv_initial_state(sp, mixed: torch.Tensor, kernel: int, num_segments: int) -> torch.Tensor:
-    """Conv ``initial_state`` ``[N, D, kernel]`` of a shard's local segments: zeros, except the first segment of each
-    row, whose last ``kernel - 1`` columns are the previous rank's last ``kernel - 1`` conv inputs where they belong
-    to the document continuing into this shard.
-
-    Args:
-        sp: the :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext` of the forward.
-        mixed: ``[B, L, D]`` pre-convolution inputs (``q_proj | k_proj | v_proj``), any float dtype.
-        kernel: the conv width ``W_conv``; num_segments: ``N``, segments of the local layout.
-
-    Raises:
-        ValueError: ``L < kernel - 1`` (the history would span two ranks).
-    """
+    """Conv ``initial_state`` ``[num_segments, D, kernel]`` of a shard from its conv inputs ``mixed`` ``[B, L, D]``:
+    the previous rank's last inputs of a continuing document, else zeros; ``ValueError`` if ``L < kernel - 1``."""
     B, L, D = mixed.shape
     hist = kernel - 1
     if L < hist:
@@ -407,25 +329,11 @@ def sp_conv_initial_state(sp, mixed: torch.Tensor, kernel: int, num_segments: in
 
 
 def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, cp_core=None) -> torch.Tensor:
-    """The chunked KDA of a shard with the recurrent state passed between ranks.
+    """The chunked KDA of a shard, the recurrent state passed between ranks (docs/design.md, sequence parallelism).
 
-    With ``cp_core`` (the fused path's :func:`~.kda_fused.chunk_kda_context_parallel`) and when
-    :func:`~.kda_fused.fla_cp_refusal` is None, the shard runs in fla's context-parallel kernels. Otherwise (a warning
-    names the reason once when ``cp_core`` was given): per row, ``B_r`` is the final state of the shard's last
-    segment from a zero state and ``A_r`` (:func:`kda_boundary_transition`) the transition of its first segment,
-    kept only when that segment is the whole shard and continues a document; every rank folds the incoming state
-    with :meth:`~glm53flash_hf.sequence_parallel.SequenceParallelContext.affine_prefix` and re-runs its first
-    segments from it. The boundary passes run inside ``torch.utils.checkpoint``.
-
-    Args:
-        sp: the :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext` of the forward.
-        core: the chunk op (``chunk_kda_torch`` or the fused one: same contract).
-        q, k, g: ``[1, B*L, H, K]``; v: ``[1, B*L, H, V]``; beta: ``[1, B*L, H]`` (the flattened local rows).
-        cu_seqlens: the local layout's segment boundaries.
-        cp_core: optional ``cp_core(q, k, v, g, beta, *, cp_context) -> o``.
-
-    Returns:
-        ``o`` ``[1, B*L, H, V]``.
+    ``core``: a chunk op with the contract of :func:`.kda_ops.chunk_kda_torch`; ``q, k, v, g, beta``: the flattened
+    local rows ``[1, B*L, ...]`` with ``cu_seqlens``; ``cp_core``: optional fla context-parallel op, used when
+    :func:`.kda_fused.fla_cp_refusal` allows it (else a warning, once per reason). Returns ``o`` ``[1, B*L, H, V]``.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -472,17 +380,8 @@ def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, cp_cor
 
 
 def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None = None, like_q=None) -> torch.Tensor:
-    """The state transition ``A`` of each segment: ``S_end = A S_start + B`` for the KDA delta rule, from the same
-    chunk op run with ``v = 0`` (width ``K``) from ``S_start = I``.
-
-    Args:
-        core: the chunk op (``chunk_kda_torch`` contract, with ``use_qk_l2norm_in_kernel`` default True).
-        k, g: ``[1, T, H, K]``; beta: ``[1, T, H]``; cu_seqlens: ``[N + 1]`` segment boundaries (``None``: one).
-        like_q: the queries ``[1, T, H, K]`` (their values do not affect ``A``; defaults to ``k``).
-
-    Returns:
-        fp32 ``[N, H, K, K]``.
-    """
+    """fp32 ``A`` ``[N, H, K, K]`` of each segment, ``S_end = A S_start + B``: ``core`` run with ``v = 0`` from
+    ``S_start = I`` over ``k, g`` ``[1, T, H, K]``, ``beta`` ``[1, T, H]`` (``like_q``'s values do not matter)."""
     T, H, K = k.shape[1], k.shape[2], k.shape[3]
     n = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(n, H, K, K)
@@ -494,18 +393,9 @@ def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None
 
 
 def init_kda_weights(module: nn.Module, config) -> None:
-    """From-scratch initialisation of the KDA-specific parameters of ``module`` (one module, not recursive).
-
-    Reproduces transformers ``Glm5NextPreTrainedModel._init_weights`` (same draws in the same order, guarded by
-    ``_is_hf_initialized`` through ``transformers.initialization``):
-
-    * :class:`Glm53FlashForgetGate`: ``A_log = 0`` when ``linear_lower_bound`` is set, else ``log(U(1, 16))``;
-      ``dt_bias = softplus^-1(dt)`` with ``dt = max(exp(U(log 1e-3, log 1e-1)), 1e-4)`` (fla's recipe);
-    * :class:`Glm53FlashRMSNormGated`: ``weight = 1``.
-
-    Linear and conv weights are left to the generic ``_init_weights`` (normal, ``initializer_range``). Other
-    modules are ignored. ``config`` is accepted for a uniform signature across families.
-    """
+    """Initialise the KDA-specific parameters of ``module`` (not recursive) with the draws of transformers'
+    ``Glm5NextPreTrainedModel._init_weights``: the forget gate's ``A_log`` and ``dt_bias``, the gated norm's weight;
+    other modules are left alone."""
     if isinstance(module, Glm53FlashForgetGate):
         if module.lower_bound is not None:
             init.zeros_(module.A_log)

@@ -1,32 +1,12 @@
-"""The fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops, with the maths of the torch path in
-:mod:`glm53flash_hf.kda_ops` (which equals transformers' ``Glm5NextTextLinearAttention``).
+"""Fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops (namespace ``glm53flash``), with the
+maths of the torch path :mod:`.kda_ops`.
 
-What runs where in one call of the KDA layer on the fused path (each function's docstring states its contract):
-
-* the projections: torch ``nn.Linear``, as in the torch path;
-* the short convolution + SiLU over ``[q|k|v]``: :func:`causal_conv1d_fused`;
-* the forget gate, the beta sigmoid, the q/k l2-norm and the chunked delta rule: :func:`chunk_kda_gate_in_kernel`
-  (one call of fla's chunked kernels; gradients reach ``A_log`` and ``dt_bias`` from the kernel), or, for a cached
-  decode step without gradients, :func:`fused_recurrent_step`;
-* the gated RMSNorm of the output: :func:`rms_norm_gated_fused`;
-* a sequence-parallel shard, where fla's context-parallel path applies: :func:`chunk_kda_context_parallel`.
-
-:func:`chunk_kda_fused` is the chunked core with an activated gate and beta (the contract of
-:func:`glm53flash_hf.kda_ops.chunk_kda_torch`).
-
-Custom ops (namespace ``glm53flash``, :func:`glm53flash_hf.graph_ops.define_op`, registered at import without
-importing fla): ``fla_chunk_kda_fwd`` / ``_bwd``, ``fla_causal_conv1d_fwd`` / ``_bwd``, ``fla_rms_norm_gated_fwd`` /
-``_bwd`` (forward and backward ops whose bodies are those of fla's ``ChunkKDAFunction``, ``CausalConv1dFunction``
-and ``LayerNormGatedFunction``; what those Functions save for backward is returned as extra non-differentiable
-outputs of the forward op) and the inference-only ``fla_fused_recurrent_kda``. Each has a fake implementation, so
-``torch.compile(fullgraph=True)`` traces these functions without a graph break; the checks that read ``cu_seqlens``
-(one host sync) run inside the ops, every other check in the Python functions before the op.
-
-The fla calls of those bodies, with fla's argument lists, are in :mod:`.fla_compat` (every call by keyword through
-:func:`.fla_compat.call_checked`); this module names no fla function. :func:`fused_kda_available` is the probe behind
-``dispatch.choose_backend("kda", ...)``. Importing this module never imports fla. Parameters handed to kernels pass
-through :func:`glm53flash_hf.dispatch.local_tensor`. Reasons and the precision of fla's kernels: ``docs/design.md``,
-section "KDA".
+A KDA layer call on this path: :func:`causal_conv1d_fused`, then :func:`chunk_kda_gate_in_kernel` (gate, beta sigmoid,
+q/k l2-norm and chunked delta rule in one kernel call), :func:`fused_recurrent_step` (a cached decode step without
+gradients) or :func:`chunk_kda_context_parallel` (a sequence-parallel shard), then :func:`rms_norm_gated_fused`.
+Every op has a fake (``torch.compile(fullgraph=True)`` traces it) and reads ``cu_seqlens`` inside the op. The fla calls
+are in :mod:`.fla_compat`; importing this module never imports fla. Besides the errors each function lists, a kernel
+call raises ``TypeError`` when the installed fla rejects an argument and ``ImportError`` when fla-core is missing.
 """
 
 from __future__ import annotations
@@ -78,12 +58,7 @@ SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lo
 
 # ========================================================================================================= fla access
 def fla_cp_available(device: torch.device) -> tuple[bool, str]:
-    """Whether fla's context-parallel KDA kernels (``fla.ops.cp``) can run on ``device``.
-
-    Returns:
-        ``(True, "")``, or ``(False, reason)``: fla's CP modules cannot be imported, or fla's own device check refuses
-        the device (it requires an NVIDIA GPU of compute capability >= 8.0, or Ascend).
-    """
+    """``(True, "")`` if fla's context-parallel kernels import and accept ``device``, else ``(False, reason)``."""
     try:
         error = cp_device_error(device)
     except ImportError as exc:
@@ -94,9 +69,7 @@ def fla_cp_available(device: torch.device) -> tuple[bool, str]:
 
 
 def fla_cp_refusal(sp, device) -> str | None:
-    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (a
-    :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext`), ``None`` when it can: the global batch must
-    be one token row, and :func:`fla_cp_available` must accept ``device``."""
+    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row), or ``None``."""
     if sp.global_layout.batch_size != 1:
         return (f"it chains one token row and this batch has {sp.global_layout.batch_size} rows; pack the "
                 "documents into one row per step to use it")
@@ -105,16 +78,10 @@ def fla_cp_refusal(sp, device) -> str | None:
 
 
 def fla_cp_context(sp, cu_seqlens: torch.Tensor):
-    """fla's ``FLACPContext`` of this rank, built once per forward (kept in ``sp.memo``) by fla's
-    ``build_cp_context`` from the global row's boundaries and the SP group.
-
-    Args:
-        sp: the :class:`~glm53flash_hf.sequence_parallel.SequenceParallelContext` of the forward.
-        cu_seqlens: this rank's local segment boundaries.
+    """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``).
 
     Raises:
-        RuntimeError: fla's local boundaries differ from ``cu_seqlens``, i.e. fla and this package would split the
-            row differently.
+        RuntimeError: fla's local boundaries differ from this rank's ``cu_seqlens``.
     """
     if "fla_cp" not in sp.memo:
         glob = sp.global_layout.cu_seqlens
@@ -135,18 +102,9 @@ def _interpreting() -> bool:
 
 # ============================================================================================================== probe
 def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
-    """Availability probe registered as ``dispatch.FUSED_AVAILABILITY["kda"]``.
-
-    Args:
-        tensors: the call's tensors. Floating tensors must be float32/bfloat16/float16 (integer ones, such as
-            ``cu_seqlens``, are allowed); every 4-D tensor is read as ``[B, T, H, K]`` (q, k, v, g; the layer passes
-            its ``o_norm.weight`` viewed ``[1, 1, 1, K]``) and its last dim must be in ``[16, 256]``.
-
-    Returns:
-        ``(True, "")`` when fla's kernels can run on them, else ``(False, reason)``: no tensors, an unsupported dtype,
-        an unsupported head dim, a tensor not on CUDA (CPU tensors are accepted only under ``TRITON_INTERPRET=1``),
-        fla-core not importable.
-    """
+    """The KDA probe of :mod:`.dispatch`: ``(True, "")`` when fla's kernels can run on ``tensors``, else
+    ``(False, reason)``. Floating tensors must be float32/bfloat16/float16 on CUDA (CPU under ``TRITON_INTERPRET=1``),
+    a 4-D tensor ``[B, T, H, K]`` with ``K`` in ``[16, 256]``, and fla-core must import."""
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if not tensors:
         return False, "no tensors given"
@@ -187,7 +145,7 @@ def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: in
 
 
 def _device(t: torch.Tensor):
-    """The CUDA device context of ``t`` (Triton launches on the current device), a null context on CPU."""
+    """The CUDA device context of ``t`` (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
@@ -205,8 +163,7 @@ def _or_none(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
 
 
 def _chunk_indices(cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
-    """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2] long)`` for the validated boundaries
-    ``cu_host`` (whose check made the one host sync), or three ``None``."""
+    """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2])``, or three ``None``."""
     if cu_seqlens is None:
         return None, None, None
     cu = cu_seqlens.to(torch.long)
@@ -538,30 +495,14 @@ def chunk_kda_fused(
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA with an *activated* gate and beta: the contract of :func:`glm53flash_hf.kda_ops.chunk_kda_torch`, run
-    by fla's chunked kernels (``use_gate_in_kernel=False``, ``safe_gate=False``: the gate's bound is unknown here)
-    through the custom ops ``glm53flash::fla_chunk_kda_fwd`` / ``fla_chunk_kda_bwd``.
+    """Chunked KDA with an activated gate and beta by fla's chunked kernels (fla's ``chunk_kda``).
 
-    Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log decay (``<= 0``); beta: ``[B, T, H]``
-            (after the sigmoid). Any of float32/bfloat16/float16; fla computes the gate and state in fp32.
-        scale: query scale, default ``K ** -0.5``.
-        initial_state: optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else ``B``), K-first; cast to
-            fp32 (fla requires fp32).
-        output_final_state: also return the fp32 state after every document.
-        cu_seqlens: optional integer ``[N + 1]`` document boundaries (requires ``B == 1``); validated inside the op
-            (one host sync), so a compiled graph does not read them.
-        chunk_size: 32 or 64 (fla's choices; the maths does not depend on it).
-        use_qk_l2norm_in_kernel: l2-normalise q and k in the kernel.
-
-    Returns:
-        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``.
+    The contract of :func:`.kda_ops.chunk_kda_torch` (float32/bfloat16/float16 inputs; fla computes the gate and the
+    state in fp32), except ``chunk_size``: 32 or 64 (the maths does not depend on it).
 
     Raises:
         ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
             ``cu_seqlens``.
-        TypeError: the installed fla does not accept an argument (:func:`call_checked`).
-        ImportError: fla-core missing.
     """
     o, final = _CHUNK_FWD(*_chunk_args(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
@@ -573,13 +514,7 @@ def chunk_kda_fused(
 
 
 def _check_chunk_call(q, k, v, g, beta, chunk_size: int, gate=None) -> None:
-    """The argument checks of every fused chunked-KDA entry point (:func:`chunk_kda_fused`,
-    :func:`chunk_kda_gate_in_kernel`, :func:`chunk_kda_context_parallel`): shapes, head dims, the gate's parameters
-    (``gate = (A_log, dt_bias, lower_bound)`` when the gate runs in the kernel) and fla's chunk sizes.
-
-    Raises:
-        ValueError: naming the argument, its value and what was expected.
-    """
+    """Checks of every fused chunked entry point; ``gate = (A_log, dt_bias, lower_bound)`` for the in-kernel gate."""
     check_core_inputs(q, k, v, g, beta)
     H, K = q.shape[2], q.shape[3]
     _check_head_dim(K, v.shape[-1])
@@ -592,9 +527,7 @@ def _check_chunk_call(q, k, v, g, beta, chunk_size: int, gate=None) -> None:
 
 def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None,
                 **flags):
-    """The checked arguments of ``fla_chunk_kda_fwd``, shared by :func:`chunk_kda_fused` and
-    :func:`chunk_kda_gate_in_kernel`. ``gate``: ``(A_log, dt_bias, lower_bound)`` when the gate runs in the kernel;
-    ``flags``: the kernel's ``use_*`` switches."""
+    """The checked arguments of ``fla_chunk_kda_fwd``; ``flags`` are the kernel's ``use_*`` switches."""
     _check_chunk_call(q, k, v, g, beta, chunk_size, gate)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -632,29 +565,23 @@ def chunk_kda_gate_in_kernel(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GLM's KDA core in one call of fla's chunked kernels: forget gate, beta sigmoid, q/k l2-norm and the chunked delta
-    rule (``glm53flash::fla_chunk_kda_fwd`` / ``fla_chunk_kda_bwd``).
+    """GLM's KDA core in one call of fla's chunked kernels: forget gate, beta sigmoid, q/k l2-norm, delta rule.
 
-    Equals ``chunk_kda_torch(q, k, v, forget_gate(...), sigmoid(beta_logits))`` with the gate of
-    :class:`glm53flash_hf.kda.Glm53FlashForgetGate`: ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``
-    (or ``-exp(A_log[h]) * softplus(g_raw + dt_bias)`` when ``lower_bound`` is None), in fp32 inside the kernel.
-    ``safe_gate=True`` (fla's bounded-gate fast path) when ``lower_bound`` is in ``[-5, 0)``.
+    Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with the gate of :class:`.kda.Glm53FlashForgetGate`,
+    ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))`` (``-exp(A_log[h]) * softplus(g_raw + dt_bias)``
+    when ``lower_bound`` is None), in fp32 inside the kernel; differentiable in every tensor argument.
 
     Args:
         q, k: ``[B, T, H, K]`` after the short convolution (not normalised); v: ``[B, T, H, V]``.
-        g_raw: ``[B, T, H, K]`` the gate's pre-activation ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``).
-        beta_logits: ``[B, T, H]`` ``b_proj(x)`` before the sigmoid.
-        A_log: fp32 ``[H]``; dt_bias: fp32 ``[H * K]`` (the gate's parameters; pass local tensors).
-        lower_bound: ``config.linear_lower_bound`` (negative) or None.
+        g_raw: ``[B, T, H, K]`` ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``); beta_logits: ``[B, T, H]``.
+        A_log: fp32 ``[H]``; dt_bias: fp32 ``[H * K]``; lower_bound: negative or None.
         scale, initial_state, output_final_state, cu_seqlens, chunk_size: as :func:`chunk_kda_fused`.
 
     Returns:
-        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``. Differentiable in q, k, v, g_raw,
-        beta_logits, A_log, dt_bias and initial_state.
+        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``.
 
     Raises:
-        ValueError / TypeError / ImportError: as :func:`chunk_kda_fused`; wrong ``A_log``/``dt_bias`` shapes or a
-            non-negative ``lower_bound``.
+        ValueError: as :func:`chunk_kda_fused`; wrong ``A_log`` / ``dt_bias`` shapes, a non-negative ``lower_bound``.
     """
     o, final = _CHUNK_FWD(*_chunk_args(
         q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
@@ -680,30 +607,14 @@ def chunk_kda_context_parallel(
     scale: float | None = None,
     chunk_size: int = 64,
 ) -> torch.Tensor:
-    """One rank's shard of a context-parallel chunked KDA: fla's ``chunk_kda`` entry point with ``cp_context``
-    (``fla.ops.cp``), the gate, beta sigmoid and q/k l2-norm in the kernel as :func:`chunk_kda_gate_in_kernel`.
+    """One rank's shard of a context-parallel :func:`chunk_kda_gate_in_kernel`: fla's ``chunk_kda`` with ``cp_context``.
 
-    fla's scheme (as :func:`glm53flash_hf.kda.sp_chunk_kda`, in fla's kernels):
-    each rank computes its first document's state transition and last document's contribution, the ranks
-    all-gather them and fold the prefix, and the backward passes the state gradient back the same way. No initial or
-    final state; one flattened token row (``B == 1``); documents from ``cp_context.cu_seqlens`` (the rank's local
-    boundaries, built by fla's ``build_cp_context`` from the global ones). fla's own autograd Function (not a custom
-    op here): fla wraps it in ``torch.compiler.disable``, so a compiled model breaks its graph around this call.
-
-    Args:
-        q, k: ``[1, T, H, K]`` after the short convolution; v: ``[1, T, H, V]``; g_raw: ``[1, T, H, K]``;
-            beta_logits: ``[1, T, H]`` (the rank's ``T`` tokens, as :func:`chunk_kda_gate_in_kernel`).
-        A_log, dt_bias, lower_bound: the gate's parameters, as :func:`chunk_kda_gate_in_kernel`.
-        cp_context: fla's ``FLACPContext`` for this rank (its process group, local boundaries, neighbour counts).
-        scale, chunk_size: as :func:`chunk_kda_fused`.
-
-    Returns:
-        ``o`` ``[1, T, H, V]`` in q's dtype. Differentiable in q, k, v, g_raw, beta_logits, A_log and dt_bias.
+    Arguments as :func:`chunk_kda_gate_in_kernel` over the rank's ``[1, T, ...]`` tokens, documents from
+    ``cp_context.cu_seqlens`` (:func:`fla_cp_context`), no initial or final state. fla wraps it in
+    ``torch.compiler.disable`` (a graph break). Returns ``o`` ``[1, T, H, V]`` in q's dtype.
 
     Raises:
         ValueError: as :func:`chunk_kda_gate_in_kernel`, or ``q.shape[0] != 1``.
-        TypeError: the installed fla does not accept an argument (:func:`call_checked`).
-        ImportError: fla-core's CP modules missing.
     """
     _check_chunk_call(q, k, v, g_raw, beta_logits, chunk_size, (A_log, dt_bias, lower_bound))
     if q.shape[0] != 1:
@@ -744,25 +655,11 @@ def causal_conv1d_fused(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Depthwise causal convolution (+SiLU) by fla's Triton convolution kernels (``glm53flash::fla_causal_conv1d_fwd``
-    / ``fla_causal_conv1d_bwd``): the contract of :func:`glm53flash_hf.kda_ops.causal_conv1d_torch`.
-
-    Args:
-        x: ``[B, T, D]`` time-major (strided views accepted).
-        weight: ``[D, W]`` (``conv1d.weight[:, 0, :]``); a replicated DTensor is unwrapped.
-        cu_seqlens: optional integer ``[N + 1]`` (requires ``B == 1``); the convolution restarts at every boundary.
-            Validated inside the op (one host sync).
-        activation: ``"silu"``/``"swish"`` or None.
-        initial_state: optional ``[N, D, W]``, the last ``W`` inputs before each document (oldest first).
-        output_final_state: also return the last ``W`` inputs of every document, ``[N, D, W]`` in x's dtype.
-
-    Returns:
-        ``(y [B, T, D] in x's dtype, final_state or None)``. fla accumulates in fp32 whatever the weight dtype (the
-        torch path computes in the weight's dtype; identical for GLM's fp32 conv weight).
+    """Depthwise causal convolution (+SiLU) by fla's convolution kernels: the contract of
+    :func:`.kda_ops.causal_conv1d_torch`, accumulated in fp32 whatever the weight dtype.
 
     Raises:
         ValueError: shapes, activation, bad ``cu_seqlens``; a sharded DTensor weight.
-        TypeError / ImportError: as :func:`chunk_kda_fused`.
     """
     weight = local_tensor(weight, "conv1d.weight")
     if cu_seqlens is None:  # with documents, the op runs these checks with the boundaries it reads
@@ -772,19 +669,11 @@ def causal_conv1d_fused(
 
 
 def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` by fla's gated-norm kernels
-    (``glm53flash::fla_rms_norm_gated_fwd`` / ``fla_rms_norm_gated_bwd``, the kernels of
-    ``rms_norm_gated(activation="sigmoid")``): the maths of :class:`glm53flash_hf.kda.Glm53FlashRMSNormGated` (and
-    fla's ``FusedRMSNormGated``).
-
-    Args:
-        x: ``[..., K]``; gate: same shape; weight: ``[K]`` (a replicated DTensor is unwrapped); eps: variance epsilon.
-
-    Returns:
-        ``[..., K]`` in x's dtype; differentiable in x, gate and weight.
+    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` for ``x, gate`` ``[..., K]``, ``weight`` ``[K]``, by
+    fla's ``rms_norm_gated(activation="sigmoid")`` kernels (:class:`.kda.Glm53FlashRMSNormGated`).
 
     Raises:
-        ValueError: shape mismatch, or a sharded DTensor weight. TypeError / ImportError: as :func:`chunk_kda_fused`.
+        ValueError: shape mismatch, or a sharded DTensor weight.
     """
     weight = local_tensor(weight, "o_norm.weight")
     if gate.shape != x.shape:
@@ -807,33 +696,15 @@ def fused_recurrent_step(
     *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda`` (``glm53flash::fla_fused_recurrent_kda``), gate,
-    beta sigmoid and q/k l2-norm in the kernel.
+    """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
 
-    The core of a cached decode step without gradients (``Glm53FlashLinearAttention``): ``o, new_state =
-    fused_recurrent_step(q, k, v, forget_gate.f_b_proj(forget_gate.f_a_proj(x)).view(B, S, H, K), b_proj(x),
-    forget_gate.A_log, forget_gate.dt_bias, forget_gate.lower_bound, recurrent_state)``. Equals
-    :func:`glm53flash_hf.kda_ops.recurrent_kda_torch` on ``(q, k, v, forget_gate(x), sigmoid(b_proj(x)))`` with
-    ``use_qk_l2norm_in_kernel=True``. Each of the ``T`` tokens of a row advances that row's state (no
-    ``cu_seqlens``; rows are independent).
-
-    Args:
-        q, k: ``[B, T, H, K]`` (after the conv, not normalised); v: ``[B, T, H, V]``.
-        g_raw: ``[B, T, H, K]`` gate pre-activation (without ``dt_bias``).
-        beta_logits: ``[B, T, H]`` before the sigmoid.
-        A_log: ``[H]``; dt_bias: ``[H * K]`` (replicated DTensors are unwrapped).
-        lower_bound: negative float or None (softplus gate).
-        state: fp32 ``[B, H, K, V]`` (K-first, the transformers cache layout) or None (zeros). Not modified.
-        scale: default ``K ** -0.5``.
-
-    Returns:
-        ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V])`` (a new tensor; no autograd graph).
+    Equals :func:`.kda_ops.recurrent_kda_torch` on the gate and beta of :func:`chunk_kda_gate_in_kernel` (same
+    arguments, no ``cu_seqlens``); ``state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
+    ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V])``, without an autograd graph.
 
     Raises:
-        RuntimeError: grad mode is on and an input requires grad (fla's kernel has no backward and would return a
-            result silently detached from the graph): run under ``torch.no_grad()`` / ``torch.inference_mode()``.
+        RuntimeError: grad mode is on and an input requires grad (the kernel has no backward).
         ValueError: shape mismatches, head dims outside ``[16, 256]``, a state that is not fp32, a sharded DTensor.
-        TypeError / ImportError: as :func:`chunk_kda_fused`.
     """
     A_log = local_tensor(A_log, "forget_gate.A_log")
     dt_bias = local_tensor(dt_bias, "forget_gate.dt_bias")
@@ -856,13 +727,8 @@ def fused_recurrent_step(
 
 
 def kernel_params(layer) -> dict:
-    """The parameters of a :class:`glm53flash_hf.kda.Glm53FlashLinearAttention` that its fused ops read directly:
-    ``gate`` (``A_log``, ``dt_bias``, ``lower_bound``), ``conv`` (``conv1d.weight[:, 0, :]``), ``norm``
-    (``o_norm.weight``), replicated DTensors unwrapped.
-
-    Raises:
-        ValueError: a sharded DTensor among them (named with the layer index).
-    """
+    """The parameters a KDA layer's fused ops read directly (``gate``, ``conv``, ``norm``) as local tensors; raises
+    ``ValueError`` naming a sharded DTensor among them."""
     where = f"KDA layer {layer.layer_idx}"
     gate = layer.forget_gate
     return {

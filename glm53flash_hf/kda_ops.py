@@ -1,26 +1,16 @@
-"""Torch operators of the KDA (Kimi Delta Attention) family: the short causal convolution, the chunked and the
-recurrent delta rule, and the argument checks shared with the fused path.
+"""Torch path of the KDA family (the oracle of :mod:`.kda_fused`): short causal convolution, chunked and recurrent
+delta rule, and the argument checks shared with the fused path.
 
-This is the torch path of the KDA family: the oracle of the fused kernels (:mod:`glm53flash_hf.kda_fused`), the
-path of CPU tensors and of every call whose backend choice is ``"torch"`` (training, prefill, and cached decoding,
-where a step is :func:`causal_conv1d_torch` and :func:`recurrent_kda_torch` on one token with the cached states).
-The modules that call these functions are in :mod:`glm53flash_hf.kda`. Leaf module: it imports torch and
-:mod:`.graph_ops` only. Under ``torch.compile`` the convolution and the chunked core run as the custom ops
-``glm53flash::kda_causal_conv1d`` and ``glm53flash::kda_chunk`` (:func:`.graph_ops.recompute_op`): their packed
-layouts are planned from the document boundaries on the host.
-
-Maths (Kimi Linear, arXiv:2510.26692 §3; transformers ``models/glm5_next/modeling_glm5_next.py``:
-``causal_conv1d_fn``, ``causal_conv1d_update``, ``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``;
-fla ``fla.ops.kda.chunk_kda``, ``fla.ops.kda.fused_recurrent_kda``, ``fla.modules.causal_conv1d``). Per head, with a
-fp32 state ``S`` of shape ``[K, V]``, a per-channel log decay ``g_t`` (``[K]``, ``<= 0``) and a write strength
-``beta_t`` in ``(0, 1)``::
+Kimi Linear, arXiv:2510.26692 §3; transformers ``modeling_glm5_next.py``. Per head, with a fp32 state ``S`` ``[K, V]``,
+a per-channel log decay ``g_t`` ``[K]`` (``<= 0``) and a write strength ``beta_t`` in ``(0, 1)``::
 
     S <- diag(exp(g_t)) S
     S <- S + k_t (beta_t (v_t - S^T k_t))^T
-    o_t = S^T q_t                      (q_t already l2-normalised and scaled by K^-0.5)
+    o_t = S^T q_t                      (q_t l2-normalised and scaled by K^-0.5)
 
-Both token mixers (convolution and recurrence) restart at every document boundary given by ``cu_seqlens`` (fla's
-varlen convention: ``B == 1``, boundaries over the flattened tokens).
+``cu_seqlens`` (integer ``[N + 1]``, fla's varlen convention) requires ``B == 1``; both token mixers then restart at
+every document boundary, each document's result equal to the document run alone. Under ``torch.compile`` the
+convolution and the chunked core run as custom ops (:func:`.graph_ops.recompute_op`).
 """
 
 from __future__ import annotations
@@ -52,13 +42,11 @@ _L2NORM_EPS = 1e-6
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim (fla ``l2norm`` and HF ``l2norm``, same eps placement)."""
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim (fla's and transformers' ``l2norm``)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2NORM_EPS)
 
 
 def _autocast_off(fn):
-    """Run ``fn`` with autocast disabled on its first argument's device, so its fp32 maths stays fp32 inside
-    ``torch.autocast`` regions (inputs keep their dtype; outputs are returned in the documented dtypes)."""
 
     @functools.wraps(fn)
     def wrapper(x, *args, **kwargs):
@@ -72,21 +60,8 @@ def _autocast_off(fn):
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, name_batch: str) -> list[int]:
-    """Validate fla-style ``cu_seqlens`` and return it as a host list (one device sync, like fla).
-
-    Args:
-        cu_seqlens: integer ``[N + 1]`` document boundaries over ``total`` tokens.
-        total: the token count ``T`` the boundaries must end at.
-        batch: the batch size of the tensors the boundaries go with (must be 1).
-        name_batch: how to name ``batch`` in messages (``"q.shape[0]"``, ...).
-
-    Returns:
-        ``cu_seqlens`` as a list of ``N + 1`` Python ints.
-
-    Raises:
-        ValueError: ``batch != 1``; ``cu_seqlens`` not 1-D with at least 2 entries, not an integer tensor, not
-            starting at 0 and ending at ``total``, or not strictly increasing (an empty document).
-    """
+    """``cu_seqlens`` as a host list (one sync); raises ``ValueError`` unless ``batch`` (named ``name_batch``) is 1
+    and ``cu_seqlens`` is a 1-D integer tensor of ``>= 2`` entries strictly increasing from 0 to ``total``."""
     if batch != 1:
         raise ValueError(f"cu_seqlens requires batch size 1 (packed layout [1, T, ...]); got {name_batch}={batch}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -112,22 +87,8 @@ def check_conv_inputs(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
 ) -> list[int] | None:
-    """Argument checks of the short convolution, shared by :func:`causal_conv1d_torch` and
-    :func:`glm53flash_hf.kda_fused.causal_conv1d_fused`.
-
-    Args:
-        x: expected ``[B, T, D]``.
-        weight: expected ``[D, W]``.
-        activation: expected ``None``, ``"silu"`` or ``"swish"``.
-        initial_state: ``None`` or expected ``[N, D, W]`` (``N`` documents with ``cu_seqlens``, else ``B``).
-        cu_seqlens: ``None`` or document boundaries (see :func:`check_cu_seqlens`).
-
-    Returns:
-        ``cu_seqlens`` as a host list, or ``None`` without it.
-
-    Raises:
-        ValueError: a shape above does not hold, an unknown activation, or bad ``cu_seqlens``.
-    """
+    """Checks of :func:`causal_conv1d_torch`'s arguments, ``ValueError`` on a bad shape, activation or ``cu_seqlens``;
+    returns ``cu_seqlens`` as a host list or ``None``."""
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, D]; got shape {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
@@ -144,15 +105,8 @@ def check_conv_inputs(
 
 
 def check_core_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
-    """Shape checks of the delta-rule core, shared by the torch and the fused functions.
-
-    Args:
-        q, k, g: expected ``[B, T, H, K]`` (``g`` the per-channel log decay, or the gate pre-activation for the
-            in-kernel gate); v: expected ``[B, T, H, V]``; beta: expected ``[B, T, H]``.
-
-    Raises:
-        ValueError: naming the first tensor whose shape does not match.
-    """
+    """Raise ``ValueError`` naming the first of ``q, k, g`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``, ``beta``
+    ``[B, T, H]`` whose shape does not match."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K]; got shape {tuple(q.shape)}")
     if tuple(k.shape) != tuple(q.shape):
@@ -166,18 +120,13 @@ def check_core_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 def check_state(initial_state: torch.Tensor | None, n: int, H: int, K: int, V: int) -> None:
-    """Check a recurrent state: ``None`` or ``[n, H, K, V]`` (K-first, the transformers cache layout).
-
-    Raises:
-        ValueError: another shape.
-    """
+    """Raise ``ValueError`` unless ``initial_state`` is ``None`` or ``[n, H, K, V]`` (the transformers cache layout)."""
     if initial_state is not None and tuple(initial_state.shape) != (n, H, K, V):
         raise ValueError(f"initial_state must be [N={n}, H={H}, K={K}, V={V}]; got {tuple(initial_state.shape)}")
 
 
 def _prepare_core(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
-    """fp32 copies of the core inputs with ``q`` and ``k`` l2-normalised (when asked) and ``q`` scaled (default
-    ``K ** -0.5``)."""
+    """fp32 core inputs, ``q`` and ``k`` l2-normalised when asked, ``q`` scaled (default ``K ** -0.5``)."""
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
@@ -201,37 +150,22 @@ def causal_conv1d_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal 1-D convolution (no bias) with optional SiLU, restarting at document boundaries.
 
-    ``y[t, d] = act(sum_{w < W} weight[d, w] * x[t - (W - 1) + w, d])`` where inputs before the start of the
-    token's document come from ``initial_state`` (its last ``W - 1`` columns) or are zero. Same contract as
-    fla's ``causal_conv1d`` (``fla/modules/convolution.py``) without bias/residual; the maths equals transformers'
-    ``causal_conv1d_fn`` (prefill) and ``causal_conv1d_update`` (continuation from a state).
+    ``y[t, d] = act(sum_{w < W} weight[d, w] * x[t - (W - 1) + w, d])``, inputs before the document from
+    ``initial_state`` or zero (fla's ``causal_conv1d``; transformers' ``causal_conv1d_fn`` / ``causal_conv1d_update``).
 
     Args:
-        x: ``[B, T, D]``, time-major, any float dtype.
-        weight: ``[D, W]`` (HF's ``conv1d.weight[:, 0, :]``, fp32 in GLM). The convolution is computed in
-            ``weight.dtype`` like HF (also inside ``torch.autocast``), the result cast back to ``x.dtype``.
-        cu_seqlens: optional integer ``[N + 1]``, document boundaries over the ``T`` tokens (requires ``B == 1``).
-            Without it each of the ``B`` rows is one document (``N = B``).
+        x: ``[B, T, D]``, any float dtype.
+        weight: ``[D, W]``; computed in ``weight.dtype`` (also under autocast), the result cast to ``x.dtype``.
+        cu_seqlens: optional document boundaries (module docstring); without it ``N = B``.
         activation: ``"silu"`` / ``"swish"`` (the same) or ``None``.
-        initial_state: optional ``[N, D, W]``: per document, the last ``W`` inputs before its first token
-            (oldest first, HF conv-cache / fla convention); only the last ``W - 1`` columns are read.
-        output_final_state: also return the last ``W`` inputs of every document, ``[N, D, W]`` in ``x.dtype``
-            (positions before the document filled from ``initial_state`` or zeros, as fla does).
+        initial_state: optional ``[N, D, W]``, the last ``W`` inputs before each document, oldest first.
+        output_final_state: also return the last ``W`` inputs of every document, ``[N, D, W]`` in ``x.dtype``.
 
     Returns:
-        ``(y, final_state)``: ``y`` ``[B, T, D]`` in ``x.dtype`` (a channels-first view: call ``.contiguous()``
-        if a contiguous tensor is needed), ``final_state`` or ``None``.
+        ``(y [B, T, D] in x.dtype (a non-contiguous view), final_state or None)``.
 
     Raises:
-        ValueError: on shape/dtype mismatches, ``cu_seqlens`` with ``B != 1`` or not strictly increasing from 0
-            to ``T``, or an unknown activation.
-
-    Implementation: documents are laid out in a *history-padded* sequence, every document preceded by its
-    ``W - 1`` history slots (initial state or zeros), so a single ``F.conv1d`` without padding computes every
-    output from its own document only (no cross-document term to cancel; equal to running each document alone
-    up to the conv kernel's summation order, ~1e-8) and saves only its input for backward. There is no loop over
-    documents and no ``[T, D, W]`` temporary (the ``W`` shifted multiply-adds alternative would save ``W`` masked
-    copies of ``x`` for the weight gradient).
+        ValueError: a bad shape, ``cu_seqlens`` or activation (:func:`check_conv_inputs`).
     """
     if in_graph():
         y, final = _CONV_OP(x, weight, initial_state, cu_seqlens, activation=activation,
@@ -295,12 +229,7 @@ def causal_conv1d_torch(
 
 @dataclass
 class _ChunkPlan:
-    """Where every token goes in the chunk-aligned ``[L, R, H, C, F]`` layout (``L`` chunks per row, ``R`` rows).
-
-    ``resets[n]`` / ``ends[n]``: ``(rows, docs)`` long tensors of the documents that start (for ``n > 0``) /
-    end at chunk ``n``; ``first_docs``: the document that starts each row at chunk 0. ``token_index`` is only
-    set for varlen inputs (``[T * H]`` destinations in the flattened layout).
-    """
+    """Token placement in the chunk-aligned ``[L, R, H, C, F]`` layout (``resets`` / ``ends``: chunk -> rows, docs)."""
 
     batch: int
     seq_len: int
@@ -343,8 +272,7 @@ def _make_plan(B: int, T: int, H: int, C: int, cu_host: list[int] | None, device
     lengths = [b - a for a, b in zip(cu_host[:-1], cu_host[1:])]
     nchunks = [-(-n // C) for n in lengths]
     L = max(nchunks)
-    # Next-fit bin packing of whole documents into rows of L chunks: the state loop runs L iterations, all
-    # rows in parallel; a document never straddles rows.
+    # Next-fit packing of whole documents into rows of L chunks (a document never straddles rows).
     row_of, off_of = [], []
     row, fill = 0, 0
     for c in nchunks:
@@ -397,19 +325,13 @@ def _make_plan(B: int, T: int, H: int, C: int, cu_host: list[int] | None, device
 
 
 def _lower_blocks(a: torch.Tensor, h: int) -> torch.Tensor:
-    """The ``[h, h]`` blocks (rows ``2hb + h ..``, columns ``2hb ..``) below the diagonal ``[h, h]`` blocks of every
-    ``[2h, 2h]`` diagonal block of a contiguous ``a`` ``[M, C, C]``, as a strided view ``[M, C / 2h, h, h]``."""
+    """View ``[M, C / 2h, h, h]`` of the lower-left ``[h, h]`` block of every diagonal ``[2h, 2h]`` block of ``a``."""
     M, C, _ = a.shape
     return a.as_strided((M, C // (2 * h), h, h), (C * C, 2 * h * (C + 1), C, 1), a.storage_offset() + h * C)
 
 
 class _DecayLevels:
-    """Iterate, for ``h = 1, 2, 4, .. < C``, over ``(h, e_row, e_col)`` of :func:`_intra_chunk_products` for ``g``
-    ``[M, C, K]``: ``e_row`` ``[M, C / 2h, h, K]`` the exponentials of the inclusive prefix sums of ``g`` inside the
-    second half of every ``2h`` block, ``e_col`` those of the exclusive suffix sums inside the first half. The sums
-    are built level by level by adding the previous level's block totals (sums of terms of one sign: no
-    cancellation); after the iteration ``prefix`` / ``suffix`` hold the inclusive prefix and exclusive suffix sums
-    over the whole chunk."""
+    """Level factors ``(h, e_row, e_col)`` of :func:`_intra_chunk_products`; then the chunk's prefix / suffix sums."""
 
     def __init__(self, g: torch.Tensor):
         self.prefix = g.clone()  # inclusive prefix sums inside blocks of h
@@ -428,12 +350,11 @@ class _DecayLevels:
 
 
 def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Inclusive cumulative sum from the end along dim -2."""
     return x.flip(-2).cumsum(-2).flip(-2)
 
 
 class _IntraChunkProducts(torch.autograd.Function):
-    """:func:`_intra_chunk_products` with a hand-written backward that recomputes only the level decay factors."""
+    """:func:`_intra_chunk_products`; the backward recomputes the level factors."""
 
     @staticmethod
     def forward(ctx, q, k, g):
@@ -457,11 +378,7 @@ class _IntraChunkProducts(torch.autograd.Function):
         d_akk, d_aqk = d_akk.contiguous(), d_aqk.contiguous()
         d_diag = d_aqk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # [M, C, 1]
         dq, dk = d_diag * k, d_diag * q
-        # The gate gradient from local sums, as the forward builds its factors: a level's row factor is the exponential
-        # of a prefix sum inside the second half (g_s for s <= i), its column factor that of an exclusive suffix sum
-        # inside the first half (s > j). Summing, per position, only the pairs that straddle it keeps the rounding
-        # error at the size of the true gradient (a reverse cumulative sum over the chunk of row-minus-column terms
-        # would cancel large terms). decay_in = exp(sum_{s <= i} g_s), decay_out = exp(sum_{s > i} g_s).
+        # The gate gradient from local sums, per level over the pairs that straddle each position (docs/design.md).
         dg = _reverse_cumsum(d_in * decay_in)
         dg[:, 1:] += (d_out * decay_out)[:, :-1].cumsum(-2)
         for h, e_row, e_col in _DecayLevels(g):
@@ -483,27 +400,10 @@ class _IntraChunkProducts(torch.autograd.Function):
 
 
 def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Decay-weighted intra-chunk Gram matrices and the decays to the chunk start and end, every exponential ``<= 1``.
+    """``(Akk, Aqk [M, C, C], exp(G), exp(G_{C-1} - G) [M, C, K])`` for fp32 ``[M, C, K]`` inputs, ``G = cumsum(g)``.
 
-    For one chunk with inclusive cumulative log decay ``G_i = sum_{s <= i} g_s``:
-    ``Akk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` for ``j < i`` (strictly lower, zero elsewhere) and
-    ``Aqk[i, j] = sum_d q_id k_jd exp(G_id - G_jd)`` for ``j <= i``.
-
-    Args: ``q``, ``k``, ``g`` fp32 ``[M, C, K]`` (``C`` a power of two). Returns ``(Akk, Aqk, decay_in,
-    decay_out)``: ``Akk``, ``Aqk`` ``[M, C, C]``; ``decay_in[i] = exp(G_i)`` and ``decay_out[i] = exp(G_{C-1} - G_i)``
-    ``[M, C, K]``, the latter from exclusive suffix sums (no cancellation). Differentiable (a custom backward that
-    recomputes the level factors, :class:`_IntraChunkProducts`).
-
-    Hierarchical factorisation (no ``[C, C, K]`` and no ``[16, 16, K]`` tensor): at level ``h`` the chunk is cut
-    into blocks of ``2h``; for the pairs (row in the second half, column in the first half) of every block, the
-    reference point ``r`` is the last position of the first half, and
-    ``exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j)`` with ``G_i - G_r`` the prefix sum of ``g`` inside the
-    second half and ``G_r - G_j`` the exclusive suffix sum inside the first half. Both are sums of ``g <= 0``
-    terms, so both factors are in ``[0, 1]``: no overflow whatever the gate (a factor that underflows to 0 means
-    the exact product is below fp32's range too), and because the sums are *local* (not differences of chunk
-    cumulative sums) there is no cancellation error when the gate is large. The off-diagonal block is then
-    one batched matmul ``[h, K] @ [K, h]``, written in place into the result. ``log2(C)`` levels cover every pair
-    ``j < i``; the diagonal of ``Aqk`` is ``q_i . k_i``. Temporaries are ``O(M * C * K)`` per level.
+    ``Akk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` for ``j < i`` (zero elsewhere); ``Aqk`` the same with ``q_i``,
+    ``j <= i``.
     """
     return _IntraChunkProducts.apply(q.contiguous(), k.contiguous(), g.contiguous())
 
@@ -523,57 +423,26 @@ def chunk_kda_torch(
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked Kimi Delta Attention in torch, with packed-document support. fp32 maths throughout (autocast off).
+    """Chunked Kimi Delta Attention in torch, fp32 maths (autocast off); memory ``O(T)``, never ``O(T^2)``.
 
-    Same contract as fla's ``chunk_kda`` (``fla/ops/kda/chunk.py``) called with an already activated gate and
-    beta, and the same maths as transformers' ``chunk_kimi_delta_attention`` (WY representation, Kimi Linear
-    arXiv:2510.26692 §3; DeltaNet chunking, Yang et al. arXiv:2406.06484).
+    fla's ``chunk_kda`` with an activated gate and beta; transformers' ``chunk_kimi_delta_attention`` (WY form;
+    DeltaNet chunking, arXiv:2406.06484).
 
     Args:
-        q, k: ``[B, T, H, K]``, any float dtype.
-        v: ``[B, T, H, V]``.
-        g: ``[B, T, H, K]`` log-space per-channel decay (``<= 0``; the GLM gate gives ``(-5, 0)`` with the lower
-            bound, ``(-inf, 0]`` without). Positive values are computed but may overflow.
-        beta: ``[B, T, H]`` write strength, already passed through a sigmoid.
+        q, k: ``[B, T, H, K]``, any float dtype; v: ``[B, T, H, V]``; beta: ``[B, T, H]``, after the sigmoid.
+        g: ``[B, T, H, K]`` per-channel log decay, ``<= 0`` (positive values may overflow).
         scale: query scale, default ``K ** -0.5``.
-        initial_state: optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else ``B``), K-first like HF;
-            cast to fp32.
+        initial_state: optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else ``B``), cast to fp32.
         output_final_state: also return the state after every document.
-        cu_seqlens: optional integer ``[N + 1]`` document boundaries over ``T`` (requires ``B == 1``). The state
-            restarts (from ``initial_state[n]`` or zero) at every boundary: each document's output and final state
-            equal the document run alone.
-        chunk_size: chunk length ``C``, a power of two (fla uses 64; 16/32/64 are tested). A document shorter
-            than ``C`` uses the next power of two >= its length instead (same maths, less padding).
+        cu_seqlens: optional document boundaries (module docstring); the state restarts from ``initial_state[n]``.
+        chunk_size: chunk length ``C``, a power of two; a shorter document uses the next power of two >= its length.
         use_qk_l2norm_in_kernel: l2-normalise ``q`` and ``k`` (``x / sqrt(sum x^2 + 1e-6)``) before scaling.
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``q.dtype``; ``final_state`` fp32 ``[N or B, H, K, V]`` or
-        ``None``.
+        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``q.dtype``; ``final_state`` fp32 ``[N, H, K, V]`` or ``None``.
 
     Raises:
         ValueError: on shape mismatches, a bad ``chunk_size``, or bad ``cu_seqlens`` (see :func:`check_cu_seqlens`).
-
-    Algorithm and cost:
-
-    * Layout: tokens are scattered into a chunk-aligned ``[L, R, H, C, *]`` layout. Without ``cu_seqlens``,
-      ``R = B`` rows of ``L = ceil(T / C)`` chunks (tail zero-padded). With ``cu_seqlens``, every document is padded
-      to a whole number of chunks and documents are packed whole, in order, into ``R`` rows of
-      ``L = max_n ceil(len_n / C)`` chunks (next-fit); the state is re-seeded at the chunk where a document starts.
-      One chunk loop of ``L`` steps then serves all documents in parallel (a pack of 40 documents of 100 tokens
-      runs 2 steps instead of 64). Documents shorter than ``C`` use a smaller power-of-two chunk and are
-      processed as their own group(s), so a pack of many tiny documents is not padded ``C``-fold. Padding slots have
-      ``k = v = q = 0``, ``beta = 0`` and ``g = 0``: they neither write nor decay the state, so a document's final
-      state is the state after its last chunk. A document's result depends only on its own tokens and ``C``.
-    * Intra-chunk, for all chunks at once: the decay-weighted Gram matrices of :func:`_intra_chunk_products`
-      (every exponential ``<= 1``, local sums; a custom backward recomputes their level factors, none is stored), then
-      ``(I + diag(beta) Akk)^-1`` applied by one batched ``torch.linalg.solve_triangular`` to ``[beta v | beta k
-      exp(G)]``.
-    * Inter-chunk: a loop over the ``L`` chunk positions carrying only ``S`` ``[R, H, K, V]``:
-      ``U = W_v - W_k S``, ``S <- exp(G_C) S + (k exp(G_C - G))^T U`` (:class:`_StateRecurrence`, whose backward is
-      one reverse loop carrying ``dS``); then ``o = (q exp(G)) S_n + Aqk U_n`` for all chunks in two batched
-      products over the stacked states. The decays to the chunk end are exclusive suffix sums (no cancellation).
-    * Memory, forward and backward: ``O(T * H * (K + V + C))`` plus the per-chunk states ``O(T / C * H * K * V)``;
-      nothing is ``O(T^2)`` and nothing holds ``[C, C, K]``.
     """
     check_core_inputs(q, k, v, g, beta)
     if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
@@ -631,19 +500,11 @@ def chunk_kda_torch(
 
 
 def _doc_chunk(length: int, chunk_size: int) -> int:
-    """Chunk size used for a document: ``chunk_size``, or the next power of two >= ``length`` if smaller."""
     return min(chunk_size, 1 << max(0, length - 1).bit_length())
 
 
 def _causal_matmul(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``a @ u`` for a lower-triangular ``a`` ``[..., C, C]`` and ``u`` ``[..., C, V]``, causal also for non-finite
-    entries of ``u``.
-
-    A plain matmul multiplies the zeros above ``a``'s diagonal with every row of ``u``, so a NaN or inf in row ``j``
-    would reach the rows ``i < j`` (``0 * nan = nan``). Here non-finite entries of ``u`` are replaced by zeros
-    (``torch.where``, a select) before the product, and the output entries ``[i, v]`` with a non-finite ``u[j, v]``
-    at some ``j <= i`` are set to NaN afterwards. For finite ``u`` the result is the plain product, bit for bit.
-    """
+    """``a @ u`` for a lower-triangular ``a`` ``[..., C, C]`` whose NaN/inf in ``u[j]`` reach only rows ``i >= j``."""
     bad = ~torch.isfinite(u)
     out = a @ torch.where(bad, torch.zeros((), dtype=u.dtype, device=u.device), u)
     poisoned = bad.cumsum(-2, dtype=torch.int32) > 0
@@ -651,10 +512,7 @@ def _causal_matmul(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: bool):
-    """The chunked recurrence on preprocessed fp32 inputs (``q`` normalised and scaled) laid out by ``plan``.
-
-    Returns fp32 ``(o [B, T, H, V], final [N, H, K, V] or None)``. See :func:`chunk_kda_torch`.
-    """
+    """The chunked recurrence on :func:`_prepare_core`'s inputs laid out by ``plan``; fp32 ``(o, final or None)``."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     C = plan.chunk
     L, R = plan.num_chunks, plan.num_rows
@@ -670,8 +528,7 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
     rhs = torch.cat([vc * bc, kc * bc * decay_in], dim=-1).view(M, C, V + K)
     w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).view(L, R, H, C, V + K)
     w_v, w_k = w[..., :V], w[..., V:]
-    # Non-finite values reach U only through W (this chunk's inputs) or the state (seeded from h0): with both finite
-    # the plain product is causal; otherwise the select-based one keeps a NaN/inf from reaching earlier tokens.
+    # With W and h0 finite the plain product is causal; otherwise the select-based one.
     finite = bool(torch.isfinite(w).all()) and (h0 is None or bool(torch.isfinite(h0).all()))
     intra = torch.matmul if finite else _causal_matmul
     aqk = aqk.view(L, R, H, C, C)
@@ -685,26 +542,9 @@ def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: 
 
 
 class _StateRecurrence(torch.autograd.Function):
-    """The inter-chunk state recurrence of the chunked delta rule, with a hand-written backward.
+    """Per chunk ``U_n = W_v,n - W_k,n S_n``, ``S_{n+1} = diag(d_n) S_n + KG_n U_n`` (re-seeded at document starts).
 
-    Per chunk position ``n`` (all rows and heads at once), from the state ``S_n`` ``[K, V]`` entering chunk ``n``::
-
-        U_n = W_v,n - W_k,n S_n               # [C, V]
-        S_{n+1} = diag(d_n) S_n + KG_n U_n    # KG_n [K, C], d_n [K]
-
-    ``S_0`` is ``h0`` (rows seeded from ``plan.first_docs``) or zero, and a row is re-seeded (``h0[doc]`` or zero)
-    at the chunk where a document starts (``plan.resets``). Only the two state products run in the loop; the
-    outputs that read the states are batched products over the returned stack.
-
-    Inputs: ``w_v`` ``[L, R, H, C, V]``, ``w_k`` ``[L, R, H, C, K]``, ``kg_t`` ``[L, R, H, K, C]``, ``decay``
-    ``[L, R, H, K]`` (any float dtype, all the same), ``h0`` ``[N, H, K, V]`` or ``None``, ``plan`` (a
-    :class:`_ChunkPlan`), ``output_final_state``.
-
-    Returns ``(states [L, R, H, K, V], u [L, R, H, C, V], final)``: ``states[n] = S_n`` (after any re-seeding),
-    ``u[n] = U_n``, ``final`` the state after every document's last chunk (``[N, H, K, V]``; an empty tensor when
-    ``output_final_state`` is false). Backward: one reverse loop carrying ``dS`` (two products per step), then the
-    gradients of ``w_k``, ``kg_t`` and ``decay`` as batched products over the stacked states; it saves only the
-    inputs it needs and the two outputs.
+    Returns ``(states [L, R, H, K, V], u [L, R, H, C, V], final [N, H, K, V] or empty)``; hand-written backward.
     """
 
     @staticmethod
@@ -817,23 +657,9 @@ def recurrent_kda_torch(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token Kimi Delta Attention (decode form), fp32 maths.
-
-    Same maths as transformers' ``recurrent_kimi_delta_attention`` and fla's ``fused_recurrent_kda`` with an
-    activated gate and beta; the update rule is the module docstring's. The KDA layer's cached decode step
-    (one token per row, the cached state as ``initial_state``); it loops over ``T`` in Python and is differentiable.
-    ``initial_state`` is not modified.
-
-    Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log decay;
-        beta: ``[B, T, H]`` (sigmoid applied).
-        scale: default ``K ** -0.5``.
-        initial_state: optional ``[B, H, K, V]`` (cast to fp32).
-        output_final_state: also return the state after the last token.
-        use_qk_l2norm_in_kernel: l2-normalise ``q`` and ``k`` first.
-
-    Returns:
-        ``(o [B, T, H, V] in q.dtype, final_state fp32 [B, H, K, V] or None)``.
+    """Token-by-token Kimi Delta Attention (a differentiable loop over ``T``; transformers'
+    ``recurrent_kimi_delta_attention``), fp32 maths. Arguments as in :func:`chunk_kda_torch` without ``cu_seqlens``;
+    ``initial_state`` ``[B, H, K, V]`` is not modified. Returns ``(o [B, T, H, V] in q.dtype, final fp32 or None)``.
 
     Raises:
         ValueError: on shape mismatches.

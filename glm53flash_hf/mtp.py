@@ -16,11 +16,8 @@ from .packing import DocumentLayout
 
 def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> torch.Tensor:
     """Roll ``x`` (``[B, S, ...]``) left by ``shift >= 0`` inside each segment of ``layout`` (across sequence-parallel
-    shards): ``out[b, t] = x[b, t + shift]`` within the segment, else ``fill``; shaped and typed like ``x``.
-
-    Raises:
-        ValueError: when ``shift`` is negative or ``x`` is not ``[B, S, ...]`` of the layout.
-    """
+    shards): ``out[b, t] = x[b, t + shift]`` within the segment, else ``fill``; ``ValueError`` when ``shift`` is
+    negative or ``x`` is not ``[B, S, ...]`` of the layout."""
     if shift < 0:
         raise ValueError(f"doc_roll shift must be >= 0; got {shift}")
     sp = getattr(layout, "sequence_parallel", None)

@@ -25,15 +25,9 @@ def text_model_of(model):
 class Glm53FlashMTPCandidateGenerator(MTPCandidateGenerator):
     """Drafts one token per step with the model's first MTP layer (``layers[num_hidden_layers]``).
 
-    Follows ``MTPCandidateGenerator.get_candidates``: the first call returns the prompt unchanged; later calls return
-    ``(candidate_ids [1, L + 1], candidate_logits [1, 1, V])``, the processed logits the draft was taken from.
-
-    Attributes:
-        drafted, accepted: drafts proposed and accepted so far (also in ``model.mtp_stats``).
-        mtp_calls: forwards of the MTP layer.
-
-    Raises:
-        ValueError: the model has no MTP layer (``num_nextn_predict_layers == 0``).
+    As ``MTPCandidateGenerator.get_candidates``: the first call returns the prompt, later calls ``(candidate_ids
+    [1, L + 1], candidate_logits [1, 1, V])``. ``drafted`` / ``accepted`` / ``mtp_calls`` count (also
+    ``model.mtp_stats``). Raises ``ValueError`` when the model has no MTP layer.
     """
 
     requires_model_outputs = True

@@ -15,21 +15,10 @@ from .input_checks import check_integer_tensor
 
 @dataclass
 class DocumentLayout:
-    """Segment structure of a ``[B, S]`` batch.
-
-    Attributes:
-        batch_size, seq_len: ``B`` and ``S``.
-        valid: bool ``[B, S]``, False on padding tokens.
-        starts: bool ``[B, S]``, True on the first token of every segment.
-        doc_start: long ``[B, S]``, row index of the first token of the token's segment.
-        local_pos: long ``[B, S]``, position of the token inside its segment (0-based).
-        seq_idx: long ``[B, S]``, global segment index (index into ``cu_seqlens``).
-        trivial: True when every row is one valid segment (False under ``torch.compile`` whenever a layout
-            argument is given).
-        sequence_parallel: the sequence-parallel context when the layout describes this rank's shard, else None.
-        cu_seqlens: long ``[N + 1]``, segment boundaries over the flattened tokens (computed on first use).
-        segment_valid: bool ``[N]``, False for padding segments (computed on first use).
-    """
+    """Segment structure of a ``[B, S]`` batch; per token (``[B, S]``): bool ``valid`` and ``starts`` (a segment's
+    first token), long ``doc_start`` (its segment's first position), ``local_pos`` and ``seq_idx`` (global segment
+    index). ``trivial``: every row is one valid segment (under ``torch.compile``, only when no layout argument was
+    given). ``cu_seqlens`` long ``[N + 1]`` and ``segment_valid`` bool ``[N]`` are computed on first use."""
 
     batch_size: int
     seq_len: int
@@ -41,7 +30,7 @@ class DocumentLayout:
     trivial: bool
 
     _segments: tuple | None = field(default=None, repr=False, compare=False)  # (cu_seqlens, segment_valid), lazily
-    #: the :class:`~.sequence_parallel.SequenceParallelContext` of a sequence-parallel forward (``None``: off)
+    #: the :class:`.sequence_parallel.SequenceParallelContext` of a sequence-parallel forward, else None
     sequence_parallel: object | None = field(default=None, repr=False, compare=False)
 
     def segment_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,22 +93,13 @@ def build_document_layout(
     cu_seqlens: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
 ) -> DocumentLayout:
-    """Build the :class:`DocumentLayout` of a ``[B, S]`` batch.
-
-    A segment starts at each row's first token, where padding begins or ends, where ``position_ids`` do not continue
-    by +1, at every ``cu_seqlens`` boundary and where ``seq_idx`` changes.
-
-    Args:
-        batch_size, seq_len: ``B`` and ``S``.
-        device: device of the returned tensors.
-        attention_mask: optional ``[B, S]`` (bool or 0/1 ints); 0 marks padding.
-        position_ids: optional integer ``[B, S]`` or ``[1, S]``.
-        cu_seqlens: optional integer ``[N + 1]`` over the flattened tokens, from 0 to ``B * S``.
-        seq_idx: optional integer ``[B, S]`` document index per token.
+    """The :class:`DocumentLayout` of a ``[B, S]`` batch on ``device``: a segment starts at each row's first token,
+    where padding (0 in the bool or 0/1 ``attention_mask``) begins or ends, where ``position_ids`` do not continue by
+    +1, at every ``cu_seqlens`` boundary (``[N + 1]`` over ``B * S``) and where ``seq_idx`` changes.
 
     Raises:
-        ValueError: a wrong shape, a non-integer ``position_ids`` / ``cu_seqlens`` / ``seq_idx``, a 4-D or non-0/1
-            ``attention_mask``, ``cu_seqlens`` not non-decreasing from 0 to ``B * S`` or with an empty document.
+        ValueError: a shape other than ``[B, S]`` / ``[1, S]``, non-integer ids or boundaries, a non-2-D or non-0/1
+            ``attention_mask``, ``cu_seqlens`` not from 0 to ``B * S`` or with an empty document.
     """
     for name, value in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens), ("seq_idx", seq_idx)):
         check_integer_tensor(name, value)
@@ -189,12 +169,8 @@ def layout_from_kwargs(
     position_ids: torch.Tensor | None = None,
     **kwargs,
 ) -> DocumentLayout:
-    """Build the layout from a forward's arguments: ``cu_seq_lens_q`` (transformers' ``FlashAttentionKwargs``) or
-    ``cu_seqlens``, and ``seq_idx``, from ``kwargs``.
-
-    Raises:
-        ValueError: as :func:`build_document_layout`, or when ``cu_seq_lens_q`` and ``cu_seqlens`` differ.
-    """
+    """:func:`build_document_layout` from a forward's kwargs (``cu_seq_lens_q`` or ``cu_seqlens``, ``seq_idx``);
+    also ``ValueError`` when ``cu_seq_lens_q`` and ``cu_seqlens`` differ."""
     cu = kwargs.get("cu_seq_lens_q")
     cu2 = kwargs.get("cu_seqlens")
     check_integer_tensor("cu_seq_lens_q", cu)

@@ -1,36 +1,6 @@
-"""Sequence parallelism (SP): each rank of a process group holds one contiguous shard of every token row.
-
-Rank ``r`` of an SP group of ``W`` ranks holds tokens ``[r * L, (r + 1) * L)`` of each global row of length
-``S = W * L`` (ranks in order, no round-robin / head-tail split: the KDA recurrence runs left to right). Packed
-documents may have any boundaries: a document may start inside a shard, exactly at a shard boundary, span several
-shards, or be one token long. Every rank computes the logits and the loss of its own tokens; the sum of the ranks'
-losses (each divided by the *global* number of supervised tokens) and the sum of their gradients equal the
-single-device ones.
-
-What crosses the shard boundaries (everything else, mHC and MoE, is per token and runs unchanged):
-
-* **Document layout** (:func:`build_sp_layout`): the per-token layout tensors (``position_ids``, ``attention_mask``,
-  ``seq_idx``) are all-gathered (``cu_seq_lens_q`` / ``cu_seqlens`` must already describe the global rows), so every
-  rank knows the global :class:`~.packing.DocumentLayout`; its local layout cuts a segment at the shard start and the
-  context records, per row, whether that first segment continues a document of the previous rank.
-* **KDA** (:func:`glm53flash_hf.kda.sp_conv_initial_state`, :func:`glm53flash_hf.kda.sp_chunk_kda`): the conv
-  history from :meth:`SequenceParallelContext.previous_rank_tail`, the recurrent state from
-  :meth:`SequenceParallelContext.affine_prefix` (the delta rule is affine in its state).
-* **DSA** (:meth:`SequenceParallelContext.gather_sequence`): the MLA latent and the indexer's per-token state are
-  all-gathered; the local queries (at row offset ``r * L``) select and attend over the global keys, causal within
-  documents. See :meth:`SequenceParallelContext.gather_sequence` for memory and bytes moved.
-* **MTP** (:meth:`SequenceParallelContext.doc_roll`) and the **loss** (:meth:`SequenceParallelContext.shift_labels`):
-  the first token(s) / label(s) of the next rank are exchanged.
-
-The collectives are autograd-aware (:class:`_AllGather`, whose backward sums the gradients of every rank's copy
-back onto its owner, a reduce-scatter), so the backward's reverse pass (reverse state passing, the
-reduce-scatter of the latent gradient) comes from autograd. Every rank must take part in every collective of the
-forward and of the backward: outputs a rank does not read are tied into its graph with a zero-weighted term
-(:func:`_anchor`), so each rank's backward reaches every gathered node.
-
-Enable with ``model.set_sequence_parallel(group)`` (see ``Glm53FlashPreTrainedModel.set_sequence_parallel``); the
-text model's uncached forward then builds the layout with :func:`build_sp_layout` and the layers read the context
-from ``layout.sequence_parallel``. With no group set (the default) nothing here runs.
+"""Sequence parallelism (``model.set_sequence_parallel(group)``): rank ``r`` of ``W`` holds tokens ``[r * L, (r + 1)
+* L)`` of every global row, packed documents with any boundaries; the ranks' losses (each divided by the global target
+count) and gradients sum to the single-device ones. The collectives are autograd-aware; every rank joins each one.
 """
 
 from __future__ import annotations
@@ -51,13 +21,7 @@ __all__ = [
 
 
 class _AllGather(torch.autograd.Function):
-    """All-gather with the summed-gradient backward (a reduce-scatter).
-
-    ``torch.distributed.nn.functional.all_gather`` does the same but, off NCCL, its backward emulates the
-    reduce-scatter with ``scatter`` calls that pass group ranks where global ranks are expected (torch 2.13), which
-    fails on any sub-group (an ``sp`` dimension of a device mesh). Here: ``reduce_scatter_tensor`` on NCCL/XCCL; on
-    other backends (gloo) an ``all_reduce`` of the stacked gradients, of which each rank keeps its own slice (same
-    sums, ``W`` times the bytes of a reduce-scatter; gloo is the CPU test path)."""
+    """All-gather whose backward sums every rank's gradient of a copy onto its owner (a reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, tensor, group):
@@ -81,7 +45,6 @@ class _AllGather(torch.autograd.Function):
 
 
 def _gather_autograd(tensor: torch.Tensor, group) -> tuple[torch.Tensor, ...]:
-    """All-gather with autograd (backward: each rank gets the sum of every rank's gradient of its copy)."""
     return _AllGather.apply(tensor, group)
 
 
@@ -93,8 +56,7 @@ def _gather_plain(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def _anchor(value: torch.Tensor, gathered) -> torch.Tensor:
-    """``value + 0 * sum(gathered)``: keeps every gathered tensor in this rank's graph (same numbers), so the
-    gather's backward collective runs on every rank even where this rank reads none of the outputs."""
+    """``value + 0 * sum(gathered)``, so the gather's backward collective runs on every rank."""
     tie = sum(t.sum() for t in gathered if t.requires_grad)
     if isinstance(tie, torch.Tensor):
         return value + 0.0 * tie.to(value.dtype)
@@ -103,23 +65,12 @@ def _anchor(value: torch.Tensor, gathered) -> torch.Tensor:
 
 @dataclass
 class SequenceParallelContext:
-    """Where this rank's shard sits in the global rows, and the collectives the layers use.
+    """Where this rank's shard sits in the global rows (``global_layout``, ``offset = r * L``), and its collectives.
 
-    Attributes:
-        group: the SP process group (e.g. ``mesh["sp"].get_group()``).
-        rank, world: this rank's index in ``group`` and the group size ``W``.
-        local_len: ``L``, tokens per row on every rank; ``global_len`` ``S = W * L``; ``offset`` ``r * L``.
-        global_layout: the :class:`~.packing.DocumentLayout` of the global ``[B, S]`` rows (same on every rank).
-        continues: bool ``[B]``: the shard's first token continues a document of the previous rank (False on rank 0).
-        single: bool ``[B]``: the row's shard is one segment (its first segment reaches the shard's end).
-        first_seg, last_seg: long ``[B]``: index (in the local layout's ``cu_seqlens``) of each row's first / last
-            local segment.
-        first_tokens: long ``[T1]``: flattened local positions (over ``B * L``) of the tokens of the rows' first
-            segments, row by row; ``first_cu``: long ``[B + 1]`` their boundaries.
-        rest_tokens, rest_cu: the same for all the other local segments (``[T - T1]``, ``[N - B + 1]``);
-            last_rest: long ``[B]``, index of each row's last segment among them (``-1`` for a single-segment row).
-        memo: values computed once per forward and shared by the layers (e.g. fla's CP context of the KDA layers).
-    """
+    Per row (``[B]``): ``continues`` (the shard's first token continues the previous rank's document), ``single`` (one
+    local segment), ``first_seg`` / ``last_seg`` (local segment ids). ``first_tokens`` / ``first_cu``: flattened local
+    positions and boundaries of the rows' first segments; ``rest_tokens`` / ``rest_cu`` those of the others,
+    ``last_rest`` each row's last segment among them (``-1`` if none). ``memo``: per-forward values of the layers."""
 
     group: object
     rank: int
@@ -141,27 +92,12 @@ class SequenceParallelContext:
 
     # ------------------------------------------------------------------------------------------------ generic
     def gather_sequence(self, x: torch.Tensor, grad: bool = True) -> torch.Tensor:
-        """All-gather ``x`` ``[B, L, ...]`` along the sequence: ``[B, S, ...]`` (rank order = row order).
-
-        Used by DSA for the MLA latent ``c = kv_a_layernorm(kv_a_proj_with_mqa(x))`` (``grad=True``: the backward
-        sums every rank's latent gradient back onto its owner, a reduce-scatter) and the indexer's fp32 per-token
-        state ``[k | gate]`` (``grad=False``; the indexer is frozen).
-
-        Memory per rank and DSA layer: the gathered latent and indexer state, ``S * (kv_lora_rank + 2 *
-        index_head_dim)`` floats per row (release config, bf16 latent 512 + fp32 state 2 * 128: 2 KiB per global
-        token, 256 MiB at 128k), plus the local activations of ``L`` tokens (queries, selected ids ``[L, W_sel]``,
-        the query-chunked gathered latents of the attention core) and the pool keys ``S / kpool * index_head_dim``.
-        Why all-gather and not a ring: each rank needs the whole key set (any query may select any earlier pool of
-        its document); an all-gather moves ``(W - 1) / W`` of the global latent into each rank in one collective; a
-        ring moves the same bytes in ``W - 1`` dependent steps and only saves memory if the attention over each
-        received block is computed and discarded, which the top-k selection over the global pools (it must see
-        every pool first) does not allow.
-        """
+        """All-gather ``x`` ``[B, L, ...]`` along the sequence into ``[B, S, ...]``; with ``grad`` (and ``x`` requiring
+        grad) the backward sums every rank's gradient onto its owner."""
         parts = _gather_autograd(x, self.group) if grad and x.requires_grad else _gather_plain(x, self.group)
         return torch.cat(list(parts), dim=1)
 
     def _next_rank_head(self, x: torch.Tensor, count: int, fill) -> torch.Tensor:
-        """The first ``count`` positions ``[B, count, ...]`` of the next rank's shard (``fill`` on the last rank)."""
         if count > self.local_len:
             raise ValueError(f"shift={count} exceeds the per-rank shard length local_len={self.local_len}")
         head = x[:, :count]
@@ -176,16 +112,8 @@ class SequenceParallelContext:
         return _anchor(nxt, parts) if x.requires_grad else nxt
 
     def doc_roll(self, x: torch.Tensor, shift: int, fill=0) -> torch.Tensor:
-        """:func:`.mtp.doc_roll` across the shard boundaries: ``out[b, t] = x_global[b, offset + t + shift]`` when
-        that position is in the same global segment as ``offset + t``, else ``fill``.
-
-        Args:
-            x: ``[B, L, ...]`` local ids, labels or embeddings (embeddings keep their gradient).
-            shift: ``0 <= shift <= L``.
-
-        Raises:
-            ValueError: ``shift`` negative or larger than ``L``, or ``x`` not ``[B, L, ...]``.
-        """
+        """:func:`.mtp.doc_roll` across shards: ``out[b, t] = x_global[b, offset + t + shift]`` inside the same global
+        segment, else ``fill``, for ``x`` ``[B, L, ...]``; ``ValueError`` unless ``0 <= shift <= L``."""
         if shift < 0:
             raise ValueError(f"doc_roll shift must be >= 0; got {shift}")
         glob = self.global_layout
@@ -205,18 +133,13 @@ class SequenceParallelContext:
         return torch.where(keep, rolled, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
 
     def shift_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """The causal-LM shift done on the global rows (transformers' ``shift_labels``): ``out[b, t] =
-        labels_global[b, offset + t + 1]``, ``ignore_index`` at the global row end. ``labels``: long ``[B, L]``."""
+        """The causal-LM shift of the global rows for ``labels`` ``[B, L]`` (``ignore_index`` at the row end)."""
         nxt = self._next_rank_head(labels, 1, ignore_index)
         return torch.cat([labels[:, 1:], nxt], dim=1)
 
     def previous_rank_tail(self, x: torch.Tensor, count: int, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """The previous rank's last ``count`` positions of ``x [B, L, ...]``: ``[B, count, ...]``, zeros on rank 0
-        and where ``keep`` (bool ``[B, count]``) is False. Autograd-aware when ``x`` requires grad.
-
-        Raises:
-            ValueError: ``L < count``.
-        """
+        """The previous rank's last ``count`` positions of ``x [B, L, ...]``, zeros on rank 0 and where ``keep``
+        (bool ``[B, count]``) is False; ``ValueError`` if ``L < count``."""
         L = x.shape[1]
         if L < count:
             raise ValueError(f"previous_rank_tail needs local_len >= count = {count}; got {L}")
@@ -231,16 +154,9 @@ class SequenceParallelContext:
 
     def affine_prefix(self, a_local: torch.Tensor, b_local: torch.Tensor,
                       keep: torch.Tensor | None = None) -> torch.Tensor:
-        """The state entering this rank when rank ``r`` maps a state ``S -> A_r S + B_r``: after an all-gather of
-        ``(A, B)``, ``S_in(0) = 0``, ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}``.
-
-        Args:
-            a_local: this rank's ``A`` ``[B, ..., K, K]``; b_local: its ``B`` ``[B, ..., K, V]``.
-            keep: optional bool ``[B]``: rows whose incoming state is kept (zeros elsewhere).
-
-        Returns:
-            ``S_in`` shaped like ``b_local``. Autograd-aware when ``a_local`` or ``b_local`` requires grad.
-        """
+        """The state entering this rank when rank ``r`` maps ``S -> A_r S + B_r`` (``a_local`` ``[B, ..., K, K]``,
+        ``b_local`` ``[B, ..., K, V]``): ``S_in(0) = 0``, ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}``, zero where
+        ``keep`` (bool ``[B]``) is False."""
         grads = a_local.requires_grad or b_local.requires_grad
         gather = _gather_autograd if grads else _gather_plain
         a_all, b_all = gather(a_local, self.group), gather(b_local, self.group)
@@ -254,24 +170,15 @@ class SequenceParallelContext:
         return state
 
     def global_count(self, count: torch.Tensor) -> torch.Tensor:
-        """The group's sum of an integer count (e.g. supervised targets on this shard): an all-reduce of a copy."""
+        """The group's sum of an integer count (an all-reduce of a copy)."""
         total = count.detach().clone()
         dist.all_reduce(total, group=self.group)
         return total
 
 
 def sp_loss_kwargs(sp: SequenceParallelContext, labels: torch.Tensor, loss_kwargs: dict) -> dict:
-    """Loss kwargs of a sequence-parallel shard: ``shift_labels`` (when not given) from the global causal shift
-    (:meth:`SequenceParallelContext.shift_labels`), and ``num_items_in_batch`` (when not given) the group's total of
-    supervised shifted labels (an all-reduce; at least 1), so the ranks' main losses sum to the single-device loss
-    (0.0 when every label is ignored). (The MTP
-    loss without a given count is normalised per depth by that depth's group total: :func:`.mtp.mtp_loss`'s
-    ``count_total``.)
-
-    Args:
-        labels: long ``[B, L]`` this rank's slice of the global labels; loss_kwargs: ``num_items_in_batch``,
-            ``ignore_index``, ``shift_labels`` as the head received them.
-    """
+    """Loss kwargs of a shard, ``labels`` ``[B, L]``: ``shift_labels`` and ``num_items_in_batch`` (the group's
+    supervised count, at least 1) filled in when not given, so the ranks' losses sum to the single-device loss."""
     ignore = loss_kwargs.get("ignore_index", -100)
     out = dict(loss_kwargs)
     if out.get("shift_labels") is None:
@@ -304,22 +211,12 @@ def build_sp_layout(
     position_ids: torch.Tensor | None = None,
     **kwargs,
 ) -> DocumentLayout:
-    """The local :class:`~.packing.DocumentLayout` of this rank's shard, carrying its
-    :class:`SequenceParallelContext` as ``layout.sequence_parallel``.
-
-    Args:
-        group: the SP process group; batch_size, local_len: ``B`` and ``L`` of this rank's inputs.
-        attention_mask, position_ids, ``seq_idx`` (kwarg): this rank's ``[B, L]`` slices; all-gathered.
-        ``cu_seq_lens_q`` / ``cu_seqlens`` (kwargs): boundaries of the *global* rows (``[N + 1]``, ending at
-            ``B * S``), as :func:`shard_sequence` leaves them.
-
-    Returns:
-        The local layout: segments of the global layout cut at the shard start (never trivial; segment tensors
-        built).
+    """The local :class:`.packing.DocumentLayout` of this rank's ``[B, L]`` shard (the global segments cut at the
+    shard start), its :class:`SequenceParallelContext` as ``layout.sequence_parallel``. ``attention_mask``,
+    ``position_ids``, ``seq_idx`` are local slices; ``cu_seq_lens_q`` / ``cu_seqlens`` give the global rows.
 
     Raises:
-        ValueError: the ranks' shard lengths differ (names them), or the layout arguments are bad
-            (:func:`.packing.build_document_layout`).
+        ValueError: the ranks' shard shapes differ, or bad layout arguments (:func:`.packing.build_document_layout`).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     lengths = _gather_plain(torch.tensor([batch_size, local_len], device=device), group)
@@ -382,14 +279,9 @@ def build_sp_layout(
 
 
 def shard_sequence(batch: dict, rank: int, world: int, seq_dim: int = 1) -> dict:
-    """This rank's contiguous shard of a global batch: every ``[B, S, ...]`` tensor (``input_ids``,
-    ``position_ids``, ``labels``, ``attention_mask``, ``seq_idx``, ...) is sliced to ``[r * L, (r + 1) * L)`` with
-    ``L = S / world``; ``cu_seq_lens_*`` / ``cu_seqlens`` (global boundaries) and non-tensors are kept as they are.
-
-    Raises:
-        ValueError: ``S`` is not a multiple of ``world`` (names ``S`` and ``world``), or the row tensors disagree on
-            ``S``.
-    """
+    """This rank's shard of a global batch: every ``[B, S, ...]`` tensor sliced to ``[r * L, (r + 1) * L)``;
+    ``cu_seq_lens_*`` / ``cu_seqlens`` and non-tensors kept. ``ValueError`` if the tensors disagree on ``S`` or ``S`` is
+    not a multiple of ``world``."""
     keep = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k", "num_items_in_batch")
     out, seq = {}, None
     for key, value in batch.items():

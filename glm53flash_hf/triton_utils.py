@@ -72,16 +72,8 @@ def check_dtype(name: str, t: torch.Tensor) -> None:
 
 
 def probe_tensors(family: str, tensors) -> tuple[list[torch.Tensor], str]:
-    """The common first half of a family's availability probe.
-
-    Args:
-        family: the family's name for messages (``"mHC"``, ``"sparse MLA"``, ``"MoE"``).
-        tensors: the call's arguments; non-tensors are dropped.
-
-    Returns:
-        ``(tensors, reason)``: the tensor arguments, and ``""`` when they can run (triton importable, at least one
-        tensor, all on CUDA, floats fp32/bf16/fp16), else the reason.
-    """
+    """The first half of a family's probe: ``(the tensor arguments, "")`` when triton imports and they are on CUDA
+    with float32/bfloat16/float16 floats, else ``(tensors, reason)`` naming ``family``."""
     if not TRITON_AVAILABLE:
         return [], "triton is not installed"
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
@@ -99,12 +91,8 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def round_to(x, DT: tl.constexpr):
-        """``x`` (any float dtype) rounded to the nearest ``DT`` value, ties to even, returned as fp32.
-
-        bf16 is rounded by integer arithmetic on the fp32 bits, because Triton's interpreter truncates in
-        ``.to(tl.bfloat16)`` while GPUs round to nearest even; this gives one rounding rule on both. A NaN stays a
-        quiet NaN (the GPU's NaN pattern 0x7FFFFFFF would otherwise round to 0x80000000, -0.0, and a NaN with only low
-        payload bits would become inf in a later bf16 cast). fp16 and fp32 use Triton's casts (round to nearest)."""
+        """``x`` rounded to the nearest ``DT`` value, ties to even, as fp32 (bf16 by integer arithmetic on the fp32
+        bits, the same on GPUs and the interpreter; a NaN stays a quiet NaN)."""
         x = x.to(tl.float32)
         if DT == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)

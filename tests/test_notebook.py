@@ -2,16 +2,10 @@
 
 The notebook is executed with nbclient in a fresh ``python3`` kernel (ipykernel's built-in kernelspec, which
 jupyter_client starts with this test's interpreter, i.e. the venv's), working directory a temporary folder,
-``HF_HUB_OFFLINE=1``, this checkout first on ``PYTHONPATH`` and ``OMP_NUM_THREADS=1`` unless already set (see the
-timings below). Any cell that raises fails the test with the cell's
-traceback. The cells print machine-checkable lines (``CHAT ...``, ``LOSS ...``, ``RELOAD ...``, ``ADAPTER ...``,
-``BASE ...``, ``GENERATED ...``) that the test parses. The committed file must carry no outputs.
-
-Time on the 2-core machine, kernel start included, while five other jobs shared it: with torch's default two
-OpenMP threads 155 s and 235 s (the threads spin waiting for each other when a core is taken away), with
-``OMP_NUM_THREADS=1`` 37 s; 29 s with two threads when the cores were nearly free. The notebook's own CPU work is
-about 14 s (1 thread), most of it the imports and the 15 training steps. One thread is the robust choice for a
-shared CI machine; the cost on free cores is small.
+``HF_HUB_OFFLINE=1``, this checkout first on ``PYTHONPATH`` and ``OMP_NUM_THREADS=1`` unless already set. Any cell
+that raises fails the test with the cell's traceback. The cells print machine-checkable lines (``CHAT ...``,
+``LOSS ...``, ``RELOAD ...``, ``ADAPTER ...``, ``BASE ...``, ``GENERATED ...``) that the test parses. The committed
+file must carry no outputs.
 """
 
 from __future__ import annotations
@@ -112,18 +106,16 @@ def test_notebook_runs_and_reports(executed):
       ``transformers.models.glm5_next``; the checkpoint folder was made in the working directory;
     * section 2: the image was expanded into placeholders and ``generate`` produced new tokens;
     * section 3: the training loss fell. Same packed batch at every step, so first and last are comparable; the
-      run is deterministic on CPU (fixed seeds); measured first 8.3867, last 7.4649 (a drop of 0.92).
-      ``last < first - 0.1`` fails when the adapter does not learn (LoRA gradients not reaching the model, a
-      frozen adapter, lr 0) and is far from the measured drop;
+      run is deterministic on CPU (fixed seeds). ``last < first - 0.1`` fails when the adapter does not learn
+      (LoRA gradients not reaching the model, a frozen adapter, lr 0);
     * section 4, reload: the merged folder reloaded gives the in-memory merged model's logits on the image chat
       bit for bit (fp32 weights saved and read back unchanged, the same computation on the same inputs), so a lossy
       save (e.g. through bf16) or a dropped tensor fails;
-    * section 4, adapter: base + adapter (unmerged) gives the merged model's logits within 2e-5 (measured 2.8e-6 ..
-      3.3e-6 in three runs with other packings and thread counts). The merge rounds every adapted weight ``W + s * B
-      @ A`` once in fp32 (<= 0.5 ulp); a random 1-ulp relative perturbation of all weights moves these logits by
-      4.8e-6 .. 5.7e-6 (|logit| <= 1.2), so 2e-5 is about 4x the rounding response. A wrong merge or a missed
-      adapter weight moves them by the fine-tune's own effect, measured 1.1 (``BASE`` line, adapter disabled), which
-      must exceed 1e-2 for the comparison to mean anything;
+    * section 4, adapter: base + adapter (unmerged) gives the merged model's logits within 2e-5. The merge rounds
+      every adapted weight ``W + s * B @ A`` once in fp32 (<= 0.5 ulp); 2e-5 is about 4x the logits' response to a
+      random 1-ulp relative perturbation of all weights (docs/design.md, "Scripts and tests"). A wrong merge or a
+      missed adapter weight moves them by the fine-tune's own effect (``BASE`` line, adapter disabled), which must
+      exceed 1e-2 for the comparison to mean anything;
     * the reloaded model generated new tokens.
     """
     nb, workdir = executed

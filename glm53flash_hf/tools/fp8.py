@@ -60,18 +60,10 @@ def fp8_keys_of(keys) -> set[str]:
 
 
 def quantize_fp8_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D weight to block-scaled e4m3.
+    """Quantize a float ``weight`` ``[out, in]`` to block-scaled e4m3 with ``block = (rows, cols)``.
 
-    Args:
-        weight: float ``[out, in]``.
-        block: block size ``(rows, cols)``.
-
-    Returns:
-        ``(weight_fp8 [out, in] float8_e4m3fn, scale_inv [ceil(out/rows), ceil(in/cols)] float32)`` with
-        ``scale_inv = amax(|block|) / 448`` (1 for an all-zero block).
-
-    Raises:
-        ValueError: for a non-2-D weight.
+    Returns ``(weight_fp8 [out, in] float8_e4m3fn, scale_inv [ceil(out/rows), ceil(in/cols)] float32)``,
+    ``scale_inv = amax(|block|) / 448`` (1 for an all-zero block). Raises ``ValueError`` for a non-2-D weight.
     """
     if weight.dim() != 2:
         raise ValueError(f"FP8 block quantization needs a 2-D weight; got shape {tuple(weight.shape)}")
@@ -122,17 +114,8 @@ FP32_SLACK_RTOL = 2.0**-22
 
 
 def roundtrip_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Elementwise bound on ``|dequantize(quantize(x)) - x|`` for :func:`quantize_fp8_blockwise` /
-    :func:`dequantize_fp8_blockwise`: ``max(2**-4 |x|, 2**-10 scale) + 2**-22 |x|``, ``scale`` being the block's
-    ``amax / 448`` (see docs/design.md, FP8).
-
-    Args:
-        x: float tensor.
-        scale: the scale of each element's block, broadcastable to ``x``.
-
-    Returns:
-        fp32 tensor of ``x``'s shape.
-    """
+    """fp32 elementwise bound ``max(2**-4 |x|, 2**-10 scale) + 2**-22 |x|`` on ``|dequantize(quantize(x)) - x|``,
+    ``scale`` (broadcastable to ``x``) each element's block ``amax / 448``; derivation in docs/design.md, FP8."""
     ax = x.float().abs()
     return torch.maximum(E4M3_NORMAL_RTOL * ax, E4M3_SUBNORMAL_ATOL * scale.float()) + FP32_SLACK_RTOL * ax
 

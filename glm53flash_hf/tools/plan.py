@@ -256,18 +256,8 @@ def _activations(config, setup: Setup, layer_kinds) -> tuple[int, int]:
 
 
 def plan_memory(config, setup: Setup) -> MemoryPlan:
-    """The memory per GPU of ``setup`` for the text config ``config`` (see the module docstring).
-
-    Args:
-        config: a ``Glm53FlashTextConfig`` (or a top-level config; its text config is used).
-        setup: the :class:`Setup`.
-
-    Returns:
-        :class:`MemoryPlan` (bytes).
-
-    Raises:
-        ValueError: see :func:`check_setup`.
-    """
+    """The :class:`MemoryPlan` (bytes per GPU, module docstring) of ``setup`` for ``config`` (a text or top-level
+    config); ``ValueError`` as :func:`check_setup`."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     check_setup(setup, config)
     names, kept, buffer_elements = parameter_shapes(config)
@@ -365,16 +355,9 @@ def load_config(path: str | None):
 
 
 def fp8_load_bytes(config, dtype=None) -> dict[str, int]:
-    """Weight bytes of ``Glm53FlashForCausalLM`` of ``config`` loaded from an FP8 checkpoint in the release's layout
-    (the tensors :func:`glm53flash_hf.tools.fp8.fp8_keys_of` names stored as block-scaled e4m3), kept in FP8 and
-    dequantized, counted from the shapes and dtypes of the modules the load builds, without memory: the model is
-    built on the meta device in ``dtype`` as ``from_pretrained(dtype=...)`` builds it (fp32-kept parameters fp32),
-    its published keys come from transformers' save-time conversion (``revert_weight_conversion``), and the
-    quantizer that loading installs (:class:`glm53flash_hf.fp8_kept.Glm53FlashFP8Quantizer`) converts it.
-
-    Args:
-        config: a ``Glm53FlashConfig`` or ``Glm53FlashTextConfig``.
-        dtype: the load dtype (default bf16).
+    """Weight bytes of ``Glm53FlashForCausalLM`` of ``config`` loaded in ``dtype`` (default bf16) from an FP8
+    checkpoint in the release's layout, kept in FP8 and dequantized: the modules the load builds, on the meta device
+    (design.md, FP8).
 
     Returns:
         ``{"fp8", "scales", "other", "total"}`` of the FP8-kept model (:func:`glm53flash_hf.fp8_kept.fp8_weight_bytes`),

@@ -24,14 +24,9 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 @dataclass
 class Fsdp2Plan:
-    """What :func:`apply_fsdp2` / :func:`shard_fp32_kept_units` sharded (qualified names).
-
-    Attributes:
-        blocks: the ``_no_split_modules`` units. fp32_units: the fp32 anchor units.
-        low_precision_units: the ``param_dtype`` units nested inside the fp32 units.
-        fp32_parameters: parameters computing in fp32, ``extra_fp32_parameters`` (mHC ``fn``) included.
-        param_dtype: the policy's compute dtype (``None``: the masters' dtype).
-    """
+    """What :func:`apply_fsdp2` / :func:`shard_fp32_kept_units` sharded (qualified names): the ``_no_split_modules``
+    ``blocks``, the ``fp32_units`` and the ``low_precision_units`` nested in them, the ``fp32_parameters`` and the
+    compute ``param_dtype`` (``None``: the masters')."""
 
     blocks: list[str] = field(default_factory=list)
     fp32_units: list[str] = field(default_factory=list)
@@ -137,13 +132,8 @@ def shard_fp32_kept_units(
 ) -> Fsdp2Plan:
     """Shard the fp32 anchor units and the ``param_dtype`` units nested in them (call before ``accelerator.prepare``).
 
-    Args:
-        model: unsharded, fp32 trainable parameters. mesh: 1-D ``DeviceMesh`` (default: the default group).
-        param_dtype: bf16 or fp16. reduce_dtype: gradient reduction dtype.
-        reshard_after_forward: as ``fully_shard``'s.
-
-    Returns:
-        :class:`Fsdp2Plan` (blocks empty).
+    ``model``: unsharded, fp32 trainable parameters; ``mesh``: 1-D (default: the default group); ``param_dtype``:
+    bf16 or fp16. Returns an :class:`Fsdp2Plan` (blocks empty).
 
     Raises:
         ValueError: ``param_dtype`` not bf16/fp16; a non-fp32 trainable parameter; an fp32-kept parameter outside every
@@ -211,14 +201,8 @@ def apply_fsdp2(
     """Shard ``model`` in place with FSDP2 (fp32 units under a low-precision ``param_dtype``, one unit per
     ``_no_split_modules`` block, then the root); parameters become ``Shard(0)`` DTensors on ``mesh``.
 
-    Args:
-        model: trainable parameters in one dtype (fp32 under bf16/fp16). mesh: 1-D ``DeviceMesh`` (default: the
-            default group on the current accelerator).
-        param_dtype: compute dtype (``None``: the masters'). reduce_dtype: gradient reduction dtype.
-        reshard_after_forward: free the blocks' unsharded parameters after their forward.
-
-    Returns:
-        :class:`Fsdp2Plan`.
+    ``model``: trainable parameters in one dtype (fp32 under bf16/fp16); ``mesh``: 1-D (default: the default group on
+    the current accelerator); ``param_dtype``: compute dtype (``None``: the masters'). Returns an :class:`Fsdp2Plan`.
 
     Raises:
         ValueError: bad ``param_dtype``; mixed trainable dtypes; see :func:`shard_fp32_kept_units`.
@@ -375,13 +359,8 @@ def load_dcp(state: dict, checkpoint_dir) -> None:
 
 
 def save_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Save model (and optimizer) state as a sharded DCP folder with keys ``"model"`` and ``"optimizer"``; collective.
-
-    Args:
-        checkpoint_dir: folder (created; shared by the ranks).
-        model: the sharded model (a plain model works too).
-        optimizer: its optimizer, or ``None`` for weights only.
-    """
+    """Save model (and optimizer, unless ``None``) state as a sharded DCP folder ``checkpoint_dir`` (created, shared
+    by the ranks) with keys ``"model"`` and ``"optimizer"``; collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 

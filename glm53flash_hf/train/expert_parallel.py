@@ -46,11 +46,8 @@ class ExpertDispatcher:
     """Token dispatch and combine of one MoE block under EP; collective over the ep group (any ``T``, including 0).
 
     Called as ``dispatcher(experts, hidden [T, H], top_k_index int [T, k] (global ids), top_k_weights fp32 [T, k])``
-    -> ``[T, H]`` in ``hidden.dtype``; the combine adds each token's rows in the one-process order
-    (:func:`glm53flash_hf.moe_ops.combine_rows`).
-
-    Args:
-        num_experts: global ``E``. ep_size / ep_rank: the ep dimension. group: its process group.
+    -> ``[T, H]`` in ``hidden.dtype``, combined in the one-process order (:func:`.moe_ops.combine_rows`);
+    ``num_experts`` is the global ``E``, ``group`` the ep process group.
     """
 
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group):
@@ -78,17 +75,10 @@ class ExpertDispatcher:
 
 @dataclass
 class ExpertParallelPlan:
-    """What :func:`apply_expert_parallel` did, and the groups a gradient must be reduced over.
-
-    Attributes:
-        mesh: the ``DeviceMesh`` (dims ``("dp", "ep")``); flat_mesh: its flattened 1-D mesh (all ranks).
-        num_experts: the global routed-expert count ``E``.
-        dp_size, ep_size, dp_rank, ep_rank: sizes and this rank's coordinates.
-        moe_modules: qualified names of the MoE blocks whose experts are sharded.
-        all_ranks: global ranks of the mesh. dp_ranks: ranks with this rank's ep index (an expert's replicas).
-            ep_ranks: ranks with this rank's dp index (the all-to-all group).
-        reduction_groups: for parameters not managed by FSDP, the ranks their gradient is reduced over.
-    """
+    """What :func:`apply_expert_parallel` did: the ``("dp", "ep")`` mesh and its flattened ``flat_mesh``, the global
+    ``num_experts``, sizes and coordinates, the sharded ``moe_modules``, ``all_ranks``, ``dp_ranks`` (an expert's
+    replicas), ``ep_ranks`` (the all-to-all group), ``reduction_groups`` (the ranks each non-FSDP gradient is reduced
+    over)."""
 
     mesh: object
     dp_size: int
@@ -143,12 +133,8 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
     ``gate_up_proj [E/ep, 2I, H]``, ``down_proj [E/ep, H, I]``) and install :class:`ExpertDispatcher`; call it on the
     full model, before PEFT and FSDP.
 
-    Args:
-        model: any ``nn.Module`` containing ``Glm53FlashMoE`` blocks.
-        mesh: ``DeviceMesh`` with ``mesh_dim_names`` ``("dp", "ep")`` covering the process group.
-
-    Returns:
-        :class:`ExpertParallelPlan` (``reduction_groups`` empty).
+    ``mesh``: a ``DeviceMesh`` with dims ``("dp", "ep")`` over the process group. Returns an
+    :class:`ExpertParallelPlan` (``reduction_groups`` empty).
 
     Raises:
         ValueError: a mesh without those dimensions; ``n_routed_experts`` not divisible by the ep size; no MoE block;
@@ -257,12 +243,8 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
     """FSDP2 under EP: each ``experts`` (with PEFT wrappers) a unit on the ``dp`` mesh with divide factor ``W``, the
     rest by :func:`glm53flash_hf.train.distributed.apply_fsdp2` over all ranks; then :func:`check_reduction_groups`.
 
-    Args:
-        model: after :func:`apply_expert_parallel` (and PEFT). plan: its plan.
-        **fsdp_kwargs: ``param_dtype`` / ``reduce_dtype`` / ``reshard_after_forward``.
-
-    Returns:
-        the :class:`glm53flash_hf.train.distributed.Fsdp2Plan` of the non-expert units.
+    ``model``: after :func:`apply_expert_parallel` (and PEFT), with its ``plan``; ``fsdp_kwargs`` as ``apply_fsdp2``.
+    Returns the ``Fsdp2Plan`` of the non-expert units.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

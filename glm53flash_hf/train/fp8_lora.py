@@ -1,10 +1,6 @@
-"""Merging LoRA adapters into a base kept in block-scaled FP8 (:mod:`glm53flash_hf.fp8_kept`).
-
-PEFT's ``merge_and_unload`` adds the delta to the stored tensor, which for an FP8 base is the e4m3 value without its
-block scale; :func:`merge_lora_fp8` instead merges ``dequantize(W) + delta`` in fp32 and either re-quantizes it with
-fresh block scales (``fp8=True``: the model stays FP8; the round-trip error is reported) or keeps it dense in
-``dtype`` (``fp8=False``: the modules become plain ``nn.Linear`` / our routed experts and the model loses its
-quantizer). LoRA layers on non-FP8 modules are merged by PEFT as usual.
+"""Merging LoRA adapters into a base kept in block-scaled FP8 (:mod:`glm53flash_hf.fp8_kept`): ``dequantize(W) +
+delta`` in fp32, re-quantized or kept dense (PEFT's ``merge_and_unload`` would add the delta to the e4m3 values
+without their scales). LoRA layers on non-FP8 modules are merged by PEFT as usual.
 """
 
 from __future__ import annotations
@@ -53,27 +49,15 @@ def _merge_one(weight, scale, delta, block, fp8: bool, errors: list, bound_ratio
 def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bfloat16):
     """Merge the active LoRA adapter of ``peft_model`` into its base and return ``(model, report)``.
 
-    Args:
-        peft_model: a ``peft.PeftModel`` whose base has :class:`~glm53flash_hf.fp8_kept.Glm53FlashFP8Linear` /
-            :class:`~glm53flash_hf.fp8_kept.Glm53FlashFP8Experts` modules (LoRA on them through ``target_modules`` /
-            ``target_parameters``), and possibly LoRA layers on dense modules.
-        fp8: re-quantize each merged FP8 weight with fresh block scales (True) or keep the merged weights dense in
-            ``dtype`` (False).
-        dtype: dtype of the dense merged weights (``fp8=False``).
-
-    Contract (each FP8 weight ``W`` with block scales, its adapter's ``delta``, ``x = dequantize(W) + delta`` in
-    fp32): ``fp8=False`` stores ``x`` (in ``dtype``), so in fp32 the merged model's logits are the adapter model's up
-    to the order of fp32 sums. ``fp8=True`` stores ``quantize(x)`` with fresh ``amax / 448`` block scales
-    (:func:`glm53flash_hf.tools.fp8.quantize_fp8_blockwise` per independently blocked row group), so the merged
-    model is the adapter model with each merged weight replaced by its round trip ``rt(x)`` and nothing else
-    changed; each element satisfies ``|rt(x) - x| <= max(2**-4 |x|, 2**-10 s) + 2**-22 |x|`` (``s`` its block's
-    scale; :func:`glm53flash_hf.tools.fp8.roundtrip_error_bound`), which the report checks.
+    ``peft_model``: a ``peft.PeftModel`` over FP8-kept modules (LoRA through ``target_modules`` /
+    ``target_parameters``). With ``x = dequantize(W) + delta`` in fp32 per FP8 weight: ``fp8=False`` stores ``x`` in
+    ``dtype`` (plain modules, no quantizer); ``fp8=True`` stores ``quantize(x)`` with fresh ``amax / 448`` block scales,
+    each element within :func:`.tools.fp8.roundtrip_error_bound` of ``x``.
 
     Returns:
-        the merged base model (no LoRA layers) and ``{"fp8": fp8, "merged_fp8_weights": n,
-        "max_rel_roundtrip_error": e, "max_roundtrip_bound_ratio": b}``: ``e`` is the largest ``max |rt(x) - x| /
-        max |x|`` over the re-quantized weights, ``b`` the largest ``|rt(x) - x| / bound`` over their elements (at
-        most 1 when the contract holds); both 0 with ``fp8=False``.
+        the merged base model and ``{"fp8", "merged_fp8_weights", "max_rel_roundtrip_error",
+        "max_roundtrip_bound_ratio"}``: the largest ``max |rt(x) - x| / max |x|`` and ``|rt(x) - x| / bound`` over
+        the re-quantized weights (the latter at most 1; both 0 with ``fp8=False``).
 
     Raises:
         ValueError: when ``peft_model`` has more than one active adapter.
