@@ -1,26 +1,7 @@
-"""NoPE DeepSeek-Sparse-Attention (DSA) MLA attention and its KPool indexer: the modules and the per-call dispatch of
-the sparse MLA core.
+"""DSA layers of GLM-5.3-Flash: NoPE MLA attention, sparse over the ids of its KPool lightning indexer.
 
-Sources: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextAttention``,
-``Glm5NextTextIndexer``: the numerical reference and the parameter names) and DeepSeek-V3.2's DeepSeek Sparse
-Attention (lightning indexer + top-k sparse MLA).
-
-What differs from the transformers module (the maths is the same):
-
-* **Documents.** Every token-mixing step keeps the documents of a packed row apart: KPool pools restart at each
-  document's first token, a query only sees complete pools of its own document, and the tail is the incomplete
-  pool of its own document. The boundaries come from a :class:`~.packing.DocumentLayout` built once per forward.
-* **Sparse compute.** Attention is computed only over the selected token ids, by gathering the latent ``c`` at
-  those ids (``O(S * W)`` memory), never through a dense ``[B, S, S]`` mask. It uses the absorbed MLA form
-  (queries multiplied into the latent space by ``W_kc``, keys = values = latent, output lifted by ``W_vc``), with
-  and without a cache: a decoding step attends over the selected cached latents.
-* **Bounded memory.** The indexer scores queries in chunks under an element budget, the attention core runs in
-  query chunks each wrapped in activation checkpointing, so neither keeps ``[S, S]``-sized buffers.
-
-The torch operators (sparse MLA, KPool pooling, pool scoring and top-k selection) are in :mod:`.dsa_ops`. The
-attention core is :func:`.dsa_ops.sparse_mla_torch` or its fused alternative
-:func:`glm53flash_hf.dsa_fused.sparse_mla_fused`, chosen per call by :func:`.dispatch.op_for` (``config.kernels["dsa"]``
-and the tensors).
+Sources: transformers ``Glm5NextTextAttention`` / ``Glm5NextTextIndexer`` (``models/glm5_next``: maths, parameter
+names); DeepSeek-V3.2, DeepSeek Sparse Attention.
 """
 
 from __future__ import annotations
@@ -69,23 +50,9 @@ def sparse_mla(
     backend: str = "auto",
     query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA attention core; picks the implementation named by ``backend`` for this call.
-
-    Same contract as :func:`.dsa_ops.sparse_mla_torch`: ``q_abs`` ``[B, S, H, Dl]``, ``latent`` ``[B, S_kv, Dl]``,
-    integer ``indices`` ``[B, S, W]`` (``-1`` padding) -> ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H])``,
-    natural-log LSE (fp32 for fp32/bf16/fp16 inputs).
-
-    Args:
-        backend: ``"torch"`` (:func:`.dsa_ops.sparse_mla_torch`), ``"auto"`` (the Triton kernel
-            :func:`glm53flash_hf.dsa_fused.sparse_mla_fused` when it can run on these tensors: CUDA, triton
-            installed, fp32/bf16/fp16; else torch) or ``"fused"`` (the Triton kernel; when it cannot run, a warning
-            says why once and torch runs).
-        query_chunk: queries per chunk of the torch path; the fused kernel needs no chunking (its memory is
-            ``O(S * W)`` without it) and ignores it.
-
-    Raises:
-        ValueError: for an unknown ``backend`` (:func:`.dispatch.choose_backend`), and the errors of the chosen path.
-    """
+    """:func:`.dsa_ops.sparse_mla_torch` (same arguments, returns and errors) in the implementation ``backend``
+    names: ``"torch"``, ``"fused"`` (:func:`.dsa_fused.sparse_mla_fused`; when it cannot run, warns once and runs
+    torch) or ``"auto"`` (fused where it can run); ``ValueError`` for another ``backend``."""
     op = op_for(sparse_mla_torch, backend, q_abs, latent, indices)
     return op(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
@@ -109,27 +76,12 @@ def _check_layout(layout: DocumentLayout, batch: int, seq_len: int, device: torc
 
 
 class Glm53FlashIndexer(nn.Module):
-    """KPool lightning indexer of a GLM-5.3 DSA layer: picks, per query, the token ids its attention may read.
+    """KPool lightning indexer of a DSA layer (parameters as ``Glm5NextTextIndexer``): the ids each query may read.
 
-    Parameters (names, shapes and dtypes as transformers' ``Glm5NextTextIndexer``): ``wq_b``
-    (``q_lora_rank -> index_n_heads * index_head_dim``), ``wk`` (``hidden -> index_head_dim``), ``k_norm``
-    (``LayerNorm(index_head_dim, eps=1e-6)``), ``weights_proj`` (``hidden -> index_n_heads``),
-    ``index_kpool_compress_ape`` ``[index_kpool, index_head_dim]``, ``index_kpool_compress_gate``
-    ``[index_head_dim, hidden]``.
-
-    Semantics per document (those of ``Glm5NextTextIndexer``, with pools restarting at each document): pools are
-    consecutive groups of ``kp = index_kpool`` tokens from the document's first token; the pool key (fp32) is
-    ``sum_j softmax_j(gate[j] + ape[j]) * k[j]`` over its slots (:func:`.dsa_ops.kpool_pool_keys`); the score of
-    pool ``p`` for query ``t`` is ``sum_h w[t,h] * n_heads^-0.5 * relu(q[t,h] . pk[p] * head_dim^-0.5)``
-    (``w = weights_proj(h)`` in fp32; the positive scales are folded into ``w``). Query ``t`` may select the
-    complete pools of its document that end at or before ``t`` (the first ``(local_pos + 1) // kp`` pools); it takes
-    the top ``min(index_topk // kp, #selectable)`` (:func:`.dsa_ops.select_top_pools`) and expands them to token
-    ids. With ``index_kpool_always_select_tail`` it also gets the ``(local_pos + 1) % kp`` tokens of its incomplete
-    current pool. For one unpadded document (or a left-padded row) the id SET equals transformers' indexer output.
-
-    Attributes:
-        max_score_elements: element budget of the ``[B, chunk, index_n_heads, pools]`` fp32 score buffer; the
-            queries are processed in chunks that respect it (settable per instance).
+    Per document, pools of ``kp = index_kpool`` tokens start at its first token; query ``t`` keeps the top
+    ``index_topk // kp`` complete pools of its document ending at or before ``t`` (:func:`.dsa_ops.select_top_pools`)
+    and, with ``index_kpool_always_select_tail``, its incomplete current pool. ``max_score_elements``: element
+    budget of the fp32 ``[B, chunk, index_n_heads, pools]`` score buffer.
     """
 
     def __init__(self, config, layer_idx: int):
@@ -166,22 +118,12 @@ class Glm53FlashIndexer(nn.Module):
 
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """Select the token ids each query attends to.
-
-        Args:
-            hidden_states: ``[B, S, hidden_size]`` attention input.
-            q_resid: ``[B, S, q_lora_rank]``, ``q_a_layernorm(q_a_proj(hidden_states))`` of the attention layer.
-            layout: document structure of the batch (``None``: every row is one unpadded document).
-
-        Returns:
-            int32 ``[B, S, W]`` (``W = output_width``) row-local token ids, ``-1`` padding. Selected pools come
-            first (``kp`` ids each, in increasing pool order; exact score ties go to the earlier pool, see
-            :func:`.dsa_ops.stable_topk_indices`), then ``-1`` for unfilled pool slots, then the tail
-            slots. Padding queries (``layout.valid`` False) are all ``-1``. Runs without gradient (frozen indexer).
-
-        Raises:
-            ValueError: on shapes that do not match the configuration or the layout.
-        """
+        """Ids each query attends to (no gradient: the indexer is frozen): ``hidden_states`` ``[B, S, hidden_size]``,
+        ``q_resid`` ``[B, S, q_lora_rank]`` (``q_a_layernorm(q_a_proj(x))``), ``layout`` a
+        :class:`~.packing.DocumentLayout` (``None``: one unpadded document per row) -> int32 ``[B, S, output_width]``
+        row-local ids: the selected pools (``kp`` ids each, increasing pool order, ties to the earlier pool), ``-1``
+        for unfilled pool slots, then the tail; padding queries all ``-1``. Raises ``ValueError`` for shapes that do
+        not match the configuration or the layout."""
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states must be [B, S, hidden_size={self.hidden_size}]; got {tuple(hidden_states.shape)}"
@@ -194,8 +136,7 @@ class Glm53FlashIndexer(nn.Module):
         layout = _check_layout(layout, batch, seq_len, hidden_states.device)
         sp = getattr(layout, "sequence_parallel", None)
         if sp is not None:
-            # sequence parallel: the keys are the whole group's tokens (global row positions), the queries this
-            # rank's shard at row offset sp.offset; gathered once per call (no gradient: the indexer is frozen)
+            # sequence parallel: keys from the whole group (global row positions), queries this rank's shard
             glob = sp.global_layout
             state = sp.gather_sequence(self._token_state(hidden_states), grad=False)
             return self._pool_select(
@@ -208,12 +149,7 @@ class Glm53FlashIndexer(nn.Module):
         )
 
     def _pool_select(self, hidden_states, q_resid, token_state, valid_kv, local_pos_kv, offset: int) -> torch.Tensor:
-        """Selection of the ``S`` queries of ``hidden_states`` sitting at row positions ``[offset, offset + S)`` of
-        key rows of length ``S_kv`` (``S_kv = S``, ``offset = 0`` without sequence parallelism).
-
-        ``token_state()`` gives the fp32 ``[B, S_kv, 2 * Dk]`` per-token state of the key rows (called only when a
-        pool can be selected); ``valid_kv`` / ``local_pos_kv`` ``[B, S_kv]`` their layout. Returns int32
-        ``[B, S, output_width]`` key-row positions (see :meth:`forward`)."""
+        """:meth:`forward` for the queries at key-row positions ``[offset, offset + S)``."""
         batch, seq_len, _ = hidden_states.shape
         device = hidden_states.device
         kp = self.index_kpool
@@ -229,8 +165,7 @@ class Glm53FlashIndexer(nn.Module):
         if select_pools > 0:
             is_end = valid_kv & ((local_pos_kv + 1) % kp == 0)  # last token of a complete pool
             ends_upto = torch.cumsum(is_end.long(), dim=1)  # [B, S_kv] complete pools of the row ending at <= t
-            # Row positions of the pool ends in order (pool id = rank among the row's ends); a sort keeps it
-            # deterministic and sync-free. Absent pools (row has fewer than P) point at position 0, never selectable.
+            # pool ends in row order (pool id = rank among the row's ends); absent pools point at 0, never selectable
             order_key = torch.where(is_end, positions_kv, positions_kv + kv_len)
             pool_end = order_key.sort(dim=1).values[:, :num_pools]
             pool_end = torch.where(pool_end < kv_len, pool_end, torch.zeros_like(pool_end))  # [B, P]
@@ -256,8 +191,7 @@ class Glm53FlashIndexer(nn.Module):
         return torch.cat([keys.float(), gates.float()], dim=-1)
 
     def _select(self, hidden_states, q_resid, pool_keys_t, pool_end, lo, hi, select_pools: int, offset: int):
-        """The indexer queries and head weights (scales folded in; ``relu`` is 1-homogeneous) of ``hidden_states``,
-        then :func:`.dsa_ops.select_top_pools`: int32 ``[B, S, select_pools * kp]`` token ids."""
+        """Indexer queries and head weights (scales folded in), then :func:`.dsa_ops.select_top_pools`."""
         batch, seq_len, _ = hidden_states.shape
         q = self.wq_b(q_resid).view(batch, seq_len, self.n_heads, self.head_dim)
         head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
@@ -268,42 +202,16 @@ class Glm53FlashIndexer(nn.Module):
         )  # fmt: skip
 
     def _finish(self, out: torch.Tensor, positions, local_pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """With ``index_kpool_always_select_tail``, write each query's tail tokens (:func:`.dsa_ops.tail_token_ids`)
-        into ``out[..., index_topk:]``; then ``-1`` for padding queries. In place; returns ``out``."""
+        """Tail ids into ``out[..., index_topk:]``, ``-1`` for padding queries (in place)."""
         if self.index_kpool_always_select_tail and self.index_kpool > 1:
             out[..., self.index_topk :] = tail_token_ids(positions, local_pos, self.index_kpool)
         return out.masked_fill_(~valid[..., None], -1)
 
     @torch.no_grad()
     def forward_cached(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cache, ctx) -> torch.Tensor:
-        """Select token ids for ``S`` new queries, continuing from (and updating) the layer's indexer state.
-
-        State (fp32, in transformers' ``DynamicIndexedLayer`` / ``StaticIndexedLayer`` ``indexer_keys``, grown by
-        ``cache.update_indexer`` like every token-indexed cache): ``[B, L, 2 * Dk]``. Row slot ``s`` first holds
-        token ``s``'s ``[k | gate]`` (``k = k_norm(wk(x))``, ``gate = x @ index_kpool_compress_gate^T``). When the
-        ``j``-th pool of a row completes (its last token arrives), its key
-        ``sum_i softmax_i(gate_i + ape_i) * k_i`` is computed once, from its ``kp`` slots, and written into the
-        first ``Dk`` columns of slot ``j``. Slot ``j`` is never read as a token again: every token of pool ``j'``
-        sits at ``first + kp * j' + i >= j'``, and a pool is built before any pool key lands on its slots. So the
-        complete pool keys of a row are the contiguous view ``state[b, :P, :Dk]`` — no re-pooling, no gather per
-        step — and a decode step scores ``P`` cached pool keys, then adds the tail (the incomplete current pool).
-
-        Rollback (assisted / MTP decoding): while the cache layer records its past
-        (:class:`~.generation_cache.Glm53FlashIndexedCacheLayer`), the values each new pool key replaced are handed
-        to ``record_pool_keys``, and a later ``crop`` that removes a pool's last token restores them; a pool
-        completed again is rebuilt and rewritten by the next call (``n_before`` follows the cropped length).
-
-        Pools start at the row's first real token (``ctx.first``, left padding), as the uncached layout; the
-        output equals :meth:`forward` on the whole row (same pools, same scores, same tie rule), for the new
-        queries.
-
-        Args:
-            hidden_states: ``[B, S, hidden_size]``; q_resid: ``[B, S, q_lora_rank]``.
-            cache: transformers ``Cache``; ctx: the forward's :class:`~.generation_cache.CacheContext`.
-
-        Returns:
-            int32 ``[B, S, output_width]`` row positions (= cache slots), ``-1`` padding; padding queries all ``-1``.
-        """
+        """:meth:`forward` for ``S`` new queries of cached rows (``ctx``: the forward's
+        :class:`~.generation_cache.CacheContext`), equal to it on the whole row; updates the layer's fp32 indexer
+        state ``[B, L, 2 * Dk]`` in ``cache``. Ids are row positions (= cache slots)."""
         batch, seq_len, _ = hidden_states.shape
         device = hidden_states.device
         kp, head_dim = self.index_kpool, self.head_dim
@@ -328,12 +236,10 @@ class Glm53FlashIndexer(nn.Module):
         layer = cache.layers[self.layer_idx] if self.layer_idx < len(cache.layers) else None
         if getattr(layer, "record_past", False) and hasattr(layer, "record_pool_keys"):
             # assisted decoding: a crop that removes a pool's last token puts the replaced values back
-            # (generation_cache.Glm53FlashIndexedCacheLayer)
             layer.record_pool_keys(where[..., 0], old_keys, slots[..., -1], new)
 
         out = torch.full((batch, seq_len, self.output_width), -1, dtype=torch.int32, device=device)
-        # upper bound on complete pools of any row; under torch.compile the cache capacity (static, while the past
-        # length is a tensor value), the pools beyond a row's own count are never selectable (hi)
+        # upper bound on any row's complete pools (compiled: the static cache capacity); extra pools fail `hi`
         num_pools = (cap if torch.compiler.is_compiling() else total) // kp
         select_pools = min(self.index_topk // kp, num_pools)
         if select_pools > 0:
@@ -352,31 +258,15 @@ class Glm53FlashIndexer(nn.Module):
 
 
 class Glm53FlashAttention(nn.Module):
-    """NoPE MLA attention of a GLM-5.3 DSA layer, sparse over the KPool indexer's selection.
+    """NoPE MLA attention of a DSA layer in the absorbed form, sparse over the indexer's ids.
 
-    Parameters (names as transformers' ``Glm5NextTextAttention``): ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``,
-    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` and ``indexer`` (a
-    :class:`Glm53FlashIndexer`, ``None`` for a "shared" layer).
-
-    Maths (those of ``Glm5NextTextAttention``): ``q = q_b_proj(q_a_layernorm(q_a_proj(x)))`` ``[B,S,H,qk_nope]``;
-    latent ``c = kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[B,S,kv_lora_rank]``; ``kv_b_proj.weight`` viewed
-    ``[H, qk_nope + v_head_dim, kv_lora_rank]`` gives ``W_kc`` (first ``qk_nope`` rows) and ``W_vc``; absorbed
-    queries ``q_abs[h] = q[h] @ W_kc[h]``; ``out_lat = SparseMLA(q_abs, c, ids, scale = qk_head_dim^-0.5)``;
-    ``o[h] = out_lat[h] @ W_vc[h]^T``; ``o_proj`` of the concatenated heads. No RoPE (``qk_rope_head_dim == 0``).
-
-    Args:
-        config: a ``Glm53FlashTextConfig`` (or transformers' ``Glm5NextTextConfig``).
-        layer_idx: index of the layer; ``num_hidden_layers`` (and above) is the MTP layer.
-        indexer_type: ``"full"`` (own indexer) or ``"shared"`` (reuse the previous layer's ids); ``None`` reads
-            ``config.indexer_types[layer_idx]`` for main layers and ``"full"`` for MTP layers.
-
-    Attributes:
-        next_skip_topk: this layer is "full" and the next main layer is "shared": ``forward`` returns its ids.
-        backend: the sparse-MLA implementation (``config.kernels["dsa"]``).
-        query_chunk: queries per chunk of the attention core (``None``: automatic budget).
-
-    Raises:
-        ValueError: ``qk_rope_head_dim != 0``, an unknown ``indexer_type``, or ``q_lora_rank`` unset.
+    Parameters as ``Glm5NextTextAttention``; ``kv_b_proj.weight`` viewed ``[H, qk_nope + v_head_dim, kv_lora_rank]``
+    is ``[W_kc; W_vc]``: ``o = o_proj(sparse_mla(q W_kc, c, ids) W_vc^T)``, latent ``c`` from ``kv_a_proj_with_mqa``.
+    ``indexer_type``: ``"full"``, ``"shared"`` (no ``indexer``: the previous layer's ids) or ``None``
+    (``config.indexer_types``; ``"full"`` for MTP layers, ``layer_idx >= num_hidden_layers``). ``next_skip_topk``:
+    the next main layer is "shared", so ``forward`` returns this layer's ids. ``query_chunk``: queries per chunk of
+    the torch core (``None``: automatic). Raises ``ValueError`` for ``qk_rope_head_dim != 0``, an unknown
+    ``indexer_type`` or an unset ``q_lora_rank``.
     """
 
     def __init__(self, config, layer_idx: int, indexer_type: str | None = None):
@@ -428,13 +318,8 @@ class Glm53FlashAttention(nn.Module):
         return requested_backend(self.config, "dsa")
 
     def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """Effective ``kv_b_proj`` weight ``[H * (qk_nope + v_head_dim), kv_lora_rank]`` for the absorbed form.
-
-        A plain ``nn.Linear`` gives its ``weight``. A wrapped module (e.g. a PEFT LoRA layer) or one whose weight
-        accelerate offloads (``device_map`` loading: the weight holds data only inside its forward) is applied to the
-        identity, ``W_eff = kv_b_proj(I)^T``, so its adapters take part in forward and backward exactly as if the
-        module were called on the latents (``like`` gives the identity's device and dtype).
-        """
+        """Effective ``kv_b_proj`` weight ``[H * (qk_nope + v_head_dim), kv_lora_rank]``: ``weight`` of a plain
+        ``nn.Linear``, else ``kv_b_proj(I)^T`` (PEFT adapters, offload hooks; ``I`` on ``like``'s device and dtype)."""
         proj = self.kv_b_proj
         if type(proj) is nn.Linear and not is_offload_hooked(proj):
             return proj.weight
@@ -454,36 +339,20 @@ class Glm53FlashAttention(nn.Module):
         """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
 
         Args:
-            layout: document structure (``None``: every row one unpadded document).
-            prev_topk_indices: int ``[B, S, W]`` ids of the previous "full" layer; required by "shared" layers,
-                ignored by "full" ones.
-            cache: optional transformers ``Cache`` (generation). Its layer ``layer_idx`` (``DynamicIndexedLayer`` /
-                ``StaticIndexedLayer``) stores the latent ``c`` as ``keys`` ``[B, 1, L, kv_lora_rank]`` (``values``
-                the empty rope part ``[B, 1, L, 0]``, as transformers) and the indexer state
-                (:meth:`Glm53FlashIndexer.forward_cached`). The new queries attend over the selected cached latents
-                only, in the absorbed form (``q_abs = q W_kc``; ``out = softmax(q_abs c_sel^T) c_sel``; ``W_vc^T``):
-                the cache is never expanded through ``kv_b_proj``. Ids are row positions (= cache slots).
-            cache_context: the forward's :class:`~.generation_cache.CacheContext`; required with ``cache``.
-            output_attentions: also return the attention weights ``[B, H, S, S_kv]`` (``S_kv``: the latents
-                attended over, the cache length when cached), the softmax over the selected ids scattered into a
-                dense tensor, zero elsewhere; the output is then computed from them
-                (:func:`.dsa_ops.sparse_mla_with_weights`, torch, dense cost). Otherwise no dense tensor is formed.
-            kwargs: ignored (``position_ids``, ``position_embeddings``, ... of the decoder layer; NoPE).
-
-        Sequence parallelism: with ``layout.sequence_parallel`` set (:mod:`.sequence_parallel`) the latent and the
-        indexer state are all-gathered over the group, the ids are global row positions and the local queries
-        attend over the global latents (memory and bytes moved:
-        :meth:`~.sequence_parallel.SequenceParallelContext.gather_sequence`).
+            layout: the :class:`~.packing.DocumentLayout` (``None``: one unpadded document per row).
+            prev_topk_indices: int ``[B, S, W]`` ids of the previous "full" layer; required by "shared" layers.
+            cache, cache_context: a transformers ``Cache`` (latents as ``keys`` ``[B, 1, L, kv_lora_rank]``, the
+                indexer state) and the forward's :class:`~.generation_cache.CacheContext`.
+            output_attentions: also return the weights ``[B, H, S, S_kv]`` (zero off the selected ids), from which
+                the output is then computed (dense cost).
 
         Returns:
-            ``(attn_output [B, S, hidden_size], topk_indices)``; ``topk_indices`` is the int32 ``[B, S, W]`` selection
-            when ``next_skip_topk`` (for the next, shared layer), else ``None``; with ``output_attentions`` a third
-            entry, the weights. Padding queries give zero attention (so ``o_proj``'s bias, if any).
+            ``(out [B, S, hidden_size], ids)``, ``ids`` the int32 ``[B, S, W]`` selection when ``next_skip_topk``
+            else ``None``; the weights third with ``output_attentions``.
 
         Raises:
-            ValueError: bad shapes, or a "shared" layer called without ``prev_topk_indices``.
-            NotImplementedError: attention dropout > 0 in training mode; ``cache`` that is not a transformers
-                ``Cache`` (:class:`~.generation_cache.UnsupportedCacheError`, also a ``TypeError``).
+            ValueError: bad shapes; a "shared" layer without ``prev_topk_indices``; a cache without its context.
+            NotImplementedError: attention dropout in training; a ``cache`` that is not a transformers ``Cache``.
         """
         if cache is not None:
             from .generation_cache import check_cache
@@ -554,12 +423,8 @@ class Glm53FlashAttention(nn.Module):
 
 
 def init_dsa_weights(module: nn.Module, config) -> None:
-    """Initialise the DSA parameters that the generic Linear/LayerNorm/RMSNorm init does not cover.
+    """Indexer init as ``Glm5NextPreTrainedModel._init_weights``: ``compress_ape`` zeros, ``compress_gate`` ones."""
 
-    Reproduces transformers' ``Glm5NextPreTrainedModel._init_weights`` for the indexer:
-    ``index_kpool_compress_ape`` zeros, ``index_kpool_compress_gate`` ones. Other modules are left alone. ``config``
-    is accepted for a uniform signature.
-    """
     if isinstance(module, Glm53FlashIndexer):
         init.zeros_(module.index_kpool_compress_ape)
         init.ones_(module.index_kpool_compress_gate)

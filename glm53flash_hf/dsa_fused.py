@@ -1,61 +1,20 @@
-"""Fused Triton kernels for the sparse MLA attention core of GLM-5.3-Flash's DSA layers, forward and backward.
+"""Fused Triton kernels of the sparse MLA core (forward and backward); oracle :func:`.dsa_ops.sparse_mla_torch`.
 
-The maths is exactly that of the torch path :func:`glm53flash_hf.dsa_ops.sparse_mla_torch` (the kernels' oracle in
-``tests/test_dsa_fused.py``): absorbed MLA form, one shared latent KV head (``K = V = c``), per-query token ids with
-``-1`` padding (any id outside ``[0, S_kv)`` is padding), softmax scale ``qk_head_dim ** -0.5`` passed by the caller,
-natural-log LSE — the contract of DeepSeek's FlashMLA sparse kernel (``flash_mla_sparse_fwd``) and of TileLang's
-DeepSeek-V3.2 ``sparse_mla_fwd`` / ``sparse_mla_bwd`` examples, reference implementations of the same operator.
+Sources: FlashAttention-2's online softmax and backward, specialised as in FlashMLA's sparse kernel
+(``flash_mla_sparse_fwd``) and TileLang's DeepSeek-V3.2 ``sparse_mla_fwd`` / ``sparse_mla_bwd``: one program per
+``(query row, block of heads)`` loops over the query's ids; the backward recomputes ``p = exp(s - lse)`` from the
+stored ``lse``, uses ``Delta = rowsum(dO * O) - dlse`` and adds ``dc`` into an fp32 latent gradient with atomics
+(its last bits may vary between GPU runs).
 
-Kernels
--------
-Forward (one program per ``(query row, block of BH heads)``): loads ``q_abs`` for its heads once, loops over the
-query's index list in blocks of ``BW`` ids, gathers the valid latent rows ``c_w`` ``[BW, Dl]``, computes
-``s = scale * q c^T`` ``[BH, BW]`` with ``tl.dot``, and keeps an online softmax in fp32 (running max ``m``, running
-sum ``l``, output accumulator ``acc`` ``[BH, Dl]``); writes ``out = acc / l`` (in the dtype of ``q_abs``) and
-``lse = m + ln(l)`` (fp32, natural log). A query with no valid id gets ``out = 0`` and ``lse = -inf``.
+Precision: fp32 inputs compute in fp32 (``input_precision="ieee"``). bf16/fp16 inputs (``q_abs`` and ``latent`` of
+one dtype) feed the score products ``q c^T``, ``dO c^T`` the 16-bit operands (exact products, fp32 accumulation)
+and round ``p`` / ``ds`` once to 16 bits for ``p c``, ``ds c``, ``ds^T q``, ``p^T dO`` (relative ``u`` per term:
+``2**-8`` bf16, ``2**-11`` fp16); ``Delta`` uses the stored, rounded output; results are rounded once to nearest
+even. Mixed dtypes run the fp32 path.
 
-Backward (same grid, one pass over the index list): ``Delta = rowsum(dO * O) - dlse`` is computed in the program
-from the stored output; per id block it recomputes ``p = exp(s - lse)``, ``dp = dO c^T``, ``ds = p * (dp - Delta)``,
-accumulates ``dq += ds c`` (``dq = scale * sum_w ds_w c_w``) and adds
-``dc_w = scale * ds_w^T q + p_w^T dO`` into an fp32 ``[B, S_kv, Dl]`` buffer with ``tl.atomic_add`` (cast to the
-latent dtype at the end). Invalid ids, padded heads and empty rows contribute exactly zero (no NaN: every ``exp`` of
-a masked slot is discarded by a ``where``).
-
-Precision
----------
-* fp32 inputs: every product and sum in fp32, ``tl.dot(..., input_precision="ieee")`` (no TF32), so the interpreter
-  and GPUs agree with the fp32 torch path to fp32 summation-order noise.
-* bf16 / fp16 inputs (``q_abs`` and ``latent`` of the same 16-bit dtype): the score products ``q c^T`` and
-  ``dO c^T`` take the 16-bit operands directly (their products are exact in fp32, accumulation is fp32, as the torch
-  path's fp32 matmul of the upcast values); the probability-weighted products (``p c``, ``ds c``, ``ds^T q``,
-  ``p^T dO``) round ``p`` / ``ds`` once to the 16-bit dtype so they run on tensor cores, as FlashAttention and
-  FlashMLA do — a relative error of at most the unit roundoff ``u`` (``2**-8`` bf16, ``2**-11`` fp16) per term
-  that the fp32 torch path does not have. ``Delta`` uses the stored (rounded) output. Results are rounded once to
-  their dtype with round-to-nearest-even (bf16 by integer rounding of the bits, because Triton's interpreter
-  truncates in ``.to(tl.bfloat16)`` while GPUs round; this gives one rounding on both). Under the interpreter the
-  16-bit ``tl.dot`` operands are widened to fp32 first (same values; see ``_dot``). The test tolerances follow.
-* Mixed input dtypes (e.g. fp32 queries and a bf16 latent) run the fp32 path.
-
-Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for tests), fp32/bf16/fp16 inputs, any ``H``,
-``Dl <= MAX_LATENT_DIM`` (power-of-two block with masking), any ``W`` (masked tail block), int32/int64 ids. Block
-sizes are fixed by :func:`_blocks` (no autotuner). Memory is ``O(S * W)`` for the ids plus the inputs, outputs and
-the fp32 ``dlatent`` buffer: nothing scales with ``S * S_kv``. ``dlatent`` is accumulated with fp32 atomics, so its
-fp32 summation order (and its last bits) may vary between GPU runs.
-
-Custom ops
-----------
-The kernels run inside custom ops of the namespace ``glm53flash`` (registered at import by
-:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; also ``torch.ops.glm53flash.<name>``), with fake
-implementations, so ``torch.compile(fullgraph=True)`` traces :func:`sparse_mla_fused` without a graph break:
-
-* ``sparse_mla_fwd(q_abs, latent, indices, scale, block_h, block_w) -> (out, lse)``; its autograd formula saves the
-  inputs, ``out`` and ``lse`` and calls
-* ``sparse_mla_bwd(q_abs, latent, indices, out, lse, grad_out, grad_lse, scale, block_h, block_w, need_dq,
-  need_dlatent) -> (dq, dlatent)``: ``grad_lse`` ``None`` when ``lse`` gets no gradient; a gradient that is not needed
-  comes back as an empty tensor (the formula returns ``None`` for it).
-
-This module imports without triton (:mod:`.triton_utils`): :func:`fused_dsa_available` then says so,
-:func:`sparse_mla_fused` raises ``RuntimeError`` and no op is registered.
+The kernels run in the custom ops ``glm53flash::sparse_mla_fwd`` / ``sparse_mla_bwd`` (fakes and an autograd
+formula: ``torch.compile(fullgraph=True)`` without a graph break). Without triton the module imports and
+:func:`sparse_mla_fused` raises.
 """
 
 from __future__ import annotations
@@ -85,16 +44,9 @@ __all__ = ["MAX_LATENT_DIM", "fused_dsa_available", "sparse_mla_fused"]
 
 
 def fused_dsa_available(*tensors: torch.Tensor) -> tuple[bool, str]:
-    """Availability probe registered as ``dispatch.FUSED_AVAILABILITY["dsa"]``.
-
-    Args:
-        tensors: the call's tensors ``(q_abs [B, S, H, Dl], latent [B, S_kv, Dl], indices [B, S, W])``.
-
-    Returns:
-        ``(True, "")`` when :func:`sparse_mla_fused` can run on them, else ``(False, reason)``: triton not
-        importable, a tensor not on CUDA, a float dtype other than fp32/bf16/fp16 (fp64 runs the torch path), shapes
-        that are not ``[B, S, H, Dl]`` / ``[B, S_kv, Dl]`` / integer ``[B, S, W]``, or ``Dl > MAX_LATENT_DIM``.
-    """
+    """Probe of ``dispatch``: ``(True, "")`` when :func:`sparse_mla_fused` can run on ``(q_abs, latent, indices)``,
+    else ``(False, reason)`` (no triton, not CUDA, a dtype other than fp32/bf16/fp16, bad shapes,
+    ``Dl > MAX_LATENT_DIM``)."""
     tensors, reason = probe_tensors("sparse MLA", tensors)
     if reason:
         return False, reason
@@ -108,8 +60,7 @@ def fused_dsa_available(*tensors: torch.Tensor) -> tuple[bool, str]:
 
 
 def _check_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
-    """Checks shared by the probe and :func:`sparse_mla_fused` (raise ``ValueError``): the torch path's
-    :func:`.dsa_ops.check_sparse_mla_args`, then the kernel's dtype, width and device limits."""
+    """:func:`.dsa_ops.check_sparse_mla_args`, then the kernel's dtype, width and device limits."""
     check_sparse_mla_args(q_abs, latent, indices)
     check_dtype("q_abs", q_abs)
     check_dtype("latent", latent)
@@ -123,9 +74,7 @@ def _check_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor
 
 
 def _blocks(heads: int, dim: int, block_h: int | None, block_w: int | None, budget: int) -> tuple[int, int, int, int]:
-    """``(BH heads, BW ids, BD features, num_warps)`` per program. ``tl.dot`` needs every block dim >= 16; the
-    ``[BH, BD]`` and ``[BW, BD]`` tiles are capped at ``budget`` elements each (``_FWD_TILE``, ``_BWD_TILE``: the
-    backward holds q, dO, the dq accumulator and the dc tile at once)."""
+    """``(BH, BW, BD, num_warps)``: every block dim a power of two >= 16 (``tl.dot``), tiles under ``budget``."""
     bd = next_power_of_2(dim, 16)
     bh = block_h if block_h is not None else max(16, min(next_power_of_2(heads), 64, budget // bd))
     bw = block_w if block_w is not None else max(16, min(64, budget // bd))
@@ -143,10 +92,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _cast(x, DT: tl.constexpr):
-        """fp32 -> DT with one round-to-nearest-even on GPUs and in the interpreter alike (the interpreter truncates
-        in ``.to(tl.bfloat16)``; here bf16 is rounded on the integer bits first, so the final cast is exact). A NaN
-        becomes a quiet NaN (the GPU's NaN pattern 0x7FFFFFFF would otherwise round to 0x80000000, -0.0, and a NaN with
-        only low payload bits would truncate to inf)."""
+        """fp32 -> ``DT`` rounded to nearest even on GPUs and in the interpreter alike; NaN stays a quiet NaN."""
         if DT == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
@@ -157,10 +103,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _dot(a, b, acc, LOWP: tl.constexpr, UPCAST: tl.constexpr):
-        """``acc + a @ b`` with fp32 accumulation. 16-bit operands go to the tensor cores as they are (their
-        products are exact in fp32); under the interpreter (``UPCAST``) they are widened to fp32 first, because
-        triton 3.9's interpreter multiplies bf16 bit patterns as integers in ``tl.dot`` (``create_dot``) — the
-        widened values are identical, so the result is the same. fp32 operands: ``input_precision="ieee"``."""
+        """``acc + a @ b`` accumulated in fp32 (``UPCAST``: 16-bit operands widened first, for the interpreter)."""
         if LOWP and not UPCAST:
             return tl.dot(a, b, acc)
         else:
@@ -168,9 +111,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _program_tile(S, H, DL, BH: tl.constexpr, BD: tl.constexpr):
-        """This program's query row ``b * S + t`` (int64), batch row ``b``, heads ``h`` ``[BH]`` and features ``d``
-        ``[BD]`` with their masks ``hm`` / ``dm``, the ``[BH, BD]`` mask ``qm`` and element offsets ``offs`` of its
-        ``q_abs`` / ``out`` tile."""
+        """This program's query row, batch row, heads, features, their masks and ``q_abs`` / ``out`` offsets."""
         row = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         d = tl.arange(0, BD)
@@ -180,9 +121,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _gather_block(idx_ptr, lat_ptr, row, b, w0, S_KV, W, DL, d, dm, BW: tl.constexpr, LOWP: tl.constexpr):
-        """Ids ``w0 .. w0 + BW`` of query row ``row`` and their latent rows: ``valid`` ``[BW]`` (slot exists and
-        ``0 <= id < S_KV``), element offsets ``offs`` and mask ``cm`` ``[BW, BD]`` of the rows, and the rows ``c``
-        (0 where invalid; fp32 unless ``LOWP``)."""
+        """Ids ``w0 .. w0 + BW`` of query row ``row``: ``(valid, offsets, mask, rows c)``, ``c = 0`` where invalid."""
         w = w0 + tl.arange(0, BW)
         ids = tl.load(idx_ptr + row * W + w, mask=w < W, other=-1).to(tl.int64)
         valid = (w < W) & (ids >= 0) & (ids < S_KV)
@@ -272,9 +211,6 @@ if TRITON_AVAILABLE:
 
 
 # ======================================================================================================= custom ops
-# The kernels run inside torch.library custom ops (namespace glm53flash, registered at import by
-# graph_ops.define_op): glm53flash::sparse_mla_fwd with its fake and autograd formula, and
-# glm53flash::sparse_mla_bwd, so torch.compile(fullgraph=True) traces sparse_mla_fused without a graph break.
 def _as_index_tensor(indices: torch.Tensor) -> torch.Tensor:
     if indices.dtype not in (torch.int32, torch.int64):
         indices = indices.to(torch.int64)
@@ -282,8 +218,7 @@ def _as_index_tensor(indices: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_inputs(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor):
-    """``(q, latent, indices, lowp)`` as the kernels read them: contiguous, int32/int64 ids, and for mixed dtypes
-    the latent upcast to fp32 (the pure fp32 variant); ``lowp``: ``q_abs`` and ``latent`` share a 16-bit dtype."""
+    """``(q, latent, indices, lowp)`` as the kernels read them (mixed dtypes: the latent upcast to fp32)."""
     q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), _as_index_tensor(indices)
     lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
     if not lowp and lat_c.dtype != torch.float32:  # mixed dtypes: run the pure fp32 variant (one upcast)
@@ -383,38 +318,21 @@ def sparse_mla_fused(
     block_w: int | None = None,
     query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused sparse multi-query attention in the absorbed MLA form (Triton forward and backward).
-
-    Same contract as :func:`glm53flash_hf.dsa_ops.sparse_mla_torch`: for batch row ``b``, query ``t`` and head ``h``,
-    ``s[w] = scale * <q_abs[b,t,h], latent[b, indices[b,t,w]]>`` over the valid slots ``w`` (``0 <= id < S_kv``;
-    ``-1`` and any other out-of-range id are padding), ``lse = ln(sum_w exp(s[w]))`` and
-    ``out = sum_w softmax(s)[w] * latent[b, indices[b,t,w]]``. Ids are expected unique per query (a repeated id is
-    counted twice, as in the torch path). A query without a valid id gets ``out = 0``, ``lse = -inf`` and zero
-    gradients. Differentiable in ``q_abs`` and ``latent`` through ``out`` and ``lse`` (the kernels of the module
-    docstring: FlashAttention-2's backward specialised to one shared KV head and gathered keys, as in FlashMLA /
-    TileLang's DeepSeek-V3.2 sparse MLA), through the custom ops ``glm53flash::sparse_mla_fwd`` /
-    ``sparse_mla_bwd`` (module docstring).
+    """Fused sparse MLA (Triton forward and backward): the contract of :func:`.dsa_ops.sparse_mla_torch`.
 
     Args:
-        q_abs: ``[B, S, H, Dl]`` absorbed queries (``q_nope @ W_kc``), fp32/bf16/fp16, ``Dl <= MAX_LATENT_DIM``.
-        latent: ``[B, S_kv, Dl]`` latent keys = values, fp32/bf16/fp16.
-        indices: integer ``[B, S, W]`` row-local token ids (int32 or int64; other integer dtypes are widened).
-        scale: finite softmax scale (``qk_head_dim ** -0.5``).
-        block_h: heads per program (power of two >= 16; ``None``: automatic). Results do not depend on it beyond
-            fp32 summation order.
-        block_w: ids per inner-loop block (power of two >= 16; ``None``: automatic).
-        query_chunk: accepted for the torch op's signature and ignored (the kernel's memory is ``O(S * W)``).
+        q_abs: ``[B, S, H, Dl]``, fp32/bf16/fp16, ``Dl <= MAX_LATENT_DIM``; latent: ``[B, S_kv, Dl]``, fp32/bf16/fp16.
+        indices: integer ``[B, S, W]`` row-local ids (other than int32/int64: widened); scale: finite.
+        block_h, block_w: heads per program / ids per block (powers of two >= 16; ``None``: automatic).
+        query_chunk: ignored (the kernel's memory is ``O(S * W)``).
 
     Returns:
-        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] fp32 natural log)`` — the torch path's dtypes for these
-        inputs. Gradients come back in the dtypes of ``q_abs`` / ``latent``; see the module docstring for where the
-        16-bit path rounds.
+        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] fp32)``; gradients in the inputs' dtypes.
 
     Raises:
         RuntimeError: triton is not installed.
-        ValueError: mismatched shapes, non-integer ``indices``, an unsupported dtype (fp64: use the torch path),
-            ``Dl > MAX_LATENT_DIM``, tensors on different devices, CPU tensors outside ``TRITON_INTERPRET=1``,
-            a non-finite ``scale`` or a bad ``block_h`` / ``block_w``.
+        ValueError: the torch path's shape errors, fp64 or another dtype, ``Dl > MAX_LATENT_DIM``, tensors on two
+            devices, CPU tensors outside ``TRITON_INTERPRET=1``, a non-finite ``scale``, bad block sizes.
     """
     require_triton("glm53flash_hf.dsa_fused")
     _check_args(q_abs, latent, indices)

@@ -1,15 +1,8 @@
-"""Torch operators of the DSA layers: the sparse MLA attention core and the KPool indexer's pooling, scoring and
-top-k selection, with the argument checks of the sparse MLA core.
+"""Torch path of the DSA family: the sparse MLA core and the KPool indexer's pooling, scoring and top-k selection.
 
-This is the torch path of the DSA family: the oracle of the fused kernels (:mod:`glm53flash_hf.dsa_fused`), the
-path of CPU tensors, and the path of cached decoding (a query attends over the selected cached latents in the
-absorbed MLA form; the indexer scores the cached pool keys). The modules that call these functions are in
-:mod:`glm53flash_hf.dsa`. Leaf module: it imports torch and :mod:`.graph_ops` only.
-
-Sources: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextAttention``, ``Glm5NextTextIndexer``)
-for the maths, DeepSeek-V3.2's DeepSeek Sparse Attention (lightning indexer + top-k sparse MLA) and the contract of
-DeepSeek's FlashMLA sparse kernel (``flash_mla_sparse_fwd``: one shared latent KV head, per-query token ids with
-``-1`` padding, natural-log LSE).
+Oracle of :mod:`.dsa_fused`; path of CPU tensors and cached decoding. Sources: transformers ``Glm5NextTextAttention``
+/ ``Glm5NextTextIndexer`` (``models/glm5_next``); DeepSeek-V3.2's DeepSeek Sparse Attention; FlashMLA's
+``flash_mla_sparse_fwd`` contract (one shared latent KV head, per-query ids with ``-1`` padding, natural-log LSE).
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ __all__ = [
     "tail_token_ids",
 ]
 
-# Default working-set budgets, in tensor elements (fp32: 4 bytes each).
+# Working-set budgets in tensor elements.
 DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 26  # [B, chunk, index_n_heads, pools] score buffer of the indexer
 DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 26  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
 
@@ -42,18 +35,8 @@ DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 26  # [B, chunk, W, kv_lora_rank] gathe
 
 
 def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
-    """Shape and index-dtype checks of the sparse MLA core, shared by :func:`sparse_mla_torch` and
-    :func:`glm53flash_hf.dsa_fused.sparse_mla_fused`.
-
-    Args:
-        q_abs: expected ``[B, S, H, Dl]``.
-        latent: expected ``[B, S_kv, Dl]``.
-        indices: expected integer ``[B, S, W]``.
-
-    Raises:
-        ValueError: ``q_abs`` not ``[B, S, H, Dl]``, ``latent`` not ``[B, S_kv, Dl]``, ``indices`` not ``[B, S, W]``
-            or not an integer tensor.
-    """
+    """Shape and index-dtype checks of both sparse MLA paths: ``ValueError`` unless ``q_abs`` is ``[B, S, H, Dl]``,
+    ``latent`` ``[B, S_kv, Dl]`` and ``indices`` an integer ``[B, S, W]``."""
     if q_abs.dim() != 4:
         raise ValueError(f"q_abs must be [B, S, H, Dl]; got shape {tuple(q_abs.shape)}")
     batch, seq_len, _, dim = q_abs.shape
@@ -66,12 +49,8 @@ def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: to
 
 
 def _padded_latent(latent: torch.Tensor, indices: torch.Tensor, compute_dtype: torch.dtype):
-    """The latent in the compute dtype with one zero row appended per batch row, flattened, and the ids into it.
-
-    Returns ``(latent_pad [B * (S_kv + 1), Dl], flat_ids long [B, S, W], valid bool [B, S, W])``: ``flat_ids`` are
-    the row-local ids offset by ``b * (S_kv + 1)``, and every invalid slot (``-1`` or out of range) reads the zero
-    row of its batch row, so a gathered invalid slot is exactly zero without a mask over the gathered latents (and
-    never reads another document's, possibly non-finite, row)."""
+    """``(latent_pad [B * (S_kv + 1), Dl], flat_ids long [B, S, W], valid [B, S, W])``: the latent in the compute
+    dtype with a zero row appended per batch row, which every invalid id reads."""
     batch, kv_len, dim = latent.shape
     idx = indices.long()
     valid = (idx >= 0) & (idx < kv_len)  # [B, S, W]
@@ -85,14 +64,8 @@ def _padded_latent(latent: torch.Tensor, indices: torch.Tensor, compute_dtype: t
 def _sparse_mla_probs(
     q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The softmax of the sparse MLA core over each query's slots, for a chunk of queries: ``q_abs [B,C,H,Dl]``,
-    ``latent_pad``, ``flat_ids`` and ``valid`` of :func:`_padded_latent` (``[B,C,W]``) -> ``(probs [B,C,H,W],
-    lse [B,C,H], gathered [B,C,W,Dl])`` in the compute dtype (``latent_pad.dtype``).
-
-    Invalid slots gather the zero row (score exactly 0) and get the additive bias ``finfo.min``: their probability
-    underflows to exactly 0 next to any valid slot; a query without a valid slot gets uniform probabilities over
-    zero rows (``out = 0``, zero gradients for ``q_abs``, the latent gradient lands on the dropped zero row) and
-    ``lse = -inf``."""
+    """``(probs [B, C, H, W], lse [B, C, H], gathered [B, C, W, Dl])`` of a chunk of queries; an invalid slot has
+    probability 0 next to a valid one, a query without one gets ``out = 0`` and ``lse = -inf``."""
     batch, chunk, heads, dim = q_abs.shape
     width = flat_ids.shape[-1]
     dtype = latent_pad.dtype
@@ -112,8 +85,7 @@ def _sparse_mla_probs(
 
 
 def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
-    """``(start, end)`` query ranges of at most ``chunk`` queries covering ``[0, seq_len)``; under ``torch.compile``
-    one range (a chunk count that depends on the sequence length would specialise the graph to that length)."""
+    """``(start, end)`` ranges of at most ``chunk`` queries covering ``[0, seq_len)``; one range while compiling."""
     if torch.compiler.is_compiling():
         return [(0, seq_len)]
     return [(start, min(seq_len, start + chunk)) for start in range(0, seq_len, chunk)]
@@ -135,15 +107,12 @@ def _compute_dtype(q_abs: torch.Tensor, latent: torch.Tensor) -> torch.dtype:
 def _sparse_mla_forward(
     q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, query_chunk: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of :func:`sparse_mla_torch` over query chunks (no autograd graph is needed: the backward
-    recomputes): ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] in the compute dtype)``."""
     batch, seq_len, heads, dim = q_abs.shape
     chunk = _auto_query_chunk(q_abs, indices, query_chunk)
     latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
     out = q_abs.new_empty(batch, seq_len, heads, dim)
     lse = latent_pad.new_empty(batch, seq_len, heads)
-    for start in range(0, seq_len, chunk):
-        end = min(seq_len, start + chunk)
+    for start, end in _query_chunks(seq_len, chunk):
         probs, lse_c, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, flat_ids[:, start:end],
                                                    valid[:, start:end], scale)
         out[:, start:end] = torch.matmul(probs, gathered)
@@ -155,23 +124,17 @@ def _sparse_mla_backward(
     q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
     grad_lse: torch.Tensor | None, scale: float, query_chunk: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`sparse_mla_torch` w.r.t. ``q_abs`` and ``latent`` (in their dtypes), chunk by chunk
-    with the chunk's softmax recomputed (one chunk's ``[B, C, W, Dl]`` latents live at a time). With ``s`` the
-    scaled scores, ``P`` their softmax, ``G`` the gathered latents and ``q_s = scale * q_abs``::
+    """Gradients w.r.t. ``q_abs`` and ``latent``, chunk by chunk with the softmax recomputed::
 
         dP = dO G^T;   dS = P * (dP - rowsum(P * dP) + dlse);   dq_abs = scale * dS G;   dG = dS^T q_s + P^T dO
-
-    ``dG`` is one product (``[dS | P]^T [q_s | dO]`` over ``2H``) scattered (added) onto the latent rows; the
-    invalid slots' share lands on the dropped zero row. An empty row has ``dS = 0`` (its ``lse`` is a constant
-    ``-inf``)."""
+    """
     batch, seq_len, heads, dim = q_abs.shape
     chunk = _auto_query_chunk(q_abs, indices, query_chunk)
     dtype = _compute_dtype(q_abs, latent)
     latent_pad, flat_ids, valid = _padded_latent(latent, indices, dtype)
     grad_pad = torch.zeros_like(latent_pad)
     grad_q = q_abs.new_empty(batch, seq_len, heads, dim)
-    for start in range(0, seq_len, chunk):
-        end = min(seq_len, start + chunk)
+    for start, end in _query_chunks(seq_len, chunk):
         rows = batch * (end - start)
         ids_c, valid_c = flat_ids[:, start:end], valid[:, start:end]
         probs, _, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, ids_c, valid_c, scale)
@@ -213,17 +176,13 @@ def _sparse_mla_op_backward(ctx, grad_out, grad_lse):
     return (grad_q if need_q else None), (grad_latent if need_latent else None), None, None, None
 
 
-# The chunked core as one custom op (eager and compiled alike): its forward keeps no activations, its backward
-# recomputes each chunk, so memory is one chunk's gathered latents whatever the sequence length; under
-# torch.compile the op is opaque, so the graph neither materialises nor saves [S, W, Dl] (static or symbolic S).
 _SPARSE_MLA_BWD = define_op("sparse_mla_torch_bwd", _sparse_mla_backward, _sparse_mla_bwd_fake)
 _SPARSE_MLA_OP = define_op("sparse_mla_torch", _sparse_mla_forward, _sparse_mla_op_fake,
                            backward=_sparse_mla_op_backward, setup_context=_sparse_mla_op_setup)
 
 
 def _sparse_mla_flops(q_abs_shape, latent_shape, indices_shape, *args, out_shape=None, **kwargs) -> int:
-    """Matrix-multiply FLOPs of the forward (scores and ``P @ G``) for ``FlopCounterMode``, which does not see
-    inside a custom op."""
+    """Forward matmul FLOPs for ``FlopCounterMode`` (it does not see inside a custom op)."""
     batch, seq_len, heads, dim = q_abs_shape
     return 4 * batch * seq_len * heads * indices_shape[-1] * dim
 
@@ -240,40 +199,27 @@ def sparse_mla_torch(
     *,
     query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse multi-query attention in the absorbed MLA form, over per-query token ids (the torch path).
+    """Sparse multi-query attention in the absorbed MLA form over per-query token ids (torch path).
 
-    For every batch row ``b``, query ``t`` and head ``h``::
+    For batch row ``b``, query ``t``, head ``h`` and the valid slots ``w`` (``0 <= indices[b, t, w] < S_kv``; ``-1``
+    or any other value is padding), with ``c_w = latent[b, indices[b, t, w]]`` as key and value::
 
-        s[w]         = scale * <q_abs[b, t, h], latent[b, indices[b, t, w]]>     for valid slots w
-        lse[b, t, h] = log(sum_w exp(s[w]))                                    (natural log)
-        out[b, t, h] = sum_w softmax(s)[w] * latent[b, indices[b, t, w]]
+        s[w] = scale * <q_abs[b, t, h], c_w>;   lse = ln(sum_w exp(s[w]));   out = sum_w softmax(s)[w] * c_w
 
-    Keys and values are both the latent ``c`` (one KV head shared by all heads, as in DeepSeek-V3.2 / FlashMLA's
-    ``flash_mla_sparse_fwd`` with ``d_v = d_qk``). A slot is valid when ``0 <= index < S_kv``; ``-1`` (or any
-    out-of-range value) is padding. Ids must be unique within a query's row: a repeated id is counted twice
-    (the indexer never repeats ids). A query without any valid slot gets ``out = 0`` and ``lse = -inf``; its
-    gradients are zero, never NaN. ``S`` may be 1 and ``S_kv`` a cache length (a decoding step).
-
-    The computation runs in ``promote(input dtype, float32)`` (softmax in fp32 at least) over query chunks, as the
-    custom op ``glm53flash::sparse_mla_torch`` whose backward recomputes each chunk (activation checkpointing), so
-    memory is ``O(S * W)`` for the indices plus one chunk's ``[B, chunk, W, Dl]`` gathered latents, never
-    ``[S, S_kv]``; the same under ``torch.compile``, where the op is opaque.
+    A repeated id counts twice; a query without a valid slot gets ``out = 0``, ``lse = -inf``, zero gradients.
+    Runs in ``promote(dtype, float32)`` over query chunks as the custom op ``glm53flash::sparse_mla_torch``, whose
+    backward recomputes each chunk: memory ``O(S * W)`` plus one chunk's ``[B, chunk, W, Dl]``, eager or compiled.
 
     Args:
-        q_abs: ``[B, S, H, Dl]`` queries already multiplied by ``W_kc`` (``Dl = kv_lora_rank``), any float dtype.
-        latent: ``[B, S_kv, Dl]`` latent keys/values (``kv_a_layernorm(kv_a_proj_with_mqa(x))``).
-        indices: integer ``[B, S, W]`` row-local token ids into ``latent`` (int32 or int64), ``-1`` = invalid.
-        scale: softmax scale (``qk_head_dim ** -0.5``; GLM-5.3 has no rope part, so ``qk_nope_head_dim ** -0.5``).
-        query_chunk: queries per chunk; ``None`` picks one so that ``B * chunk * W * (Dl + H)`` stays under
-            ``DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS`` (also under ``torch.compile``, where the core is one opaque op).
+        q_abs: ``[B, S, H, Dl]`` queries times ``W_kc`` (``Dl = kv_lora_rank``), any float dtype.
+        latent: ``[B, S_kv, Dl]``; indices: integer ``[B, S, W]`` row-local ids; scale: ``qk_head_dim ** -0.5``.
+        query_chunk: queries per chunk (``None``: ``B * chunk * W * (Dl + H) <= DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``).
 
     Returns:
-        ``(out_lat, lse)``: ``out_lat`` ``[B, S, H, Dl]`` in ``q_abs.dtype``; ``lse`` ``[B, S, H]`` natural-log
-        log-sum-exp of the scaled scores in the compute dtype (fp32 for fp32/bf16/fp16 inputs).
+        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H])``, ``lse`` in the compute dtype (fp32 for 32/16-bit).
 
     Raises:
-        ValueError: on mismatched shapes, a non-integer ``indices`` tensor (:func:`check_sparse_mla_args`) or
-            ``query_chunk < 1``.
+        ValueError: mismatched shapes, non-integer ``indices``, ``query_chunk < 1``.
     """
     check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, heads, _ = q_abs.shape
@@ -292,27 +238,9 @@ def sparse_mla_torch(
 def sparse_mla_with_weights(
     q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The maths of :func:`sparse_mla_torch`, returning the attention weights too (``output_attentions=True``).
-
-    The softmax over each query's valid slots is :func:`sparse_mla_torch`'s own (the same function, fp32 at least,
-    over the whole sequence at once); its probabilities are scattered (added, as :func:`sparse_mla_torch` counts a
-    repeated id twice) into a dense ``[B, H, S, S_kv]`` tensor that is zero
-    at the ids not selected, and the output is computed from that tensor: ``out = weights @ latent``. The weights
-    are therefore on the autograd path of the output (transformers' convention for ``attentions``), and equal
-    transformers' eager ``Glm5NextTextAttention`` weights (dense softmax with the top-k mask). Memory and compute
-    are dense, ``O(B * H * S * S_kv)``: only for callers that ask for the weights.
-
-    Args:
-        q_abs: ``[B, S, H, Dl]``; latent: ``[B, S_kv, Dl]``; indices: integer ``[B, S, W]``, ``-1`` (or any
-            out-of-range value) = invalid slot; scale: softmax scale.
-
-    Returns:
-        ``(out_lat [B, S, H, Dl] in q_abs.dtype, weights [B, H, S, S_kv] in q_abs.dtype)``. A query without a
-        valid slot gets a zero row of weights and ``out = 0``.
-
-    Raises:
-        ValueError: as :func:`sparse_mla_torch` (:func:`check_sparse_mla_args`).
-    """
+    """:func:`sparse_mla_torch` (unchunked, same softmax, same errors) returning ``(out [B, S, H, Dl], weights
+    [B, H, S, S_kv])`` in ``q_abs.dtype``: the probabilities added into a dense tensor, zero off the selected ids
+    (transformers' eager weights), and ``out = weights @ latent`` (weights on the autograd path; dense cost)."""
     check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, heads, _ = q_abs.shape
     kv_len = latent.shape[1]
@@ -333,20 +261,8 @@ def sparse_mla_with_weights(
 
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest entries along the last axis, ties broken toward the lower index.
-
-    ``torch.topk`` breaks exact ties arbitrarily (the choice depends on the array's length and on where the entries
-    sit), so a document's selection could change when other documents are packed beside it. Exact ties are common
-    in the KPool indexer (``relu`` makes every head's score 0 for many pools), hence this deterministic rule: among
-    equal scores the earlier pool wins, whatever else is in the row.
-
-    Args:
-        scores: float ``[..., P]`` (may hold ``-inf``), ``1 <= k <= P``.
-
-    Returns:
-        long ``[..., k]`` indices: the finite picks in increasing index order, then the ``-inf`` ones (when fewer
-        than ``k`` entries are finite), also in increasing index order (not score order).
-    """
+    """Indices ``long [..., k]`` of the ``k`` largest of ``scores [..., P]`` (``1 <= k <= P``, may hold ``-inf``),
+    exact ties to the lower index: the finite picks in increasing index order, then the ``-inf`` ones."""
     kth = scores.topk(k, dim=-1).values[..., -1:]
     greater = scores > kth
     tied = scores == kth
@@ -360,18 +276,9 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def kpool_pool_keys(token_state: torch.Tensor, slots: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
-    """KPool compression: the key of each pool, ``sum_j softmax_j(gate_j + ape_j) * k_j`` over its ``kp`` tokens
-    (softmax per feature, over the pool's slots), as transformers' ``Glm5NextTextIndexer``.
-
-    Args:
-        token_state: fp32 ``[B, L, 2 * Dk]`` per-token ``[k | gate]`` (``k = k_norm(wk(x))``,
-            ``gate = x @ index_kpool_compress_gate^T``).
-        slots: long ``[B, P, kp]`` row positions (``< L``) of the tokens of each pool, in slot order.
-        ape: ``[kp, Dk]`` ``index_kpool_compress_ape`` (any float dtype; used in fp32).
-
-    Returns:
-        fp32 ``[B, P, Dk]`` pool keys.
-    """
+    """KPool keys fp32 ``[B, P, Dk]``, ``sum_j softmax_j(gate_j + ape_j) * k_j`` over each pool's slots (per
+    feature), as ``Glm5NextTextIndexer``: ``token_state`` fp32 ``[B, L, 2 * Dk]`` per-token ``[k | gate]``, ``slots``
+    long ``[B, P, kp]`` row positions ``< L`` of each pool's tokens, ``ape`` ``[kp, Dk]`` (used in fp32)."""
     batch, pools, kp = slots.shape
     width = token_state.shape[-1]
     grouped = token_state.gather(1, slots.reshape(batch, pools * kp, 1).expand(-1, -1, width))
@@ -393,30 +300,15 @@ def select_top_pools(
     offset: int = 0,
     max_score_elements: int = DEFAULT_INDEXER_SCORE_ELEMENTS,
 ) -> torch.Tensor:
-    """Score the pools for every query, keep the top ``select_pools`` selectable ones and expand them to token ids.
+    """Top ``select_pools`` selectable pools per query, expanded to token ids.
 
-    The score of pool ``p`` for query ``t`` is ``sum_h head_weights[t, h] * relu(q[t, h] . pool_keys_t[:, p])``
-    (the lightning indexer's scoring with the positive scales folded into ``head_weights``); pools outside
-    ``[lo, hi)`` score ``-inf``; the top pools are chosen by :func:`stable_topk_indices` (exact ties go to the earlier
-    pool). Queries are scored in chunks so that the ``[B, chunk, Hi, P]`` buffer stays under ``max_score_elements``.
-
-    Args:
-        q: ``[B, S, Hi, Dk]`` indexer queries (any float dtype; scored in fp32).
-        head_weights: fp32 ``[B, S, Hi]`` per-head weights, scales folded in.
-        pool_keys_t: fp32 ``[B, Dk, P]``; pool ``p`` of a row is its ``p``-th complete pool.
-        pool_end: long ``[B, P]`` row position of the last token of each pool.
-        lo, hi: long ``[B, S]``: query ``t`` may select pools ``lo[t] <= p < hi[t]``.
-        select_pools: pools kept per query (``>= 1``).
-        kp: tokens per pool.
-        offset: row position of query 0 (the cached length; 0 without a cache). A query at row position ``r``
-            sees at most ``(r + 1) // kp`` pools, so each chunk scores only the pools it can see (eagerly; under
-            ``torch.compile``, where ``offset`` may be a tensor value, all queries are one chunk scoring all ``P``
-            pools, so the score buffer is ``[B, S, Hi, P]``).
-        max_score_elements: element budget of the score buffer.
-
-    Returns:
-        int32 ``[B, S, select_pools * kp]`` token ids: ``kp`` consecutive ids per selected pool, in increasing pool
-        order, ``-1`` for slots of unselectable picks (fewer than ``select_pools`` selectable pools).
+    Score of pool ``p`` for query ``t``: ``sum_h head_weights[t, h] * relu(q[t, h] . pool_keys_t[:, p])``; pools
+    outside ``[lo[t], hi[t])`` score ``-inf``; ties to the earlier pool. ``q`` ``[B, S, Hi, Dk]`` (scored in fp32),
+    ``head_weights`` fp32 ``[B, S, Hi]``, ``pool_keys_t`` fp32 ``[B, Dk, P]`` (a row's complete pools in order),
+    ``pool_end`` long ``[B, P]`` their last tokens, ``lo`` / ``hi`` long ``[B, S]``, ``kp`` tokens per pool,
+    ``offset`` the row position of query 0 (the cached length). Queries are scored in chunks of at most
+    ``max_score_elements`` (one chunk when compiled). Returns int32 ``[B, S, select_pools * kp]``: ``kp`` ids per
+    selected pool in increasing pool order, ``-1`` for picks that are not selectable.
     """
     batch, seq_len, n_heads, head_dim = q.shape
     num_pools = pool_keys_t.shape[-1]
@@ -449,17 +341,9 @@ def select_top_pools(
 
 
 def tail_token_ids(positions: torch.Tensor, local_pos: torch.Tensor, kp: int) -> torch.Tensor:
-    """The tokens of each query's incomplete current pool (the "always select tail" part of the selection).
-
-    Args:
-        positions: long ``[S]`` or ``[B, S]`` row positions of the queries.
-        local_pos: long ``[B, S]`` position of each query in its document.
-        kp: tokens per pool (``>= 1``).
-
-    Returns:
-        int32 ``[B, S, kp - 1]``: the ``(local_pos + 1) % kp`` row positions ending at the query (the query
-        included), then ``-1``.
-    """
+    """Ids int32 ``[B, S, kp - 1]`` of each query's incomplete current pool: the ``(local_pos + 1) % kp`` row
+    positions ending at the query (``positions`` long ``[S]`` or ``[B, S]``, ``local_pos`` long ``[B, S]``), then
+    ``-1``."""
     tail_count = (local_pos + 1) % kp  # [B, S]
     tail_offsets = torch.arange(kp - 1, device=local_pos.device)
     tail_ids = (positions - tail_count + 1)[..., None] + tail_offsets  # [B, S, kp - 1]

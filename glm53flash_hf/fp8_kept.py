@@ -1,26 +1,8 @@
-"""Block-scaled FP8 weights kept as FP8 in memory: transformers' ``FP8Linear`` / ``FP8Experts`` with a forward that
-also runs where transformers' FP8 kernels do not (CPU), and the quantizer that builds them for our models.
-
-Format: a weight ``W [out, in]`` is ``float8_e4m3fn`` with ``weight_scale_inv`` fp32 ``[ceil(out/br), ceil(in/bc)]``
-(``weight_block_size = [br, bc]``, 128x128 in the release); ``W ≈ W_fp8 * scale_inv`` per block. Routed experts
-hold the merged ``gate_up_proj [E, 2I, H]`` with ``gate_up_proj_scale_inv [E, 2*ceil(I/br), ceil(H/bc)]`` (gate and
-up are blocked separately, as in the per-expert checkpoint tensors) and ``down_proj [E, H, I]``.
-
-Where the compute runs:
-
-* CUDA, with transformers' ``finegrained-fp8`` kernel loadable and a scale grid of whole blocks: transformers' own
-  ``FP8Linear.forward`` / ``FP8Experts.linear`` (and, through ``set_experts_implementation``, its
-  ``FP8ExpertsInterface`` grouped / batched paths).
-* Otherwise (CPU, or no kernel): :func:`fp8_linear_block_rows`, which dequantizes the weight one tile of block rows
-  at a time (at most :data:`TILE_ELEMENTS` elements, at least one block row) in the input's dtype and multiplies,
-  so memory holds the FP8 weights plus one tile. Its backward (input gradient only; the FP8 weight and its scales
-  are frozen) walks the same tiles. With fp32 inputs the result equals ``x @ dequantized(W).T`` of a model loaded
-  dequantized to fp32, up to the order of the fp32 sums.
-
-:class:`Glm53FlashFP8Quantizer` is transformers' ``FineGrainedFP8HfQuantizer`` with two changes: it keeps FP8
-on CPU (transformers would force ``dequantize=True`` there), and it converts exactly the modules whose weights the
-checkpoint stores in FP8 (``modules_to_not_convert`` is honoured as well), building the classes below.
-:func:`fp8_quantizer_for_load` installs it for the duration of one ``from_pretrained``.
+"""Block-scaled FP8 weights kept as FP8 in memory: transformers' ``FP8Linear`` / ``FP8Experts`` with a CPU-capable
+forward (:func:`fp8_linear_block_rows` wherever transformers' ``finegrained-fp8`` kernel does not serve a weight)
+and the quantizer that builds them. A weight ``W [out, in]`` is ``float8_e4m3fn`` with ``weight_scale_inv`` fp32
+``[ceil(out/br), ceil(in/bc)]`` (``weight_block_size = [br, bc]``), ``W ≈ W_fp8 * scale_inv`` per block; a merged
+``gate_up_proj [E, 2I, H]`` blocks gate and up separately (``[E, 2*ceil(I/br), ceil(H/bc)]``).
 """
 
 from __future__ import annotations
@@ -52,13 +34,8 @@ TILE_ELEMENTS = 1 << 22
 
 
 def _row_groups(rows: int, scale_rows: int, block_rows: int) -> list[tuple[int, int, int]]:
-    """``(row_start, row_end, scale_row_start)`` of the independently blocked row groups of a weight: one group
-    when ``scale_rows == ceil(rows / block_rows)``; two equal halves (a merged gate/up projection whose halves are
-    blocked separately) when ``scale_rows == 2 * ceil(rows / 2 / block_rows)``.
-
-    Raises:
-        ValueError: when the scale grid fits neither layout.
-    """
+    """``(row_start, row_end, scale_row_start)`` of a weight's blocked row groups: one, or two separately blocked
+    halves (merged gate/up); ``ValueError`` when the scale grid fits neither."""
     if scale_rows == math.ceil(rows / block_rows):
         return [(0, rows, 0)]
     half = rows // 2
@@ -72,8 +49,7 @@ def _row_groups(rows: int, scale_rows: int, block_rows: int) -> list[tuple[int, 
 
 
 def _tiles(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
-    """Yield ``(row_start, row_end, weight_rows, scale_rows)`` tiles of whole block rows, each under
-    :data:`TILE_ELEMENTS` elements unless one block row is larger."""
+    """``(row_start, row_end, weight_rows, scale_rows)`` tiles of whole block rows under :data:`TILE_ELEMENTS`."""
     rows, cols = weight.shape
     br = block[0]
     per_tile = max(1, TILE_ELEMENTS // max(1, cols * br))
@@ -115,20 +91,18 @@ def fp8_linear_block_rows(
     block: tuple[int, int] | list[int],
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ (weight * scale_inv).T (+ bias)`` with ``weight`` dequantized one tile of block rows at a time.
+    """``x @ (weight * scale_inv).T (+ bias)``, ``weight`` dequantized one tile of block rows at a time.
 
     Args:
-        x: ``[..., in]`` float activations (the compute dtype).
-        weight: ``[out, in]`` ``float8_e4m3fn``.
+        x: ``[..., in]`` float (the compute dtype); weight: ``[out, in]`` ``float8_e4m3fn``; bias: optional ``[out]``.
         scale_inv: fp32 ``[ceil(out/br), ceil(in/bc)]``, or two separately blocked halves (merged gate/up).
         block: ``(br, bc)``.
-        bias: optional ``[out]``.
 
     Returns:
-        ``[..., out]`` in ``x.dtype``; differentiable in ``x`` only.
+        ``[..., out]`` in ``x.dtype``, differentiable in ``x`` only.
 
     Raises:
-        ValueError: when ``weight`` is not 2-D FP8 or ``scale_inv`` does not tile it.
+        ValueError: ``weight`` not 2-D FP8, or ``scale_inv`` not tiling it.
     """
     if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
         raise ValueError(f"weight: expected a 2-D {FP8_DTYPE} tensor; got {weight.dtype} {tuple(weight.shape)}")
@@ -144,9 +118,7 @@ _KERNEL_STATE: dict[str, bool] = {}
 
 
 def _transformers_kernel_usable(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> bool:
-    """Whether transformers' FP8 matmul serves this weight: a CUDA tensor, a scale grid of whole blocks and the
-    ``finegrained-fp8`` kernel loadable (checked once; when it is not, one warning names the error and the block-row
-    forward runs)."""
+    """CUDA weight, whole-block scale grid and the ``finegrained-fp8`` kernel loadable (else one warning, once)."""
     if not weight.is_cuda or block is None or scale_inv.shape[0] != math.ceil(weight.shape[0] / block[0]):
         return False
     if "cuda" not in _KERNEL_STATE:
@@ -202,9 +174,8 @@ class Glm53FlashFP8Experts(FP8Experts):
         return clamped_swiglu(gate, up, self.swiglu_limit)
 
     def _weight_and_delta(self, name: str):
-        """``(fp8 weight [E, out, in], scale_inv, delta [E, out, in] or None)`` of projection ``name``. Under a PEFT
-        ``target_parameters`` adapter the parameter is parametrized (``W + delta``, which PEFT would round back to
-        e4m3 without the scales): the FP8 original and the adapters' ``delta_weight`` are read separately."""
+        """``(fp8 weight [E, out, in], scale_inv, LoRA delta [E, out, in] or None)`` of projection ``name``, read
+        apart under PEFT's ``target_parameters`` parametrization (which would round ``W + delta`` to e4m3)."""
         scale = getattr(self, name + "_scale_inv")
         if not nn.utils.parametrize.is_parametrized(self, name):
             return getattr(self, name), scale, None
@@ -221,8 +192,8 @@ class Glm53FlashFP8Experts(FP8Experts):
         return parametrization.original, scale, sum(deltas)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        """``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: per hit expert, the FP8
-        projections (:meth:`linear`) plus, under a LoRA adapter, ``x @ delta[e].T``; accumulated in fp32."""
+        """``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: per expert hit, the FP8
+        projections plus, under a LoRA adapter, ``x @ delta[e].T``; accumulated in fp32."""
         gate_up, gate_up_scale, gate_up_delta = self._weight_and_delta("gate_up_proj")
         down, down_scale, down_delta = self._weight_and_delta("down_proj")
 
@@ -263,18 +234,10 @@ def _fp8_module_name(name: str, fp8_modules: set[str]) -> bool:
 
 
 def replace_with_fp8_modules(model: nn.Module, fp8_modules: set[str], modules_to_not_convert, quantization_config):
-    """Swap (on the meta device) each ``nn.Linear`` and routed-experts module of ``model`` whose name ends with one
-    of ``fp8_modules`` (names relative to the text model, e.g. ``layers.2.self_attn.o_proj``,
-    ``layers.1.mlp.experts``) and is not excluded by ``modules_to_not_convert`` for :class:`Glm53FlashFP8Linear` /
-    :class:`Glm53FlashFP8Experts`.
-
-    Returns:
-        the number of modules swapped.
-
-    Raises:
-        ValueError: when ``modules_to_not_convert`` excludes a module whose weight is FP8 (it could only be loaded
-            dequantized), naming the modules.
-    """
+    """Swap, on the meta device, each ``nn.Linear`` / routed-experts module of ``model`` whose name ends with one of
+    ``fp8_modules`` (relative to the text model, e.g. ``layers.2.self_attn.o_proj``) for :class:`Glm53FlashFP8Linear`
+    / :class:`Glm53FlashFP8Experts`; returns the number swapped. Raises ``ValueError`` naming the modules when
+    ``modules_to_not_convert`` excludes one whose weight is FP8."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     from .moe import Glm53FlashExperts
@@ -313,8 +276,8 @@ _LOAD_LOCK = threading.Lock()
 
 
 class Glm53FlashFP8Quantizer(FineGrainedFP8HfQuantizer):
-    """transformers' ``FineGrainedFP8HfQuantizer`` for our models: keeps FP8 on every device (the modules run on
-    CPU through :func:`fp8_linear_block_rows`) and converts the modules :func:`fp8_quantizer_for_load` names."""
+    """transformers' ``FineGrainedFP8HfQuantizer`` that keeps FP8 on every device (CPU included) and converts the
+    modules :func:`fp8_quantizer_for_load` names (``modules_to_not_convert`` honoured)."""
 
     def validate_environment(self, *args, **kwargs):
         if self.quantization_config.dequantize or torch.cuda.is_available():

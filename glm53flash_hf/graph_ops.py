@@ -1,9 +1,8 @@
 """Torch regions with data-dependent control flow as ``torch.library`` custom ops, for ``torch.compile``.
 
-:func:`recompute_op` and :func:`module_op` register a function (or a module called as a whole) as an opaque op
-with a fake implementation and a backward that recomputes it; eager code calls the function directly
-(:func:`in_graph`). Sources: ``torch.library.custom_op``, ``register_fake``, ``register_autograd`` (PyTorch
-"Custom Python operators" guide).
+:func:`recompute_op` and :func:`module_op` register a function (or a module called as a whole) as an opaque op with a
+fake implementation and a recomputing backward; eager code calls the function directly (:func:`in_graph`). Source:
+PyTorch's "Custom Python operators" guide (``torch.library.custom_op``, ``register_fake``, ``register_autograd``).
 """
 
 from __future__ import annotations
@@ -21,19 +20,9 @@ __all__ = ["NAMESPACE", "define_op", "in_graph", "module_op", "module_parameters
 
 
 def define_op(name: str, impl, fake, *, backward=None, setup_context=None):
-    """Register ``impl`` as the custom op ``glm53flash::<name>`` with its fake implementation and optional autograd
-    formula; an op of that name that already exists is returned unchanged.
-
-    Args:
-        name: the op name within :data:`NAMESPACE`.
-        impl: the implementation, every argument and the return annotated; returns a tensor or a tuple of tensors,
-            never an input itself.
-        fake: the fake implementation (empty tensors of the outputs' shapes, dtypes and strides).
-        backward, setup_context: as ``torch.library.register_autograd``; ``None``: no autograd formula.
-
-    Returns:
-        The op (callable like ``impl``).
-    """
+    """Register ``impl`` as ``glm53flash::<name>`` with its ``fake`` implementation and optional autograd formula
+    (``backward``, ``setup_context`` as ``torch.library.register_autograd``); returns the op, or the existing op of
+    that name. ``impl`` annotates every argument and the return, a tensor or tuple of tensors that are not inputs."""
     existing = getattr(torch.ops, NAMESPACE)
     if hasattr(existing, name):
         return getattr(existing, name)
@@ -73,20 +62,13 @@ def recompute_op(
     num_outputs: int,
     fake: Callable[..., tuple],
 ) -> Callable[..., tuple]:
-    """Register ``fn`` as the custom op ``glm53flash::<name>`` with a recomputing backward; return the op.
+    """Register ``fn`` as ``glm53flash::<name>`` (and ``<name>_backward``) with a recomputing backward; returns the op.
 
     Args:
-        name: op name (``glm53flash::<name>`` and ``glm53flash::<name>_backward`` are registered).
-        fn: pure ``fn(*tensors, **statics) -> tuple`` of ``num_outputs`` tensors or ``None`` (returned empty).
-        tensor_args: ``(name, optional)`` per positional tensor argument; floating ones that require grad get
-            gradients.
-        static_args: ``(name, schema type)`` per keyword argument, e.g. ``("scale", "float")``, ``("activation",
-            "str?")``.
-        num_outputs: number of tensors ``fn`` returns.
+        fn: pure ``fn(*tensors, **statics)`` returning ``num_outputs`` tensors or ``None`` (returned empty).
+        tensor_args: ``(name, optional)`` per positional tensor; floating ones that require grad get gradients.
+        static_args: ``(name, schema type)`` per keyword argument, e.g. ``("scale", "float")``.
         fake: ``fake(*tensors, **statics)`` giving the outputs' shapes and dtypes.
-
-    Returns:
-        The forward op, ``op(*tensors, **statics)`` returning ``num_outputs`` tensors.
     """
     existing = getattr(torch.ops, NAMESPACE)
     if hasattr(existing, name):  # a second copy of the module (remote code): share the first registration

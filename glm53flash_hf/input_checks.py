@@ -25,9 +25,8 @@ def _is_integer(t: torch.Tensor) -> bool:
 
 
 def check_integer_tensor(name: str, value) -> None:
-    """Raise ``ValueError`` (``"<name> must be an integer tensor; got dtype ..."``) unless ``value`` is ``None`` or an
-    integer tensor.
-    """
+    """``ValueError`` (``"<name> must be an integer tensor; got dtype ..."``) unless ``value`` is ``None`` or an integer
+    tensor."""
     if value is None:
         return
     if not isinstance(value, torch.Tensor):
@@ -41,12 +40,8 @@ def _first_bad(mask: torch.Tensor) -> list[int]:
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
-    """Check that ``input_ids`` is an integer ``[batch, seq]`` tensor, ``batch, seq >= 1``, ids in ``[0, vocab_size)``.
-
-    Raises:
-        ValueError: not an integer tensor, not 2-D, empty, or an id out of range (names the first bad position,
-            the value and the range).
-    """
+    """``ValueError`` unless ``input_ids`` is an integer ``[batch, seq]`` tensor, ``batch, seq >= 1``, with ids in
+    ``[0, vocab_size)`` (the message names the first bad position, the value and the range)."""
     check_integer_tensor(name, input_ids)
     if input_ids.dim() != 2:
         raise ValueError(f"{name} must be [batch, seq]; got shape {tuple(input_ids.shape)}")
@@ -65,10 +60,7 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input
 
 
 def check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int) -> None:
-    """Check that ``inputs_embeds`` is a floating ``[batch, seq, hidden_size]`` tensor with ``batch, seq >= 1``.
-
-    Raises:
-        ValueError: not a floating-point tensor, another shape, or empty.
+    """``ValueError`` unless ``inputs_embeds`` is a floating ``[batch, seq, hidden_size]`` tensor, ``batch, seq >= 1``.
     """
     if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
         what = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
@@ -85,12 +77,8 @@ def check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int) -> None:
 
 def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_index: int = -100,
                  name: str = "labels") -> None:
-    """Check that ``labels`` is an integer ``[batch, seq]`` tensor of ``ignore_index`` or ids in ``[0, vocab_size)``.
-
-    Raises:
-        ValueError: not an integer tensor, another shape, or an entry out of range (names the first bad position
-            and value).
-    """
+    """``ValueError`` unless ``labels`` is ``None`` or an integer tensor of ``input_shape`` holding ``ignore_index`` or
+    ids in ``[0, vocab_size)`` (the message names the first bad position and value)."""
     if labels is None:
         return
     check_integer_tensor(name, labels)
@@ -110,12 +98,8 @@ def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_i
 
 
 def check_not_meta(tensors: dict, module) -> None:
-    """Refuse inputs on the ``meta`` device (``tensors``: ``{argument name: value}``) given to a ``module`` whose
-    weights hold data.
-
-    Raises:
-        ValueError: naming the argument, its shape and the model's device.
-    """
+    """``ValueError`` naming the argument, its shape and the model's device for an input on the ``meta`` device
+    (``tensors``: ``{name: value}``) given to a ``module`` whose weights hold data."""
     for name, value in tensors.items():
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             param = next(module.parameters(), None)
@@ -129,13 +113,8 @@ def check_not_meta(tensors: dict, module) -> None:
 
 
 def check_loss_arguments(num_items_in_batch, logits_to_keep) -> None:
-    """Check ``num_items_in_batch`` (``None``, a number or a one-element tensor, > 0; its value read on CPU in eager
-    calls only) and ``logits_to_keep`` (an ``int >= 0`` or a tensor of positions).
-
-    Raises:
-        ValueError: ``num_items_in_batch`` <= 0, not a number, or a tensor of more than one element;
-            ``logits_to_keep`` negative or neither an int nor a tensor.
-    """
+    """``ValueError`` unless ``num_items_in_batch`` is ``None`` or a positive number or one-element tensor (its value
+    read on CPU in eager calls only) and ``logits_to_keep`` an ``int >= 0`` or a tensor of positions."""
     if num_items_in_batch is not None:
         value = num_items_in_batch
         if isinstance(value, torch.Tensor):
@@ -165,15 +144,10 @@ def check_loss_arguments(num_items_in_batch, logits_to_keep) -> None:
 
 def check_vision_inputs(pixel_values: torch.Tensor, grid_thw, vision_config, pixels_name: str,
                         grid_name: str) -> None:
-    """Check one modality's vision inputs against each other and the vision tower.
-
-    ``pixel_values``: floating ``[patches, C * T * P * P]`` (``in_channels``, ``temporal_patch_size``, ``patch_size``);
-    ``grid_thw``: integer ``[n, 3]`` of positive ``(t, h, w)``, ``h`` and ``w`` multiples of ``spatial_merge_size``,
-    ``sum(t * h * w) == patches``.
-
-    Raises:
-        ValueError: naming the argument, its shape or values, and the expected ones.
-    """
+    """Check one modality's vision inputs: ``pixel_values`` floating ``[patches, C * T * P * P]`` (the tower's
+    ``in_channels``, ``temporal_patch_size``, ``patch_size``), ``grid_thw`` integer ``[n, 3]`` of positive
+    ``(t, h, w)``, ``h`` and ``w`` multiples of ``spatial_merge_size``, ``sum(t * h * w) == patches``; else
+    ``ValueError`` naming the argument, its shape or values and the expected ones."""
     if grid_thw is None:
         raise ValueError(f"{pixels_name} needs {grid_name} (one [t, h, w] row per image or video)")
     if not isinstance(pixel_values, torch.Tensor) or not pixel_values.dtype.is_floating_point:

@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash text model for glm53flash-hf.
+"""GLM-5.3-Flash models: the text decoder stack, the causal LM and the vision-language model.
 
 Data path (as transformers' ``models/glm5_next/modeling_glm5_next.py``)::
 
@@ -8,16 +8,8 @@ Data path (as transformers' ``models/glm5_next/modeling_glm5_next.py``)::
         hc_pre → post_attention_layernorm → dense MLP | MoE     → hc_post
       mean over streams → norm → lm_head                        → logits, loss
 
-Document boundaries are turned once per forward into a :class:`~.packing.DocumentLayout` (from the 2-D
-``attention_mask``, ``position_ids`` restarting at 0, and/or ``cu_seq_lens_q`` / ``cu_seqlens`` / ``seq_idx``)
-and handed to every layer that mixes tokens, so each packed document and each left-padded row computes exactly
-what it computes alone.
-
-Module and parameter names equal transformers' ``glm5_next`` in-memory names (``Glm5NextTextModel``), so the
-text model's state dict is interchangeable with ``Glm5NextForConditionalGeneration.model.language_model``; the
-published on-disk layout (per-expert weights, split conv, ``hc_*``, ``model.language_model.`` prefix) is read
-through the conversions registered in :mod:`.checkpoint`. The MTP layers (``num_nextn_predict_layers``) sit
-after the main stack at ``layers.{num_hidden_layers + i}``, as in the published checkpoint.
+Module and parameter names are transformers' ``glm5_next`` in-memory names; the published on-disk layout is read and
+written through :mod:`.checkpoint`. The MTP layers sit at ``layers.{num_hidden_layers + i}``.
 """
 
 import os
@@ -78,18 +70,13 @@ AUTO_MAP = {
 
 
 class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
-    """One main-stack layer: two mHC sites around attention (KDA or DSA) and the MLP (dense or MoE).
-
-    Args:
-        config: :class:`Glm53FlashTextConfig`.
-        layer_idx: index in ``config.layer_types`` / ``mlp_layer_types``.
+    """One main-stack layer (``Glm5NextTextDecoderLayer``): mHC sites (DeepSeek, "mHC: Manifold-Constrained
+    Hyper-Connections") around the token mixer (KDA or DSA) and the MLP (dense or MoE).
 
     ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, cache_context=None,
-    output_attentions=False)`` returns ``(hidden_states [B,S,N,D], topk_indices or None)``; the indices are returned
-    when the next layer is a ``shared`` indexer layer. ``cache`` / ``cache_context`` (generation) go to the token
-    mixer. With ``output_attentions=True`` a third entry: a DSA layer's attention weights ``[B, H, S, S_kv]``
-    (:meth:`.dsa.Glm53FlashAttention.forward`), ``None`` for a KDA layer (no attention weights).
-    Source: transformers ``Glm5NextTextDecoderLayer``; mHC: DeepSeek, "mHC: Manifold-Constrained Hyper-Connections".
+    output_attentions=False)`` -> ``(hidden_states [B,S,N,D], topk_indices)`` (the ids when the next layer is a
+    "shared" indexer layer, else ``None``); with ``output_attentions`` third a DSA layer's weights ``[B, H, S, S_kv]``
+    (``None`` for KDA).
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -149,17 +136,11 @@ class Glm53FlashSharedHead(nn.Module):
 
 
 class Glm53FlashMTPLayer(GradientCheckpointingLayer):
-    """Multi-token-prediction layer (DeepSeek-V3 technical report §2.2), at ``layers.{num_hidden_layers + i}``.
+    """Multi-token-prediction layer (DeepSeek-V3 technical report §2.2) at ``layers.{num_hidden_layers + i}``:
+    ``x = eh_proj([enorm(embeds), hnorm(h)])``, then a pre-norm residual block of DSA attention and MoE (no mHC).
 
-    ``x = eh_proj([enorm(embed(t + k)), hnorm(h)])`` (embedding first), then a plain pre-norm residual block
-    with its own DSA attention (full indexer) and MoE (no mHC), then ``shared_head.norm``.
-
-    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout, cache=None, cache_context=None)`` →
-    ``(out [B,S,D], h [B,S,D])``: ``out`` is normalised by ``shared_head.norm`` (feed to ``lm_head``), ``h`` is the
-    block output before it (the next depth's ``hidden_states``). The caller rolls ``inputs_embeds`` per document
-    (:meth:`Glm53FlashTextModel.mtp_forward`). ``cache`` / ``cache_context`` (MTP drafting,
-    :mod:`.mtp_generation`) go to the attention, whose cache layer is ``layer_idx``
-    (:class:`~.generation_cache.MtpDraftCache`).
+    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout, cache=None, cache_context=None)`` ->
+    ``(shared_head.norm(x), x)``, both ``[B,S,D]``; the caller rolls ``inputs_embeds`` per document.
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -188,11 +169,9 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
 
 @dataclass
 class Glm53FlashTextModelOutput(MoeModelOutputWithPast):
-    """``MoeModelOutputWithPast`` plus, when MTP ran (``mtp_depth > 0``): ``pre_norm_hidden_state`` (``h_pre``
-    ``[B,S,D]``, the mean over streams before the final norm), ``mtp_hidden_states`` (one ``[B,S,D]`` per depth)
-    and ``document_layout`` (the forward's :class:`DocumentLayout`, for the per-document label roll). With
-    ``output_mtp_inputs=True`` (MTP drafting, :mod:`.mtp_generation`): ``pre_norm_hidden_state`` and
-    ``mtp_inputs_embeds`` (``[B,S,D]``, the embeddings the layers read, vision features spliced in)."""
+    """``MoeModelOutputWithPast`` plus, when MTP ran: ``pre_norm_hidden_state`` ``[B,S,D]`` (before the final norm),
+    ``mtp_hidden_states`` (one ``[B,S,D]`` per depth) and ``document_layout``; with ``output_mtp_inputs=True``:
+    ``pre_norm_hidden_state`` and ``mtp_inputs_embeds`` ``[B,S,D]`` (the embeddings the layers read)."""
 
     pre_norm_hidden_state: torch.FloatTensor | None = None
     mtp_hidden_states: tuple[torch.FloatTensor, ...] | None = None
@@ -207,15 +186,11 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _can_compile_fullgraph = True  # training forward/backward and static-cache decoding (tests/test_compile.py)
-    # Attention implementations, declared as transformers' Glm5NextPreTrainedModel does. The DSA and KDA kernels are
-    # this package's own: "eager" and "sdpa" both select them (config._attn_implementation is not read by the token
-    # mixers); flash-attention and flex-attention need index-based / per-layer kernels, as for the built-in.
+    # as the built-in declares them; "eager" and "sdpa" both run this package's DSA / KDA kernels
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    # What output_attentions / output_hidden_states / output_router_logits return, as the built-in declares it (the
-    # text model collects them itself, without transformers' capture_outputs hooks): DSA layers' attention weights,
-    # the decoder layers' outputs, the main-layer routers' logits (index 0 of the router's output).
+    # what output_attentions / output_hidden_states / output_router_logits return (the text model collects them)
     _can_record_outputs = {
         "attentions": Glm53FlashAttention,
         "hidden_states": Glm53FlashDecoderLayer,
@@ -236,20 +211,12 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        """``True``: the routed experts (:class:`.moe.Glm53FlashExperts`) carry transformers' experts-implementation
-        decorator, so ``set_experts_implementation`` / ``from_pretrained(experts_implementation=...)`` may switch
-        them (transformers' own answer reads the model module's source text; ``docs/design.md``, section "MoE")."""
+        """``True``: the routed experts carry transformers' experts-implementation decorator."""
         return True
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """The experts implementation to use: ``requested_experts`` when given (``"eager"``, ``"grouped_mm"``,
-        ``"batched_mm"``, hub kernels; checked by ``PreTrainedModel``), else ``"eager"``, this package's own experts
-        forward (:func:`.moe.grouped_experts_forward`: torch grouped GEMMs, fused Triton kernels on CUDA), where
-        transformers would default to its ``"grouped_mm"``.
-
-        Raises:
-            ValueError: an unknown implementation (``PreTrainedModel.get_correct_experts_implementation``).
-        """
+        """``requested_experts`` when given (checked by ``PreTrainedModel``), else ``"eager"``: this package's experts
+        forward (:func:`.moe.grouped_experts_forward`)."""
         if requested_experts is None:
             return "eager"
         return super().get_correct_experts_implementation(requested_experts)
@@ -263,51 +230,29 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         init_moe_weights(module, config)
 
     def set_sequence_parallel(self, group=None) -> None:
-        """Turn sequence parallelism on (``group``: a ``torch.distributed`` process group, e.g.
-        ``mesh["sp"].get_group()``) or off (``None``, the default state) for every text model inside ``self``.
-
-        With a group, each rank's uncached forward takes this rank's contiguous shard ``[B, L]`` of the global rows
-        (ranks in order; :func:`.sequence_parallel.shard_sequence`), ``position_ids`` / ``attention_mask`` /
-        ``seq_idx`` sliced the same way (``cu_seq_lens_q`` / ``cu_seqlens``: the global boundaries), and ``labels``
-        sliced the same way (the causal shift is taken over the global rows). The loss is the shard's sum divided by
-        ``num_items_in_batch`` (pass the global count; when absent it is the group's total, all-reduced, and each
-        MTP depth is divided by its own group total, as one device averages it), so the group's losses and gradients
-        summed equal one device's, with or without the count. See :mod:`.sequence_parallel`.
-        """
+        """Sequence parallelism over ``group`` (a ``torch.distributed`` process group) or off (``None``) for every text
+        model inside. Each rank's uncached forward then takes its contiguous shard ``[B, L]`` of the global rows
+        (:func:`.sequence_parallel.shard_sequence`), with ``labels``, ``position_ids``, ``attention_mask`` and
+        ``seq_idx`` sliced alike (``cu_seq_lens_q`` / ``cu_seqlens`` global); with the global ``num_items_in_batch``
+        or none, the group's losses and gradients summed equal one device's."""
         for module in self.modules():
             if isinstance(module, Glm53FlashTextModel):
                 module.sequence_parallel_group = group
 
     def save_pretrained(self, save_directory, *args, processor=None, allow_nonfinite_weights: bool = False, **kwargs):
-        """``PreTrainedModel.save_pretrained`` writing the published layout (``model.language_model.*``, per-expert
-        weights, split KDA convolutions, ``hc_*``, MTP at ``layers.{num_hidden_layers + i}``), a ``config.json``
-        with ``model_type: glm5_next`` and ``auto_map`` entries for every Auto class this package serves, and a
-        copy of the package's modules needed by the remote code — atomically (:func:`.checkpoint.atomic_save`).
-
-        Everything (config, generation config, remote-code modules, shards, index and, with ``processor``, the
-        processor's files) is written into a temporary sibling folder that replaces ``save_directory`` only once
-        complete. A failure midway leaves the previous folder as it was. The folder becomes exactly the new save
-        plus the entries of the old folder that the save does not write and that are not checkpoint files (a README,
-        ``adapter/``, logs, tokenizer/processor files, trainer states, subfolders are kept; weights of another layout,
-        stale shards and indexes, ``config.json`` and ``generation_config.json`` are not). Nothing is written through
-        a symbolic or hard link into another folder. A process killed during the save leaves the old or the new
-        folder, never a mix, and the next save or ``from_pretrained`` of the folder cleans up (details and the
-        fallbacks for mount points and file systems without an atomic exchange: :func:`.checkpoint.atomic_save`).
+        """``PreTrainedModel.save_pretrained`` in the published layout (``model.language_model.*``, per-expert weights,
+        split KDA convolutions, ``hc_*``), with ``model_type: glm5_next``, this package's ``auto_map`` and the
+        remote-code modules, written atomically (:func:`.checkpoint.atomic_save`): a failure or a kill leaves the old
+        folder or the new one; the old folder's entries that are not checkpoint files are kept.
 
         Args:
-            save_directory: target folder (created with its parent when missing).
-            processor: optional processor (anything with ``save_pretrained(folder)``) saved into the same folder in
-                the same swap.
-            allow_nonfinite_weights: save weights holding NaN or Inf too; by default they are refused
-                (:func:`.checkpoint.check_finite_for_save`, on the ``state_dict`` passed or the model's own).
-            *args, **kwargs: ``PreTrainedModel.save_pretrained``'s (``max_shard_size``, ``state_dict``,
-                ``is_main_process``, ...). A process that does not save (``is_main_process=False``) takes part in
-                the collectives and writes nothing. ``distributed_checkpoint=True`` (every rank writes) saves in
-                place, not atomically.
+            save_directory: target folder; processor: optional, saved into the same folder in the same swap.
+            allow_nonfinite_weights: also save weights holding NaN or Inf (refused by default).
+            *args, **kwargs: ``PreTrainedModel.save_pretrained``'s; ``is_main_process=False`` writes nothing,
+                ``distributed_checkpoint=True`` saves in place, not atomically.
 
         Raises:
-            ValueError: ``save_directory`` is an existing file; a floating-point weight holds NaN or Inf (names the
-                first tensors) and ``allow_nonfinite_weights`` is False.
+            ValueError: ``save_directory`` is a file; a weight holds NaN or Inf without ``allow_nonfinite_weights``.
         """
         import tempfile
 
@@ -341,11 +286,7 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         atomic_save(save_directory, write)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict`` that first rejects integer or bool tensors for floating-point weights.
-
-        Raises:
-            ValueError: naming the keys and dtypes (:func:`.checkpoint.check_state_dict_dtypes`).
-        """
+        """``nn.Module.load_state_dict``; ``ValueError`` naming integer or bool tensors given for float weights."""
         from .checkpoint import check_state_dict_dtypes
 
         check_state_dict_dtypes(self, state_dict)
@@ -354,23 +295,14 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """``PreTrainedModel.from_pretrained`` with checkpoint checks and strict key accounting
-        (:func:`.checkpoint.load_pretrained`).
+        (:func:`.checkpoint.load_pretrained`); reads the key-prefix variants of :mod:`.checkpoint` and FP8
+        checkpoints; a text-only class skips vision tensors (one info line).
 
-        Accepts the key-prefix variants of :mod:`.checkpoint` and FP8 checkpoints (dequantized on load). Missing,
-        unexpected or shape-mismatched keys raise ``ValueError`` listing them, unless ``allow_missing_keys=True`` /
-        ``allow_unexpected_keys=True`` / ``ignore_mismatched_sizes=True`` is passed (then it warns), or
-        ``output_loading_info=True`` (then they are in the returned ``loading_info``, and warned); a corrupt or
-        truncated shard, or an integer or bool tensor of a local checkpoint that loads into a weight (one the model
-        does not take is an unexpected key), raises ``ValueError`` naming the file or key; so does a config whose
-        layer or expert counts or tensor sizes disagree with a local checkpoint's headers (checked before the model
-        is built, naming the field and value), an index that lists a key twice, and a folder holding both
-        ``model.safetensors`` and an index. A NaN or Inf in a loaded weight raises ``ValueError`` naming the
-        parameter (``allow_nonfinite_weights=True`` warns instead). A text-only class skips
-        the vision tower's tensors of a multimodal checkpoint and says so in one info line. ``save_pretrained``
-        then writes the canonical layout whatever variant was read. Loading and saving use the key conversions of
-        this class's own module (:func:`.checkpoint.own_conversions`), whatever other copy of it (a remote-code
-        folder's) was imported or used before. A local folder that a killed ``save_pretrained``
-        left unfinished is first completed or restored (:func:`.checkpoint.recover_interrupted_save`).
+        Raises:
+            ValueError: missing, unexpected or mismatched keys (unless ``allow_missing_keys`` /
+                ``allow_unexpected_keys`` / ``ignore_mismatched_sizes`` / ``output_loading_info``); a corrupt shard;
+                integer or bool tensors for weights; config sizes disagreeing with the headers; a bad index; NaN or
+                Inf weights (unless ``allow_nonfinite_weights=True``).
         """
         from .checkpoint import load_pretrained, own_conversions
 
@@ -379,44 +311,25 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
 
 
 class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
-    """The GLM-5.3-Flash decoder stack (``Glm5NextTextModel``-compatible state dict).
+    """The GLM-5.3-Flash decoder stack (state dict as ``Glm5NextTextModel``).
 
-    ``forward(input_ids [B,S] | inputs_embeds [B,S,D], attention_mask [B,S]?, position_ids [B,S]?,
-    **packing_kwargs)`` → ``MoeModelOutputWithPast`` with ``last_hidden_state`` = ``norm(mean_streams(X))``
-    ``[B,S,D]``; ``hidden_states`` (when ``output_hidden_states``), as transformers' glm5_next: the stream tensors
-    ``[B,S,N,D]`` after the embedding expansion and after each layer but the last, then ``last_hidden_state``
-    ``[B,S,D]`` (the final norm's output); a list of indices for ``output_hidden_states`` keeps those entries (the
-    others ``None``), as transformers' output capture. ``output_attentions=True`` gives ``attentions``, as the
-    built-in: one ``[B, H, S, S_kv]`` tensor per DSA main layer (KDA layers have none), the softmax over the selected
-    ids scattered into a dense tensor (zero at the ids not selected); those layers then run a dense torch path
-    (``O(S * S_kv)`` memory) that computes the output from the weights, so gradients reach them.
-
-    Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``), ``seq_idx`` (``[B,S]``), see
-    :func:`.packing.layout_from_kwargs`.
-
-    Generation cache: ``cache`` (or ``past_key_values``) a transformers ``DynamicCache(config=...)`` /
-    ``StaticCache``, or ``use_cache=True`` (a ``DynamicCache`` is created). The new tokens continue the cached
-    rows: ``attention_mask`` is then ``[B, past + S]`` (transformers' convention) or ``None``; rows may be left
-    padded; the output's ``cache`` holds the updated cache. Layer caches: see :mod:`.generation_cache`.
-    ``use_cache`` ``None`` / ``False`` without a cache runs the uncached (training) path.
-
-    MTP: ``mtp_depth=D > 0`` (uncached forwards of a model with ``num_nextn_predict_layers > 0``; the heads pass
-    it when the MTP loss is on) also runs :meth:`mtp_forward` and fills the output's ``pre_norm_hidden_state``
-    (``h_pre`` ``[B,S,D]``), ``mtp_hidden_states`` (D tensors ``[B,S,D]``) and ``document_layout``.
-    ``output_mtp_inputs=True`` (any forward; ``generate(use_mtp=True)`` asks for it) fills
-    ``pre_norm_hidden_state`` and ``mtp_inputs_embeds`` (``[B,S,D]``), what the MTP layer reads when drafting.
+    ``forward(input_ids [B,S] | inputs_embeds [B,S,D], attention_mask?, position_ids?, **packing_kwargs)`` ->
+    :class:`Glm53FlashTextModelOutput` with ``last_hidden_state = norm(mean_streams(X))`` ``[B,S,D]``; as
+    transformers' glm5_next, ``hidden_states`` (the streams ``[B,S,N,D]`` after the embedding and each layer but the
+    last, then ``last_hidden_state``; a list of indices keeps those) and ``attentions`` (one ``[B, H, S, S_kv]`` per
+    DSA main layer, from a dense torch path). Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``),
+    ``seq_idx`` ``[B,S]`` (:func:`.packing.layout_from_kwargs`). Generation: ``cache`` / ``past_key_values`` (a
+    ``DynamicCache(config=...)`` or ``StaticCache``) or ``use_cache=True``; new tokens continue the cached rows
+    (``attention_mask`` ``[B, past + S]`` or ``None``, left padding allowed). ``mtp_depth=D > 0`` (uncached) also
+    runs :meth:`mtp_forward`; ``output_mtp_inputs=True`` returns what MTP drafting reads.
 
     Raises:
         ValueError: both or neither of ``input_ids`` / ``inputs_embeds``; an input on the meta device while the
-            weights hold data (:func:`.input_checks.check_not_meta`); ``input_ids`` not an integer ``[B, S]``
-            tensor, empty, or (eagerly) holding ids outside ``[0, vocab_size)``; ``inputs_embeds`` not a float
-            ``[B, S, hidden_size]`` tensor or empty (:mod:`.input_checks`); a non-2-D or non-0/1 attention mask;
-            float ``position_ids`` / ``cu_seq_lens_q`` / ``seq_idx``; bad packing; a cache together with packed
-            documents, padding after a real token, or more tokens than a static cache holds; ``mtp_depth > 0``
-            with a cache or without an MTP layer. At construction: ``pad_token_id``, ``bos_token_id`` or
-            ``eos_token_id`` (or one of its ids) not ``None`` nor an id in ``[0, vocab_size)``
-            (:meth:`.Glm53FlashTextConfig.check_special_token_ids`).
-        NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
+            weights hold data; bad ids, embeddings (:mod:`.input_checks`), attention mask, positions or packing; a
+            cache with packed documents, padding after a real token or more tokens than a static cache holds;
+            ``mtp_depth > 0`` with a cache or without an MTP layer; at construction, special token ids outside
+            ``[0, vocab_size)``.
+        NotImplementedError: a ``cache`` that is not a transformers ``Cache``.
     """
 
     config_class = Glm53FlashTextConfig
@@ -506,8 +419,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 **kwargs,
             )
             if not layout.trivial:
-                # the packed layers read the segment boundaries: build them here, not first inside a
-                # (checkpointed) layer, where the lazy build would be a side effect on an outside object
+                # build the segment boundaries here, not lazily inside a (checkpointed) layer
                 layout.segment_tensors()
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -520,9 +432,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         topk_indices = None
         router_logits, hooks = [], []
         if output_router_logits:
-            # Record each main-layer router's logits as it runs (transformers' glm5_next records the same tensors
-            # with its OutputRecorder); hooks are removed before returning, so an activation-checkpoint recompute
-            # in the backward pass records nothing.
+            # hooks removed before returning: an activation-checkpoint recompute records nothing
             for layer in self.layers[: self.config.num_hidden_layers]:
                 gate = getattr(getattr(layer, "mlp", None), "gate", None)
                 if isinstance(gate, Glm53FlashTopkRouter):
@@ -573,23 +483,13 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """The MTP block at ``depth`` logical depths sharing the first MTP layer (DeepSeek-V3 §2.2).
+        """The MTP block at ``depth`` depths sharing the first MTP layer (DeepSeek-V3 §2.2).
 
-        Depth ``k``: ``E_k`` = ``embed_tokens(ids rolled by -k)`` (tails: token 0) or, when ``inputs_embeds`` are
-        given (VL: never re-embedded), the embeddings rolled by ``-k`` (tails: zeros), rolls per document
-        (:func:`.mtp.doc_roll`); ``h_in`` = ``h_pre`` (mean-collapsed, before the final norm) for ``k = 1``, else
-        depth ``k-1``'s block output before ``shared_head.norm`` (the sources do not say which; DeepSeek-V3 feeds
-        the un-normalised state, as for ``k = 1``).
-
-        Args:
-            h_pre: ``[B,S,D]``; layout: the forward's :class:`DocumentLayout`; depth: D >= 1; exactly one of
-                ``input_ids`` ``[B,S]`` / ``inputs_embeds`` ``[B,S,D]``.
-
-        Returns:
-            D tensors ``[B,S,D]``, normalised by ``shared_head.norm`` (feed to ``lm_head``).
-
-        Raises:
-            ValueError: no MTP layer, ``depth < 1``, or not exactly one of ``input_ids`` / ``inputs_embeds``.
+        Depth ``k`` reads the embeddings of the ids rolled by ``-k`` per document (:func:`.mtp.doc_roll`; given
+        ``inputs_embeds`` are rolled themselves) and, as ``h``, ``h_pre`` ``[B,S,D]`` (before the final norm) for
+        ``k = 1``, else depth ``k-1``'s output before ``shared_head.norm``. Exactly one of ``input_ids`` ``[B,S]`` /
+        ``inputs_embeds`` ``[B,S,D]``. Returns ``depth`` tensors ``[B,S,D]`` normalised by ``shared_head.norm``;
+        raises ``ValueError`` without an MTP layer, for ``depth < 1`` or not exactly one input.
         """
         n = self.config.num_hidden_layers
         if self.config.num_nextn_predict_layers == 0 or depth < 1:
@@ -613,11 +513,9 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
 
 @dataclass
 class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    """``MoeCausalLMOutputWithPast`` plus ``mtp_loss`` (unweighted mean over depths; ``loss`` holds
-    ``main + mtp_loss_weight * mtp_loss``) and ``mtp_logits`` (one ``[B,S,V]`` per depth) when MTP ran, and (VL
-    model) the vision tower's ``image_outputs`` / ``video_outputs`` (``BaseModelOutputWithPooling``, as
-    transformers' ``Glm5NextForConditionalGeneration``) when it ran; with ``output_mtp_inputs=True`` the text
-    model's ``pre_norm_hidden_state`` and ``mtp_inputs_embeds`` (``[B,S,D]``, for MTP drafting)."""
+    """``MoeCausalLMOutputWithPast`` plus, when MTP ran, ``mtp_loss`` (mean over depths; ``loss`` is
+    ``main + mtp_loss_weight * mtp_loss``) and ``mtp_logits`` (one ``[B,S,V]`` per depth); the VL model's
+    ``image_outputs`` / ``video_outputs``; with ``output_mtp_inputs=True`` the text model's MTP inputs."""
 
     mtp_loss: torch.FloatTensor | None = None
     mtp_logits: tuple[torch.FloatTensor, ...] | None = None
@@ -628,12 +526,8 @@ class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
 
 
 def _mtp_depth_for(head_model, labels, kwargs) -> int:
-    """Number of MTP depths the head asks the model for (0: none). Pops the ``mtp`` forward kwarg.
-
-    MTP runs when labels are given, the model has an MTP layer (``num_nextn_predict_layers > 0``), no cache is
-    used, and ``mtp`` (forward kwarg: ``True`` / ``False`` / ``None``) is ``True`` or, when ``None``, the config's
-    ``mtp_loss_weight > 0``. Depths: ``config.mtp_depth``.
-    """
+    """MTP depths the head asks for (pops the ``mtp`` kwarg): ``config.mtp_depth`` with labels, an MTP layer, no cache
+    and ``mtp`` ``True`` (``None``: ``mtp_loss_weight > 0``); else 0."""
     requested = kwargs.pop("mtp", None)
     config = head_model.config.get_text_config(decoder=True)
     cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache")
@@ -644,10 +538,7 @@ def _mtp_depth_for(head_model, labels, kwargs) -> int:
 
 
 def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
-    """The heads' checks, before the forward: ``labels`` / ``shift_labels`` (not on the meta device, integer, the
-    inputs' ``[B, S]`` shape, entries ``ignore_index`` or ids in ``[0, vocab_size)``;
-    :func:`.input_checks.check_labels`), ``num_items_in_batch`` and ``logits_to_keep``
-    (:func:`.input_checks.check_loss_arguments`)."""
+    """Checks of ``labels`` / ``shift_labels``, ``num_items_in_batch`` and ``logits_to_keep`` (:mod:`.input_checks`)."""
     check_not_meta({"labels": labels, "shift_labels": kwargs.get("shift_labels")}, head_model)
     check_loss_arguments(kwargs.get("num_items_in_batch"), logits_to_keep)
     source = input_ids if input_ids is not None else inputs_embeds
@@ -660,16 +551,8 @@ def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, logits_to_k
 
 
 def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Glm53FlashCausalLMOutputWithPast:
-    """Logits of the kept positions and transformers' ``ForCausalLMLoss`` (shifted; summed and divided by
-    ``num_items_in_batch`` when the Trainer passes it, else by the number of supervised tokens, at least 1) —
-    shared by the text-only and the VL heads.
-
-    Labels that are all ``ignore_index`` give ``loss`` 0.0 (zero gradients, a warning in eager calls) and
-    ``mtp_loss`` 0.0 — one convention for both, where torch's mean over zero elements would give NaN.
-
-    When the model output carries ``mtp_hidden_states`` (see :func:`_mtp_depth_for`), adds
-    ``mtp_loss_weight * mtp_loss`` (:func:`.mtp.mtp_loss`, same ``num_items_in_batch`` / ``ignore_index``;
-    ``shift_labels`` when given replace ``labels`` as the source of the MTP targets)."""
+    """Logits of the kept positions, transformers' ``ForCausalLMLoss`` (divided by ``num_items_in_batch``, else by the
+    supervised-token count, at least 1: all-ignored labels give 0.0), plus the MTP and router losses when they ran."""
     hidden_states = outputs.last_hidden_state
     if isinstance(logits_to_keep, int):
         hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
@@ -680,17 +563,14 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         counted = loss_kwargs.get("num_items_in_batch") is not None
-        # the MTP targets' source: the caller's shift_labels, else the labels (rolled per document by depth + 1);
-        # never the sequence-parallel shift below, a row-wise shift that would let a document's first label become
-        # an MTP target of the previous document
+        # MTP targets: the caller's shift_labels or the labels, never the SP row-wise shift (it crosses documents)
         given_shift = loss_kwargs.get("shift_labels")
         sp = getattr(getattr(outputs, "document_layout", None), "sequence_parallel", None)
         if sp is not None:
             loss_kwargs = sp_loss_kwargs(sp, labels, loss_kwargs)
         main_kwargs = dict(loss_kwargs)
         if main_kwargs.get("num_items_in_batch") is None:
-            # mean over the supervised tokens as sum / count (bit-identical to the mean), with count >= 1: a batch
-            # whose labels are all ignored gets loss 0.0 and zero gradients, not NaN (the MTP loss's convention)
+            # sum / count with count >= 1: labels all ignored give loss 0.0 and zero gradients, not NaN
             ignore = loss_kwargs.get("ignore_index", -100)
             shifted = loss_kwargs.get("shift_labels")
             targets = shifted if shifted is not None else labels[..., 1:]
@@ -736,23 +616,10 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
 
 
 def router_load_balancing_loss(config, router_logits: tuple[torch.Tensor, ...], layout: DocumentLayout):
-    """Optional router load-balancing loss (Switch Transformer eqs. 4-6), as transformers' ``glm5_next`` computes it.
-
-    Turned on by ``output_router_logits=True`` (forward kwarg or config); ``loss`` then gains
-    ``config.router_aux_loss_coef * aux_loss`` when labels are given, and the output carries ``aux_loss`` and
-    ``router_logits`` (one fp32 ``[B*S, E]`` tensor per MoE layer of the main stack; the MTP layer's router is not
-    included, as in transformers, which has no MTP layer). Computed by transformers' own
-    ``load_balancing_loss_func`` (softmax over the router logits, top-``num_experts_per_tok`` counts), with padding
-    tokens (``layout.valid`` False) excluded — transformers excludes them through the 2-D ``attention_mask``; for
-    packed rows ours also excludes padding marked by ``cu_seq_lens_q`` / ``position_ids``.
-
-    Args:
-        config: the text config (``n_routed_experts``, ``num_experts_per_tok``).
-        router_logits: per-layer ``[B*S, E]`` tensors. layout: the forward's :class:`DocumentLayout`.
-
-    Returns:
-        0-dim fp32 tensor (differentiable with respect to the router weights).
-    """
+    """Router load-balancing loss (Switch Transformer eqs. 4-6) by transformers' ``load_balancing_loss_func``, padding
+    (``layout.valid`` False) excluded: a 0-dim fp32 tensor from ``router_logits`` (one ``[B*S, E]`` per main MoE
+    layer; the MTP router is not included). On with ``output_router_logits=True``; ``loss`` then gains
+    ``router_aux_loss_coef * aux_loss``."""
     from transformers.models.glm5_next.modeling_glm5_next import load_balancing_loss_func
 
     mask = None if layout is None or layout.trivial else layout.valid.to(torch.long)
@@ -762,25 +629,15 @@ def router_load_balancing_loss(config, router_logits: tuple[torch.Tensor, ...], 
 
 
 class _Glm53FlashGenerationHooks:
-    """``GenerationMixin`` hooks shared by the text-only and the VL heads.
-
-    * ``_is_stateful = False``: assisted decoding (``generate(use_mtp=True)``, or an assistant model) can roll the
-      cache back: :meth:`_prepare_cache_for_generation` gives it croppable KDA and indexer layers
-      (:func:`.generation_cache.make_croppable`). A cache that cannot crop (a ``StaticCache``, a filled user cache)
-      still fails transformers' own ``is_croppable`` check after the prefill.
-    * ``_get_candidate_generator``: ``use_mtp=True`` drafts with our MTP layer
-      (:class:`.mtp_generation.Glm53FlashMTPCandidateGenerator`) instead of transformers' generic ``MtpModel``.
-    * ``create_masks_for_generate``: the layers read the plain 2-D padding mask ``[B, past + S]`` (the indexer and
-      KDA need padding, not a 4-D causal mask), so a static cache gets the 2-D mask unchanged.
-    """
+    """``GenerationMixin`` hooks of both heads: croppable caches for assisted decoding (``_is_stateful = False``,
+    :func:`.generation_cache.make_croppable`), ``use_mtp=True`` drafting with our MTP layer, the 2-D padding mask
+    ``[B, past + S]`` as the layers' mask."""
 
     _is_stateful = False
     mtp_stats: dict | None = None  # the last generate(use_mtp=True): drafted, accepted, acceptance_rate, mtp_calls
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
-        """transformers' cache preparation; for assisted generation, and when this model is another's assistant
-        (``generation_config.is_assistant``), the fresh ``DynamicCache`` then gets croppable KDA / indexer layers
-        (:func:`.generation_cache.make_croppable`)."""
+        """transformers' cache preparation; assisted (or assistant) generation gets croppable KDA / indexer layers."""
         from transformers.generation.configuration_utils import GenerationMode
 
         from .generation_cache import make_croppable
@@ -794,12 +651,8 @@ class _Glm53FlashGenerationHooks:
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):
-        """``use_mtp=True`` (without ``assistant_early_exit`` / ``prompt_lookup_num_tokens``, which transformers
-        checks first): :class:`.mtp_generation.Glm53FlashMTPCandidateGenerator`; otherwise transformers' choice.
-
-        Raises:
-            ValueError: ``use_mtp=True`` on a model without an MTP layer (``num_nextn_predict_layers=0``).
-        """
+        """``use_mtp=True``: :class:`.mtp_generation.Glm53FlashMTPCandidateGenerator` (``ValueError`` without an MTP
+        layer); otherwise transformers' choice."""
         if (
             generation_config.use_mtp
             and generation_config.assistant_early_exit is None
@@ -813,21 +666,13 @@ class _Glm53FlashGenerationHooks:
         )
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
-        """``GenerationMixin.generate``, after checking the inputs it cannot serve: no input on the meta device
-        (:func:`.input_checks.check_not_meta`); a 2-D ``attention_mask`` must be left padding with a real token in
-        every row; a ``cache`` / ``past_key_values`` that already holds tokens is continued (transformers' convention:
-        ``input_ids`` is the whole sequence, or the new tokens with a mask over the whole sequence), so the inputs
-        must reach beyond it; a cache of fixed size (``StaticCache``) must hold the prompt plus every new token.
+        """``GenerationMixin.generate`` after checking what it cannot serve.
 
         Raises:
-            ValueError: ``inputs`` / ``input_ids`` / ``inputs_embeds`` / ``attention_mask`` / ``pixel_values`` /
-                ``pixel_values_videos`` on the meta device while the weights hold data (names the argument); an
-                ``attention_mask`` row that is all zeros or has a 0 after a 1 (the row is named;
-                :func:`.generation_cache.check_left_padding`); a cache built for another layer count or layer kinds
-                (:func:`.generation_cache.check_cache_layers`); a filled cache no shorter than the inputs (both
-                lengths named; :func:`.generation_cache.check_cache_continuation`); ``max_cache_len`` below the
-                prompt length plus ``max_new_tokens`` (or below ``max_length`` when no ``max_new_tokens`` is set); the
-                message names both numbers.
+            ValueError: an input on the meta device while the weights hold data; an ``attention_mask`` row that is
+                not left padding with a real token; a cache built for other layers, or filled and not shorter than
+                the inputs (a filled cache is continued: the inputs are the whole sequence); a fixed-size cache
+                smaller than the prompt plus ``max_new_tokens`` (or ``max_length``).
             NotImplementedError: a cache that is not a transformers ``Cache``.
         """
         names = ("input_ids", "inputs_embeds", "attention_mask", "pixel_values", "pixel_values_videos")
@@ -869,24 +714,15 @@ class _Glm53FlashGenerationHooks:
 
 
 class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
-    """Text-only GLM-5.3-Flash causal LM (``lm_head`` untied).
+    """Text-only GLM-5.3-Flash causal LM (``lm_head`` untied) from :class:`Glm53FlashConfig` or its text config;
+    loads the published layout (vision tensors skipped, one info line).
 
-    Takes the top-level :class:`Glm53FlashConfig` (its ``text_config`` builds the model) or a
-    :class:`Glm53FlashTextConfig`. Loads the published layout (``model.language_model.*``, per-expert weights,
-    split conv, ``hc_*``); vision tensors in a multimodal checkpoint are skipped with one info line.
-
-    ``forward(..., labels=None, num_items_in_batch=None, logits_to_keep=0)`` returns
-    :class:`Glm53FlashCausalLMOutputWithPast`; ``loss`` is transformers' ``ForCausalLMLoss`` (shifted, fp32,
-    summed and divided by ``num_items_in_batch`` when given, so Trainer's gradient accumulation is exact, else the
-    mean over the supervised tokens). Labels that are all ``ignore_index`` (-100) give ``loss == 0.0`` and
-    ``mtp_loss == 0.0`` with zero gradients, never NaN (a warning says so in eager calls).
-
-    Raises:
-        ValueError: ``labels`` / ``shift_labels`` on the meta device, not integer, not of the inputs' ``[B, S]``
-            shape, or (eagerly) holding entries other than ``ignore_index`` and ids in ``[0, vocab_size)``;
-            ``num_items_in_batch`` 0 or negative, ``logits_to_keep`` negative
-            (:func:`.input_checks.check_loss_arguments`); and the text model's input errors
-            (:class:`Glm53FlashTextModel`).
+    ``forward(..., labels=None, num_items_in_batch=None, logits_to_keep=0)`` ->
+    :class:`Glm53FlashCausalLMOutputWithPast`; ``loss`` is transformers' ``ForCausalLMLoss`` (shifted, fp32;
+    divided by ``num_items_in_batch`` when given, else by the supervised-token count); labels all ``ignore_index``
+    give ``loss == mtp_loss == 0.0`` with zero gradients. Raises ``ValueError`` for ``labels`` / ``shift_labels``
+    on the meta device, not integer, not ``[B, S]`` or with ids outside ``[0, vocab_size)``, for
+    ``num_items_in_batch <= 0`` or ``logits_to_keep < 0``, and the text model's input errors.
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -946,14 +782,10 @@ def placeholder_masks(
     inputs_embeds: torch.Tensor | None = None,
     embed_tokens: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Image and video placeholder masks ``[B, S]`` (bool).
-
-    After the processor's expansion images and videos both use ``<|image|>`` (``config.image_token_id``); a
-    placeholder belongs to a video when it sits inside a ``<|begin_of_video|> … <|end_of_video|>`` span
-    (as transformers' ``Glm5NextModel.get_placeholder_mask``). ``mm_token_type_ids`` (1 image, 2 video, 0 text),
-    when given, is the authoritative signal and is used as is. Without ``input_ids`` the tokens are recognised by
-    comparing ``inputs_embeds`` with the embeddings of the special tokens (as transformers does).
-    """
+    """Image and video placeholder masks ``[B, S]`` (bool), as ``Glm5NextModel.get_placeholder_mask``: ``<|image|>``
+    tokens, a video's inside ``<|begin_of_video|> … <|end_of_video|>``; ``mm_token_type_ids`` (1 image, 2 video),
+    when given, decides (``ValueError`` if it disagrees with ``input_ids``); without ``input_ids`` the tokens are
+    recognised by their embeddings."""
     if mm_token_type_ids is not None:
         if input_ids is not None:
             marked, placeholder = mm_token_type_ids != 0, input_ids == config.image_token_id
@@ -992,21 +824,14 @@ _VISION_OP = module_op(
 
 
 class Glm53FlashModel(Glm53FlashPreTrainedModel):
-    """GLM-5.3-Flash vision-language base model: transformers' glm5_next vision tower (reused as is) and our text
-    model (``model.visual.*`` / ``model.language_model.*``, the published layout).
+    """GLM-5.3-Flash vision-language base model: transformers' glm5_next vision tower and our text model
+    (``model.visual.*`` / ``model.language_model.*``).
 
     ``forward(input_ids | inputs_embeds, attention_mask?, position_ids?, pixel_values?, image_grid_thw?,
     pixel_values_videos?, video_grid_thw?, mm_token_type_ids?, **packing_kwargs)``: the vision features replace the
-    placeholder embeddings in order (images, then videos, each in reading order over the flattened batch), then
-    the text model runs with the document layout of the batch.
-
-    Raises:
-        ValueError: when the number of image (or video) placeholders differs from the number of feature rows (the
-            message names both counts); ``pixel_values`` / ``pixel_values_videos`` without their grid, of another
-            width than ``in_channels * temporal_patch_size * patch_size**2``, or (eagerly) whose grid rows are not
-            positive multiples of the merge size or do not add up to the pixel rows
-            (:func:`.input_checks.check_vision_inputs`); an input (ids, embeddings, pixels, grids, masks) on the
-            meta device while the weights hold data; and the text model's input errors.
+    placeholders in order (images, then videos), then the text model runs. Raises ``ValueError`` for placeholder
+    and feature counts that differ, vision inputs without their grid or not matching it
+    (:func:`.input_checks.check_vision_inputs`), inputs on the meta device, and the text model's input errors.
     """
 
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
@@ -1025,8 +850,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         self.language_model.embed_tokens = value
 
     def _vision_tower(self, pixel_values: torch.Tensor, grid_thw: torch.LongTensor) -> torch.Tensor:
-        """``visual(pixel_values, grid_thw).pooler_output``. Under ``torch.compile`` the tower runs as the custom op
-        ``glm53flash::vision_tower`` (its attention splits the patches per image on the host)."""
+        """Merged vision features; under ``torch.compile`` the custom op ``glm53flash::vision_tower``."""
         pixel_values = pixel_values.to(self.visual.dtype)
         if not in_graph():
             return self.visual(pixel_values, grid_thw=grid_thw).pooler_output
@@ -1034,8 +858,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
 
     @staticmethod
     def _frames_grid(video_grid_thw: torch.LongTensor) -> torch.LongTensor:
-        """``video_grid_thw`` rows ``[t, h, w]`` as ``t`` rows ``[1, h, w]``: each temporal slice (tubelet) of a video
-        is its own attention sequence in the tower, as the reference."""
+        """``[t, h, w]`` rows as ``t`` rows ``[1, h, w]``: each temporal slice is its own sequence, as the reference."""
         hw = torch.repeat_interleave(video_grid_thw[:, 1:], video_grid_thw[:, 0], dim=0)
         return torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
 
@@ -1050,12 +873,9 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     def get_image_features(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor | None = None, **kwargs
     ) -> tuple | BaseModelOutputWithPooling:
-        """The vision tower's output for ``pixel_values`` ``[patches, C*T*P*P]`` and ``image_grid_thw`` ``[images, 3]``:
-        transformers' ``BaseModelOutputWithPooling`` whose ``pooler_output`` is a tuple of one merged feature tensor
-        ``[t*h*w / merge^2, text hidden]`` per image (``last_hidden_state``, ``hidden_states``, ``attentions`` of
-        the tower as ``Glm5NextVisionModel`` returns them). Keyword arguments (``output_hidden_states``,
-        ``output_attentions``, ``return_dict``) go to the tower. Same contract as
-        ``Glm5NextModel.get_image_features``."""
+        """Vision tower output for ``pixel_values`` ``[patches, C*T*P*P]`` and ``image_grid_thw`` ``[images, 3]``, as
+        ``Glm5NextModel.get_image_features``: ``BaseModelOutputWithPooling`` whose ``pooler_output`` holds one
+        ``[t*h*w / merge^2, text hidden]`` tensor per image; keyword arguments go to the tower."""
         return self._tower_outputs(pixel_values, image_grid_thw, image_grid_thw, **kwargs)
 
     @accepts_precomputed_kwargs(modality="video")
@@ -1063,16 +883,12 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     def get_video_features(
         self, pixel_values_videos: torch.Tensor, video_grid_thw: torch.LongTensor | None = None, **kwargs
     ) -> tuple | BaseModelOutputWithPooling:
-        """As :meth:`get_image_features` for videos (``video_grid_thw`` ``[videos, 3]``): the tower sees each temporal
-        slice as its own sequence; ``pooler_output`` holds one tensor per video. Same contract as
-        ``Glm5NextModel.get_video_features``."""
+        """As :meth:`get_image_features` for videos (``video_grid_thw`` ``[videos, 3]``), as
+        ``Glm5NextModel.get_video_features``: one ``pooler_output`` tensor per video."""
         return self._tower_outputs(pixel_values_videos, self._frames_grid(video_grid_thw), video_grid_thw, **kwargs)
 
     def _tower(self, features_fn, pixel_values, grid_thw, tower_grid_thw, tower_kwargs):
-        """``(outputs, merged features [N, text hidden])`` of the vision tower: eagerly ``features_fn``'s
-        ``BaseModelOutputWithPooling`` (its per-item ``pooler_output`` concatenated for splicing); under
-        ``torch.compile`` the custom op's merged features, wrapped as ``BaseModelOutputWithPooling(pooler_output=
-        features)`` (one tensor: a traced graph cannot split by host sizes)."""
+        """``(outputs, merged features [N, text hidden])``; compiled: one tensor (no split by host sizes)."""
         if in_graph():
             features = self._vision_tower(pixel_values, tower_grid_thw)
             return BaseModelOutputWithPooling(pooler_output=features), features
@@ -1182,13 +998,9 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
 
 
 class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
-    """GLM-5.3-Flash image/video-text-to-text model (``AutoModelForImageTextToText``); keys as transformers'
-    ``Glm5NextForConditionalGeneration`` (``model.visual.*``, ``model.language_model.*``, ``lm_head``).
-
-    ``forward`` takes :class:`Glm53FlashModel`'s inputs plus ``labels`` / ``num_items_in_batch`` /
-    ``logits_to_keep``, and returns :class:`Glm53FlashCausalLMOutputWithPast` (loss, its all-ignored convention
-    and the label checks as :class:`Glm53FlashForCausalLM`).
-    """
+    """GLM-5.3-Flash image/video-text-to-text model (``AutoModelForImageTextToText``, keys as
+    ``Glm5NextForConditionalGeneration``): :class:`Glm53FlashModel`'s inputs plus ``labels``, ``num_items_in_batch``,
+    ``logits_to_keep``; loss and label checks as :class:`Glm53FlashForCausalLM`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}

@@ -1,40 +1,8 @@
-"""Mixture-of-experts feed-forward of GLM-5.3-Flash: dense MLP, sigmoid top-k router, routed experts and the MoE
-block (routed + shared expert), with the per-call entry point of the routed experts.
+"""Feed-forward modules of GLM-5.3-Flash: dense MLP, sigmoid top-k router, routed experts and the MoE block.
 
-The maths (clamped SwiGLU, routing, the grouped-GEMM experts) lives in :mod:`glm53flash_hf.moe_ops`;
-the routed experts run the torch op :func:`glm53flash_hf.moe_ops.experts_forward_torch` or its fused alternative
-:func:`glm53flash_hf.moe_fused.experts_forward_fused`, chosen per call by :func:`glm53flash_hf.dispatch.op_for`
-(family ``"moe"``).
-
-Reference: transformers' ``transformers/models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextMLP``,
-``Glm5NextTextExperts``, ``Glm5NextTextTopkRouter``, ``Glm5NextTextMoE``). Parameter names, shapes and dtypes equal
-the reference, so state dicts are interchangeable: ``gate.weight`` fp32 ``[E, H]``, buffer
-``gate.e_score_correction_bias`` fp32 ``[E]``, ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first),
-``experts.down_proj`` ``[E, H, I]``, ``shared_experts.{gate,up,down}_proj.weight``.
-
-How the routed experts run
---------------------------
-``Glm53FlashExperts`` is decorated with transformers' ``@use_experts_implementation`` *and* brings its own forward:
-
-* The decorator makes the class a regular member of transformers' experts machinery: inside a ``PreTrainedModel``
-  ``config._experts_implementation`` picks ``"grouped_mm"`` (transformers' default), ``"batched_mm"``,
-  ``"deepgemm"``/``"sonicmoe"`` (hub kernels on GPU) or ``"eager"``; transformers' expert-parallel plan
-  (``base_model_ep_plan``) and ``set_experts_implementation`` work unchanged. Every one of these implementations
-  reads ``self.gate_up_proj`` / ``self.down_proj`` at call time and calls :meth:`Glm53FlashExperts._apply_gate`,
-  so the clamped SwiGLU is honoured on every path, and PEFT's ``target_parameters`` parametrisation (which swaps
-  ``self.gate_up_proj`` for ``W + scale * B @ A`` during the forward) is seen by all. transformers' ``grouped_mm``
-  does not check that ``H`` and ``I`` are multiples of 16 bytes, which the torch kernel needs (it raises "strides
-  should be multiple of 16 bytes"); :func:`glm53flash_hf.moe_ops.grouped_mm` falls back instead. ``batched_mm``
-  gathers one ``[2I, H]`` weight per (token, expert) pair, so its memory grows with ``T * k * 2I * H``.
-* ``set_experts_implementation`` / ``from_pretrained(experts_implementation=...)`` switch implementations
-  (``Glm53FlashPreTrainedModel._can_set_experts_implementation`` answers yes). With nothing requested, our models use
-  ``"eager"`` (``Glm53FlashPreTrainedModel.get_correct_experts_implementation``), i.e. the forward below, where
-  transformers would default to its ``"grouped_mm"``.
-* The undecorated forward (what transformers calls ``"eager"``, also used when ``_experts_implementation`` is
-  ``None``, i.e. the module used standalone) is :func:`grouped_experts_forward` with the backend of
-  ``config.kernels['moe']``.
-
-``clamped_swiglu`` is re-exported from :mod:`glm53flash_hf.moe_ops`.
+Source: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextMLP``, ``Glm5NextTextTopkRouter``,
+``Glm5NextTextExperts``, ``Glm5NextTextMoE``); parameter names, shapes and dtypes as there, so state dicts are
+interchangeable. The maths is in :mod:`.moe_ops`, the fused kernels in :mod:`.moe_fused`.
 """
 
 from __future__ import annotations
@@ -49,20 +17,9 @@ from .moe_ops import clamped_swiglu, experts_forward_torch, topk_routing
 
 
 class Glm53FlashMLP(nn.Module):
-    """Dense SwiGLU MLP with clamping: ``down_proj(clamped_swiglu(gate_proj(x), up_proj(x)))``.
-
-    Used for the dense layers (``intermediate_size``) and as the shared expert of the MoE block
-    (``moe_intermediate_size * n_shared_experts``). No biases. Source: ``Glm5NextTextMLP``.
-
-    Args:
-        config: text config (``hidden_size``, ``intermediate_size``, ``swiglu_limit``, ``hidden_act``).
-        intermediate_size: overrides ``config.intermediate_size``.
-
-    Shapes: ``x [..., hidden_size]`` -> ``[..., hidden_size]`` in the weights' dtype.
-
-    Raises:
-        ValueError: ``hidden_act`` other than ``"silu"``, or a non-positive ``intermediate_size``.
-    """
+    """Dense SwiGLU MLP with clamping, ``down_proj(clamped_swiglu(gate_proj(x), up_proj(x)))`` (``Glm5NextTextMLP``):
+    ``[..., hidden_size]`` -> same, in the weights' dtype. ``intermediate_size`` overrides the config's (the shared
+    expert's width). Raises ``ValueError`` for a ``hidden_act`` other than ``"silu"`` or a width ``<= 0``."""
 
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
@@ -83,17 +40,11 @@ class Glm53FlashMLP(nn.Module):
 
 
 class Glm53FlashTopkRouter(nn.Module):
-    """Sigmoid top-k router with an aux-free correction bias and optional group-limited selection.
+    """Sigmoid top-k router, :func:`.moe_ops.topk_routing` with the config's fields (``Glm5NextTextTopkRouter``).
 
-    The maths is :func:`glm53flash_hf.moe_ops.topk_routing` with the config's ``num_experts_per_tok``, ``n_group``,
-    ``topk_group``, ``norm_topk_prob`` and ``routed_scaling_factor``. Source: ``Glm5NextTextTopkRouter``.
-
-    Parameters: ``weight`` fp32 ``[E, hidden]``; persistent buffer ``e_score_correction_bias`` fp32 ``[E]``.
-
-    Raises:
-        ValueError: ``n_routed_experts`` not divisible by ``n_group``; fewer than 2 experts per group when
-            ``n_group > 1``; ``topk_group`` outside ``[1, n_group]``; ``num_experts_per_tok`` larger than the
-            eligible experts ``topk_group * E // n_group``; a hidden size that does not match.
+    Parameters: ``weight`` fp32 ``[E, hidden]``, buffer ``e_score_correction_bias`` fp32 ``[E]``. Raises
+    ``ValueError`` when ``n_group`` does not divide ``E`` or leaves fewer than 2 experts per group, ``topk_group``
+    is outside ``[1, n_group]`` or ``num_experts_per_tok`` exceeds the eligible ``topk_group * E // n_group``.
     """
 
     def __init__(self, config):
@@ -125,15 +76,8 @@ class Glm53FlashTopkRouter(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route tokens.
-
-        Args:
-            hidden_states: ``[T, hidden]`` or ``[B, S, hidden]``, any float dtype (routed in fp32).
-
-        Returns:
-            ``(router_logits fp32 [T, E], topk_weights fp32 [T, k], topk_indices int64 [T, k])`` with
-            ``T = B * S`` for 3-D input.
-        """
+        """``hidden_states`` ``[T, hidden]`` or ``[B, S, hidden]`` (routed in fp32) -> ``(router_logits fp32 [T, E],
+        topk_weights fp32 [T, k], topk_indices int64 [T, k])``; ``ValueError`` for another hidden size."""
         if hidden_states.shape[-1] != self.hidden_dim:
             raise ValueError(
                 f"router input last dim must be hidden_size={self.hidden_dim}; got shape {tuple(hidden_states.shape)}"
@@ -170,27 +114,9 @@ def grouped_experts_forward(
     drop_out_of_range: bool = False,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """Routed experts: ``y_t = sum_j w_tj * down_e(clamped_swiglu(gate_up_e(x_t)))``, ``e = idx_tj``.
-
-    The maths is :func:`glm53flash_hf.moe_ops.experts_forward_torch`'s; ``backend`` (``"torch"``, ``"auto"`` or
-    ``"fused"``) picks the torch path or :func:`glm53flash_hf.moe_fused.experts_forward_fused` for this call.
-
-    Args:
-        hidden_states: ``[T, H]`` tokens (cast to the weights' dtype for the GEMMs).
-        top_k_index: ``[T, k]`` integer expert ids in ``[0, E)``, distinct per token (ids ``>= E`` only with
-            ``drop_out_of_range=True``: expert-parallel sentinels, they contribute zero).
-        top_k_weights: ``[T, k]`` routing weights (fp32 from the router).
-        gate_up_proj: ``[E, 2I, H]``, gate rows first. down_proj: ``[E, H, I]``.
-        swiglu_limit: clamp of :func:`glm53flash_hf.moe_ops.clamped_swiglu` (``None``: plain SwiGLU).
-        drop_out_of_range: treat ids ``>= E`` as "not on this rank".
-        backend: see :func:`glm53flash_hf.dispatch.choose_backend`.
-
-    Returns:
-        ``[T, H]`` in ``hidden_states.dtype``; each token's k contributions summed in fp32 and rounded once.
-
-    Raises:
-        ValueError: unknown backend; shapes that do not fit together.
-    """
+    """Routed experts, :func:`.moe_ops.experts_forward_torch` (same arguments, returns and errors) in the
+    implementation ``backend`` names (``"torch"``, ``"auto"``, ``"fused"``: :func:`.moe_fused.experts_forward_fused`;
+    :func:`.dispatch.choose_backend`)."""
     op = op_for(experts_forward_torch, backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
     return op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
               drop_out_of_range=drop_out_of_range)
@@ -198,17 +124,13 @@ def grouped_experts_forward(
 
 @use_experts_implementation
 class Glm53FlashExperts(nn.Module):
-    """Routed experts stored as 3-D tensors in transformers' layout ``[E, out, in]``.
+    """Routed experts in transformers' layout: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``.
 
-    Parameters: ``gate_up_proj [E, 2I, H]`` (gate rows ``[:I]``, up rows ``[I:]``), ``down_proj [E, H, I]``,
-    in the model dtype; ``E = n_routed_experts``, ``I = moe_intermediate_size``, ``H = hidden_size``.
-    Decorated with transformers' ``@use_experts_implementation`` (see the module docstring): the forward used is
-    picked by ``config._experts_implementation``; ``"eager"``/``None`` run :func:`grouped_experts_forward` with
-    the backend of ``config.kernels['moe']``.
-
-    Forward: ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in ``hidden.dtype``.
-    PEFT: ``LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])`` works (the
-    weights are read as attributes at call time; ``is_transposed`` is ``False``).
+    Carries ``@use_experts_implementation``: ``config._experts_implementation`` may pick transformers'
+    ``"grouped_mm"``, ``"batched_mm"`` or hub kernels (all use :meth:`_apply_gate`, the clamped SwiGLU); ``"eager"``
+    or ``None`` run this forward, :func:`grouped_experts_forward` with ``config.kernels["moe"]``. Forward:
+    ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in ``hidden.dtype``. PEFT's
+    ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` works.
     """
 
     def __init__(self, config):
@@ -230,26 +152,17 @@ class Glm53FlashExperts(nn.Module):
                   drop_out_of_range=getattr(self, "_is_expert_parallel", False))
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``[S, 2I]`` gate/up projection -> ``[S, I]`` clamped SwiGLU (called by transformers' implementations)."""
+        """``[S, 2I]`` gate/up projection -> ``[S, I]`` clamped SwiGLU (for transformers' implementations)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return clamped_swiglu(gate, up, self.swiglu_limit)
 
 
 class Glm53FlashMoE(nn.Module):
-    """MoE block: routed experts (weighted by the router) plus the shared expert, added unscaled.
+    """MoE block (``Glm5NextTextMoE``): ``experts`` weighted by ``gate`` plus ``shared_experts``, added unscaled.
 
-    Submodules: ``gate`` (:class:`Glm53FlashTopkRouter`), ``experts`` (:class:`Glm53FlashExperts`),
-    ``shared_experts`` (:class:`Glm53FlashMLP` of width ``moe_intermediate_size * n_shared_experts``).
-    Source: ``Glm5NextTextMoE``.
-
-    Forward: ``h [B, S, H]`` (any leading shape) -> same shape and dtype; with ``return_router_logits=True``
-    returns ``(out, router_logits fp32 [B*S, E])`` for a load-balancing loss. Nothing is stored on the module.
-
-    Expert parallelism: ``expert_parallel`` is ``None`` (every expert on this rank). Training code sets it
-    (:func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel`) to a callable
-    ``(experts, hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` that dispatches the tokens to
-    the ranks holding their experts, runs ``experts`` (this rank's slice, possibly wrapped by PEFT) on the rows it
-    receives and combines the results; the router, the shared expert and the rest of the block are unchanged.
+    ``h [..., H]`` -> same shape and dtype; with ``return_router_logits`` also ``router_logits`` fp32 ``[T, E]``.
+    ``expert_parallel`` (``None``: every expert local) may be set to ``fn(experts, hidden [T, H], top_k_index,
+    top_k_weights) -> [T, H]`` (:func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel`).
     """
 
     def __init__(self, config):
@@ -277,13 +190,8 @@ class Glm53FlashMoE(nn.Module):
 
 
 def init_moe_weights(module: nn.Module, config) -> None:
-    """Initialise MoE parameters as transformers' ``Glm5NextPreTrainedModel._init_weights`` does.
-
-    ``Glm53FlashExperts``: ``gate_up_proj`` and ``down_proj`` ~ ``N(0, initializer_range)``.
-    ``Glm53FlashTopkRouter``: ``weight`` ~ ``N(0, initializer_range)``, ``e_score_correction_bias`` = 0.
-    Other modules are left alone (the dense/shared ``nn.Linear`` layers are handled by ``PreTrainedModel``'s
-    generic ``_init_weights``). Uses ``transformers.initialization`` so already-loaded tensors are skipped.
-    """
+    """MoE init as ``Glm5NextPreTrainedModel._init_weights``: expert weights and router ``weight`` ~
+    ``N(0, initializer_range)``, ``e_score_correction_bias`` 0 (loaded tensors are skipped)."""
     std = config.initializer_range
     if isinstance(module, Glm53FlashExperts):
         init.normal_(module.gate_up_proj, mean=0.0, std=std)

@@ -1,60 +1,15 @@
-"""Fused MoE pieces for GLM-5.3-Flash's routed experts: Triton clamped-SwiGLU and weighted-combine kernels as
-``torch.library`` custom ops with registered fakes and autograd formulas, around torch's grouped GEMM.
+"""Fused pieces of the routed experts: Triton clamped-SwiGLU and weighted-combine kernels around torch's grouped GEMM.
 
-Our own kernels. The maths and the rounding are those of the torch path
-:func:`glm53flash_hf.moe_ops.experts_forward_torch` (the oracle of ``tests/test_moe_fused.py``), itself equal to
-transformers' ``Glm5NextTextExperts`` (``transformers/models/glm5_next/modeling_glm5_next.py``).
+Oracle: :func:`.moe_ops.experts_forward_torch` (maths and rounding). Bf16/fp16 results equal the torch path's
+because the kernels round like torch's op sequence (``rd``: fp32 to the activation dtype, nearest even): forward
+``act = rd(rd(silu(gc)) * uc)``; backward ``ds = rd(da * uc)``, ``duc = rd(da * rd(silu(gc)))``,
+``dgc = rd(ds * sig * (1 + gc * (1 - sig)))``; clamp gradients pass where ``gate <= L`` and ``-L <= up <= L``.
+Left: fp32 ``exp`` / division implementations (a few ulps) and the combine's fp32 summation order. Rows at or past
+``valid_rows`` (expert-parallel sentinels) are absent: zero activation, contribution and gradients.
 
-Pipeline of :func:`experts_forward_fused` (``T`` tokens, ``k`` experts each, ``S = T * k`` (token, expert) rows,
-``E`` experts, ``H`` hidden, ``I`` expert width)
-----------------------------------------------------------------------------------------------------------------
-1. Routing metadata, built once, static shapes, no host sync: :func:`glm53flash_hf.moe_ops.routing_metadata` (the
-   torch path's: the ``S`` pairs sorted by expert id, each row's token, the int32 cumulative group offsets ``[E]``,
-   the rows' routing weights) and :func:`rows_by_token` (each token's ``k`` rows in increasing row, i.e. expert,
-   order ``[T, k]``).
-2. One gather of the token rows, then ``torch`` grouped GEMM ``[S, H] x [E, H, 2I] -> [S, 2I]``
-   (:func:`glm53flash_hf.moe_ops.grouped_mm`, the same call as the torch path).
-3. :func:`clamped_swiglu_fused` (Triton, one kernel each way): ``act = silu(min(gate, L)) * clamp(up, -L, L)``
-   ``[S, 2I] -> [S, I]``. It keeps only ``gate_up`` for backward and recomputes the rest (the torch path runs four
-   elementwise kernels forward and keeps the silu output and the clamp masks).
-4. ``torch`` grouped GEMM ``[S, I] x [E, I, H] -> [S, H]``.
-5. :func:`weighted_combine_fused` (Triton, one kernel each way): ``out[t] = sum_j w[r_tj] * rows[r_tj]`` over the
-   token's ``k`` rows in expert order, in fp32, rounded once to the output dtype. It reads each row once, needs no
-   atomics (deterministic, where the torch path's CUDA ``index_add_`` adds in an unspecified order) and writes
-   ``[T, H]`` once in the output dtype. Backward: ``drows[r] = rd(g[t_r] * w[r])``, ``dw[r] = sum_h g[t_r] * rows[r]``
-   (fp32), one pass.
-
-The routing weight multiplies the down-projection output (as in the reference), so fusing it into the activation
-(before the second GEMM) would change the rounding; it is fused into the combine instead.
-
-Rounding (what makes bf16 results equal the torch path's): ``rd`` rounds fp32 to the activation dtype to nearest
-even (:func:`glm53flash_hf.triton_utils.round_to`). Forward ``act = rd(rd(silu(gc)) * uc)``; backward
-``ds = rd(da * uc)``, ``duc = rd(da * rd(silu(gc)))``, ``dgc = rd(ds * sig * (1 + gc * (1 - sig)))`` -- exactly
-torch's bf16 op sequence (each bf16 op computes in fp32 and rounds once; ``silu_backward`` is
-``dy * sig * (1 + x * (1 - sig))``). Clamp gradients pass where ``gate <= L`` and ``-L <= up <= L`` (torch's
-``clamp`` backward, boundary included). The only expected differences from the torch path are fp32 ``exp`` and
-division implementations (Triton's approximate GPU instructions vs ATen's, a few fp32 ulps, visible after bf16
-rounding in rare elements) and the fp32 summation order of the combine.
-
-Expert-parallel sentinels (ids ``>= E`` with ``drop_out_of_range=True``) sort to the end; rows at or past the last
-group offset are treated as absent by both kernels (zero activation, zero contribution, zero gradients), so the
-grouped GEMMs' unwritten rows are never read.
-
-Custom ops (namespace ``glm53flash``, ``torch.ops.glm53flash.<name>``, registered at import by
-:func:`glm53flash_hf.graph_ops.define_op` when triton is installed; each with a fake implementation, so
-``torch.compile(fullgraph=True)`` traces :func:`experts_forward_fused` without a graph break):
-
-* ``clamped_swiglu_fwd(gate_up, valid_rows, limit) -> act``; autograd formula:
-  ``clamped_swiglu_bwd(gate_up, dact, valid_rows, limit) -> dgate_up``.
-* ``weighted_combine_fwd(rows, row_weights, token_rows, token_of_row, valid_rows, out_dtype) -> out``
-  (``token_of_row`` is saved for the backward); autograd formula:
-  ``weighted_combine_bwd(grad, rows, row_weights, token_of_row, valid_rows) -> (drows, dweights fp32)``, ``dweights``
-  cast to the dtype of ``row_weights``.
-
-Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for the tests), activations and weights in fp32,
-bf16 or fp16 (one dtype for both weights), any ``H``/``I`` (blocks are masked). Routing weights are used in fp32.
-Without triton this module still imports (:func:`fused_moe_available` says so and the fused functions raise
-``RuntimeError``).
+The kernels run in custom ops ``glm53flash::clamped_swiglu_fwd`` / ``_bwd`` and ``weighted_combine_fwd`` / ``_bwd``
+(fakes and autograd formulas: ``torch.compile(fullgraph=True)`` without a graph break). CUDA tensors (CPU under
+``TRITON_INTERPRET=1``), fp32/bf16/fp16. Without triton the module imports and the fused functions raise.
 """
 
 from __future__ import annotations
@@ -88,17 +43,9 @@ __all__ = [
 
 
 def fused_moe_available(*tensors: torch.Tensor) -> tuple[bool, str]:
-    """Availability probe registered as ``dispatch.FUSED_AVAILABILITY["moe"]``.
-
-    Args:
-        tensors: the call's tensors, as :func:`glm53flash_hf.moe.grouped_experts_forward` passes them:
-            ``(hidden_states [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k_weights [T, k])``.
-            Integer tensors are ignored; DTensor parameters are judged by their dtype and device.
-
-    Returns:
-        ``(True, "")`` when the fused path can run on them, else ``(False, reason)``: triton not importable, no
-        tensors, a tensor not on CUDA, a floating dtype other than fp32/bf16/fp16, or expert weights of two dtypes.
-    """
+    """Probe of ``dispatch``: ``(True, "")`` when the fused path can run on ``(hidden_states, gate_up_proj, down_proj,
+    top_k_weights)`` (DTensors judged by dtype and device), else ``(False, reason)``: no triton, not CUDA, a dtype
+    other than fp32/bf16/fp16, expert weights of two dtypes."""
     tensors, reason = probe_tensors("MoE", tensors)
     if reason:
         return False, reason
@@ -109,7 +56,6 @@ def fused_moe_available(*tensors: torch.Tensor) -> tuple[bool, str]:
 
 
 def _valid_rows(valid_rows: torch.Tensor | None, num_rows: int, device: torch.device) -> torch.Tensor:
-    """``valid_rows`` after its check, or a one-element int32 tensor holding ``num_rows`` (all rows) for ``None``."""
     if valid_rows is None:
         return torch.full((1,), num_rows, dtype=torch.int32, device=device)
     if valid_rows.numel() != 1 or valid_rows.dtype != torch.int32 or valid_rows.device != device:
@@ -130,9 +76,7 @@ if TRITON_AVAILABLE:
         limit, limit_value,
         HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """This program's tile of ``gate_up [S, 2I]``: ``(rows int64, cols, store_mask, load_mask, g, u, gc, uc)``
-        with the store mask ``rows < n_rows``, the load mask ``rows < nvalid`` (absent rows read as 0), gate ``g``
-        and up ``u`` in fp32 and their clamped values ``gc = min(g, L)``, ``uc = clamp(u, -L, L)``."""
+        """This program's ``gate_up`` tile: rows, columns, store / load masks, ``g``, ``u`` and their clamps (fp32)."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_ok = cols < inter
@@ -156,8 +100,6 @@ if TRITON_AVAILABLE:
         limit, limit_value,
         HAS_LIMIT: tl.constexpr, DT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """act[r, c] = rd(rd(silu(min(g, L))) * clamp(u, -L, L)), g = gu[r, c], u = gu[r, I + c]; rows >= nvalid
-        give 0."""
         rows64, cols, store_mask, load_mask, g, u, gc, uc = _swiglu_tile(
             gu_ptr, nvalid_ptr, n_rows, inter, stride_gu, limit, limit_value, HAS_LIMIT, BLOCK_R, BLOCK_C
         )
@@ -172,7 +114,6 @@ if TRITON_AVAILABLE:
         limit, limit_value,
         HAS_LIMIT: tl.constexpr, DT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """dgu[r, :I] = dgate, dgu[r, I:] = dup for the forward above (torch's bf16 op sequence, see the module doc)."""
         rows64, cols, store_mask, load_mask, g, u, gc, uc = _swiglu_tile(
             gu_ptr, nvalid_ptr, n_rows, inter, stride_gu, limit, limit_value, HAS_LIMIT, BLOCK_R, BLOCK_C
         )
@@ -197,8 +138,6 @@ if TRITON_AVAILABLE:
         hidden, stride_rows, stride_out,
         K: tl.constexpr, OUT_DT: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        """out[t, h] = rd(sum_j w[r_j] * rows[r_j, h]) over the token's K rows r_j = order[t, j] (fp32 sum in j order);
-        rows >= nvalid contribute nothing."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         col_ok = cols < hidden
@@ -218,8 +157,7 @@ if TRITON_AVAILABLE:
         hidden, stride_g, stride_rows, stride_drows,
         ROW_DT: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        """For row r of token t: drows[r] = rd(g[t] * w[r]) (row dtype), dw[r] = sum_h g[t, h] * rows[r, h] (fp32);
-        rows >= nvalid get zeros."""
+        """Row ``r`` of token ``t``: ``drows[r] = rd(g[t] * w[r])``, ``dw[r] = sum_h g[t, h] * rows[r, h]`` (fp32)."""
         r = tl.program_id(0).to(tl.int64)
         t = tl.load(token_ptr + r).to(tl.int64)
         live = r < tl.load(nvalid_ptr)  # absent rows: token ids are still in range, so the loads are in bounds
@@ -244,17 +182,13 @@ def _swiglu_blocks(inter: int) -> tuple[int, int]:
 
 
 def _limits(limit: float | None, dtype: torch.dtype) -> tuple[bool, float, float]:
-    """(has_limit, compare value, clamped value): torch's ``clamp`` compares with ``limit`` and stores it rounded to
-    the tensor's dtype (10.0, the release value, is exact in every supported dtype)."""
+    """``(has_limit, compare value, stored value)``: torch's ``clamp`` stores ``limit`` rounded to the dtype."""
     if limit is None:
         return False, 0.0, 0.0
     return True, float(limit), float(torch.tensor(float(limit), dtype=torch.float32).to(dtype).item())
 
 
 # ======================================================================================================= custom ops
-# The kernels run inside torch.library custom ops (namespace glm53flash, registered at import by
-# graph_ops.define_op), each forward op with its fake and autograd formula, so torch.compile(fullgraph=True)
-# traces experts_forward_fused without a graph break.
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has unit stride (what the kernels index), else a contiguous copy."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
@@ -319,7 +253,6 @@ def _swiglu_backward(ctx, dact):
 
 def _combine_fwd_impl(rows: torch.Tensor, row_weights: torch.Tensor, token_rows: torch.Tensor,
                       token_of_row: torch.Tensor, valid_rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The forward kernel; ``token_of_row`` is not read here (the autograd formula saves it for the backward)."""
     rows = _unit_last_stride(rows)
     num_tokens, k = token_rows.shape
     hidden = rows.shape[1]
@@ -385,34 +318,28 @@ if TRITON_AVAILABLE:
 # ====================================================================================================== public API
 def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_rows: torch.Tensor | None = None
                          ) -> torch.Tensor:
-    """Clamped SwiGLU of the grouped gate/up projection, Triton forward and backward.
+    """Clamped SwiGLU of the grouped gate/up projection, Triton forward and backward (``Glm5NextTextExperts``).
 
-    ``act = silu(min(gate, limit)) * clamp(up, -limit, limit)`` with ``gate = gate_up[:, :I]``,
-    ``up = gate_up[:, I:]`` (gate columns first, the layout of ``experts.gate_up_proj``). Equal to
-    :func:`glm53flash_hf.moe_ops.clamped_swiglu` on ``gate_up.chunk(2, -1)``, rounding included (module docstring).
-    Source: ``Glm5NextTextExperts._apply_gate``.
+    ``act = silu(min(gate, limit)) * clamp(up, -limit, limit)``, ``gate = gate_up[:, :I]``, ``up = gate_up[:, I:]``;
+    equal to :func:`.moe_ops.clamped_swiglu`, rounding included.
 
     Args:
-        gate_up: ``[S, 2I]`` fp32/bf16/fp16, unit stride in the last dim (any row stride), CUDA (or CPU under
-            ``TRITON_INTERPRET=1``).
-        limit: ``config.swiglu_limit`` (10.0 in the release); ``None`` = plain SwiGLU.
-        valid_rows: optional int32 device tensor with one element ``n``: rows ``>= n`` are absent (activation 0, no
-            gradient; their input is never read). ``None``: all rows.
+        gate_up: ``[S, 2I]`` fp32/bf16/fp16, unit last stride, CUDA (CPU under ``TRITON_INTERPRET=1``).
+        limit: ``config.swiglu_limit``; ``None``: plain SwiGLU.
+        valid_rows: one-element int32 device tensor ``n``: rows ``>= n`` give 0 and no gradient (``None``: all rows).
 
     Returns:
-        ``[S, I]`` in ``gate_up.dtype``, differentiable w.r.t. ``gate_up`` (the custom op
-        ``glm53flash::clamped_swiglu_fwd``).
+        ``[S, I]`` in ``gate_up.dtype``, differentiable w.r.t. ``gate_up``.
 
     Raises:
         RuntimeError: triton is not installed.
         ValueError: ``gate_up`` not 2-D with an even last dim, an unsupported dtype or device, a non-unit last
-            stride, a negative ``limit``, or a ``valid_rows`` that is not a one-element int32 tensor on that device.
+            stride, a negative ``limit``, a bad ``valid_rows``.
     """
     return _SWIGLU_FWD(*_swiglu_args(gate_up, limit, valid_rows))
 
 
 def _swiglu_args(gate_up, limit, valid_rows):
-    """The checked arguments of ``clamped_swiglu_fwd`` (the checks of :func:`clamped_swiglu_fused`)."""
     require_triton("glm53flash_hf.moe_fused")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [S, 2I] with an even last dim; got shape {tuple(gate_up.shape)}")
@@ -435,25 +362,19 @@ def weighted_combine_fused(
     out_dtype: torch.dtype,
     valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted sum of each token's expert rows, Triton forward and backward (deterministic, no atomics).
+    """Weighted sum of each token's expert rows (Triton forward and backward, deterministic: no atomics).
 
-    ``out[t] = sum_j row_weights[r] * rows[r]`` for ``r = token_rows[t, j]``, ``j = 0..k-1`` in that order, in fp32,
-    rounded once to ``out_dtype``. Equal to the torch path's ``(rows * w[:, None])`` gathered by ``token_rows``,
-    summed over ``j`` in fp32 and cast. Source: ``Glm5NextTextExperts.forward`` (weight applied after the down
-    projection).
+    ``out[t] = sum_j row_weights[r] * rows[r]`` for ``r = token_rows[t, j]``, ``j`` in order, in fp32, rounded once
+    to ``out_dtype``.
 
     Args:
         rows: ``[S, H]`` down-projection outputs (fp32/bf16/fp16), unit last stride.
-        row_weights: ``[S]`` routing weight of each row (any float dtype; used in fp32); differentiable.
-        token_rows: integer ``[T, k]`` row ids of each token (from :func:`rows_by_token`).
-        token_of_row: integer ``[S]`` token of each row (the inverse map, used by the backward).
-        out_dtype: dtype of the result (fp32/bf16/fp16).
-        valid_rows: optional one-element int32 tensor ``n``: rows ``>= n`` are absent (contribute 0, get 0 gradient).
+        row_weights: ``[S]`` float, used in fp32; token_rows: integer ``[T, k]`` (:func:`rows_by_token`);
+            token_of_row: integer ``[S]`` (its inverse, for the backward); out_dtype: fp32/bf16/fp16.
+        valid_rows: as :func:`clamped_swiglu_fused`.
 
     Returns:
-        ``[T, H]`` in ``out_dtype``, differentiable w.r.t. ``rows`` and ``row_weights`` (``drows`` in ``rows.dtype``,
-        ``dw`` accumulated in fp32 and cast to ``row_weights.dtype``; the custom op
-        ``glm53flash::weighted_combine_fwd``).
+        ``[T, H]`` in ``out_dtype``, differentiable w.r.t. ``rows`` and ``row_weights``.
 
     Raises:
         RuntimeError: triton is not installed.
@@ -463,7 +384,6 @@ def weighted_combine_fused(
 
 
 def _combine_args(rows, row_weights, token_rows, token_of_row, out_dtype, valid_rows):
-    """The checked arguments of ``weighted_combine_fwd`` (the checks of :func:`weighted_combine_fused`)."""
     require_triton("glm53flash_hf.moe_fused")
     if rows.dim() != 2:
         raise ValueError(f"rows must be [S, H]; got shape {tuple(rows.shape)}")
@@ -501,29 +421,11 @@ def experts_forward_fused(
     *,
     drop_out_of_range: bool = False,
 ) -> torch.Tensor:
-    """Routed experts, fused path: ``y_t = sum_j w_tj * down_e(clamped_swiglu(gate_up_e(x_t)))``, ``e = idx_tj``.
+    """Routed experts, fused path: the contract of :func:`.moe_ops.experts_forward_torch` (its oracle).
 
-    Same contract as :func:`glm53flash_hf.moe_ops.experts_forward_torch` (the oracle);
-    :func:`glm53flash_hf.moe.grouped_experts_forward` calls this for ``backend`` "fused" / "auto" on CUDA tensors.
-    The pipeline is in the module docstring. Gradients flow to ``hidden_states``, ``top_k_weights``,
-    ``gate_up_proj`` and ``down_proj``. Parameters arriving as DTensors are unwrapped with
-    :func:`glm53flash_hf.dispatch.local_tensor` (replicated only).
-
-    Args:
-        hidden_states: ``[T, H]`` (cast to the weights' dtype for the GEMMs).
-        top_k_index: integer ``[T, k]``, ids distinct per token, in ``[0, E)`` (ids ``>= E`` only with
-            ``drop_out_of_range``).
-        top_k_weights: ``[T, k]`` routing weights (fp32 from the router).
-        gate_up_proj: ``[E, 2I, H]``, gate rows first. down_proj: ``[E, H, I]``; one dtype (fp32/bf16/fp16).
-        swiglu_limit: clamp limit (``None``: plain SwiGLU).
-        drop_out_of_range: ids ``>= E`` contribute zero (expert-parallel sentinels).
-
-    Returns:
-        ``[T, H]`` in ``hidden_states.dtype``; each token's k contributions summed in fp32 and rounded once.
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: shapes that do not fit, unsupported dtypes or devices, a sharded DTensor weight.
+    Expert weights of one dtype (fp32/bf16/fp16); DTensor parameters are unwrapped by
+    :func:`.dispatch.local_tensor` (replicated only). Raises ``RuntimeError`` without triton and ``ValueError``
+    for shapes that do not fit, unsupported dtypes or devices, or a sharded DTensor weight.
     """
     require_triton("glm53flash_hf.moe_fused")
     gate_up_proj = local_tensor(gate_up_proj, "experts.gate_up_proj")
