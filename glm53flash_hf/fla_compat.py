@@ -1,10 +1,18 @@
 """fla-core as this package calls it: the only module that imports ``fla``.
 
-:mod:`.kda_fused` runs fla-core's KDA kernels inside its own custom ops, so it needs the bodies of fla's autograd
-Functions (``ChunkKDAFunction``, ``CausalConv1dFunction``, ``LayerNormGatedFunction``: :func:`chunk_forward`,
-:func:`chunk_backward`, :func:`conv_forward`, :func:`conv_backward`, :func:`norm_forward`, :func:`norm_backward`,
-plus :func:`chunk_indices_of` and :func:`recurrent_step`), which call functions that are not in fla's public API (no
-package ``__all__`` lists them). Those bodies and every such name are here and nowhere else:
+* :func:`load`, :func:`load_cp`: fla's functions, imported at their first call (inside ``try`` blocks);
+  :func:`import_error`, :func:`cp_device_error`: the probes. Importing this module imports neither fla nor triton.
+* :func:`call_checked` (with :func:`accepted_keywords`, :data:`KWARGS_READ`): every fla call, by keyword, each
+  keyword checked against the installed function's signature.
+* The bodies of fla's autograd Functions ``ChunkKDAFunction``, ``CausalConv1dFunction`` and
+  ``LayerNormGatedFunction`` that :mod:`.kda_fused` runs inside its custom ops: :func:`chunk_forward`,
+  :func:`chunk_backward`, :func:`conv_forward`, :func:`conv_backward`, :func:`norm_forward`, :func:`norm_backward`;
+  and :func:`chunk_indices_of`, :func:`recurrent_step`.
+* :func:`prune_by_shared_memory`, :func:`install_shared_memory_prune`, :func:`fla_autotuners`,
+  :func:`shared_memory_need`: fla's autotuners keep only the configurations whose compiled kernel fits the device's
+  shared memory per block (installed at the first fla call with CUDA tensors).
+
+fla names used that are not in fla's public API (no fla package ``__all__`` lists them), here and nowhere else:
 
 * ``fla.modules.norm.l2norm``: ``l2norm_fwd``, ``l2norm_bwd``;
 * ``fla.ops.common.gate``: ``fused_beta_sigmoid_fwd``, ``fused_beta_sigmoid_bwd``;
@@ -12,26 +20,24 @@ package ``__all__`` lists them). Those bodies and every such name are here and n
 * ``fla.ops.kda.chunk_fwd.chunk_kda_fwd``, ``fla.ops.kda.chunk_bwd.chunk_kda_bwd``;
 * ``fla.modules.causal_conv1d.ops``: ``causal_conv1d_fwd``, ``causal_conv1d_bwd``;
 * ``fla.modules.norm.fused_norm_gate``: ``layer_norm_gated_fwd``, ``layer_norm_gated_bwd``;
-* ``fla.ops.cp.context._check_cp_device`` (behind :func:`cp_device_error`).
+* ``fla.ops.cp.context._check_cp_device`` (behind :func:`cp_device_error`);
 
-and the public entry points the package uses: ``fla.ops.kda.fused_recurrent_kda``, ``fla.ops.kda.chunk_kda`` and
+public entry points used: ``fla.ops.kda.fused_recurrent_kda``, ``fla.ops.kda.chunk_kda``,
 ``fla.ops.cp.build_cp_context``.
 
-Versions: checked against fla-core :data:`FLA_CHECKED`; the package requires ``fla-core`` :data:`FLA_REQUIREMENT`
-(``setup.cfg``'s ``gpu`` and ``test`` extras state the same range). The signatures of these functions change between
-fla releases, so every call goes through :func:`call_checked`: all arguments by keyword, each checked against the
-installed function's signature, so a renamed or dropped parameter raises ``TypeError`` instead of being swallowed by
-a ``**kwargs``.
-
-fla is imported lazily, inside ``try`` blocks (transformers' remote-code ``check_imports`` skips those), only when a
-kernel runs or a probe asks: importing this module never imports fla.
+Versions: checked against fla-core :data:`FLA_CHECKED`; requires ``fla-core`` :data:`FLA_REQUIREMENT` (the range of
+``setup.cfg``'s ``gpu`` and ``test`` extras). Source: fla-core (github.com/fla-org/flash-linear-attention),
+``fla/ops/kda/chunk.py``, ``fla/modules/causal_conv1d/ops.py``, ``fla/modules/norm/fused_norm_gate.py``; reasons:
+``docs/design.md``, section "KDA".
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import re
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -46,6 +52,10 @@ __all__ = [
     "cp_device_error",
     "accepted_keywords",
     "call_checked",
+    "fla_autotuners",
+    "prune_by_shared_memory",
+    "install_shared_memory_prune",
+    "shared_memory_need",
     "chunk_indices_of",
     "chunk_forward",
     "chunk_backward",
@@ -89,6 +99,7 @@ def load() -> SimpleNamespace:
         from fla.ops.utils.index import prepare_chunk_indices
     except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
         raise ImportError(f"fla-core cannot be imported ({type(exc).__name__}: {exc}); {_INSTALL}") from exc
+    _PRUNE["pending"] = True
     return SimpleNamespace(
         version=getattr(fla, "__version__", "unknown"),
         l2norm_fwd=l2norm_fwd,
@@ -135,6 +146,7 @@ def load_cp() -> SimpleNamespace:
         raise ImportError(
             f"fla-core's context-parallel KDA cannot be imported ({type(exc).__name__}: {exc}); {_INSTALL}"
         ) from exc
+    _PRUNE["pending"] = True
     return SimpleNamespace(chunk_kda=chunk_kda, build_cp_context=build_cp_context, context=cp_context_module)
 
 
@@ -202,8 +214,11 @@ def call_checked(fn, name: str, **kwargs):
     Returns:
         Whatever ``fn`` returns.
 
+    Before the call, the first with a CUDA tensor argument after :func:`load` / :func:`load_cp` imported fla runs
+    :func:`install_shared_memory_prune`.
+
     Raises:
-        TypeError: a keyword is not accepted (naming the function and the argument(s)): fla would ignore it silently.
+        TypeError: a keyword is not accepted (naming the function and the argument(s)).
     """
     accepted = _ACCEPTED.get(fn)
     if accepted is None:
@@ -215,19 +230,166 @@ def call_checked(fn, name: str, **kwargs):
             f"**kwargs); calling it would silently ignore them. The installed fla-core is not a version this "
             f"package was checked against ({', '.join(FLA_CHECKED)}); use kernels={{'kda': 'torch'}} or {_INSTALL}"
         )
+    if _PRUNE["pending"] and _on_cuda(kwargs.values()):
+        install_shared_memory_prune()
     return fn(**kwargs)
+
+
+# ============================================================================= autotune configurations that cannot load
+_PRUNE = {"pending": False}  # True after load()/load_cp() imported fla modules not yet walked
+_PRUNED_MARK = "_glm53flash_shared_memory_prune"  # attribute set on an autotuner once its prune is chained
+_LOG = logging.getLogger(__name__)
+
+
+def _on_cuda(values) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values)
+
+
+def fla_autotuners() -> list:
+    """The Triton autotuners of the fla modules imported so far.
+
+    Returns:
+        Every ``triton.runtime.autotuner.Autotuner`` (fla's ``CachedAutotuner`` included) reachable from a module-level
+        name of a module ``fla`` / ``fla.*`` in ``sys.modules``, through ``Heuristics`` wrappers (``.fn``); each
+        once, in import order. Empty when triton or fla is not imported. Imports nothing.
+    """
+    if "triton.runtime.autotuner" not in sys.modules:
+        return []
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    found, seen = [], set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for obj in list(vars(module).values()):
+            while isinstance(obj, KernelInterface) and not isinstance(obj, JITFunction):
+                if isinstance(obj, Autotuner) and id(obj) not in seen:
+                    seen.add(id(obj))
+                    found.append(obj)
+                obj = getattr(obj, "fn", None)
+    return found
+
+
+def shared_memory_need(tuner, config, nargs: dict, kwargs: dict) -> int | None:
+    """The shared memory (bytes per block) that ``tuner``'s kernel compiled with ``config`` needs on the current
+    device, from the compiled kernel's metadata (Triton's ``CompiledKernel.metadata.shared``).
+
+    The kernel is compiled, not loaded or launched (``JITFunction.run(..., warmup=True)`` with the launch's arguments
+    and the configuration's parameters), for the target of triton's active driver; the compiled kernel stays in the
+    kernel's cache, where the autotuner's benchmark of the same configuration finds it.
+
+    Args:
+        tuner: a ``triton.runtime.autotuner.Autotuner``.
+        config: a ``triton.Config`` of it.
+        nargs: the launch's positional arguments by parameter name (the autotuner's ``nargs``).
+        kwargs: the launch's keyword arguments (as ``early_config_prune`` receives them; ``grid`` and ``warmup``
+            included or not).
+
+    Returns:
+        Bytes, or ``None`` when the kernel does not compile (the compiler's exception is swallowed: the autotuner meets
+        it again when it benchmarks the configuration) or its metadata has no ``shared``.
+    """
+    call = {**nargs, **kwargs, **config.all_kwargs(), "warmup": True}
+    call.setdefault("grid", (1,))
+    try:
+        kernel = tuner.fn.run(**call)
+    except Exception as exc:  # a configuration that does not compile is the autotuner's to report or skip
+        _LOG.debug("%s %s does not compile (%s: %s)", _kernel_name(tuner), config, type(exc).__name__, exc)
+        return None
+    shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+    return None if shared is None else int(shared)
+
+
+def _kernel_name(tuner) -> str:
+    return getattr(getattr(tuner, "base_fn", None), "__name__", type(tuner).__name__)
+
+
+def _max_shared_memory() -> int:
+    from triton.runtime import driver
+
+    active = driver.active
+    return int(active.utils.get_device_properties(active.get_current_device())["max_shared_mem"])
+
+
+def prune_by_shared_memory(tuner, on_drop=None) -> bool:
+    """Chain onto ``tuner``'s ``early_config_prune`` a prune that drops the configurations whose compiled kernel needs
+    more shared memory per block than the current device allows (the comparison Triton makes when it loads a kernel,
+    ``OutOfResources``), made before the autotuner benchmarks them.
+
+    The prune runs where the autotuner prunes (once per tuning key, only when it has more than one configuration):
+    first the autotuner's own ``early_config_prune`` if it has one, then each remaining configuration is compiled
+    (:func:`shared_memory_need`) and kept unless its need exceeds ``max_shared_mem`` of triton's active driver for the
+    current device. A configuration that does not compile, or whose need is unknown, is kept. If no configuration
+    fits, the list is returned unchanged (Triton then raises ``OutOfResources`` naming the need and the limit).
+
+    Args:
+        tuner: a ``triton.runtime.autotuner.Autotuner``.
+        on_drop: called as ``on_drop(tuner, config, need, limit)`` (bytes) for each configuration dropped; ``None``:
+            only a ``logging`` debug record.
+
+    Returns:
+        ``True`` when the prune was chained now, ``False`` when ``tuner`` already had it (idempotent).
+
+    Raises:
+        TypeError: ``tuner`` is not an ``Autotuner`` (naming its type).
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    if not isinstance(tuner, Autotuner):
+        raise TypeError(f"prune_by_shared_memory: tuner must be a triton Autotuner, got {type(tuner).__name__}")
+    if getattr(tuner, _PRUNED_MARK, False):
+        return False
+    previous = tuner.early_config_prune
+
+    def early_config_prune(configs, nargs, **kwargs):
+        if previous is not None:
+            configs = previous(configs, nargs, **kwargs)
+        limit = _max_shared_memory()
+        needs = [shared_memory_need(tuner, config, nargs, kwargs) for config in configs]
+        kept = [c for c, need in zip(configs, needs) if need is None or need <= limit]
+        dropped = [(c, need) for c, need in zip(configs, needs) if need is not None and need > limit]
+        if not kept:
+            return configs
+        for config, need in dropped:
+            _LOG.debug("%s: dropped %s (shared %d B > %d B)", _kernel_name(tuner), config, need, limit)
+            if on_drop is not None:
+                on_drop(tuner, config, need, limit)
+        return kept
+
+    tuner.early_config_prune = early_config_prune
+    setattr(tuner, _PRUNED_MARK, True)
+    return True
+
+
+def install_shared_memory_prune() -> int:
+    """:func:`prune_by_shared_memory` on every autotuner of :func:`fla_autotuners` (the fla modules imported so far).
+
+    Called by :func:`call_checked` before the first fla call with a CUDA tensor argument after :func:`load` or
+    :func:`load_cp` imported fla; never on import, never for CPU (or meta) tensors. Idempotent.
+
+    Returns:
+        The number of autotuners that got the prune now (0 when all had it).
+    """
+    _PRUNE["pending"] = False
+    return sum(prune_by_shared_memory(tuner) for tuner in fla_autotuners())
 
 
 # ================================================================================== the bodies of fla's Functions
 # fla-core's ChunkKDAFunction, CausalConv1dFunction and LayerNormGatedFunction, forward and backward: the fla calls
-# of each, with the arguments those Functions pass, so that results equal fla's entry points bit for bit. What the
-# forward of a Function saves for its backward is returned to the caller (the custom ops of .kda_fused keep it).
+# of each, with the arguments those Functions pass. What the forward of a Function saves for its backward is returned
+# to the caller.
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
 def chunk_indices_of(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """fla's chunk indices ``[NT, 2]`` (long) of the documents ``cu_seqlens`` (long, with its host copy)."""
+    """fla's chunk indices ``[NT, 2]`` (long: document, chunk within it) of the documents ``cu_seqlens`` (long
+    ``[N + 1]``, with its host copy), ``NT`` the number of chunks of ``chunk_size`` tokens over all documents.
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+    """
     return call_checked(load().prepare_chunk_indices, "prepare_chunk_indices", cu_seqlens=cu_seqlens,
                         chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
@@ -235,12 +397,26 @@ def chunk_indices_of(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chu
 def chunk_forward(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
                   scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                   safe_gate, lower_bound, chunk_size):
-    """The forward of fla's ``ChunkKDAFunction`` on contiguous inputs (the arguments of ``chunk_kda``).
+    """The forward of fla's ``ChunkKDAFunction`` on contiguous inputs (the arguments of fla's ``chunk_kda``).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` (the log decay, or the raw gate input when
+            ``use_gate_in_kernel``); beta: ``[B, T, H]`` (logits when ``use_beta_sigmoid_in_kernel``); float32,
+            bfloat16 or float16.
+        A_log: ``[H]``, dt_bias: ``[H * K]`` (fp32) when ``use_gate_in_kernel``, else ``None``.
+        initial_state: ``[N, H, K, V]`` fp32 or ``None``; cu_seqlens: long ``[N + 1]`` (with ``cu_seqlens_cpu`` and
+            :func:`chunk_indices_of`'s ``chunk_indices``) or ``None``.
+        scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            safe_gate, lower_bound, chunk_size: as fla's ``chunk_kda``.
 
     Returns:
         ``(o, final_state or None, q, q_rstd, k, k_rstd, beta_act, g_cumsum or None, Aqk, Akk)``: ``q``/``k``
         l2-normalised with their reciprocal norms when ``use_qk_l2norm_in_kernel`` (else the inputs and ``None``),
-        ``beta_act`` the sigmoid of ``beta`` when ``use_beta_sigmoid_in_kernel`` (else ``beta``).
+        ``beta_act`` the sigmoid of ``beta`` when ``use_beta_sigmoid_in_kernel`` (else ``beta``); ``o`` ``[B, T, H, V]``
+        in q's dtype, ``final_state`` fp32 ``[N, H, K, V]``.
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
     """
     fla = load()
     q_rstd = k_rstd = None
@@ -283,11 +459,16 @@ def chunk_forward(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens
 def chunk_backward(do, dht, q, k, v, beta, beta_act, g, g_cumsum, A_log, dt_bias, initial_state, Aqk, Akk,
                    cu_seqlens, chunk_indices, *, q_normed, q_rstd, k_normed, k_rstd, scale, use_qk_l2norm_in_kernel,
                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, chunk_size):
-    """The backward of fla's ``ChunkKDAFunction``: ``q``/``k`` as the kernel read them (normalised when
-    ``use_qk_l2norm_in_kernel``), the rest as :func:`chunk_forward` took and returned them.
+    """The backward of fla's ``ChunkKDAFunction``: ``do`` ``[B, T, H, V]``, ``dht`` ``[N, H, K, V]`` fp32 or ``None``;
+    ``q``/``k`` as the kernel read them (normalised when ``use_qk_l2norm_in_kernel``), the rest as
+    :func:`chunk_forward` took and returned them.
 
     Returns:
-        ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)`` (fla's; ``None`` where fla has none).
+        ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)``, each shaped as its input (fla's; ``None`` where fla has
+        none).
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
     """
     fla = load()
     dq, dk, dv, db, dg, dh0, dA, dbias = call_checked(
@@ -330,7 +511,19 @@ def chunk_backward(do, dht, q, k, v, beta, beta_act, g, g_cumsum, A_log, dt_bias
 
 def conv_forward(x, weight, *, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu,
                  chunk_indices, chunk_size):
-    """The forward of fla's ``CausalConv1dFunction`` without bias or residual: ``(y, final_state or None)``."""
+    """The forward of fla's ``CausalConv1dFunction`` without bias or residual.
+
+    Args:
+        x: ``[B, T, D]``; weight: ``[D, W]`` (depthwise kernel of width ``W``); initial_state: ``[N, D, W]`` or
+            ``None``; activation: ``"silu"`` or ``None``; cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size: as
+            :func:`chunk_forward`.
+
+    Returns:
+        ``(y [B, T, D] in x's dtype, final_state [N, D, W] or None)``.
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+    """
     return call_checked(
         load().causal_conv1d_fwd,
         "causal_conv1d_fwd",
@@ -349,7 +542,15 @@ def conv_forward(x, weight, *, initial_state, output_final_state, activation, cu
 
 
 def conv_backward(x, dy, dht, weight, *, initial_state, activation, cu_seqlens, chunk_indices, chunk_size):
-    """The backward of fla's ``CausalConv1dFunction`` without bias or residual: ``(dx, dweight, dh0 or None)``."""
+    """The backward of fla's ``CausalConv1dFunction`` without bias or residual (arguments as :func:`conv_forward`;
+    ``dy`` as ``x``, ``dht`` as the final state or ``None``).
+
+    Returns:
+        ``(dx, dweight, dh0 or None)``, shaped as ``x``, ``weight``, ``initial_state``.
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+    """
     dx, dw, _, _, dh0 = call_checked(
         load().causal_conv1d_bwd,
         "causal_conv1d_bwd",
@@ -369,8 +570,17 @@ def conv_backward(x, dy, dht, weight, *, initial_state, activation, cu_seqlens, 
 
 
 def norm_forward(x, g, weight, eps):
-    """The forward of fla's ``LayerNormGatedFunction`` as RMSNorm with a sigmoid gate, no bias or residual, on rows
-    ``[N, D]``: ``(y, rstd)``."""
+    """The forward of fla's ``LayerNormGatedFunction`` as RMSNorm with a sigmoid gate, no bias or residual.
+
+    Args:
+        x, g: rows ``[N, D]``; weight: ``[D]``; eps: added to the mean square.
+
+    Returns:
+        ``(y [N, D] in x's dtype, rstd [N] fp32)``.
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+    """
     y, _, rstd, _ = call_checked(
         load().layer_norm_gated_fwd,
         "layer_norm_gated_fwd",
@@ -388,7 +598,14 @@ def norm_forward(x, g, weight, eps):
 
 
 def norm_backward(dy, x, g, weight, rstd, eps, x_dtype):
-    """The backward of :func:`norm_forward`: ``(dx, dg, dweight)``."""
+    """The backward of :func:`norm_forward` (``dy`` as ``x``; ``x_dtype`` the dtype of ``dx``).
+
+    Returns:
+        ``(dx [N, D], dg [N, D], dweight [D])``.
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+    """
     dx, dg, dw, _, _ = call_checked(
         load().layer_norm_gated_bwd,
         "layer_norm_gated_bwd",
@@ -410,8 +627,19 @@ def norm_backward(dy, x, g, weight, rstd, eps, x_dtype):
 
 
 def recurrent_step(q, k, v, g, beta, A_log, dt_bias, *, initial_state, scale, lower_bound):
-    """fla's ``fused_recurrent_kda`` with the gate, the beta sigmoid and the q/k l2-norm in the kernel, K-first state:
-    ``(o, final_state)``."""
+    """fla's ``fused_recurrent_kda`` with the gate, the beta sigmoid and the q/k l2-norm in the kernel, K-first state.
+
+    Args:
+        q, k, g: ``[B, T, H, K]`` (``g`` the raw gate input); v: ``[B, T, H, V]``; beta: ``[B, T, H]`` logits;
+            A_log: ``[H]``; dt_bias: ``[H * K]``; initial_state: ``[B, H, K, V]`` fp32 or ``None``; scale,
+            lower_bound: as fla's ``fused_recurrent_kda``.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32)``.
+
+    Raises:
+        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+    """
     return tuple(call_checked(
         load().fused_recurrent_kda,
         "fused_recurrent_kda",

@@ -10,16 +10,21 @@ What is compiled is captured at the launch sites: the package's own launchers (`
 points that ``kda_fused`` calls (chunk KDA forward and backward, causal conv forward and backward, gated RMSNorm
 forward and backward, the fused recurrent decode step) are called on meta tensors of the release shapes with
 ``JITFunction.run`` replaced by a recorder; an autotuned kernel is recorded once per configuration its autotuner
-would benchmark (after its pruning). Every recorded launch is bound by Triton's own binder (signature, constexprs,
-alignment specialisation) and compiled for each target. fla reads the device (shared memory, capability, SM count)
-to choose its block lists and configurations, so each target is captured in its own process with a stand-in driver
-reporting that target's properties.
+would benchmark (after its pruning). fla's autotuners get the package's own prune first
+(``glm53flash_hf.fla_compat.prune_by_shared_memory``, as on a GPU: each configuration is compiled for the target and
+dropped when it needs more shared memory than the target's block may have), so the configurations recorded are the
+ones the package can pick; ``--unpruned`` records fla's lists as they are. The configurations the prune drops are
+listed after the table. Every recorded launch is bound by Triton's own binder (signature, constexprs, alignment
+specialisation) and compiled for each target. fla reads the device (shared memory, capability, SM count) to choose
+its block lists and configurations, so each target is captured in its own process with a stand-in driver reporting
+that target's properties.
 
 Nothing here runs on a GPU: compiling and fitting are checked, not speed or numerics.
 
 Usage::
 
     python scripts/gpu_aot.py [--kernels SUBSTR ...] [--targets sm_80 sm_90 sm_100] [--out aot.json] [--jobs 2]
+                              [--max-configs N] [--unpruned]
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ class Launch:
         self.tune = tune or {}  # the autotune configuration's kwargs (empty: a fixed launch)
 
 
-_STATE = {"site": "", "config": "", "tune": {}, "launches": []}
+_STATE = {"site": "", "config": "", "tune": {}, "launches": [], "dropped": []}
 
 
 def _mock(value):
@@ -124,10 +129,13 @@ def _mock(value):
 @contextlib.contextmanager
 def recording():
     """Replace ``JITFunction.run`` by a recorder and ``Autotuner.run`` by a loop over its pruned configurations; the
-    recorded :class:`Launch` es are appended to ``_STATE["launches"]``. Nothing is launched."""
+    recorded :class:`Launch` es are appended to ``_STATE["launches"]``. Nothing is launched; a ``warmup=True`` call
+    (a prune compiling a configuration) compiles for the active driver's target as Triton does."""
     from triton.runtime import autotuner, jit
 
     def run(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            return saved[0](self, *args, grid=grid, warmup=warmup, **kwargs)
         _STATE["launches"].append(Launch(self, tuple(_mock(a) for a in args),
                                          {k: _mock(v) for k, v in kwargs.items()}, _STATE["site"], _STATE["config"],
                                          dict(_STATE["tune"])))
@@ -456,6 +464,31 @@ def bound_configs(launches: list[Launch], max_configs: int | None) -> list[Launc
     return [x for x in launches if not x.tune or id(x) in keep]
 
 
+def _config_text(config) -> str:
+    parts = [f"{k}={v}" for k, v in config.kwargs.items()]
+    return " ".join(parts + [f"warps={config.num_warps}", f"stages={config.num_stages}"])
+
+
+def install_fla_prune(kernel_filters: tuple[str, ...] = ()) -> list[str]:
+    """Chain the package's shared-memory prune (``fla_compat.prune_by_shared_memory``) onto fla's autotuners: those
+    whose kernel name contains one of ``kernel_filters``, or all of them when none matches (no filter, or filters
+    that name launch sites). Each configuration dropped is appended to ``_STATE["dropped"]``. Imports fla; returns
+    the kernel names that got the prune."""
+    from glm53flash_hf import fla_compat
+
+    fla_compat.load()
+    tuners = fla_compat.fla_autotuners()
+    chosen = [t for t in tuners if any(f in t.base_fn.__name__ for f in kernel_filters)] or tuners
+
+    def on_drop(tuner, config, need, limit):
+        _STATE["dropped"].append({"kernel": tuner.base_fn.__name__, "site": _STATE["site"], "shared": need,
+                                  "limit": limit, "config": _config_text(config)})
+
+    for tuner in chosen:
+        fla_compat.prune_by_shared_memory(tuner, on_drop=on_drop)
+    return [t.base_fn.__name__ for t in chosen]
+
+
 def capture(family: str) -> list[Launch]:
     """The launches of one family (a key of :data:`CAPTURE`), deduplicated by kernel, arguments and options."""
     _STATE["launches"] = []
@@ -477,12 +510,17 @@ SHARDS = {"kda_chunk": 6, "kda_conv": 2, "kda_norm": 2}  # jobs per family and t
 
 
 def _job(family: str, target_name: str, kernel_filters: tuple[str, ...], shard: int = 0, shards: int = 1,
-         max_configs: int | None = None) -> list[dict]:
+         max_configs: int | None = None, prune: bool = True) -> list[dict]:
     """Capture one family under ``target_name``'s stand-in driver and compile its launches ``shard::shards`` (runs
-    in a fresh process so that fla reads that target's properties at import)."""
+    in a fresh process so that fla reads that target's properties at import). ``prune``: fla's autotuners get the
+    package's shared-memory prune first (:func:`install_fla_prune`); shard 0 also returns a row per configuration
+    it dropped (``pruned: True``)."""
     install_target_driver(target_name)
     rows = []
     try:
+        if prune and family not in PACKAGE_FAMILIES:
+            install_fla_prune(kernel_filters)
+        _STATE["dropped"] = []
         launches = bound_configs(capture(family), max_configs)
     except Exception as exc:
         return [{"kernel": f"({family} capture)", "site": family, "target": target_name, "config": "",
@@ -495,6 +533,11 @@ def _job(family: str, target_name: str, kernel_filters: tuple[str, ...], shard: 
         row = compile_launch(launch, target_name)
         row["family"] = family
         rows.append(row)
+    if shard == 0:
+        for drop in _STATE["dropped"]:
+            if kernel_filters and not any(f in drop["kernel"] or f in drop["site"] for f in kernel_filters):
+                continue
+            rows.append({**drop, "family": family, "target": target_name, "pruned": True})
     return rows
 
 
@@ -512,6 +555,16 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dropped_table(rows: list[dict]) -> str:
+    """The configurations the prune dropped (rows with ``kernel``, ``site``, ``target``, ``config``, ``shared``,
+    ``limit``) as a markdown table."""
+    lines = ["| kernel | launch site | target | config | shared B | limit B |", "|" + "---|" * 6]
+    for r in rows:
+        lines.append(f"| `{r['kernel']}` | {r['site']} | {r['target']} | {r['config']} | {r['shared']} "
+                     f"| {r['limit']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="*", default=[],
@@ -519,6 +572,8 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument("--out", help="write the rows as JSON to this path")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--unpruned", action="store_true",
+                        help="record fla's autotune lists as they are, without the package's shared-memory prune")
     parser.add_argument("--max-configs", type=int, default=None,
                         help="bound the autotune configurations per kernel and launch site (default: all; see "
                              "bound_configs)")
@@ -533,21 +588,29 @@ def main(argv=None) -> int:
     jobs = [(f, t, i, SHARDS.get(f, 1)) for t in args.targets for f in families for i in range(SHARDS.get(f, 1))]
     rows: list[dict] = []
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_job, f, t, filters, i, n, args.max_configs) for f, t, i, n in jobs]
+    # one process per job: fla reads the target at import, and a kernel's binder keeps the first target it saw
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
+        futures = [pool.submit(_job, f, t, filters, i, n, args.max_configs, not args.unpruned)
+                   for f, t, i, n in jobs]
         for fut in concurrent.futures.as_completed(futures):
             rows.extend(fut.result())
             print(f"[{time.time() - start:.0f} s] {len(rows)} compiled", file=sys.stderr, flush=True)
     order = {f: i for i, f in enumerate(FAMILIES)}
     rows.sort(key=lambda r: (order.get(r.get("family", ""), 99), r["site"], r["kernel"], r.get("config", ""),
                              list(TARGETS).index(r["target"])))
+    dropped = [r for r in rows if r.get("pruned")]
+    rows = [r for r in rows if not r.get("pruned")]
     elapsed = time.time() - start
     print(markdown_table(rows))
+    if dropped:
+        print("\nDropped by the shared-memory prune (not compiled above):\n")
+        print(dropped_table(dropped))
     failed = [r for r in rows if not r["fits"]]
-    print(f"\n{len(rows)} compilations, {len(failed)} not fitting, {elapsed:.0f} s with {args.jobs} worker(s)")
+    print(f"\n{len(rows)} compilations, {len(failed)} not fitting, {len(dropped)} configurations dropped by the "
+          f"prune{' (not installed: --unpruned)' if args.unpruned else ''}, {elapsed:.0f} s with {args.jobs} worker(s)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"seconds": elapsed, "rows": rows}, f, indent=1, default=str)
+            json.dump({"seconds": elapsed, "rows": rows, "pruned": dropped}, f, indent=1, default=str)
     return 1 if failed else 0
 
 
