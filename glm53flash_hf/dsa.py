@@ -447,14 +447,14 @@ class Glm53FlashAttention(nn.Module):
         layout: DocumentLayout,
         prev_topk_indices: torch.Tensor | None = None,
         cache=None,
-        cache_context=None,
         output_attentions: bool = False,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
 
         Args:
-            layout: document structure (``None``: every row one unpadded document).
+            layout: document structure (``None``: every row one unpadded document); with ``cache``, the one
+                :func:`.packing.build_layout` made for it (``layout.cache_context`` set).
             prev_topk_indices: int ``[B, S, W]`` ids of the previous "full" layer; required by "shared" layers,
                 ignored by "full" ones.
             cache: optional transformers ``Cache`` (generation). Its layer ``layer_idx`` (``DynamicIndexedLayer`` /
@@ -463,7 +463,6 @@ class Glm53FlashAttention(nn.Module):
                 (:meth:`Glm53FlashIndexer.forward_cached`). The new queries attend over the selected cached latents
                 only, in the absorbed form (``q_abs = q W_kc``; ``out = softmax(q_abs c_sel^T) c_sel``; ``W_vc^T``):
                 the cache is never expanded through ``kv_b_proj``. Ids are row positions (= cache slots).
-            cache_context: the forward's :class:`~.generation_cache.CacheContext`; required with ``cache``.
             output_attentions: also return the attention weights ``[B, H, S, S_kv]`` (``S_kv``: the latents
                 attended over, the cache length when cached), the softmax over the selected ids scattered into a
                 dense tensor, zero elsewhere; the output is then computed from them
@@ -476,12 +475,14 @@ class Glm53FlashAttention(nn.Module):
         :meth:`~.sequence_parallel.SequenceParallelContext.gather_sequence`).
 
         Returns:
-            ``(attn_output [B, S, hidden_size], topk_indices)``; ``topk_indices`` is the int32 ``[B, S, W]`` selection
-            when ``next_skip_topk`` (for the next, shared layer), else ``None``; with ``output_attentions`` a third
-            entry, the weights. Padding queries give zero attention (so ``o_proj``'s bias, if any).
+            ``(attn_output [B, S, hidden_size], topk_indices, attn_weights)``; ``topk_indices`` is the int32
+            ``[B, S, W]`` selection when ``next_skip_topk`` (for the next, shared layer), else ``None``;
+            ``attn_weights`` the weights with ``output_attentions``, else ``None``. Padding queries give zero attention
+            (so ``o_proj``'s bias, if any).
 
         Raises:
-            ValueError: bad shapes, or a "shared" layer called without ``prev_topk_indices``.
+            ValueError: bad shapes, a "shared" layer called without ``prev_topk_indices``, or a ``cache`` with a
+                ``layout`` without ``cache_context``.
             NotImplementedError: attention dropout > 0 in training mode; ``cache`` that is not a transformers
                 ``Cache`` (:class:`~.generation_cache.UnsupportedCacheError`, also a ``TypeError``).
         """
@@ -489,8 +490,12 @@ class Glm53FlashAttention(nn.Module):
             from .generation_cache import check_cache
 
             check_cache(cache, "Glm53FlashAttention")
+            cache_context = getattr(layout, "cache_context", None)
             if cache_context is None:
-                raise ValueError("Glm53FlashAttention: a cache needs cache_context (built by the text model)")
+                raise ValueError(
+                    "Glm53FlashAttention: a cache needs a layout with cache_context (packing.build_layout(..., "
+                    f"cache=cache)); got layout={type(layout).__name__}"
+                )
         if self.training and self.attention_dropout > 0:
             raise NotImplementedError(
                 f"attention_dropout={self.attention_dropout} is not supported by sparse DSA attention; set it to 0"
@@ -548,9 +553,7 @@ class Glm53FlashAttention(nn.Module):
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         attn = self.o_proj(attn)
-        if output_attentions:
-            return attn, (topk_indices if self.next_skip_topk else None), weights
-        return attn, (topk_indices if self.next_skip_topk else None)
+        return attn, (topk_indices if self.next_skip_topk else None), weights
 
 
 def init_dsa_weights(module: nn.Module, config) -> None:

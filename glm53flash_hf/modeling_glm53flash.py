@@ -41,7 +41,6 @@ from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import (
-    build_cache_context,
     check_cache,
     check_cache_continuation,
     check_cache_layers,
@@ -61,8 +60,8 @@ from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mh
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
 from .mtp import doc_roll, mtp_loss
 from .norm import Glm53FlashRMSNorm
-from .packing import DocumentLayout, layout_from_kwargs
-from .sequence_parallel import build_sp_layout, sp_loss_kwargs
+from .packing import DocumentLayout, build_layout
+from .sequence_parallel import sp_loss_kwargs
 
 logger = logging.get_logger(__name__)
 
@@ -84,11 +83,11 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         config: :class:`Glm53FlashTextConfig`.
         layer_idx: index in ``config.layer_types`` / ``mlp_layer_types``.
 
-    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, cache_context=None,
-    output_attentions=False)`` returns ``(hidden_states [B,S,N,D], topk_indices or None)``; the indices are returned
-    when the next layer is a ``shared`` indexer layer. ``cache`` / ``cache_context`` (generation) go to the token
-    mixer. With ``output_attentions=True`` a third entry: a DSA layer's attention weights ``[B, H, S, S_kv]``
-    (:meth:`.dsa.Glm53FlashAttention.forward`), ``None`` for a KDA layer (no attention weights).
+    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, output_attentions=False)``
+    returns ``(hidden_states [B,S,N,D], topk_indices, attn_weights)``, the token mixer's last two entries: the
+    indices when the next layer is a ``shared`` indexer layer, a DSA layer's attention weights ``[B, H, S, S_kv]``
+    with ``output_attentions=True`` (:meth:`.dsa.Glm53FlashAttention.forward`), else ``None``. ``cache``
+    (generation; ``layout.cache_context`` set) goes to the token mixer.
     Source: transformers ``Glm5NextTextDecoderLayer``; mHC: DeepSeek, "mHC: Manifold-Constrained Hyper-Connections".
     """
 
@@ -113,21 +112,14 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         layout: DocumentLayout,
         prev_topk_indices: torch.Tensor | None = None,
         cache=None,
-        cache_context=None,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
         x = self.input_layernorm(x)
-        topk_indices = weights = None
-        if self.layer_type == "linear_attention":
-            x = self.self_attn(x, layout=layout, cache=cache)
-        else:
-            x, topk_indices, *rest = self.self_attn(
-                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context,
-                output_attentions=output_attentions,
-            )
-            weights = rest[0] if rest else None
+        x, topk_indices, weights = self.self_attn(
+            x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, output_attentions=output_attentions
+        )
         hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
 
         residual = hidden_states
@@ -135,9 +127,7 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
         hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
-        if output_attentions:
-            return hidden_states, topk_indices, weights
-        return hidden_states, topk_indices
+        return hidden_states, topk_indices, weights
 
 
 class Glm53FlashSharedHead(nn.Module):
@@ -154,11 +144,11 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
     ``x = eh_proj([enorm(embed(t + k)), hnorm(h)])`` (embedding first), then a plain pre-norm residual block
     with its own DSA attention (full indexer) and MoE (no mHC), then ``shared_head.norm``.
 
-    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout, cache=None, cache_context=None)`` →
+    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout, cache=None)`` →
     ``(out [B,S,D], h [B,S,D])``: ``out`` is normalised by ``shared_head.norm`` (feed to ``lm_head``), ``h`` is the
     block output before it (the next depth's ``hidden_states``). The caller rolls ``inputs_embeds`` per document
-    (:meth:`Glm53FlashTextModel.mtp_forward`). ``cache`` / ``cache_context`` (MTP drafting,
-    :mod:`.mtp_generation`) go to the attention, whose cache layer is ``layer_idx``
+    (:meth:`Glm53FlashTextModel.mtp_forward`). ``cache`` (MTP drafting, :mod:`.mtp_generation`; ``layout`` from
+    :func:`.packing.build_layout` with it) goes to the attention, whose cache layer is ``layer_idx``
     (:class:`~.generation_cache.MtpDraftCache`).
     """
 
@@ -175,12 +165,11 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
         self.shared_head = Glm53FlashSharedHead(config)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None,
-        cache_context=None,
+        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(inputs_embeds), self.hnorm(hidden_states)], dim=-1))
         residual = x
-        attn, _ = self.self_attn(self.input_layernorm(x), layout=layout, cache=cache, cache_context=cache_context)
+        attn, _, _ = self.self_attn(self.input_layernorm(x), layout=layout, cache=cache)
         x = residual + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.shared_head.norm(x), x
@@ -214,10 +203,11 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     # What output_attentions / output_hidden_states / output_router_logits return, as the built-in declares it (the
-    # text model collects them itself, without transformers' capture_outputs hooks): DSA layers' attention weights,
-    # the decoder layers' outputs, the main-layer routers' logits (index 0 of the router's output).
+    # text model collects them itself, without transformers' capture_outputs hooks; transformers' ModelTesterMixin
+    # reads this to pick its output tests; docs/design.md): DSA layers' attention weights (index 2 of the mixer's
+    # output), the decoder layers' outputs, the main-layer routers' logits (index 0 of the router's output).
     _can_record_outputs = {
-        "attentions": Glm53FlashAttention,
+        "attentions": OutputRecorder(Glm53FlashAttention, index=2),
         "hidden_states": Glm53FlashDecoderLayer,
         "router_logits": OutputRecorder(Glm53FlashTopkRouter, index=0),
     }
@@ -392,7 +382,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     (``O(S * S_kv)`` memory) that computes the output from the weights, so gradients reach them.
 
     Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``), ``seq_idx`` (``[B,S]``), see
-    :func:`.packing.layout_from_kwargs`.
+    :func:`.packing.build_layout`.
 
     Generation cache: ``cache`` (or ``past_key_values``) a transformers ``DynamicCache(config=...)`` /
     ``StaticCache``, or ``use_cache=True`` (a ``DynamicCache`` is created). The new tokens continue the cached
@@ -482,33 +472,13 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
-        cache_context = None
         if cache is not None:
             check_cache(cache, type(self).__name__)
             check_cache_layers(cache, self.config, type(self).__name__)
-            if self.sequence_parallel_group is not None:
-                raise ValueError(
-                    "sequence parallelism runs uncached forwards only; got a cache with sequence_parallel_group set "
-                    "(call set_sequence_parallel(None) before generating)"
-                )
-            cache_context = build_cache_context(
-                cache, batch_size, seq_len, inputs_embeds.device, attention_mask, position_ids, **kwargs
-            )
-            layout = layout_from_kwargs(batch_size, seq_len, inputs_embeds.device, attention_mask=cache_context.valid)
-        elif self.sequence_parallel_group is not None:
-            layout = build_sp_layout(
-                self.sequence_parallel_group, batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask,
-                position_ids=position_ids, **kwargs,
-            )
-        else:
-            layout = layout_from_kwargs(
-                batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
-                **kwargs,
-            )
-            if not layout.trivial:
-                # the packed layers read the segment boundaries: build them here, not first inside a
-                # (checkpointed) layer, where the lazy build would be a side effect on an outside object
-                layout.segment_tensors()
+        layout = build_layout(
+            batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, sequence_parallel_group=self.sequence_parallel_group, **kwargs,
+        )
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -530,12 +500,12 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         attentions = () if output_attentions else None
         try:
             for layer in self.layers[: self.config.num_hidden_layers]:
-                hidden_states, topk_indices, *rest = layer(
-                    hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context,
+                hidden_states, topk_indices, weights = layer(
+                    hidden_states, layout, prev_topk_indices=topk_indices, cache=cache,
                     output_attentions=bool(output_attentions),
                 )
-                if rest and rest[0] is not None:  # DSA layers only, as the built-in (KDA layers form no weights)
-                    attentions += (rest[0],)
+                if weights is not None:  # DSA layers only, as the built-in (KDA layers form no weights)
+                    attentions += (weights,)
                 if output_hidden_states:
                     all_hidden += (hidden_states,)
         finally:
