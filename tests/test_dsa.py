@@ -469,8 +469,8 @@ def test_shared_indexer_pair_matches_hf():
     mask = torch.ones(B, S, dtype=torch.bool)
     layout = build_document_layout(B, S, "cpu")
 
-    o1, ids = ours1(x, layout)
-    o2, none = ours2(x + o1, layout, prev_topk_indices=ids)
+    o1, ids, _ = ours1(x, layout)
+    o2, none, _ = ours2(x + o1, layout, prev_topk_indices=ids)
     h1, _, hids = hf1(x, mask, cache=None)
     h2, _, hnone = hf2(x + h1, mask, cache=None, prev_topk_indices=hids)
     assert none is None and hnone is None

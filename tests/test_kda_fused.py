@@ -303,7 +303,7 @@ def test_layer_checkpoint_recompute_takes_the_fused_path(force_fused):
     kda_module.choose_backend = recording
     try:
         xc = x.clone().requires_grad_()
-        out_c = torch.utils.checkpoint.checkpoint(fused, xc, layout, use_reentrant=True)
+        out_c = torch.utils.checkpoint.checkpoint(fused, xc, layout, use_reentrant=True)[0]
         (out_c * weight).sum().backward()  # reentrant checkpointing does not support autograd.grad
     finally:
         kda_module.choose_backend = original
