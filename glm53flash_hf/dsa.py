@@ -332,34 +332,38 @@ class Glm53FlashAttention(nn.Module):
         layout: DocumentLayout,
         prev_topk_indices: torch.Tensor | None = None,
         cache=None,
-        cache_context=None,
         output_attentions: bool = False,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
 
         Args:
-            layout: the :class:`~.packing.DocumentLayout` (``None``: one unpadded document per row).
+            layout: the :class:`~.packing.DocumentLayout` (``None``: one unpadded document per row); with ``cache``,
+                the one :func:`.packing.build_layout` made for it (``layout.cache_context`` set).
             prev_topk_indices: int ``[B, S, W]`` ids of the previous "full" layer; required by "shared" layers.
-            cache, cache_context: a transformers ``Cache`` (latents as ``keys`` ``[B, 1, L, kv_lora_rank]``, the
-                indexer state) and the forward's :class:`~.generation_cache.CacheContext`.
+            cache: a transformers ``Cache`` (latents as ``keys`` ``[B, 1, L, kv_lora_rank]``, the indexer state).
             output_attentions: also return the weights ``[B, H, S, S_kv]`` (zero off the selected ids), from which
                 the output is then computed (dense cost).
 
         Returns:
-            ``(out [B, S, hidden_size], ids)``, ``ids`` the int32 ``[B, S, W]`` selection when ``next_skip_topk``
-            else ``None``; the weights third with ``output_attentions``.
+            ``(out [B, S, hidden_size], ids, weights)``: ``ids`` the int32 ``[B, S, W]`` selection when
+            ``next_skip_topk`` else ``None``; ``weights`` with ``output_attentions``, else ``None``.
 
         Raises:
-            ValueError: bad shapes; a "shared" layer without ``prev_topk_indices``; a cache without its context.
+            ValueError: bad shapes; a "shared" layer without ``prev_topk_indices``; a cache with a layout without
+                ``cache_context``.
             NotImplementedError: attention dropout in training; a ``cache`` that is not a transformers ``Cache``.
         """
         if cache is not None:
             from .generation_cache import check_cache
 
             check_cache(cache, "Glm53FlashAttention")
+            cache_context = getattr(layout, "cache_context", None)
             if cache_context is None:
-                raise ValueError("Glm53FlashAttention: a cache needs cache_context (built by the text model)")
+                raise ValueError(
+                    "Glm53FlashAttention: a cache needs a layout with cache_context (packing.build_layout(..., "
+                    f"cache=cache)); got layout={type(layout).__name__}"
+                )
         if self.training and self.attention_dropout > 0:
             raise NotImplementedError(
                 f"attention_dropout={self.attention_dropout} is not supported by sparse DSA attention; set it to 0"
@@ -417,9 +421,7 @@ class Glm53FlashAttention(nn.Module):
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         attn = self.o_proj(attn)
-        if output_attentions:
-            return attn, (topk_indices if self.next_skip_topk else None), weights
-        return attn, (topk_indices if self.next_skip_topk else None)
+        return attn, (topk_indices if self.next_skip_topk else None), weights
 
 
 def init_dsa_weights(module: nn.Module, config) -> None:

@@ -135,14 +135,15 @@ class Glm53FlashLinearAttention(nn.Module):
         hidden_states: torch.Tensor,
         layout: DocumentLayout,
         cache=None,
-        cache_context=None,
         **kwargs,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, None, None]:
         """Mix the tokens of ``hidden_states`` ``[B, S, D]`` within the documents of ``layout`` (padding zeroed).
 
         ``cache``: optional transformers ``Cache`` whose layer ``layer_idx`` is a ``LinearAttentionLayer`` (conv state
         ``[B, 3*H*K, W]``, oldest first; fp32 recurrent state ``[B, H, K, V]``), read as the initial states and
-        replaced by the final ones. ``cache_context`` is unused. Returns ``[B, S, D]`` in ``hidden_states``' dtype.
+        replaced by the final ones. Other kwargs (the DSA mixer's) are ignored. Returns ``(out, None, None)``, the
+        token mixers' one shape (:meth:`.dsa.Glm53FlashAttention.forward`), ``out`` ``[B, S, D]`` in
+        ``hidden_states``' dtype.
 
         Raises:
             NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
@@ -173,10 +174,10 @@ class Glm53FlashLinearAttention(nn.Module):
             hidden_states = hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
         if conv_state is not None and recurrent_state is not None:
             if S == 1:
-                return self.decode(hidden_states, params, conv_state, recurrent_state, cache, recording)
+                return self.decode(hidden_states, params, conv_state, recurrent_state, cache, recording), None, None
             if recording:
-                return self.verify(hidden_states, params, conv_state, recurrent_state, cache)
-        return self.prefill(hidden_states, layout, params, conv_state, recurrent_state, cache, recording)
+                return self.verify(hidden_states, params, conv_state, recurrent_state, cache), None, None
+        return self.prefill(hidden_states, layout, params, conv_state, recurrent_state, cache, recording), None, None
 
     def prefill(self, x, layout, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
         """The chunked form: uncached, a first cached call, or a continuation that does not record its past."""

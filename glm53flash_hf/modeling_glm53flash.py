@@ -33,7 +33,6 @@ from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import (
-    build_cache_context,
     check_cache,
     check_cache_continuation,
     check_cache_layers,
@@ -53,8 +52,8 @@ from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mh
 from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
 from .mtp import doc_roll, mtp_loss
 from .norm import Glm53FlashRMSNorm
-from .packing import DocumentLayout, layout_from_kwargs
-from .sequence_parallel import build_sp_layout, sp_loss_kwargs
+from .packing import DocumentLayout, build_layout
+from .sequence_parallel import sp_loss_kwargs
 
 logger = logging.get_logger(__name__)
 
@@ -73,10 +72,9 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
     """One main-stack layer (``Glm5NextTextDecoderLayer``): mHC sites (DeepSeek, "mHC: Manifold-Constrained
     Hyper-Connections") around the token mixer (KDA or DSA) and the MLP (dense or MoE).
 
-    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, cache_context=None,
-    output_attentions=False)`` -> ``(hidden_states [B,S,N,D], topk_indices)`` (the ids when the next layer is a
-    "shared" indexer layer, else ``None``); with ``output_attentions`` third a DSA layer's weights ``[B, H, S, S_kv]``
-    (``None`` for KDA).
+    ``forward(hidden_states [B,S,N,D], layout, prev_topk_indices=None, cache=None, output_attentions=False)`` ->
+    ``(hidden_states [B,S,N,D], topk_indices, attn_weights)``: the ids when the next layer is a "shared" indexer
+    layer, a DSA layer's weights ``[B, H, S, S_kv]`` with ``output_attentions``, else ``None``.
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -100,21 +98,14 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         layout: DocumentLayout,
         prev_topk_indices: torch.Tensor | None = None,
         cache=None,
-        cache_context=None,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
         x = self.input_layernorm(x)
-        topk_indices = weights = None
-        if self.layer_type == "linear_attention":
-            x = self.self_attn(x, layout=layout, cache=cache)
-        else:
-            x, topk_indices, *rest = self.self_attn(
-                x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, cache_context=cache_context,
-                output_attentions=output_attentions,
-            )
-            weights = rest[0] if rest else None
+        x, topk_indices, weights = self.self_attn(
+            x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, output_attentions=output_attentions
+        )
         hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
 
         residual = hidden_states
@@ -122,9 +113,7 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
         hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
-        if output_attentions:
-            return hidden_states, topk_indices, weights
-        return hidden_states, topk_indices
+        return hidden_states, topk_indices, weights
 
 
 class Glm53FlashSharedHead(nn.Module):
@@ -139,8 +128,8 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
     """Multi-token-prediction layer (DeepSeek-V3 technical report §2.2) at ``layers.{num_hidden_layers + i}``:
     ``x = eh_proj([enorm(embeds), hnorm(h)])``, then a pre-norm residual block of DSA attention and MoE (no mHC).
 
-    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout, cache=None, cache_context=None)`` ->
-    ``(shared_head.norm(x), x)``, both ``[B,S,D]``; the caller rolls ``inputs_embeds`` per document.
+    ``forward(inputs_embeds [B,S,D], hidden_states [B,S,D], layout, cache=None)`` -> ``(shared_head.norm(x), x)``,
+    both ``[B,S,D]``; the caller rolls ``inputs_embeds`` per document.
     """
 
     def __init__(self, config: Glm53FlashTextConfig, layer_idx: int):
@@ -156,12 +145,11 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
         self.shared_head = Glm53FlashSharedHead(config)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None,
-        cache_context=None,
+        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(inputs_embeds), self.hnorm(hidden_states)], dim=-1))
         residual = x
-        attn, _ = self.self_attn(self.input_layernorm(x), layout=layout, cache=cache, cache_context=cache_context)
+        attn, _, _ = self.self_attn(self.input_layernorm(x), layout=layout, cache=cache)
         x = residual + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.shared_head.norm(x), x
@@ -190,9 +178,10 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    # what output_attentions / output_hidden_states / output_router_logits return (the text model collects them)
+    # what output_attentions / output_hidden_states / output_router_logits return (the text model collects them;
+    # transformers' ModelTesterMixin reads this to pick its output tests; docs/design.md)
     _can_record_outputs = {
-        "attentions": Glm53FlashAttention,
+        "attentions": OutputRecorder(Glm53FlashAttention, index=2),
         "hidden_states": Glm53FlashDecoderLayer,
         "router_logits": OutputRecorder(Glm53FlashTopkRouter, index=0),
     }
@@ -318,7 +307,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
     transformers' glm5_next, ``hidden_states`` (the streams ``[B,S,N,D]`` after the embedding and each layer but the
     last, then ``last_hidden_state``; a list of indices keeps those) and ``attentions`` (one ``[B, H, S, S_kv]`` per
     DSA main layer, from a dense torch path). Packing kwargs: ``cu_seq_lens_q`` / ``cu_seqlens`` (int ``[N+1]``),
-    ``seq_idx`` ``[B,S]`` (:func:`.packing.layout_from_kwargs`). Generation: ``cache`` / ``past_key_values`` (a
+    ``seq_idx`` ``[B,S]`` (:func:`.packing.build_layout`). Generation: ``cache`` / ``past_key_values`` (a
     ``DynamicCache(config=...)`` or ``StaticCache``) or ``use_cache=True``; new tokens continue the cached rows
     (``attention_mask`` ``[B, past + S]`` or ``None``, left padding allowed). ``mtp_depth=D > 0`` (uncached) also
     runs :meth:`mtp_forward`; ``output_mtp_inputs=True`` returns what MTP drafting reads.
@@ -395,32 +384,13 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
-        cache_context = None
         if cache is not None:
             check_cache(cache, type(self).__name__)
             check_cache_layers(cache, self.config, type(self).__name__)
-            if self.sequence_parallel_group is not None:
-                raise ValueError(
-                    "sequence parallelism runs uncached forwards only; got a cache with sequence_parallel_group set "
-                    "(call set_sequence_parallel(None) before generating)"
-                )
-            cache_context = build_cache_context(
-                cache, batch_size, seq_len, inputs_embeds.device, attention_mask, position_ids, **kwargs
-            )
-            layout = layout_from_kwargs(batch_size, seq_len, inputs_embeds.device, attention_mask=cache_context.valid)
-        elif self.sequence_parallel_group is not None:
-            layout = build_sp_layout(
-                self.sequence_parallel_group, batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask,
-                position_ids=position_ids, **kwargs,
-            )
-        else:
-            layout = layout_from_kwargs(
-                batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
-                **kwargs,
-            )
-            if not layout.trivial:
-                # build the segment boundaries here, not lazily inside a (checkpointed) layer
-                layout.segment_tensors()
+        layout = build_layout(
+            batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, sequence_parallel_group=self.sequence_parallel_group, **kwargs,
+        )
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -440,12 +410,12 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         attentions = () if output_attentions else None
         try:
             for layer in self.layers[: self.config.num_hidden_layers]:
-                hidden_states, topk_indices, *rest = layer(
-                    hidden_states, layout, prev_topk_indices=topk_indices, cache=cache, cache_context=cache_context,
+                hidden_states, topk_indices, weights = layer(
+                    hidden_states, layout, prev_topk_indices=topk_indices, cache=cache,
                     output_attentions=bool(output_attentions),
                 )
-                if rest and rest[0] is not None:  # DSA layers only, as the built-in (KDA layers form no weights)
-                    attentions += (rest[0],)
+                if weights is not None:  # DSA layers only, as the built-in (KDA layers form no weights)
+                    attentions += (weights,)
                 if output_hidden_states:
                     all_hidden += (hidden_states,)
         finally:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 
-from .generation_cache import MtpDraftCache, build_cache_context
-from .packing import layout_from_kwargs
+from .generation_cache import MtpDraftCache
+from .packing import build_layout
 
 __all__ = ["Glm53FlashMTPCandidateGenerator", "text_model_of"]
 
@@ -79,9 +79,8 @@ class Glm53FlashMTPCandidateGenerator(MTPCandidateGenerator):
         mask = model_kwargs.get("attention_mask")
         mask = None if mask is None else mask[:, : input_ids.shape[1] - 1].to(self.device)
         batch = input_ids.shape[0]
-        ctx = build_cache_context(self.mtp_cache, batch, num, self.device, mask)
-        layout = layout_from_kwargs(batch, num, self.device, attention_mask=ctx.valid)
-        out, _ = self.mtp_layer(embeds, h_pre, layout, cache=self.mtp_cache, cache_context=ctx)
+        layout = build_layout(batch, num, self.device, attention_mask=mask, cache=self.mtp_cache)
+        out, _ = self.mtp_layer(embeds, h_pre, layout, cache=self.mtp_cache)
         self.mtp_calls += 1
         self.is_main_model_prefill = False
 

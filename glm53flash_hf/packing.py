@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from .generation_cache import build_cache_context
 from .input_checks import check_integer_tensor
+from .sequence_parallel import SequenceParallelContext, _gather_plain
 
 
 @dataclass
@@ -32,6 +35,8 @@ class DocumentLayout:
     _segments: tuple | None = field(default=None, repr=False, compare=False)  # (cu_seqlens, segment_valid), lazily
     #: the :class:`.sequence_parallel.SequenceParallelContext` of a sequence-parallel forward, else None
     sequence_parallel: object | None = field(default=None, repr=False, compare=False)
+    #: the :class:`.generation_cache.CacheContext` of a cached forward, else None
+    cache_context: object | None = field(default=None, repr=False, compare=False)
 
     def segment_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cu_seqlens, segment_valid)``, computed on the first call and kept."""
@@ -105,7 +110,6 @@ def build_document_layout(
         check_integer_tensor(name, value)
     total = batch_size * seq_len
     statically_trivial = all(x is None for x in (attention_mask, position_ids, cu_seqlens, seq_idx))
-    arange = torch.arange(seq_len, device=device)
     starts = torch.zeros(batch_size, seq_len, dtype=torch.bool, device=device)
     starts[:, 0] = True
 
@@ -142,10 +146,21 @@ def build_document_layout(
         flat = starts.view(-1)
         flat[cu[:-1]] = True
 
-    flat_starts = starts.reshape(-1)
-    seg_idx = (torch.cumsum(flat_starts.long(), 0) - 1).view(batch_size, seq_len)
+    layout = layout_from_starts(starts, valid, trivial=statically_trivial)
+    if not statically_trivial and not torch.compiler.is_compiling():
+        # eager: read the data (a trivial batch given with an all-ones mask takes the batched paths)
+        layout.trivial = bool(layout.num_segments == batch_size and bool(valid.all()))
+    return layout
+
+
+def layout_from_starts(starts: torch.Tensor, valid: torch.Tensor, trivial: bool = False) -> DocumentLayout:
+    """The :class:`DocumentLayout` whose segments begin where the bool ``[B, S]`` ``starts`` is True (column 0
+    must be); ``valid`` bool ``[B, S]``; ``trivial`` is taken as given."""
+    batch_size, seq_len = starts.shape
+    arange = torch.arange(seq_len, device=starts.device)
+    seg_idx = (torch.cumsum(starts.reshape(-1).long(), 0) - 1).view(batch_size, seq_len)
     doc_start = torch.cummax(torch.where(starts, arange.expand(batch_size, -1), torch.zeros_like(arange)), dim=1).values
-    layout = DocumentLayout(
+    return DocumentLayout(
         batch_size=batch_size,
         seq_len=seq_len,
         valid=valid,
@@ -153,24 +168,50 @@ def build_document_layout(
         doc_start=doc_start,
         local_pos=arange.unsqueeze(0) - doc_start,
         seq_idx=seg_idx,
-        trivial=statically_trivial,
+        trivial=trivial,
     )
-    if not statically_trivial and not torch.compiler.is_compiling():
-        # eager: read the data (a trivial batch given with an all-ones mask takes the batched paths)
-        layout.trivial = bool(layout.num_segments == batch_size and bool(valid.all()))
-    return layout
 
 
-def layout_from_kwargs(
+def build_layout(
     batch_size: int,
     seq_len: int,
     device: torch.device | str,
+    *,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    cache=None,
+    sequence_parallel_group=None,
     **kwargs,
 ) -> DocumentLayout:
-    """:func:`build_document_layout` from a forward's kwargs (``cu_seq_lens_q`` or ``cu_seqlens``, ``seq_idx``);
-    also ``ValueError`` when ``cu_seq_lens_q`` and ``cu_seqlens`` differ."""
+    """The :class:`DocumentLayout` of a forward over ``[B, S]`` tokens, in the mode its arguments select.
+
+    * uncached: :func:`build_document_layout` from the forward's kwargs (``cu_seq_lens_q`` or ``cu_seqlens``,
+      ``seq_idx``), the segment tensors computed;
+    * ``cache`` (a transformers ``Cache``, read, not written): ``layout.cache_context`` is the call's
+      :class:`~.generation_cache.CacheContext` (:func:`~.generation_cache.build_cache_context`; ``attention_mask``
+      ``[B, past + S]``), the layout that of its ``valid`` tokens;
+    * ``sequence_parallel_group``: this rank's shard, ``layout.sequence_parallel`` set
+      (``cu_seq_lens_q`` / ``cu_seqlens`` over the global rows, the other tensors local slices).
+
+    Raises:
+        ValueError: ``cache`` together with ``sequence_parallel_group``; ``cu_seq_lens_q`` and ``cu_seqlens`` both
+            given and different; and the errors of the mode's builder.
+    """
+    if cache is not None:
+        if sequence_parallel_group is not None:
+            raise ValueError(
+                "sequence parallelism runs uncached forwards only; got a cache with sequence_parallel_group set "
+                "(call set_sequence_parallel(None) before generating)"
+            )
+        context = build_cache_context(cache, batch_size, seq_len, device, attention_mask, position_ids, **kwargs)
+        layout = build_document_layout(batch_size, seq_len, device, attention_mask=context.valid)
+        layout.cache_context = context
+        return layout
+    if sequence_parallel_group is not None:
+        return _sp_layout(
+            sequence_parallel_group, batch_size, seq_len, device, attention_mask=attention_mask,
+            position_ids=position_ids, **kwargs,
+        )
     cu = kwargs.get("cu_seq_lens_q")
     cu2 = kwargs.get("cu_seqlens")
     check_integer_tensor("cu_seq_lens_q", cu)
@@ -181,7 +222,7 @@ def layout_from_kwargs(
         and not torch.equal(cu.long().cpu(), cu2.long().cpu())
     ):
         raise ValueError("cu_seq_lens_q and cu_seqlens were both given and differ")
-    return build_document_layout(
+    layout = build_document_layout(
         batch_size,
         seq_len,
         device,
@@ -190,3 +231,85 @@ def layout_from_kwargs(
         cu_seqlens=cu if cu is not None else cu2,
         seq_idx=kwargs.get("seq_idx"),
     )
+    if not layout.trivial:
+        # the packed layers read the segment boundaries: build them here, not first inside a (checkpointed) layer,
+        # where the lazy build would be a side effect on an outside object
+        layout.segment_tensors()
+    return layout
+
+
+def _sp_layout(
+    group,
+    batch_size: int,
+    local_len: int,
+    device,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> DocumentLayout:
+    """The local :class:`DocumentLayout` of this rank's ``[B, L]`` shard (the global segments cut at the shard start),
+    its :class:`~.sequence_parallel.SequenceParallelContext` as ``layout.sequence_parallel``. ``attention_mask``,
+    ``position_ids``, ``seq_idx`` are local slices; ``cu_seq_lens_q`` / ``cu_seqlens`` give the global rows.
+
+    Raises:
+        ValueError: the ranks' shard shapes differ, or bad layout arguments (:func:`build_document_layout`).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lengths = _gather_plain(torch.tensor([batch_size, local_len], device=device), group)
+    lengths = [tuple(int(v) for v in t.tolist()) for t in lengths]
+    if len(set(lengths)) != 1:
+        raise ValueError(
+            "sequence parallelism needs the same [batch, local_len] on every rank of the group (shard rows into equal"
+            f" contiguous parts, e.g. with shard_sequence); got per-rank shapes {lengths}"
+        )
+    global_len = world * local_len
+
+    def gather(t):
+        if t is None:
+            return None
+        t = t.to(device)
+        if t.dim() == 1:
+            t = t.unsqueeze(0)
+        if t.dim() != 2 or t.shape[-1] != local_len or t.shape[0] not in (1, batch_size):
+            raise ValueError(f"per-token layout tensors must be [{batch_size}, {local_len}]; got {tuple(t.shape)}")
+        return torch.cat(_gather_plain(t.expand(batch_size, local_len), group), dim=1)
+
+    extra = {k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seqlens") if kwargs.get(k) is not None}
+    if kwargs.get("seq_idx") is not None:
+        extra["seq_idx"] = gather(kwargs["seq_idx"])
+    glob = build_layout(
+        batch_size, global_len, device, attention_mask=gather(attention_mask), position_ids=gather(position_ids),
+        **extra,
+    )
+    glob.segment_tensors()
+    offset = rank * local_len
+    sl = slice(offset, offset + local_len)
+    starts = glob.starts[:, sl].clone()
+    continues = ~starts[:, 0]
+    starts[:, 0] = True
+    local = layout_from_starts(starts, glob.valid[:, sl])
+    local.segment_tensors()
+    cu = local.cu_seqlens
+    row_first = local.seq_idx[:, 0]  # [B]
+    row_last = local.seq_idx[:, -1]
+    first_len = cu[row_first + 1] - cu[row_first]
+    first_cu = torch.cat([first_len.new_zeros(1), torch.cumsum(first_len, 0)])
+    first_tokens = torch.cat([torch.arange(int(n), device=device) + b * local_len for b, n in
+                              enumerate(first_len.tolist())])
+    is_first = torch.zeros(cu.numel() - 1, dtype=torch.bool, device=device)
+    is_first[row_first] = True
+    rest_ids = torch.nonzero(~is_first).flatten()  # local segment ids of the other segments, in order
+    rest_len = (cu[1:] - cu[:-1])[rest_ids]
+    rest_cu = torch.cat([rest_len.new_zeros(1), torch.cumsum(rest_len, 0)])
+    token_first = torch.zeros(batch_size * local_len, dtype=torch.bool, device=device)
+    token_first[first_tokens] = True
+    rest_tokens = torch.nonzero(~token_first).flatten()
+    rank_in_rest = torch.cumsum((~is_first).long(), 0) - 1  # position of each segment among the rest
+    last_rest = torch.where(is_first[row_last], torch.full_like(row_last, -1), rank_in_rest[row_last])
+    local.sequence_parallel = SequenceParallelContext(
+        group=group, rank=rank, world=world, local_len=local_len, global_len=global_len, offset=offset,
+        global_layout=glob, continues=continues, single=first_len == local_len, first_seg=row_first,
+        last_seg=row_last, first_tokens=first_tokens, first_cu=first_cu, rest_tokens=rest_tokens, rest_cu=rest_cu,
+        last_rest=last_rest,
+    )
+    return local

@@ -10,11 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .packing import DocumentLayout, layout_from_kwargs
-
 __all__ = [
     "SequenceParallelContext",
-    "build_sp_layout",
     "shard_sequence",
     "sp_loss_kwargs",
 ]
@@ -78,7 +75,7 @@ class SequenceParallelContext:
     local_len: int
     global_len: int
     offset: int
-    global_layout: DocumentLayout
+    global_layout: DocumentLayout  # noqa: F821 (packing.DocumentLayout; packing imports this module)
     continues: torch.Tensor
     single: torch.Tensor
     first_seg: torch.Tensor
@@ -187,95 +184,6 @@ def sp_loss_kwargs(sp: SequenceParallelContext, labels: torch.Tensor, loss_kwarg
         # at least 1: labels all ignore_index give loss 0.0 (the single-device convention), not 0 / 0
         out["num_items_in_batch"] = sp.global_count((out["shift_labels"] != ignore).sum()).clamp_min(1)
     return out
-
-
-def _segments_from_starts(starts: torch.Tensor, valid: torch.Tensor) -> DocumentLayout:
-    batch, seq_len = starts.shape
-    arange = torch.arange(seq_len, device=starts.device)
-    seg_idx = (torch.cumsum(starts.reshape(-1).long(), 0) - 1).view(batch, seq_len)
-    doc_start = torch.cummax(torch.where(starts, arange.expand(batch, -1), torch.zeros_like(arange)), dim=1).values
-    layout = DocumentLayout(
-        batch_size=batch, seq_len=seq_len, valid=valid, starts=starts, doc_start=doc_start,
-        local_pos=arange.unsqueeze(0) - doc_start, seq_idx=seg_idx, trivial=False,
-    )
-    layout.segment_tensors()
-    return layout
-
-
-def build_sp_layout(
-    group,
-    batch_size: int,
-    local_len: int,
-    device,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    **kwargs,
-) -> DocumentLayout:
-    """The local :class:`.packing.DocumentLayout` of this rank's ``[B, L]`` shard (the global segments cut at the
-    shard start), its :class:`SequenceParallelContext` as ``layout.sequence_parallel``. ``attention_mask``,
-    ``position_ids``, ``seq_idx`` are local slices; ``cu_seq_lens_q`` / ``cu_seqlens`` give the global rows.
-
-    Raises:
-        ValueError: the ranks' shard shapes differ, or bad layout arguments (:func:`.packing.build_document_layout`).
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    lengths = _gather_plain(torch.tensor([batch_size, local_len], device=device), group)
-    lengths = [tuple(int(v) for v in t.tolist()) for t in lengths]
-    if len(set(lengths)) != 1:
-        raise ValueError(
-            "sequence parallelism needs the same [batch, local_len] on every rank of the group (shard rows into equal"
-            f" contiguous parts, e.g. with shard_sequence); got per-rank shapes {lengths}"
-        )
-    global_len = world * local_len
-
-    def gather(t):
-        if t is None:
-            return None
-        t = t.to(device)
-        if t.dim() == 1:
-            t = t.unsqueeze(0)
-        if t.dim() != 2 or t.shape[-1] != local_len or t.shape[0] not in (1, batch_size):
-            raise ValueError(f"per-token layout tensors must be [{batch_size}, {local_len}]; got {tuple(t.shape)}")
-        return torch.cat(_gather_plain(t.expand(batch_size, local_len), group), dim=1)
-
-    extra = {k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seqlens") if kwargs.get(k) is not None}
-    if kwargs.get("seq_idx") is not None:
-        extra["seq_idx"] = gather(kwargs["seq_idx"])
-    glob = layout_from_kwargs(
-        batch_size, global_len, device, attention_mask=gather(attention_mask), position_ids=gather(position_ids),
-        **extra,
-    )
-    glob.segment_tensors()
-    offset = rank * local_len
-    sl = slice(offset, offset + local_len)
-    starts = glob.starts[:, sl].clone()
-    continues = ~starts[:, 0]
-    starts[:, 0] = True
-    local = _segments_from_starts(starts, glob.valid[:, sl])
-    cu = local.cu_seqlens
-    row_first = local.seq_idx[:, 0]  # [B]
-    row_last = local.seq_idx[:, -1]
-    first_len = cu[row_first + 1] - cu[row_first]
-    first_cu = torch.cat([first_len.new_zeros(1), torch.cumsum(first_len, 0)])
-    first_tokens = torch.cat([torch.arange(int(n), device=device) + b * local_len for b, n in
-                              enumerate(first_len.tolist())])
-    is_first = torch.zeros(cu.numel() - 1, dtype=torch.bool, device=device)
-    is_first[row_first] = True
-    rest_ids = torch.nonzero(~is_first).flatten()  # local segment ids of the other segments, in order
-    rest_len = (cu[1:] - cu[:-1])[rest_ids]
-    rest_cu = torch.cat([rest_len.new_zeros(1), torch.cumsum(rest_len, 0)])
-    token_first = torch.zeros(batch_size * local_len, dtype=torch.bool, device=device)
-    token_first[first_tokens] = True
-    rest_tokens = torch.nonzero(~token_first).flatten()
-    rank_in_rest = torch.cumsum((~is_first).long(), 0) - 1  # position of each segment among the rest
-    last_rest = torch.where(is_first[row_last], torch.full_like(row_last, -1), rank_in_rest[row_last])
-    local.sequence_parallel = SequenceParallelContext(
-        group=group, rank=rank, world=world, local_len=local_len, global_len=global_len, offset=offset,
-        global_layout=glob, continues=continues, single=first_len == local_len, first_seg=row_first,
-        last_seg=row_last, first_tokens=first_tokens, first_cu=first_cu, rest_tokens=rest_tokens, rest_cu=rest_cu,
-        last_rest=last_rest,
-    )
-    return local
 
 
 def shard_sequence(batch: dict, rank: int, world: int, seq_dim: int = 1) -> dict:

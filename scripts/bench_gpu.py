@@ -134,9 +134,9 @@ def case_kda(sizes, seq, device, dtype, with_torch):
     x, go = leaf(rand((1, seq, hidden), device, dtype, gen)), rand((1, seq, hidden), device, dtype, gen)
     layout = build_document_layout(1, seq, device)
     c.run["hf"] = lambda: hf_mod(hidden_states=x).backward(go)
-    c.run["ours"] = lambda: ours(x, layout).backward(go)
+    c.run["ours"] = lambda: ours(x, layout)[0].backward(go)
     if with_torch:
-        c.run["ours_torch"] = lambda: ours_t(x, layout).backward(go)
+        c.run["ours_torch"] = lambda: ours_t(x, layout)[0].backward(go)
     q, k, v = (leaf(rand((1, seq, heads, dim), device, dtype, gen)) for _ in range(3))
     g = leaf(-5.0 * torch.sigmoid(rand((1, seq, heads, dim), device, torch.float32, gen)))
     beta = leaf(torch.sigmoid(rand((1, seq, heads), device, torch.float32, gen)))

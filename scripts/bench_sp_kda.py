@@ -8,7 +8,7 @@ each other in the state passing anyway).
 
 * ``python scripts/bench_sp_kda.py``: the one-device time on ``cuda:0``; then, when ``torch.cuda.device_count() >=
   2``, ``torchrun --nproc_per_node N`` of this script (``N = --sp``, default: every visible GPU) for the SP time,
-  each rank holding a contiguous ``tokens / N`` shard (``build_sp_layout`` + the layer's sequence-parallel path,
+  each rank holding a contiguous ``tokens / N`` shard (``build_layout(sequence_parallel_group=...)`` + the SP path,
   NCCL; fla's context-parallel ``chunk_kda`` where it applies, the report names the KDA path that ran). With one
   GPU it says that SP needs at least 2 and reports the one-device time only.
 * ``--smoke``: tiny shapes (hidden 64, 2 x 16 heads, 256 tokens, fp32) on the CPU torch kernels, and SP = 2 over
@@ -85,16 +85,16 @@ def _inputs(args, device, dtype, start: int, length: int):
 def one_device(args) -> dict:
     import torch
 
-    from glm53flash_hf.packing import layout_from_kwargs
+    from glm53flash_hf.packing import build_layout
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda:0")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     layer = _layer(args, device, dtype)
     x = _inputs(args, device, dtype, 0, args.tokens)
-    layout = layout_from_kwargs(1, args.tokens, device, position_ids=torch.arange(args.tokens, device=device)[None])
+    layout = build_layout(1, args.tokens, device, position_ids=torch.arange(args.tokens, device=device)[None])
 
     def step():
-        layer(x, layout).float().square().mean().backward()
+        layer(x, layout)[0].float().square().mean().backward()
         x.grad = None
         layer.zero_grad(set_to_none=True)
 
@@ -111,7 +111,7 @@ def sp_worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from glm53flash_hf.sequence_parallel import build_sp_layout
+    from glm53flash_hf.packing import build_layout
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available() and not args.smoke
@@ -124,10 +124,10 @@ def sp_worker(args) -> None:
     layer = _layer(args, device, dtype)
     x = _inputs(args, device, dtype, rank * local, local)
     pos = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
-    layout = build_sp_layout(dist.group.WORLD, 1, local, device, position_ids=pos)
+    layout = build_layout(1, local, device, position_ids=pos, sequence_parallel_group=dist.group.WORLD)
 
     def step():
-        layer(x, layout).float().square().mean().backward()
+        layer(x, layout)[0].float().square().mean().backward()
         x.grad = None
         layer.zero_grad(set_to_none=True)
 

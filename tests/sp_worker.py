@@ -381,8 +381,7 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
 
         from glm53flash_hf import kda as kda_module
         from glm53flash_hf import kda_fused
-        from glm53flash_hf.packing import build_document_layout
-        from glm53flash_hf.sequence_parallel import build_sp_layout
+        from glm53flash_hf.packing import build_document_layout, build_layout
 
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=400)
@@ -409,7 +408,7 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
             ref = [None]
             if rank == 0:
                 xr = x.clone().requires_grad_()
-                o_ref = layer(xr, build_document_layout(rows, CP_SEQ, "cpu", position_ids=pos))
+                o_ref = layer(xr, build_document_layout(rows, CP_SEQ, "cpu", position_ids=pos))[0]
                 (o_ref * dout).sum().backward()
                 ref = {"o": o_ref.detach(), "dx": xr.grad, "grads": _layer_grads(layer)}
                 layer.zero_grad(set_to_none=True)
@@ -418,7 +417,7 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
                 exact.load_state_dict(layer.state_dict())
                 exact.double()
                 x64 = x.double().requires_grad_()
-                o64 = exact(x64, build_document_layout(rows, CP_SEQ, "cpu", position_ids=pos))
+                o64 = exact(x64, build_document_layout(rows, CP_SEQ, "cpu", position_ids=pos))[0]
                 (o64 * dout.double()).sum().backward()
                 ref["o64"], ref["dx64"], ref["grads64"] = o64.detach(), x64.grad, _layer_grads(exact)
                 ref = [ref]
@@ -429,8 +428,9 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
             xl = x[:, sl].clone().requires_grad_()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                layout = build_sp_layout(dist.group.WORLD, rows, L, "cpu", position_ids=pos[:, sl].contiguous())
-                o = layer(xl, layout)
+                layout = build_layout(rows, L, "cpu", position_ids=pos[:, sl].contiguous(),
+                                      sequence_parallel_group=dist.group.WORLD)
+                o = layer(xl, layout)[0]
             (o * dout[:, sl]).sum().backward()
             grads = _layer_grads(layer)
             for g in grads.values():

@@ -88,10 +88,10 @@ def test_packed_rows_exclude_padding_segments(pair):
         packed = ours(input_ids=row, position_ids=pos, attention_mask=mask, output_router_logits=True, use_cache=False)
         logits = [ours(input_ids=d[None], output_router_logits=True, use_cache=False).router_logits for d in docs]
     from glm53flash_hf.modeling_glm53flash import router_load_balancing_loss
-    from glm53flash_hf.packing import layout_from_kwargs
+    from glm53flash_hf.packing import build_layout
 
     joined = tuple(torch.cat([lg[i] for lg in logits]) for i in range(len(logits[0])))
     expect = router_load_balancing_loss(
-        ours.config.get_text_config(decoder=True), joined, layout_from_kwargs(1, len(real), real.device)
+        ours.config.get_text_config(decoder=True), joined, build_layout(1, len(real), real.device)
     )
     assert abs(float(packed.aux_loss) - float(expect)) <= 1e-5 * float(expect)

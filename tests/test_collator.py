@@ -169,14 +169,14 @@ def test_first_token_never_supervised_even_when_trained():
 
 def test_layout_matches_the_models_boundaries():
     """The batch's kwargs give the model's DocumentLayout one segment per sample plus one per padding run."""
-    from glm53flash_hf.packing import layout_from_kwargs
+    from glm53flash_hf.packing import build_layout
 
     examples = [{"input_ids": [1] * n} for n in (4, 3, 6, 2)]
     batch = Glm53FlashPackingCollator(max_length=8, pad_to_max_length=True)(examples)
     R, L = batch["input_ids"].shape
     assert (R, L) == (2, 8)
-    with_cu = layout_from_kwargs(R, L, "cpu", position_ids=batch["position_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"])
-    pos_only = layout_from_kwargs(R, L, "cpu", position_ids=batch["position_ids"])
+    with_cu = build_layout(R, L, "cpu", position_ids=batch["position_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"])
+    pos_only = build_layout(R, L, "cpu", position_ids=batch["position_ids"])
     assert with_cu.cu_seqlens.tolist() == pos_only.cu_seqlens.tolist() == batch["cu_seq_lens_q"].tolist()
     assert with_cu.cu_seqlens.tolist() == [0, 4, 7, 8, 14, 16]
 

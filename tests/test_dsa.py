@@ -441,7 +441,7 @@ def test_attention_matches_hf(attn_impl, padded):
     if padded:
         mask[1, :9] = False
     layout = build_document_layout(B, S, "cpu", attention_mask=mask)
-    out, topk = ours(x, layout)
+    out, topk, _ = ours(x, layout)
     ref, _, ref_topk = hf(x, mask, cache=None)
     assert row_sets(topk) == row_sets(ref_topk)  # layer 1 is followed by a shared layer: ids are returned
     keep = mask[..., None].float()
@@ -469,8 +469,8 @@ def test_shared_indexer_pair_matches_hf():
     mask = torch.ones(B, S, dtype=torch.bool)
     layout = build_document_layout(B, S, "cpu")
 
-    o1, ids = ours1(x, layout)
-    o2, none = ours2(x + o1, layout, prev_topk_indices=ids)
+    o1, ids, _ = ours1(x, layout)
+    o2, none, _ = ours2(x + o1, layout, prev_topk_indices=ids)
     h1, _, hids = hf1(x, mask, cache=None)
     h2, _, hnone = hf2(x + h1, mask, cache=None, prev_topk_indices=hids)
     assert none is None and hnone is None
@@ -527,8 +527,8 @@ def test_packed_attention_equals_separate():
     r = torch.randn(2, S, HIDDEN, generator=gen)
     layout = build_document_layout(2, S, "cpu", attention_mask=mask, position_ids=pos)
     ref_indexer(ours.indexer, x, ours.q_a_layernorm(ours.q_a_proj(x)), docs_of(layout))  # tie-free data
-    out, none = ours(x, layout)
-    assert none is None
+    out, none, no_weights = ours(x, layout)
+    assert none is None and no_weights is None
     assert bool((out[~mask] == 0).all())
     (out * r).sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None}
@@ -537,7 +537,7 @@ def test_packed_attention_equals_separate():
     for b, lengths in enumerate(rows):
         off = 0
         for n in lengths:
-            alone, _ = ours(x[b : b + 1, off : off + n], build_document_layout(1, n, "cpu"))
+            alone, _, _ = ours(x[b : b + 1, off : off + n], build_document_layout(1, n, "cpu"))
             assert rel_err(out[b : b + 1, off : off + n], alone) < 1e-5, (b, off, n)
             (alone * r[b : b + 1, off : off + n]).sum().backward()
             off += n
@@ -556,8 +556,8 @@ def test_document_isolation():
     x2 = x.clone()
     x2[:, :23] = torch.randn(1, 23, HIDDEN, generator=gen)  # new content for document 0, same length
     with torch.no_grad():
-        o, ids = ours(x, layout)
-        o2, ids2 = ours(x2, layout)
+        o, ids, _ = ours(x, layout)
+        o2, ids2, _ = ours(x2, layout)
     assert not torch.equal(ids[:, :23], ids2[:, :23])  # document 0 itself did change
     assert torch.equal(ids[:, 23:], ids2[:, 23:])
     assert rel_err(o2[:, 23:], o[:, 23:]) < 1e-6
@@ -590,7 +590,7 @@ def test_no_quadratic_buffers():
     x = torch.randn(1, S, HIDDEN)
     layout = build_document_layout(1, S, "cpu")
     with _LargestAllocation() as probe:
-        out, _ = ours(x, layout)
+        out, _, _ = ours(x, layout)
         out.square().sum().backward()
     assert all(p.grad is not None for n, p in ours.named_parameters() if not n.startswith("indexer."))
     # HF's mask alone is S*S = 1,048,576 elements; the largest tensors here are [S, index_n_heads * index_head_dim]
@@ -606,8 +606,8 @@ def test_bf16_runs_and_tracks_fp32():
     x = torch.randn(2, 29, HIDDEN)
     layout = build_document_layout(2, 29, "cpu")
     with torch.no_grad():
-        ref, _ = ours(x, layout)
-        low, _ = ours.to(torch.bfloat16)(x.bfloat16(), layout)
+        ref, _, _ = ours(x, layout)
+        low, _, _ = ours.to(torch.bfloat16)(x.bfloat16(), layout)
     assert low.dtype == torch.bfloat16
     assert rel_err(low.float(), ref) < 5e-2
 

@@ -427,7 +427,7 @@ def test_module_fused_matches_torch(td, monkeypatch):
     layout = build_document_layout(2, seq, "cpu", attention_mask=mask, position_ids=pos)
     results = {}
     for choice, module in modules.items():
-        out, _ = module(x, layout)
+        out, _, _ = module(x, layout)
         (out * grad).sum().backward()
         results[choice] = (out.detach(), {n: p.grad for n, p in module.named_parameters() if p.grad is not None})
     assert calls.count("fused") == 1 and calls.count("torch") == 1

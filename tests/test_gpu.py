@@ -213,7 +213,7 @@ def check_kda(sizes: dict, seq_len: int, device, expect_fused: bool) -> None:
     runs = run_three(
         modules,
         lambda: [torch.randn(1, seq_len, hidden, generator=gen, device=device).to(torch.bfloat16)],
-        lambda m, x: m(x, layout),
+        lambda m, x: m(x, layout)[0],
         lambda: [torch.randn(1, seq_len, hidden, generator=gen, device=device).to(torch.bfloat16)],
         "kda",
         expect_fused,

@@ -599,7 +599,7 @@ def _compare_layers(ours, ref, x, layout, attention_mask, tol=LAYER_TOL):
     """Outputs on valid positions and every parameter gradient, ours vs HF, relative to the reference's max."""
     x1 = x.clone().requires_grad_()
     x2 = x.clone().requires_grad_()
-    out = ours(x1, layout)
+    out = ours(x1, layout)[0]
     ref_out = ref(x2, attention_mask=attention_mask)
     valid = layout.valid
     assert torch.isfinite(out).all()
@@ -666,12 +666,12 @@ def test_layer_nonfinite_padding_does_not_leak():
     mask[1, 30:] = 0
     layout = build_document_layout(B, S, "cpu", attention_mask=mask)
     x = torch.randn(B, S, cfg.hidden_size)
-    clean = ours(x, layout)
+    clean = ours(x, layout)[0]
     x_bad = x.clone()
     x_bad[0, :7] = float("nan")
     x_bad[1, 30:] = float("inf")
     x_bad.requires_grad_()
-    out = ours(x_bad, layout)
+    out = ours(x_bad, layout)[0]
     valid = layout.valid
     assert torch.isfinite(out).all()
     assert torch.equal(out[valid], clean[valid])
@@ -687,10 +687,10 @@ def test_layer_packed_equals_separate():
     pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     x = torch.randn(1, S, cfg.hidden_size, requires_grad=True)
     layout = build_document_layout(1, S, "cpu", position_ids=pos)
-    out = ours(x, layout)
+    out = ours(x, layout)[0]
     pieces, start = [], 0
     for n in lengths:
-        pieces.append(ours(x[:, start : start + n], build_document_layout(1, n, "cpu")))
+        pieces.append(ours(x[:, start : start + n], build_document_layout(1, n, "cpu"))[0])
         start += n
     sep = torch.cat(pieces, dim=1)
     assert rel_err(out, sep) < 1e-5
@@ -713,11 +713,11 @@ def test_layer_cached_equals_uncached(grad):
     x = torch.randn(B, S, cfg.hidden_size)
     cache = DynamicCache(config=cfg)
     with torch.set_grad_enabled(grad):
-        full = ours(x, build_document_layout(B, S, "cpu", attention_mask=mask))
+        full = ours(x, build_document_layout(B, S, "cpu", attention_mask=mask))[0]
         parts = []
         for a, b in ((0, 8), (8, 11), (11, 12), (12, 13), (13, 14)):
             layout = build_document_layout(B, b - a, "cpu", attention_mask=mask[:, a:b])
-            parts.append(ours(x[:, a:b], layout, cache=cache))
+            parts.append(ours(x[:, a:b], layout, cache=cache)[0])
     got = torch.cat(parts, dim=1)
     assert got.requires_grad == grad
     valid = mask.bool()
@@ -762,8 +762,8 @@ def test_layer_rejects_cache_and_fused_backend_falls_back():
     fused.load_state_dict(ours.state_dict())
     dispatch._warned.clear()
     with pytest.warns(UserWarning, match="kernels\\['kda'\\]='fused'.*cannot run"):
-        out = fused(x, layout)
-    assert torch.equal(out, ours(x, layout))  # fell back to the torch path
+        out, _, _ = fused(x, layout)
+    assert torch.equal(out, ours(x, layout)[0])  # fell back to the torch path
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def layer_pair(seed=0, **overrides):
 def layer_run(layer, x, layout, weight):
     """Output and gradients of (input, every parameter) for the loss ``sum(out * weight)``."""
     x = x.clone().requires_grad_()
-    out = layer(x, layout)
+    out = layer(x, layout)[0]
     names = ["hidden_states"] + [n for n, _ in layer.named_parameters()]
     grads = torch.autograd.grad((out * weight).sum(), [x] + [p for _, p in layer.named_parameters()])
     return out.detach(), dict(zip(names, grads))
@@ -303,7 +303,7 @@ def test_layer_checkpoint_recompute_takes_the_fused_path(force_fused):
     kda_module.choose_backend = recording
     try:
         xc = x.clone().requires_grad_()
-        out_c = torch.utils.checkpoint.checkpoint(fused, xc, layout, use_reentrant=True)
+        out_c = torch.utils.checkpoint.checkpoint(fused, xc, layout, use_reentrant=True)[0]
         (out_c * weight).sum().backward()  # reentrant checkpointing does not support autograd.grad
     finally:
         kda_module.choose_backend = original
@@ -615,10 +615,10 @@ def test_cached_decode_takes_the_fused_step(force_fused, monkeypatch, lower_boun
     for name, layer in (("fused", fused), ("torch", torch_layer)):
         cache = DynamicCache(config=config)
         with torch.no_grad():
-            parts = [layer(x[:, :9], build_document_layout(2, 9, "cpu"), cache=cache)]
+            parts = [layer(x[:, :9], build_document_layout(2, 9, "cpu"), cache=cache)[0]]
             for t in range(9, 12):
-                parts.append(layer(x[:, t : t + 1], build_document_layout(2, 1, "cpu"), cache=cache))
-        last = layer(x[:, 12:], build_document_layout(2, 1, "cpu"), cache=cache)
+                parts.append(layer(x[:, t : t + 1], build_document_layout(2, 1, "cpu"), cache=cache)[0])
+        last = layer(x[:, 12:], build_document_layout(2, 1, "cpu"), cache=cache)[0]
         assert last.requires_grad
         parts.append(last.detach())
         outs[name] = (torch.cat(parts, dim=1), cache.layers[0].recurrent_states[0], cache.layers[0].conv_states[0])
@@ -627,7 +627,7 @@ def test_cached_decode_takes_the_fused_step(force_fused, monkeypatch, lower_boun
     for a, b, what in zip(outs["fused"], outs["torch"], ("output", "recurrent state", "conv state")):
         assert_rel(a.detach(), b.detach(), what, tol=1e-5)
     with torch.no_grad():
-        full = torch_layer(x, build_document_layout(2, 13, "cpu"))
+        full = torch_layer(x, build_document_layout(2, 13, "cpu"))[0]
     assert_rel(outs["fused"][0], full, "cached vs uncached", tol=1e-5)
 
 
@@ -665,10 +665,10 @@ def test_cpu_fused_warns_once_and_runs_torch(monkeypatch):
     layout = build_document_layout(1, 6, "cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        outs = [fused(x, layout) for _ in range(3)]
+        outs = [fused(x, layout)[0] for _ in range(3)]
     messages = [str(w.message) for w in caught if "kernels['kda']" in str(w.message)]
     assert len(messages) == 1 and "not on a CUDA device" in messages[0], messages
-    ref = torch_layer(x, layout)
+    ref = torch_layer(x, layout)[0]
     assert all(torch.equal(o, ref) for o in outs)
 
 
@@ -795,7 +795,7 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     monkeypatch.setattr(kda_module, "choose_backend", lambda family, requested, *tensors: "fused")
     layer, _ = layer_pair(seed=18, linear_lower_bound=lower_bound)
     x, layout = packed_batch(64, seed=19)
-    out = layer(x, layout)
+    out = layer(x, layout)[0]
     assert out.shape == x.shape
     for param in ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight", "o_norm.weight"):
         assert f"KDA layer 0 {param}" in unwrapped, (param, unwrapped)

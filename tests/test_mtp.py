@@ -121,7 +121,7 @@ def test_mtp_logits_match_naive_reference():
             for k in range(1, depth + 1):
                 future = torch.cat([d[k:], torch.zeros(min(k, n), dtype=d.dtype)])[None]
                 x = layer.eh_proj(torch.cat([layer.enorm(tm.embed_tokens(future)), layer.hnorm(h)], -1))
-                attn, _ = layer.self_attn(layer.input_layernorm(x), layout=layout)
+                attn, _, _ = layer.self_attn(layer.input_layernorm(x), layout=layout)
                 x = x + attn
                 h = x + layer.mlp(layer.post_attention_layernorm(x))
                 ref = model.lm_head(layer.shared_head.norm(h))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny import hf_reference, ours_from_hf_folder, rel_err
 
-from glm53flash_hf.packing import build_document_layout, layout_from_kwargs
+from glm53flash_hf.packing import build_document_layout, build_layout
 
 LENGTHS = [23, 1, 37, 9]
 
@@ -97,7 +97,7 @@ def test_hf_reference_leaks_across_documents(models):
 
 
 def test_layout_from_collator_kwargs():
-    layout = layout_from_kwargs(1, 6, "cpu", cu_seq_lens_q=torch.tensor([0, 2, 3, 6], dtype=torch.int32))
+    layout = build_layout(1, 6, "cpu", cu_seq_lens_q=torch.tensor([0, 2, 3, 6], dtype=torch.int32))
     assert layout.cu_seqlens.tolist() == [0, 2, 3, 6]
     assert layout.local_pos.tolist() == [[0, 1, 0, 0, 1, 2]]
     assert layout.doc_start.tolist() == [[0, 0, 2, 3, 3, 3]]
