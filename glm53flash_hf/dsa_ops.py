@@ -83,7 +83,8 @@ def _padded_latent(latent: torch.Tensor, indices: torch.Tensor, compute_dtype: t
 
 
 def _sparse_mla_probs(
-    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float
+    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float,
+    gathered_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The softmax of the sparse MLA core over each query's slots, for a chunk of queries: ``q_abs [B,C,H,Dl]``,
     ``latent_pad``, ``flat_ids`` and ``valid`` of :func:`_padded_latent` (``[B,C,W]``) -> ``(probs [B,C,H,W],
@@ -96,7 +97,12 @@ def _sparse_mla_probs(
     batch, chunk, heads, dim = q_abs.shape
     width = flat_ids.shape[-1]
     dtype = latent_pad.dtype
-    gathered = latent_pad.index_select(0, flat_ids.reshape(-1)).view(batch * chunk, width, dim)
+    ids = flat_ids.reshape(-1)
+    if gathered_out is None:
+        gathered = latent_pad.index_select(0, ids)
+    else:  # the caller's workspace, reused across query chunks
+        gathered = torch.index_select(latent_pad, 0, ids, out=gathered_out[: ids.numel()])
+    gathered = gathered.view(batch * chunk, width, dim)
     bias = torch.zeros(batch * chunk, 1, width, dtype=dtype, device=q_abs.device)
     bias.masked_fill_(~valid.reshape(batch * chunk, 1, width), torch.finfo(dtype).min)
     # the scale on the small query tensor (an alpha would scale the [B*C, Dl, W] gradient of the gathered latents)
@@ -142,10 +148,12 @@ def _sparse_mla_forward(
     latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
     out = q_abs.new_empty(batch, seq_len, heads, dim)
     lse = latent_pad.new_empty(batch, seq_len, heads)
+    # one [B * chunk * W, Dl] workspace for every chunk's gathered latents (not a fresh buffer per chunk)
+    gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len) * indices.shape[-1], dim)
     for start in range(0, seq_len, chunk):
         end = min(seq_len, start + chunk)
         probs, lse_c, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, flat_ids[:, start:end],
-                                                   valid[:, start:end], scale)
+                                                   valid[:, start:end], scale, gathered_ws)
         out[:, start:end] = torch.matmul(probs, gathered)
         lse[:, start:end] = lse_c
     return out, lse
@@ -170,11 +178,15 @@ def _sparse_mla_backward(
     latent_pad, flat_ids, valid = _padded_latent(latent, indices, dtype)
     grad_pad = torch.zeros_like(latent_pad)
     grad_q = q_abs.new_empty(batch, seq_len, heads, dim)
+    # two [B * chunk, W, Dl] workspaces (gathered latents, their gradient) shared by every chunk
+    width = indices.shape[-1]
+    gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len) * width, dim)
+    d_gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len), width, dim)
     for start in range(0, seq_len, chunk):
         end = min(seq_len, start + chunk)
         rows = batch * (end - start)
         ids_c, valid_c = flat_ids[:, start:end], valid[:, start:end]
-        probs, _, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, ids_c, valid_c, scale)
+        probs, _, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, ids_c, valid_c, scale, gathered_ws)
         probs, gathered = probs.reshape(rows, heads, -1), gathered.reshape(rows, -1, dim)
         d_out = grad_out[:, start:end].to(dtype).reshape(rows, heads, dim)
         d_probs = torch.bmm(d_out, gathered.transpose(1, 2))  # [rows, H, W]
@@ -185,7 +197,8 @@ def _sparse_mla_backward(
         d_scores = d_probs.mul_(probs)
         grad_q[:, start:end] = (torch.bmm(d_scores, gathered) * scale).view(batch, end - start, heads, dim)
         q_s = (q_abs[:, start:end].to(dtype) * scale).reshape(rows, heads, dim)
-        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s).baddbmm_(probs.transpose(1, 2), d_out)
+        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s, out=d_gathered_ws[:rows])
+        d_gathered.baddbmm_(probs.transpose(1, 2), d_out)
         grad_pad.index_add_(0, ids_c.reshape(-1), d_gathered.view(-1, dim))
     grad_latent = grad_pad.view(batch, -1, dim)[:, : latent.shape[1]]
     return grad_q, grad_latent.to(latent.dtype, memory_format=torch.contiguous_format, copy=True)
