@@ -360,15 +360,24 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         long ``[..., k]`` indices: the finite picks in increasing index order, then the ``-inf`` ones (when fewer
         than ``k`` entries are finite), also in increasing index order (not score order).
     """
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    greater = scores > kth
+    top = scores.topk(k, dim=-1).values
+    kth = top[..., -1:]
+    # every entry greater than the k-th value is among the top k: count them there ([..., k], not [..., P])
+    need = k - (top > kth).sum(-1, keepdim=True, dtype=torch.int32)
     tied = scores == kth
-    need = k - greater.sum(-1, keepdim=True)
-    chosen = greater | (tied & (torch.cumsum(tied, dim=-1) <= need))
+    # one int32 [..., P] buffer (2 * P < 2**31): first the running count of ties, then the sort keys
+    key = tied.to(torch.int32).cumsum_(-1)
+    chosen = key <= need
+    chosen &= tied
+    chosen |= scores > kth
     num = scores.shape[-1]
-    rank = torch.arange(num, 0, -1, device=scores.device)  # earlier entries get larger keys
-    # Finite picks first (so -inf fillers, e.g. pools of other documents, come last), each group in index order.
-    key = torch.where(chosen, rank + num * torch.isfinite(scores), torch.zeros_like(rank))
+    # Keys: earlier entries get larger ones; finite picks first (so -inf fillers, e.g. pools of other documents,
+    # come last), each group in index order; unchosen entries 0.
+    finite = scores > float("-inf")
+    finite &= scores < float("inf")
+    key.copy_(finite).mul_(num)
+    key += torch.arange(num, 0, -1, device=scores.device, dtype=torch.int32)
+    key *= chosen
     return key.topk(k, dim=-1).indices
 
 
