@@ -32,8 +32,8 @@ __all__ = [
 ]
 
 # Default working-set budgets, in tensor elements (fp32: 4 bytes each).
-DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 26  # [B, chunk, index_n_heads, pools] score buffer of the indexer
-DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 26  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
+DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 24  # [B, chunk, index_n_heads, pools] score buffer of the indexer
+DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 24  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -446,14 +446,23 @@ def select_top_pools(
     out = torch.full((batch, seq_len, select_pools * kp), -1, dtype=torch.int32, device=device)
     chunk = max(1, int(max_score_elements) // max(1, batch * n_heads * num_pools))
     slot_offsets = torch.arange(kp, device=device) - (kp - 1)
-    for start, end in _query_chunks(seq_len, chunk):
+    chunks = _query_chunks(seq_len, chunk)
+    # one fp32 workspace for every chunk's [B, C*Hi, Pc] logits (none for a single chunk)
+    logits_ws = q.new_empty(batch * chunk * n_heads * num_pools, dtype=torch.float32) if len(chunks) > 1 else None
+    for start, end in chunks:
         size = end - start
         # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
         pools_here = num_pools if torch.compiler.is_compiling() else min(num_pools, (offset + end) // kp)
         if pools_here == 0:
             continue
         qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)
-        logits = torch.bmm(qc, pool_keys_t[:, :, :pools_here]).relu_()  # [B, C*Hi, Pc]
+        keys = pool_keys_t[:, :, :pools_here]
+        if logits_ws is None:
+            logits = torch.bmm(qc, keys)
+        else:
+            out_ws = logits_ws[: batch * size * n_heads * pools_here].view(batch, size * n_heads, pools_here)
+            logits = torch.bmm(qc, keys, out=out_ws)
+        logits = logits.relu_()  # [B, C*Hi, Pc]
         logits = logits.view(batch * size, n_heads, pools_here)
         wc = head_weights[:, start:end].reshape(batch * size, 1, n_heads)
         scores = torch.bmm(wc, logits).view(batch, size, pools_here)  # [B, C, Pc]
