@@ -23,6 +23,7 @@ Evaluation order (the reference's maths, fewer passes over the ``N*D`` streams):
 
 :func:`mix_weights` (normalised projections -> ``pre``, ``post``, ``comb``) is shared with the fused ``hc_pre`` of
 :mod:`glm53flash_hf.mhc_fused`, which differentiates it with torch autograd: both paths run one op sequence there.
+The torch ``hc_pre`` differentiates it by hand (:class:`_HcPre`: the same forward ops, a written-out backward).
 This module imports only torch; :mod:`glm53flash_hf.mhc` (modules, per-call dispatch) and
 :mod:`glm53flash_hf.mhc_fused` (Triton kernels) import from it.
 """
