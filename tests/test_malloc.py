@@ -62,7 +62,8 @@ def test_not_glibc_warns_once(fresh_state, monkeypatch):
         assert malloc.set_malloc_policy("reuse") is False
         assert malloc.set_malloc_policy("reuse") is False
     assert [str(w.message) for w in caught if w.category is RuntimeWarning] == [
-        f"malloc policy 'reuse' needs glibc (Linux); this C library ({sys.platform}) keeps its default"]
+        f"malloc policy 'reuse' needs glibc (Linux); this C library ({sys.platform}) keeps its default"
+    ]
     assert malloc.current_malloc_policy() == "default"
 
 
@@ -93,8 +94,7 @@ print(json.dumps({"applied": applied, "faults": faults}))
 @pytest.mark.parametrize("policy", ["reuse", "default"])
 def test_freed_pages_are_reused_only_under_reuse(policy):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, policy], capture_output=True, text=True, timeout=300,
-                          env=env)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, policy], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     first, later = res["faults"][0], res["faults"][-4:]

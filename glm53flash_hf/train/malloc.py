@@ -11,8 +11,9 @@ three ``mallopt`` parameters (glibc ``malloc.h``; ``mallopt(3)``):
 
 The cost is resident memory: the process keeps the high-water mark of its heap (plus fragmentation) instead of
 returning freed blocks; with glibc 2.36 the first few repeats of an allocation may still grow the heap (the small
-tail ``posix_memalign`` splits off sits in the thread cache next to the freed block) before it is reused. Parameters only change later allocations; torch offers no CPU caching allocator switch
-(its ``CPUCachingAllocator`` is reachable from C++ only). Other C libraries (musl, macOS): nothing is changed and a
+tail ``posix_memalign`` splits off sits in the thread cache next to the freed block) before it is reused. The
+parameters only change later allocations; torch offers no CPU caching allocator switch (its
+``CPUCachingAllocator`` is reachable from C++ only). Other C libraries (musl, macOS): nothing is changed and a
 warning says so once.
 """
 
