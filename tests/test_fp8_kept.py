@@ -156,7 +156,11 @@ def test_fp8_kept_fwd_bwd_peak_and_input_gradients(models):
             model(inputs_embeds=emb).logits.float().pow(2).mean().backward()
         peaks[label] = fp8_weight_bytes(model)["total"] + tracker.peak
         grads[label] = emb.grad
-    assert torch.allclose(grads["fp8"], grads["dequantized"], rtol=1e-4, atol=1e-7 * grads["dequantized"].abs().max())
+    # the fp32 bound, as for the logits above: 1e-5 of the largest entry. The FP8 path multiplies by
+    # block rows, the dequantized one in one GEMM; 1e-7 of the largest entry is under one fp32 ulp of it, so a
+    # reordered sum (another CPU's BLAS kernels) could exceed it
+    diff = (grads["fp8"] - grads["dequantized"]).abs().max()
+    assert diff <= 1e-5 * grads["dequantized"].abs().max(), diff
     assert peaks["fp8"] < peaks["dequantized"], peaks
     for n, p in kept.named_parameters():
         if n in before:
