@@ -173,8 +173,14 @@ def measure(name: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if world == 1:
-        _worker(0, name, port, out_dir)
+    if world == 1:  # in this process: its torch thread count is restored after the run
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            _worker(0, name, port, out_dir)
+        finally:
+            torch.set_num_threads(threads)
     else:
         mp.start_processes(_worker, args=(name, port, out_dir), nprocs=world, start_method="spawn")
     rows = []

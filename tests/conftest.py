@@ -18,3 +18,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 if os.environ.get("TRITON_INTERPRET") != "1" and "fla" not in sys.modules:
     sys.modules["fla"] = None  # ``import fla`` raises ImportError: transformers falls back to its torch reference
+
+import pytest  # noqa: E402  (after the fla stand-in above)
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Every test leaves torch's intra-op thread count as it found it: results compared bit for bit with a fresh
+    process (tests/test_remote_code.py) depend on it. A test that leaves it changed fails at teardown."""
+    threads = torch.get_num_threads()
+    yield
+    left = torch.get_num_threads()
+    if left != threads:
+        torch.set_num_threads(threads)
+        pytest.fail(f"the test left torch.get_num_threads() = {left}; it was {threads} before the test")

@@ -81,7 +81,8 @@ SCRIPT = textwrap.dedent(
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    tiny, exported, out, text = sys.argv[1:5]
+    tiny, exported, out, text, threads = sys.argv[1:6]
+    torch.set_num_threads(int(threads))  # the parent's: the two processes compare bit for bit
     res = {}
     tok = AutoTokenizer.from_pretrained(tiny)
     res["tokenizer_class"] = type(tok).__name__
@@ -117,7 +118,7 @@ def remote(folders):
     out = str(root / "remote.pt")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(root / "modules"))
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, folders["tiny"], folders["exported"], out, TEXT],
+        [sys.executable, "-c", SCRIPT, folders["tiny"], folders["exported"], out, TEXT, str(torch.get_num_threads())],
         cwd=str(root), env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
