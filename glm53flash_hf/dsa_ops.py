@@ -24,9 +24,9 @@ __all__ = [
     "tail_token_ids",
 ]
 
-# Working-set budgets in tensor elements.
-DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 26  # [B, chunk, index_n_heads, pools] score buffer of the indexer
-DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 26  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
+# Working-set budgets in tensor elements (fp32: 4 bytes each).
+DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 24  # [B, chunk, index_n_heads, pools] score buffer of the indexer
+DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 24  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -62,14 +62,20 @@ def _padded_latent(latent: torch.Tensor, indices: torch.Tensor, compute_dtype: t
 
 
 def _sparse_mla_probs(
-    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float
+    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float,
+    gathered_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(probs [B, C, H, W], lse [B, C, H], gathered [B, C, W, Dl])`` of a chunk of queries; an invalid slot has
     probability 0 next to a valid one, a query without one gets ``out = 0`` and ``lse = -inf``."""
     batch, chunk, heads, dim = q_abs.shape
     width = flat_ids.shape[-1]
     dtype = latent_pad.dtype
-    gathered = latent_pad.index_select(0, flat_ids.reshape(-1)).view(batch * chunk, width, dim)
+    ids = flat_ids.reshape(-1)
+    if gathered_out is None:
+        gathered = latent_pad.index_select(0, ids)
+    else:  # the caller's workspace, reused across query chunks
+        gathered = torch.index_select(latent_pad, 0, ids, out=gathered_out[: ids.numel()])
+    gathered = gathered.view(batch * chunk, width, dim)
     bias = torch.zeros(batch * chunk, 1, width, dtype=dtype, device=q_abs.device)
     bias.masked_fill_(~valid.reshape(batch * chunk, 1, width), torch.finfo(dtype).min)
     # the scale on the small query tensor (an alpha would scale the [B*C, Dl, W] gradient of the gathered latents)
@@ -112,9 +118,11 @@ def _sparse_mla_forward(
     latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
     out = q_abs.new_empty(batch, seq_len, heads, dim)
     lse = latent_pad.new_empty(batch, seq_len, heads)
+    # one [B * chunk * W, Dl] workspace for every chunk's gathered latents (not a fresh buffer per chunk)
+    gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len) * indices.shape[-1], dim)
     for start, end in _query_chunks(seq_len, chunk):
         probs, lse_c, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, flat_ids[:, start:end],
-                                                   valid[:, start:end], scale)
+                                                   valid[:, start:end], scale, gathered_ws)
         out[:, start:end] = torch.matmul(probs, gathered)
         lse[:, start:end] = lse_c
     return out, lse
@@ -134,10 +142,14 @@ def _sparse_mla_backward(
     latent_pad, flat_ids, valid = _padded_latent(latent, indices, dtype)
     grad_pad = torch.zeros_like(latent_pad)
     grad_q = q_abs.new_empty(batch, seq_len, heads, dim)
+    # two [B * chunk, W, Dl] workspaces (gathered latents, their gradient) shared by every chunk
+    width = indices.shape[-1]
+    gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len) * width, dim)
+    d_gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len), width, dim)
     for start, end in _query_chunks(seq_len, chunk):
         rows = batch * (end - start)
         ids_c, valid_c = flat_ids[:, start:end], valid[:, start:end]
-        probs, _, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, ids_c, valid_c, scale)
+        probs, _, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, ids_c, valid_c, scale, gathered_ws)
         probs, gathered = probs.reshape(rows, heads, -1), gathered.reshape(rows, -1, dim)
         d_out = grad_out[:, start:end].to(dtype).reshape(rows, heads, dim)
         d_probs = torch.bmm(d_out, gathered.transpose(1, 2))  # [rows, H, W]
@@ -148,7 +160,8 @@ def _sparse_mla_backward(
         d_scores = d_probs.mul_(probs)
         grad_q[:, start:end] = (torch.bmm(d_scores, gathered) * scale).view(batch, end - start, heads, dim)
         q_s = (q_abs[:, start:end].to(dtype) * scale).reshape(rows, heads, dim)
-        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s).baddbmm_(probs.transpose(1, 2), d_out)
+        d_gathered = torch.bmm(d_scores.transpose(1, 2), q_s, out=d_gathered_ws[:rows])
+        d_gathered.baddbmm_(probs.transpose(1, 2), d_out)
         grad_pad.index_add_(0, ids_c.reshape(-1), d_gathered.view(-1, dim))
     grad_latent = grad_pad.view(batch, -1, dim)[:, : latent.shape[1]]
     return grad_q, grad_latent.to(latent.dtype, memory_format=torch.contiguous_format, copy=True)
@@ -263,15 +276,24 @@ def sparse_mla_with_weights(
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``long [..., k]`` of the ``k`` largest of ``scores [..., P]`` (``1 <= k <= P``, may hold ``-inf``),
     exact ties to the lower index: the finite picks in increasing index order, then the ``-inf`` ones."""
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    greater = scores > kth
+    top = scores.topk(k, dim=-1).values
+    kth = top[..., -1:]
+    # every entry greater than the k-th value is among the top k: count them there ([..., k], not [..., P])
+    need = k - (top > kth).sum(-1, keepdim=True, dtype=torch.int32)
     tied = scores == kth
-    need = k - greater.sum(-1, keepdim=True)
-    chosen = greater | (tied & (torch.cumsum(tied, dim=-1) <= need))
+    # one int32 [..., P] buffer (2 * P < 2**31): first the running count of ties, then the sort keys
+    key = tied.to(torch.int32).cumsum_(-1)
+    chosen = key <= need
+    chosen &= tied
+    chosen |= scores > kth
     num = scores.shape[-1]
-    rank = torch.arange(num, 0, -1, device=scores.device)  # earlier entries get larger keys
-    # Finite picks first (so -inf fillers, e.g. pools of other documents, come last), each group in index order.
-    key = torch.where(chosen, rank + num * torch.isfinite(scores), torch.zeros_like(rank))
+    # Keys: earlier entries get larger ones; finite picks first (so -inf fillers, e.g. pools of other documents,
+    # come last), each group in index order; unchosen entries 0.
+    finite = scores > float("-inf")
+    finite &= scores < float("inf")
+    key.copy_(finite).mul_(num)
+    key += torch.arange(num, 0, -1, device=scores.device, dtype=torch.int32)
+    key *= chosen
     return key.topk(k, dim=-1).indices
 
 
@@ -316,14 +338,23 @@ def select_top_pools(
     out = torch.full((batch, seq_len, select_pools * kp), -1, dtype=torch.int32, device=device)
     chunk = max(1, int(max_score_elements) // max(1, batch * n_heads * num_pools))
     slot_offsets = torch.arange(kp, device=device) - (kp - 1)
-    for start, end in _query_chunks(seq_len, chunk):
+    chunks = _query_chunks(seq_len, chunk)
+    # one fp32 workspace for every chunk's [B, C*Hi, Pc] logits (none for a single chunk)
+    logits_ws = q.new_empty(batch * chunk * n_heads * num_pools, dtype=torch.float32) if len(chunks) > 1 else None
+    for start, end in chunks:
         size = end - start
         # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
         pools_here = num_pools if torch.compiler.is_compiling() else min(num_pools, (offset + end) // kp)
         if pools_here == 0:
             continue
         qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)
-        logits = torch.bmm(qc, pool_keys_t[:, :, :pools_here]).relu_()  # [B, C*Hi, Pc]
+        keys = pool_keys_t[:, :, :pools_here]
+        if logits_ws is None:
+            logits = torch.bmm(qc, keys)
+        else:
+            out_ws = logits_ws[: batch * size * n_heads * pools_here].view(batch, size * n_heads, pools_here)
+            logits = torch.bmm(qc, keys, out=out_ws)
+        logits = logits.relu_()  # [B, C*Hi, Pc]
         logits = logits.view(batch * size, n_heads, pools_here)
         wc = head_weights[:, start:end].reshape(batch * size, 1, n_heads)
         scores = torch.bmm(wc, logits).view(batch, size, pools_here)  # [B, C, Pc]

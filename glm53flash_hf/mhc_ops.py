@@ -23,6 +23,7 @@ Evaluation order (the reference's maths, fewer passes over the ``N*D`` streams):
 
 :func:`mix_weights` (normalised projections -> ``pre``, ``post``, ``comb``) is shared with the fused ``hc_pre`` of
 :mod:`glm53flash_hf.mhc_fused`, which differentiates it with torch autograd: both paths run one op sequence there.
+The torch ``hc_pre`` differentiates it by hand (:class:`_HcPre`: the same forward ops, a written-out backward).
 This module imports only torch; :mod:`glm53flash_hf.mhc` (modules, per-call dispatch) and
 :mod:`glm53flash_hf.mhc_fused` (Triton kernels) import from it.
 """
@@ -95,10 +96,16 @@ def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tens
     Returns:
         Same shape and dtype; differentiable.
     """
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):  # a fixed count, each step vectorised over all tokens
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return _sinkhorn(comb, iters, eps)
+
+
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: float, steps: list | None = None) -> torch.Tensor:
+    """:func:`sinkhorn_normalize`'s op sequence; appends ``(output, denominator)`` of every step to ``steps``."""
+    for step in range(2 * iters - 1):  # column, then (row, column) rounds: a fixed count, vectorised over tokens
+        denom = comb.sum(dim=-1 if step % 2 else -2, keepdim=True) + eps
+        comb = comb / denom
+        if steps is not None:
+            steps.append((comb, denom))
     return comb
 
 
@@ -129,15 +136,113 @@ def mix_weights(
         ``(pre [..., N], post [..., N], comb [..., N, N])`` in the promoted dtype of the inputs; differentiable in
         every input.
     """
-    mixes = proj * torch.rsqrt(mean_sq + norm_eps)
+    pre, post, comb, _ = _mix_weights(proj, mean_sq, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, keep=False)
+    return pre, post, comb
+
+
+def _mix_weights(proj, mean_sq, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, keep: bool):
+    """:func:`mix_weights`' op sequence; with ``keep``, also the intermediates :func:`_mix_weights_backward` reads:
+    ``(mixes, rsqrt factor, the two sigmoids, softmax, [(Sinkhorn output, denominator) per step])``."""
+    rs = torch.rsqrt(mean_sq + norm_eps)
+    mixes = proj * rs
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
     pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    sig_pre = torch.sigmoid(pre_w * pre_s + pre_b)
+    pre = sig_pre + hc_eps
+    sig_post = torch.sigmoid(post_w * post_s + post_b)
+    post = 2 * sig_post
     comb_logits = comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n)
-    comb = sinkhorn_normalize(torch.softmax(comb_logits, dim=-1) + hc_eps, sinkhorn_iters, hc_eps)
-    return pre, post, comb
+    probs = torch.softmax(comb_logits, dim=-1)
+    steps = [] if keep else None
+    comb = _sinkhorn(probs + hc_eps, sinkhorn_iters, hc_eps, steps)
+    return pre, post, comb, ((mixes, rs, sig_pre, sig_post, probs, steps) if keep else None)
+
+
+def _mix_weights_backward(proj, scale, kept, d_pre, d_post, d_comb, n: int):
+    """Gradients of :func:`mix_weights` w.r.t. ``(proj, mean_sq, base, scale)`` from the intermediates ``kept`` of
+    :func:`_mix_weights` and the output gradients (``None``: zero), in the compute dtype (``base``/``scale``
+    gradients summed over tokens, shapes ``[(2+N)*N]`` and ``[3]``).
+
+    Sinkhorn step ``y = c / s`` (``s`` the row or column sum plus ``eps``): ``dc = (dy - sum(dy * y)) / s`` over the
+    same axis; softmax: ``dl = p * (dp - sum(p * dp))``; sigmoid: ``sig * (1 - sig)``; RMS factor
+    ``r = (mean_sq + eps)^-1/2``: ``d mean_sq = -r^3 / 2 * sum(dm * proj)``."""
+    mixes, rs, sig_pre, sig_post, probs, steps = kept
+    lead = mixes.shape[:-1]
+    if d_comb is None:
+        d_comb = mixes.new_zeros(*lead, n, n)
+    dc = d_comb.to(mixes.dtype)
+    for i in range(len(steps) - 1, -1, -1):
+        y, denom = steps[i]
+        dim = -1 if i % 2 else -2
+        dc = (dc - (dc * y).sum(dim=dim, keepdim=True)) / denom
+    d_logits = (dc - (dc * probs).sum(dim=-1, keepdim=True)).mul_(probs).flatten(-2)
+    parts = [d_logits.new_zeros(*lead, n) if d is None else d.to(mixes.dtype) * (s * (1 - s)) * f
+             for d, s, f in ((d_pre, sig_pre, 1), (d_post, sig_post, 2))]
+    d_act = torch.cat([parts[0], parts[1], d_logits], dim=-1)  # gradient of mixes * scale + base
+    seg = mixes.new_tensor([0] * n + [1] * n + [2] * (n * n), dtype=torch.long)
+    d_scale = torch.zeros(3, dtype=mixes.dtype, device=mixes.device).index_add_(
+        0, seg, (d_act * mixes).reshape(-1, mixes.shape[-1]).sum(0))
+    d_base = d_act.reshape(-1, mixes.shape[-1]).sum(0)
+    d_mixes = d_act * scale.to(mixes.dtype).index_select(0, seg)
+    d_mean_sq = (d_mixes * proj).sum(dim=-1, keepdim=True) * rs.pow(3) * -0.5
+    return d_mixes * rs, d_mean_sq, d_base, d_scale
+
+
+def _hc_pre_forward(hidden_streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                    keep: bool):
+    """:func:`hc_pre_torch`'s op sequence: ``(post, comb, collapsed, kept)``; ``kept`` (with ``keep``) holds what
+    :class:`_HcPre`'s backward reads."""
+    batch, seq, n, dim = hidden_streams.shape
+    compute = torch.promote_types(hidden_streams.dtype, torch.float32)  # fp32 (fp64 for float64 streams)
+    x = hidden_streams.reshape(batch, seq, n * dim).to(compute)  # no copy for contiguous fp32 streams
+    mean_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / (n * dim)
+    proj = F.linear(x, fn.to(compute))
+    pre, post, comb, mix_kept = _mix_weights(proj, mean_sq, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, keep)
+    collapsed = torch.matmul(pre.unsqueeze(-2), x.view(batch, seq, n, dim)).squeeze(-2)
+    return post, comb, collapsed.to(hidden_streams.dtype), ((proj, pre, mix_kept) if keep else None)
+
+
+class _HcPre(torch.autograd.Function):
+    """:func:`hc_pre_torch` with a hand-written backward: one ``[B, S, N*D]`` buffer for ``dX``
+    (``dproj @ fn``, then the RMS term and the collapse term ``pre (x) dcollapsed`` added in place) and
+    ``dfn = dproj^T x``; the per-token part by :func:`_mix_weights_backward`."""
+
+    @staticmethod
+    def forward(ctx, hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+        post, comb, collapsed, (proj, pre, kept) = _hc_pre_forward(
+            hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, keep=True)
+        mixes, rs, sig_pre, sig_post, probs, steps = kept
+        ctx.save_for_backward(hidden_streams, fn, scale, proj, pre, mixes, rs, sig_pre, sig_post, probs,
+                              *(t for step in steps for t in step))
+        return post, comb, collapsed
+
+    @staticmethod
+    def backward(ctx, d_post, d_comb, d_collapsed):
+        hidden_streams, fn, scale, proj, pre, *kept = ctx.saved_tensors
+        steps = list(zip(kept[5::2], kept[6::2]))
+        batch, seq, n, dim = hidden_streams.shape
+        compute = proj.dtype
+        x = hidden_streams.reshape(batch, seq, n * dim).to(compute)
+        d_pre = None
+        if d_collapsed is not None:
+            d_collapsed = d_collapsed.to(compute)
+            d_pre = torch.matmul(x.view(batch, seq, n, dim), d_collapsed.unsqueeze(-1)).squeeze(-1)
+        d_proj, d_mean_sq, d_base, d_scale = _mix_weights_backward(
+            proj, scale, (*kept[:5], steps), d_pre, d_post, d_comb, n)
+        d_x = d_fn = None
+        if ctx.needs_input_grad[0]:
+            fn_c = fn.to(compute)
+            d_x = torch.matmul(d_proj, fn_c)  # [B, S, N*D]
+            d_x.addcmul_(x, d_mean_sq, value=2.0 / (n * dim))
+            if d_collapsed is not None:
+                d_x.view(batch * seq, n, dim).baddbmm_(pre.reshape(batch * seq, n, 1),
+                                                       d_collapsed.reshape(batch * seq, 1, dim))
+            d_x = d_x.view(batch, seq, n, dim).to(hidden_streams.dtype)
+        if ctx.needs_input_grad[1]:
+            d_fn = (d_proj.reshape(-1, d_proj.shape[-1]).t() @ x.reshape(-1, n * dim)).to(fn.dtype)
+        return (d_x, d_fn, d_base.to(scale.dtype) if ctx.needs_input_grad[2] else None,
+                d_scale.to(scale.dtype) if ctx.needs_input_grad[3] else None, None, None, None)
 
 
 def hc_pre_torch(
@@ -167,22 +272,17 @@ def hc_pre_torch(
     Returns:
         ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)``; ``comb[i, j]`` weighs
         input stream ``i`` into output stream ``j`` (see :func:`hc_post_torch`). Float64 streams are computed and
-        returned in float64.
+        returned in float64. Differentiable (once) in ``X``, ``fn``, ``base`` and ``scale``.
 
     Raises:
         ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1`` (:func:`check_hc_pre_args`).
     """
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
-    batch, seq, n, dim = hidden_streams.shape
-    compute = torch.promote_types(hidden_streams.dtype, torch.float32)  # fp32 (fp64 for float64 streams)
-    x = hidden_streams.reshape(batch, seq, n * dim).to(compute)  # no copy for contiguous fp32 streams
-    mean_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / (n * dim)
-    pre, post, comb = mix_weights(
-        F.linear(x, fn.to(compute)), mean_sq, base, scale,
-        n=n, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
-    )
-    collapsed = torch.matmul(pre.unsqueeze(-2), x.view(batch, seq, n, dim)).squeeze(-2)
-    return post, comb, collapsed.to(hidden_streams.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_streams, fn, base, scale)):
+        return _HcPre.apply(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    post, comb, collapsed, _ = _hc_pre_forward(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
+                                               keep=False)
+    return post, comb, collapsed
 
 
 def hc_post_torch(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,15 @@ MFU-style figure: the model FLOPs of one step are the matrix-multiply FLOPs of o
 divides them by the step time and by this machine's fp32 GEMM throughput, measured in the same run
 (``torch.mm`` of two 2048x2048 fp32 matrices with the benchmark's thread count).
 
+Heap policy (``--malloc``): ``default`` leaves glibc's malloc as it is (each large temporary a fresh ``mmap``,
+page-faulted in every step); ``reuse`` applies :func:`glm53flash_hf.train.malloc.set_malloc_policy` in every worker
+before its model loads, for both implementations alike, so freed large blocks are reused (more resident memory).
+
 Usage::
 
     python scripts/bench_cpu.py                      # S = 2048 8192 32768, all four implementations
     python scripts/bench_cpu.py --seqlens 512 --repeats 1 --impls hf ours
+    python scripts/bench_cpu.py --seqlens 8192 --impls hf ours --malloc reuse
 """
 
 from __future__ import annotations
@@ -72,10 +77,14 @@ def gemm_flops_per_s(threads: int, n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float) -> dict:
+def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, malloc: str = "default") -> dict:
     cap_address_space(mem_gib)
     import torch
     from torch.utils.flop_counter import FlopCounterMode
+
+    from glm53flash_hf.train.malloc import set_malloc_policy
+
+    set_malloc_policy(malloc)
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model = load(impl, folder).train()
@@ -112,13 +121,14 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float) -
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"impl": impl, "seq_len": seq_len, "time_s": statistics.median(times), "times": times,
-            "compile_s": compile_s, "peak_mib": (peak - base) / 1024, "loss": loss, "model_flops": flops}
+            "compile_s": compile_s, "peak_mib": (peak - base) / 1024, "loss": loss, "model_flops": flops,
+            "malloc": malloc}
 
 
 def run_worker(impl: str, folder: str, seq_len: int, args) -> dict:
     """One worker process; a failed run comes back as ``{"failed": "OOM" | "timeout" | "error"}``."""
-    cmd = [sys.executable, __file__, "--repeats", str(args.repeats), "--mem-gib", str(args.mem_gib), "--worker",
-           impl, folder, str(seq_len)]
+    cmd = [sys.executable, __file__, "--repeats", str(args.repeats), "--mem-gib", str(args.mem_gib), "--malloc",
+           args.malloc, "--worker", impl, folder, str(seq_len)]
     return run_child(cmd, args.timeout, {"impl": impl, "seq_len": seq_len})
 
 
@@ -144,17 +154,20 @@ def main() -> int:
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--mem-gib", type=float, default=20.0, help="address-space cap per worker (GiB; 0: none)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker before it is stopped")
+    parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
+                        help="heap policy of every worker, both implementations (default: %(default)s)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "FOLDER", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         impl, folder, seq_len = args.worker
-        print(json.dumps(worker(impl, folder, int(seq_len), args.repeats, args.mem_gib)))
+        print(json.dumps(worker(impl, folder, int(seq_len), args.repeats, args.mem_gib, args.malloc)))
         return 0
 
     threads = int(os.environ.get("BENCH_THREADS", "2"))
     peak_flops = gemm_flops_per_s(threads)
-    print(f"fp32 GEMM throughput (2048^2 torch.mm, {threads} threads): {peak_flops / 1e9:.1f} GFLOP/s", flush=True)
+    print(f"fp32 GEMM throughput (2048^2 torch.mm, {threads} threads): {peak_flops / 1e9:.1f} GFLOP/s; "
+          f"heap policy of the workers: {args.malloc}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         make_weights(folder)
@@ -201,7 +214,8 @@ def main() -> int:
                                  if r and r.get("loss") is not None))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gemm_flops_per_s": peak_flops, "runs": list(results.values())}, f, indent=1)
+            json.dump({"gemm_flops_per_s": peak_flops, "malloc": args.malloc, "runs": list(results.values())}, f,
+                      indent=1)
     return 0
 
 
