@@ -1,57 +1,9 @@
-"""Fused Triton kernels for the mHC sites of GLM-5.3-Flash (``hc_pre`` and ``hc_post``) as ``torch.library`` custom
-ops with registered fakes and autograd formulas.
+"""Fused path of the mHC family: our Triton kernels for ``hc_post`` (forward and backward fused) and ``hc_pre``
+(the reductions over the ``N*D`` streams fused, the small per-token part in torch via :func:`.mhc_ops.mix_weights`),
+as ``torch.library`` custom ops with fakes and autograd formulas. Same maths as :mod:`.mhc_ops`.
 
-Our own kernels. The maths is exactly that of the torch path in :mod:`glm53flash_hf.mhc_ops` (the oracle of
-``tests/test_mhc_fused.py``), which equals transformers' ``Glm5NextTextHyperConnection`` and the ``hc_post`` lines of
-``Glm5NextTextDecoderLayer.forward`` (``transformers/models/glm5_next/modeling_glm5_next.py``).
-
-What is fused
--------------
-:func:`hc_post_fused` -- fully fused, forward and backward, one kernel each:
-
-* forward ``out[t, h, :] = rd(rd(rd(post[t, h]) * y[t]) + rd(sum_i rd(comb[t, i, h]) * residual[t, i]))`` where
-  ``rd`` rounds to the activation dtype (the reference's ``post.to(dtype)``, ``comb.to(dtype)``, its bf16 product and
-  its bf16 matmul output); products and the N-term sum in fp32. Reads ``y`` and each residual stream once per token.
-* backward (one program per token, looping over ``D``): ``dy = sum_h rd(post_h) * g_h``,
-  ``dresidual_i = sum_h rd(comb[i, h]) * g_h`` (both accumulated in fp32, rounded once to the activation dtype),
-  ``dpost_h = sum_d g_h * y`` and ``dcomb[i, h] = sum_d residual_i * g_h`` accumulated and returned in fp32 (the
-  reference rounds these two to the activation dtype before casting to fp32, so in bf16 ours are the more exact).
-  Reads ``g``, ``y`` and the residual streams once.
-
-:func:`hc_pre_fused` -- a hybrid:
-
-* fused (Triton): the per-token reductions over the ``N*D`` streams -- ``proj = x @ fn^T`` (fp32 ``ieee``
-  accumulation, no TF32) and ``sumsq = sum(x^2)`` in one pass over ``X``; the collapse
-  ``collapsed = sum_n pre_n * X_n`` (fp32, rounded once) in a second pass. Backward: ``dpre = sum_d dcollapsed * X_n``
-  (one pass), ``dX = dproj @ fn + 2 * dsumsq * x + pre (x) dcollapsed`` written once (one pass), and
-  ``dfn = dproj^T @ x`` reduced over tokens in fp32 (one pass). ``X`` is read 2 times forward, 3 times backward.
-* not fused (torch, differentiated by torch autograd): everything on the small ``[T, (2+N)*N]`` / ``[T, N, N]``
-  tensors -- :func:`glm53flash_hf.mhc_ops.mix_weights` (RMS factor, sigmoids, ``torch.softmax`` and every Sinkhorn
-  round), the same function as the torch path's. Backward recomputes this small graph from the saved
-  ``proj``/``sumsq`` and differentiates through every Sinkhorn step: no quantity the reference differentiates is
-  treated as constant.
-
-Custom ops
-----------
-Every kernel launch runs inside a custom op ``torch.ops.glm53flash.<name>`` (registered at import by
-:func:`glm53flash_hf.graph_ops.define_op` when triton is installed), each with a fake
-implementation (output shapes and dtypes), so ``torch.compile(fullgraph=True)`` traces the public functions without a
-graph break:
-
-* ``hc_post_fwd(y, residual, post, comb) -> out``; autograd formula: ``hc_post_bwd(grad, y, residual, post, comb) ->
-  (dy, dresidual, dpost fp32, dcomb fp32)``, then ``dpost``/``dcomb`` cast to the dtypes of ``post``/``comb``.
-* ``hc_pre_fwd(X, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps) -> (post, comb, collapsed, proj, sumsq)``: the
-  reduction kernel, the small torch graph and the collapse kernel; ``proj`` ``[T, M]`` and ``sumsq`` ``[T]`` (fp32)
-  are non-differentiable outputs kept for the backward. Its autograd formula runs ``hc_pre_dpre(X, dcollapsed) ->
-  dpre`` (pass 1), the small graph's recomputation and its torch autograd (traced by ``torch.compile`` as ordinary
-  torch ops), ``hc_pre_dx(X, fn, dproj, dsumsq, pre, dcollapsed) -> dX`` (pass 2) and ``hc_pre_dfn(X, dproj) -> dfn``
-  fp32 (pass 3), cast to ``fn``'s dtype.
-
-Supported: CUDA tensors (CPU only under ``TRITON_INTERPRET=1``, for tests), activations in fp32/bf16/fp16, ``fn`` in
-any of those, any ``N`` and ``D`` (blocks are masked). Inputs are made contiguous (a no-op in the model). Selection
-happens in :func:`glm53flash_hf.dispatch.choose_backend` through :func:`fused_mhc_available`; CPU tensors never reach
-these functions in normal use. Without triton this module still imports (:func:`fused_mhc_available` says so and the
-fused functions raise ``RuntimeError``).
+CUDA tensors (CPU only under ``TRITON_INTERPRET=1``), activations fp32/bf16/fp16, any ``N`` and ``D``. Without triton
+the module imports; :func:`fused_mhc_available` says why and the fused functions raise ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -79,17 +31,9 @@ __all__ = ["fused_mhc_available", "hc_post_fused", "hc_pre_fused"]
 
 
 def fused_mhc_available(*tensors: torch.Tensor) -> tuple[bool, str]:
-    """Availability probe registered as ``dispatch.FUSED_AVAILABILITY["mhc"]``.
-
-    Args:
-        tensors: the call's tensors: ``(X, fn, base, scale)`` for ``hc_pre``, ``(y, residual, post, comb)`` for
-            ``hc_post``.
-
-    Returns:
-        ``(True, "")`` when the kernels can run on them, else ``(False, reason)``: triton not importable, a tensor
-        not on CUDA, an unsupported dtype (fp32/bf16/fp16 only), an activation that is not 4-D ``[B, S, N, D]`` or, for
-        ``hc_post``, ``y`` and ``residual`` of different dtypes (the torch path handles those).
-    """
+    """The mHC family's registered probe on the call's tensors (``hc_pre``'s ``X, fn, base, scale`` or ``hc_post``'s
+    ``y, residual, post, comb``): ``(True, "")``, or ``(False, reason)`` for no triton, a tensor not on CUDA, a dtype
+    other than fp32/bf16/fp16, an activation not ``[B, S, N, D]``, or ``y`` and ``residual`` of different dtypes."""
     tensors, reason = probe_tensors("mHC", tensors)
     if reason:
         return False, reason
@@ -502,25 +446,9 @@ if TRITON_AVAILABLE:
 
 # ====================================================================================================== public API
 def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Fused ``hc_post``: ``out[..., h, :] = rd(post_h) * y + sum_i rd(comb[..., i, h]) * residual_i``.
-
-    Same maths and rounding as :func:`glm53flash_hf.mhc_ops.hc_post_torch` (``rd`` = cast to the activation dtype;
-    see the module docstring). Differentiable in all four inputs (backward kernel). Runs the custom op
-    ``glm53flash::hc_post_fwd`` (module docstring).
-
-    Args:
-        y: ``[B, S, D]`` sub-block output, same dtype as ``residual`` (fp32, bf16 or fp16).
-        residual: ``[B, S, N, D]`` streams.
-        post: ``[B, S, N]`` fp32 (from ``hc_pre``). comb: ``[B, S, N, N]`` fp32.
-
-    Returns:
-        ``[B, S, N, D]`` in ``residual.dtype``. Gradients: ``dy``/``dresidual`` in the activation dtype,
-        ``dpost``/``dcomb`` accumulated in fp32 and returned in the dtype of ``post``/``comb``.
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: shapes that do not fit, unsupported or mismatched activation dtypes.
-    """
+    """Fused alternative of :func:`.mhc_ops.hc_post_torch` (its contract; ``y`` and ``residual`` of one dtype,
+    fp32/bf16/fp16; ``dpost``/``dcomb`` accumulated in fp32). ``RuntimeError`` without triton; ``ValueError`` also for
+    unsupported or mismatched dtypes."""
     require_triton("glm53flash_hf.mhc_fused")
     check_hc_post_args(y, residual, post, comb)
     check_device("residual", residual)
@@ -540,24 +468,8 @@ def hc_pre_fused(
     hc_eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused ``hc_pre`` (hybrid: Triton reductions over the streams, torch for the tiny Sinkhorn part).
-
-    Same maths as :func:`glm53flash_hf.mhc_ops.hc_pre_torch`; what is fused and what is not is listed in the module
-    docstring.
-
-    Args:
-        hidden_streams: ``X [B, S, N, D]`` in fp32/bf16/fp16.
-        fn: ``[(2+N)*N, N*D]`` (fp32/bf16/fp16; used in fp32). base: ``[(2+N)*N]`` fp32. scale: ``[3]`` fp32.
-        sinkhorn_iters: ``>= 1``. hc_eps: ``config.hc_eps``. norm_eps: ``config.rms_norm_eps``.
-
-    Returns:
-        ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)``, differentiable in
-        ``X``, ``fn``, ``base`` and ``scale`` (the custom op ``glm53flash::hc_pre_fwd``, module docstring).
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: wrong ranks/shapes, unsupported dtypes, ``sinkhorn_iters < 1``; a sharded DTensor parameter.
-    """
+    """Fused alternative of :func:`.mhc_ops.hc_pre_torch` (its contract; ``X`` and ``fn`` in fp32/bf16/fp16).
+    ``RuntimeError`` without triton; ``ValueError`` also for unsupported dtypes and a sharded DTensor parameter."""
     require_triton("glm53flash_hf.mhc_fused")
     # Parameters may arrive as DTensors (FSDP2/TP): replicated ones are unwrapped (differentiably), sharded ones raise.
     fn, base, scale = (local_tensor(t, f"hc {name}") for t, name in ((fn, "fn"), (base, "base"), (scale, "scale")))

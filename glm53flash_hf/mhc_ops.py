@@ -1,31 +1,8 @@
-"""Torch maths of GLM-5.3-Flash's manifold-constrained hyper-connections (mHC): the oracle of the fused kernels and
-the path of CPU tensors and decoding.
+"""Torch path of the mHC family (manifold-constrained hyper-connections): ``hc_pre``, ``hc_post``, the Sinkhorn
+normalisation and the stream expand/collapse. Oracle of :mod:`.mhc_fused`; path of CPU tensors and decoding.
 
-mHC (DeepSeek, "mHC: Manifold-Constrained Hyper-Connections") carries ``N = hc_mult`` residual streams per token.
-At each sub-block (attention or FFN), ``hc_pre`` computes per-token mixing weights from the streams and collapses the
-streams into the sub-block input; ``hc_post`` expands the sub-block output back to ``N`` streams and adds the
-streams mixed by ``comb``, a matrix made (approximately) doubly stochastic by Sinkhorn-Knopp normalisation. The maths
-equals transformers' ``transformers/models/glm5_next/modeling_glm5_next.py``: ``Glm5NextTextHyperConnection`` (with
-``Glm5NextTextUnweightedRMSNorm``), ``Glm5NextTextHyperHead`` and the ``hc_post`` lines of
-``Glm5NextTextDecoderLayer.forward``.
-
-Evaluation order (the reference's maths, fewer passes over the ``N*D`` streams):
-
-* the unweighted RMS norm is folded past the projection, ``linear(x * r, fn) == r * linear(x, fn)`` with
-  ``r = rsqrt(mean(x^2) + eps)`` per token, so no normalised fp32 copy of the streams is materialised;
-  ``mean(x^2)`` comes from ``torch.linalg.vector_norm`` (one read, no squared temporary);
-* the collapse ``sum_n pre_n * X_n`` is one batched ``[1, N] @ [N, D]`` product per token on the fp32 streams that
-  the projection reads anyway;
-* ``hc_post`` adds into the mixing product in place, with the reference's rounding (``post`` and ``comb`` are cast to
-  the residual dtype first);
-* the Sinkhorn rounds are the reference's op sequence (``torch.softmax``, then column and (row, column)
-  normalisations, each with ``+ hc_eps``), vectorised over tokens, always ``hc_sinkhorn_iters`` of them.
-
-:func:`mix_weights` (normalised projections -> ``pre``, ``post``, ``comb``) is shared with the fused ``hc_pre`` of
-:mod:`glm53flash_hf.mhc_fused`, which differentiates it with torch autograd: both paths run one op sequence there.
-The torch ``hc_pre`` differentiates it by hand (:class:`_HcPre`: the same forward ops, a written-out backward).
-This module imports only torch; :mod:`glm53flash_hf.mhc` (modules, per-call dispatch) and
-:mod:`glm53flash_hf.mhc_fused` (Triton kernels) import from it.
+Sources: DeepSeek, "mHC: Manifold-Constrained Hyper-Connections"; transformers ``Glm5NextTextHyperConnection``,
+``Glm5NextTextHyperHead`` and the ``hc_post`` lines of ``Glm5NextTextDecoderLayer.forward`` (``models/glm5_next``).
 """
 
 from __future__ import annotations
@@ -82,20 +59,9 @@ def check_hc_post_args(y, residual, post, comb) -> None:
 
 
 def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Make positive ``[..., N, N]`` matrices (approximately) doubly stochastic, as the reference does.
-
-    Sinkhorn-Knopp with the reference's schedule: one column normalisation ``c / (colsum + eps)``, then ``iters - 1``
-    rounds of (row, column) normalisation, each with ``+ eps`` in the denominator; no early exit. Source:
-    ``Glm5NextTextHyperConnection.forward``.
-
-    Args:
-        comb: ``[..., N, N]`` fp32 (or fp64), already ``softmax(...) + eps``.
-        iters: ``config.hc_sinkhorn_iters`` (20 in the release), ``>= 1``.
-        eps: ``config.hc_eps``.
-
-    Returns:
-        Same shape and dtype; differentiable.
-    """
+    """Sinkhorn-Knopp on positive ``comb [..., N, N]`` (fp32/fp64) with the reference's schedule: one column
+    normalisation ``c / (colsum + eps)``, then ``iters - 1`` (row, column) rounds, no early exit. Same shape and
+    dtype; differentiable."""
     return _sinkhorn(comb, iters, eps)
 
 
@@ -120,22 +86,14 @@ def mix_weights(
     hc_eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-token part of ``hc_pre``: projections and RMS statistics to ``pre``, ``post`` and ``comb``.
+    """The per-token part of ``hc_pre`` (shared with :mod:`.mhc_fused`), from ``proj [..., (2+N)*N] = x @ fn^T``
+    and ``mean_sq [..., 1] = mean(x^2)`` (fp32, fp64 for fp64 streams)::
 
-    ``m = proj * rsqrt(mean_sq + norm_eps)``; ``pre = sigmoid(m[:N] * scale[0] + base[:N]) + hc_eps``;
-    ``post = 2 * sigmoid(m[N:2N] * scale[1] + base[N:2N])``;
-    ``comb = sinkhorn(softmax(m[2N:].view(N, N) * scale[2] + base[2N:].view(N, N), dim=-1) + hc_eps)``.
+        m = proj * rsqrt(mean_sq + norm_eps);  pre = sigmoid(m[:N] * scale[0] + base[:N]) + hc_eps
+        post = 2 * sigmoid(m[N:2N] * scale[1] + base[N:2N])
+        comb = sinkhorn(softmax(m[2N:].view(N, N) * scale[2] + base[2N:].view(N, N), -1) + hc_eps)
 
-    Args:
-        proj: ``[..., (2+N)*N]`` un-normalised projections ``x @ fn^T`` (fp32, or fp64 for fp64 streams).
-        mean_sq: ``[..., 1]`` ``mean(x^2)`` over the token's ``N*D`` stream values, same dtype.
-        base: ``[(2+N)*N]`` fp32. scale: ``[3]`` fp32.
-        n: ``N``. sinkhorn_iters: ``>= 1``. hc_eps: ``config.hc_eps``. norm_eps: ``config.rms_norm_eps``.
-
-    Returns:
-        ``(pre [..., N], post [..., N], comb [..., N, N])`` in the promoted dtype of the inputs; differentiable in
-        every input.
-    """
+    Returns ``(pre [..., N], post [..., N], comb [..., N, N])`` in the inputs' promoted dtype; differentiable."""
     pre, post, comb, _ = _mix_weights(proj, mean_sq, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, keep=False)
     return pre, post, comb
 
@@ -255,27 +213,21 @@ def hc_pre_torch(
     hc_eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mixing weights of one mHC site and the collapsed sub-block input, in torch.
-
-    Per token, with the streams ``X [N, D]`` flattened to ``x [N*D]`` in fp32:
-    ``m = rsqrt(mean(x^2) + norm_eps) * (fn_fp32 @ x)`` (``(2+N)*N`` values), then :func:`mix_weights`, and
-    ``collapsed = sum_n pre_n * X_n`` computed in fp32 and cast to ``X.dtype``. Source:
-    ``Glm5NextTextHyperConnection.forward``.
+    """Mixing weights of one mHC site and the collapsed sub-block input: per token, the streams ``X [N, D]`` as
+    ``x [N*D]`` in fp32, :func:`mix_weights` of ``x @ fn^T`` and ``mean(x^2)``, ``collapsed = sum_n pre_n * X_n``.
 
     Args:
         hidden_streams: ``X [B, S, N, D]`` (any float dtype, any strides).
-        fn: ``[(2+N)*N, N*D]`` projection (model dtype; used in fp32).
-        base: ``[(2+N)*N]`` fp32. scale: ``[3]`` fp32.
+        fn: ``[(2+N)*N, N*D]`` (model dtype; used in fp32). base: ``[(2+N)*N]`` fp32. scale: ``[3]`` fp32.
         sinkhorn_iters: ``config.hc_sinkhorn_iters`` (>= 1). hc_eps: ``config.hc_eps``.
-        norm_eps: ``config.rms_norm_eps`` (the unweighted RMS norm's epsilon).
+        norm_eps: ``config.rms_norm_eps``.
 
     Returns:
-        ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)``; ``comb[i, j]`` weighs
-        input stream ``i`` into output stream ``j`` (see :func:`hc_post_torch`). Float64 streams are computed and
-        returned in float64. Differentiable (once) in ``X``, ``fn``, ``base`` and ``scale``.
+        ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)`` (fp64 for fp64 streams);
+        ``comb[i, j]`` weighs input stream ``i`` into output stream ``j``. Differentiable in every tensor input.
 
     Raises:
-        ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1`` (:func:`check_hc_pre_args`).
+        ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1``.
     """
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_streams, fn, base, scale)):
@@ -286,22 +238,18 @@ def hc_pre_torch(
 
 
 def hc_post_torch(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Expand a sub-block output back to N streams and add the mixed residual streams, in torch.
-
-    ``out[..., h, :] = post[..., h] * y + sum_i comb[..., i, h] * residual[..., i, :]``, i.e.
-    ``post[..., None] * y[..., None, :] + comb^T @ residual`` (note the transpose). Rounding as the reference
-    (``Glm5NextTextDecoderLayer.forward``): ``post`` and ``comb`` are first cast to ``residual.dtype``, the two
-    terms are computed in that dtype and added (bit-equal to the reference in bf16 and fp32).
+    """``out[..., h, :] = post[..., h] * y + sum_i comb[..., i, h] * residual[..., i, :]`` with the reference's
+    rounding (``post``, ``comb`` cast to ``residual.dtype`` first).
 
     Args:
         y: ``[B, S, D]`` sub-block output. residual: ``[B, S, N, D]`` streams that entered ``hc_pre``.
-        post: ``[B, S, N]`` (fp32). comb: ``[B, S, N, N]`` (fp32).
+        post: ``[B, S, N]`` fp32. comb: ``[B, S, N, N]`` fp32.
 
     Returns:
-        ``[B, S, N, D]`` in ``promote(residual.dtype, y.dtype)`` (``residual.dtype`` when they agree).
+        ``[B, S, N, D]`` in ``promote(residual.dtype, y.dtype)``.
 
     Raises:
-        ValueError: shapes that do not fit (:func:`check_hc_post_args`).
+        ValueError: shapes that do not fit.
     """
     check_hc_post_args(y, residual, post, comb)
     dtype = residual.dtype
@@ -313,26 +261,16 @@ def hc_post_torch(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 
 
 def hc_head(hidden_streams: torch.Tensor) -> torch.Tensor:
-    """Final stream collapse of GLM-5.3-Flash: the unweighted mean over the N streams.
-
-    ``[B, S, N, D] -> [B, S, D]``, same dtype. Source: ``Glm5NextTextHyperHead``.
-
-    Raises:
-        ValueError: input not 4-D.
-    """
+    """Final stream collapse, the mean over the N streams: ``[B, S, N, D] -> [B, S, D]``, same dtype; ``ValueError``
+    for an input that is not 4-D."""
     if hidden_streams.dim() != 4:
         raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
     return hidden_streams.mean(dim=2)
 
 
 def hc_expand(embeds: torch.Tensor, hc_mult: int) -> torch.Tensor:
-    """Copy the token embeddings into ``hc_mult`` identical streams: ``[B, S, D] -> [B, S, N, D]``, contiguous.
-
-    Contiguous, so that later per-stream updates never alias one buffer. Source: ``Glm5NextTextModel.forward``.
-
-    Raises:
-        ValueError: ``embeds`` not 3-D or ``hc_mult < 1``.
-    """
+    """``hc_mult`` contiguous copies of the embeddings: ``[B, S, D] -> [B, S, N, D]``; ``ValueError`` for ``embeds``
+    not 3-D or ``hc_mult < 1``."""
     if embeds.dim() != 3:
         raise ValueError(f"embeds must be [B, S, D]; got shape {tuple(embeds.shape)}")
     if hc_mult < 1:
