@@ -15,7 +15,7 @@ convolution and the chunked core run as custom ops (:func:`.graph_ops.recompute_
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -46,17 +46,12 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2NORM_EPS)
 
 
-def _autocast_off(fn):
-
-    @functools.wraps(fn)
-    def wrapper(x, *args, **kwargs):
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type=device_type, enabled=False):
-                return fn(x, *args, **kwargs)
-        return fn(x, *args, **kwargs)
-
-    return wrapper
+def _autocast_disabled(x: torch.Tensor):
+    """Autocast off on ``x``'s device while the torch KDA ops run (they compute in their own dtypes)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, name_batch: str) -> list[int]:
@@ -138,7 +133,6 @@ def _prepare_core(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@_autocast_off
 def causal_conv1d_torch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -167,59 +161,61 @@ def causal_conv1d_torch(
     Raises:
         ValueError: a bad shape, ``cu_seqlens`` or activation (:func:`check_conv_inputs`).
     """
-    if in_graph():
-        y, final = _CONV_OP(x, weight, initial_state, cu_seqlens, activation=activation,
-                            output_final_state=output_final_state)
-        return y, final if output_final_state else None
-    cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
-    B, T, D = x.shape
-    W = weight.shape[1]
-    N = B if cu_host is None else len(cu_host) - 1
-    cdtype = weight.dtype
-    w = weight.unsqueeze(1)  # [D, 1, W]
+    with _autocast_disabled(x):
+        if in_graph():
+            y, final = _CONV_OP(x, weight, initial_state, cu_seqlens, activation=activation,
+                                output_final_state=output_final_state)
+            return y, final if output_final_state else None
+        cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
+        B, T, D = x.shape
+        W = weight.shape[1]
+        N = B if cu_host is None else len(cu_host) - 1
+        cdtype = weight.dtype
+        w = weight.unsqueeze(1)  # [D, 1, W]
 
-    if cu_seqlens is None:
-        xt = x.transpose(1, 2).to(cdtype)  # [B, D, T]
-        if initial_state is None:
-            z = F.pad(xt, (W - 1, 0))
+        if cu_seqlens is None:
+            xt = x.transpose(1, 2).to(cdtype)  # [B, D, T]
+            if initial_state is None:
+                z = F.pad(xt, (W - 1, 0))
+            else:
+                z = torch.cat([initial_state[..., 1:].to(cdtype), xt], dim=-1)  # [B, D, W - 1 + T]
+            y = F.conv1d(z, w, groups=D)  # [B, D, T]
+            final = z[..., -W:] if output_final_state else None
         else:
-            z = torch.cat([initial_state[..., 1:].to(cdtype), xt], dim=-1)  # [B, D, W - 1 + T]
-        y = F.conv1d(z, w, groups=D)  # [B, D, T]
-        final = z[..., -W:] if output_final_state else None
-    else:
-        device = x.device
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
-        lengths = cu[1:] - cu[:-1]
-        doc = torch.repeat_interleave(torch.arange(N, device=device), lengths, output_size=T)  # [T]
-        hist = W - 1
-        L = T + N * hist
-        # Source rows: the T tokens, then N * (W - 1) history rows (or a single zero row).
-        if initial_state is None:
-            src = torch.cat([x[0].to(cdtype), x.new_zeros(1, D, dtype=cdtype)], dim=0)
-            fill = torch.full((L,), T, device=device, dtype=torch.long)
-        else:
-            hrows = initial_state[..., 1:].to(cdtype).transpose(1, 2).reshape(N * hist, D)
-            src = torch.cat([x[0].to(cdtype), hrows], dim=0)
-            # history slot j of document n sits at cu[n] + n * hist + j and reads row T + n * hist + j
-            slots = (cu[:-1] + torch.arange(N, device=device) * hist).unsqueeze(1) + torch.arange(hist, device=device)
-            fill = torch.empty(L, device=device, dtype=torch.long)
-            fill[slots.flatten()] = T + torch.arange(N * hist, device=device)
-        token_slot = torch.arange(T, device=device) + (doc + 1) * hist  # z position of every token
-        fill[token_slot] = torch.arange(T, device=device)
-        z = src.t().index_select(1, fill).unsqueeze(0)  # [1, D, L], gathered straight into channels-first
-        out = F.conv1d(z, w, groups=D)  # [1, D, L - hist]
-        y = out.index_select(2, token_slot - hist)  # [1, D, T]
-        final = None
-        if output_final_state:
-            last = (cu[1:] - 1 + (torch.arange(N, device=device) + 1) * hist).unsqueeze(1)  # [N, 1]
-            idx = last - (W - 1) + torch.arange(W, device=device)  # [N, W]
-            final = z[0].index_select(1, idx.flatten()).view(D, N, W).transpose(0, 1)  # [N, D, W]
-    if activation is not None:
-        y = F.silu(y)
-    y = y.to(x.dtype).transpose(1, 2)
-    if final is not None:
-        final = final.to(x.dtype).contiguous()
-    return y, final
+            device = x.device
+            cu = cu_seqlens.to(device=device, dtype=torch.long)
+            lengths = cu[1:] - cu[:-1]
+            doc = torch.repeat_interleave(torch.arange(N, device=device), lengths, output_size=T)  # [T]
+            hist = W - 1
+            L = T + N * hist
+            # Source rows: the T tokens, then N * (W - 1) history rows (or a single zero row).
+            if initial_state is None:
+                src = torch.cat([x[0].to(cdtype), x.new_zeros(1, D, dtype=cdtype)], dim=0)
+                fill = torch.full((L,), T, device=device, dtype=torch.long)
+            else:
+                hrows = initial_state[..., 1:].to(cdtype).transpose(1, 2).reshape(N * hist, D)
+                src = torch.cat([x[0].to(cdtype), hrows], dim=0)
+                # history slot j of document n sits at cu[n] + n * hist + j and reads row T + n * hist + j
+                starts = cu[:-1] + torch.arange(N, device=device) * hist
+                slots = starts.unsqueeze(1) + torch.arange(hist, device=device)
+                fill = torch.empty(L, device=device, dtype=torch.long)
+                fill[slots.flatten()] = T + torch.arange(N * hist, device=device)
+            token_slot = torch.arange(T, device=device) + (doc + 1) * hist  # z position of every token
+            fill[token_slot] = torch.arange(T, device=device)
+            z = src.t().index_select(1, fill).unsqueeze(0)  # [1, D, L], gathered straight into channels-first
+            out = F.conv1d(z, w, groups=D)  # [1, D, L - hist]
+            y = out.index_select(2, token_slot - hist)  # [1, D, T]
+            final = None
+            if output_final_state:
+                last = (cu[1:] - 1 + (torch.arange(N, device=device) + 1) * hist).unsqueeze(1)  # [N, 1]
+                idx = last - (W - 1) + torch.arange(W, device=device)  # [N, W]
+                final = z[0].index_select(1, idx.flatten()).view(D, N, W).transpose(0, 1)  # [N, D, W]
+        if activation is not None:
+            y = F.silu(y)
+        y = y.to(x.dtype).transpose(1, 2)
+        if final is not None:
+            final = final.to(x.dtype).contiguous()
+        return y, final
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -408,7 +404,6 @@ def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> 
     return _IntraChunkProducts.apply(q.contiguous(), k.contiguous(), g.contiguous())
 
 
-@_autocast_off
 def chunk_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -444,59 +439,60 @@ def chunk_kda_torch(
     Raises:
         ValueError: on shape mismatches, a bad ``chunk_size``, or bad ``cu_seqlens`` (see :func:`check_cu_seqlens`).
     """
-    check_core_inputs(q, k, v, g, beta)
-    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a positive power of two; got chunk_size={chunk_size!r}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = chunk_size
-    out_dtype = q.dtype
-    if in_graph():
-        o, final = _CHUNK_OP(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
-                             output_final_state=output_final_state, chunk_size=chunk_size,
-                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return o, final if output_final_state else None
-    cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]") if cu_seqlens is not None else None
-    n_docs = len(cu_host) - 1 if cu_host is not None else B
-    check_state(initial_state, n_docs, H, K, V)
-    q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    h0 = initial_state.float() if initial_state is not None else None
+    with _autocast_disabled(q):
+        check_core_inputs(q, k, v, g, beta)
+        if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+            raise ValueError(f"chunk_size must be a positive power of two; got chunk_size={chunk_size!r}")
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        C = chunk_size
+        out_dtype = q.dtype
+        if in_graph():
+            o, final = _CHUNK_OP(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+                                 output_final_state=output_final_state, chunk_size=chunk_size,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            return o, final if output_final_state else None
+        cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]") if cu_seqlens is not None else None
+        n_docs = len(cu_host) - 1 if cu_host is not None else B
+        check_state(initial_state, n_docs, H, K, V)
+        q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+        h0 = initial_state.float() if initial_state is not None else None
 
-    if cu_host is None:
-        plan = _make_plan(B, T, H, _doc_chunk(T, C), None, q.device)
-        o, final = _chunk_kda_core(q, k, v, g, beta, h0, plan, output_final_state)
+        if cu_host is None:
+            plan = _make_plan(B, T, H, _doc_chunk(T, C), None, q.device)
+            o, final = _chunk_kda_core(q, k, v, g, beta, h0, plan, output_final_state)
+            return o.to(out_dtype), final
+
+        lengths = [b - a for a, b in zip(cu_host[:-1], cu_host[1:])]
+        doc_chunks = [_doc_chunk(n, C) for n in lengths]
+        sizes = sorted(set(doc_chunks))
+        if len(sizes) == 1:
+            plan = _make_plan(1, T, H, sizes[0], cu_host, q.device)
+            o, final = _chunk_kda_core(q, k, v, g, beta, h0, plan, output_final_state)
+            return o.to(out_dtype), final
+
+        # Documents of different chunk sizes: one plan per size, outputs scattered back to their tokens.
+        device = q.device
+        cu = torch.tensor(cu_host, device=device, dtype=torch.long)
+        doc_of_token = torch.repeat_interleave(torch.arange(n_docs, device=device), cu[1:] - cu[:-1], output_size=T)
+        size_of_doc = torch.tensor(doc_chunks, device=device)
+        o = v.new_zeros(1, T, H, V)
+        final = q.new_zeros(n_docs, H, K, V) if output_final_state else None
+        for size in sizes:
+            docs = [d for d, c in enumerate(doc_chunks) if c == size]
+            tokens = torch.nonzero(size_of_doc[doc_of_token] == size).flatten()
+            sub_cu = [0]
+            for d in docs:
+                sub_cu.append(sub_cu[-1] + lengths[d])
+            docs_t = torch.tensor(docs, device=device)
+            plan = _make_plan(1, len(tokens), H, size, sub_cu, device)
+            sub = (t.index_select(1, tokens) for t in (q, k, v, g, beta))
+            sub_h0 = h0.index_select(0, docs_t) if h0 is not None else None
+            o_g, final_g = _chunk_kda_core(*sub, sub_h0, plan, output_final_state)
+            o = o.index_copy(1, tokens, o_g)
+            if final is not None:
+                final = final.index_copy(0, docs_t, final_g)
         return o.to(out_dtype), final
-
-    lengths = [b - a for a, b in zip(cu_host[:-1], cu_host[1:])]
-    doc_chunks = [_doc_chunk(n, C) for n in lengths]
-    sizes = sorted(set(doc_chunks))
-    if len(sizes) == 1:
-        plan = _make_plan(1, T, H, sizes[0], cu_host, q.device)
-        o, final = _chunk_kda_core(q, k, v, g, beta, h0, plan, output_final_state)
-        return o.to(out_dtype), final
-
-    # Documents of different chunk sizes: one plan per size, outputs scattered back to their tokens.
-    device = q.device
-    cu = torch.tensor(cu_host, device=device, dtype=torch.long)
-    doc_of_token = torch.repeat_interleave(torch.arange(n_docs, device=device), cu[1:] - cu[:-1], output_size=T)
-    size_of_doc = torch.tensor(doc_chunks, device=device)
-    o = v.new_zeros(1, T, H, V)
-    final = q.new_zeros(n_docs, H, K, V) if output_final_state else None
-    for size in sizes:
-        docs = [d for d, c in enumerate(doc_chunks) if c == size]
-        tokens = torch.nonzero(size_of_doc[doc_of_token] == size).flatten()
-        sub_cu = [0]
-        for d in docs:
-            sub_cu.append(sub_cu[-1] + lengths[d])
-        docs_t = torch.tensor(docs, device=device)
-        plan = _make_plan(1, len(tokens), H, size, sub_cu, device)
-        sub = (t.index_select(1, tokens) for t in (q, k, v, g, beta))
-        sub_h0 = h0.index_select(0, docs_t) if h0 is not None else None
-        o_g, final_g = _chunk_kda_core(*sub, sub_h0, plan, output_final_state)
-        o = o.index_copy(1, tokens, o_g)
-        if final is not None:
-            final = final.index_copy(0, docs_t, final_g)
-    return o.to(out_dtype), final
 
 
 def _doc_chunk(length: int, chunk_size: int) -> int:
@@ -644,7 +640,6 @@ class _StateRecurrence(torch.autograd.Function):
                 d_decay.view(*shape, K), d_h0, None, None)
 
 
-@_autocast_off
 def recurrent_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -664,23 +659,24 @@ def recurrent_kda_torch(
     Raises:
         ValueError: on shape mismatches.
     """
-    check_core_inputs(q, k, v, g, beta)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    check_state(initial_state, B, H, K, V)
-    out_dtype = q.dtype
-    q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    state = initial_state.float() if initial_state is not None else q.new_zeros(B, H, K, V)
-    decay = torch.exp(g)
-    outs = []
-    for t in range(T):
-        state = state * decay[:, t].unsqueeze(-1)
-        kt = k[:, t].unsqueeze(-2)  # [B, H, 1, K]
-        u = beta[:, t, :, None] * (v[:, t] - (kt @ state).squeeze(-2))  # [B, H, V]
-        state = state + kt.transpose(-1, -2) @ u.unsqueeze(-2)
-        outs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
-    return o.to(out_dtype), (state if output_final_state else None)
+    with _autocast_disabled(q):
+        check_core_inputs(q, k, v, g, beta)
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        check_state(initial_state, B, H, K, V)
+        out_dtype = q.dtype
+        q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+        state = initial_state.float() if initial_state is not None else q.new_zeros(B, H, K, V)
+        decay = torch.exp(g)
+        outs = []
+        for t in range(T):
+            state = state * decay[:, t].unsqueeze(-1)
+            kt = k[:, t].unsqueeze(-2)  # [B, H, 1, K]
+            u = beta[:, t, :, None] * (v[:, t] - (kt @ state).squeeze(-2))  # [B, H, V]
+            state = state + kt.transpose(-1, -2) @ u.unsqueeze(-2)
+            outs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
+        o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
+        return o.to(out_dtype), (state if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
