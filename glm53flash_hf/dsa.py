@@ -134,24 +134,16 @@ class Glm53FlashIndexer(nn.Module):
                 f"q_resid must be [B={batch}, S={seq_len}, q_lora_rank={self.q_lora_rank}]; got {tuple(q_resid.shape)}"
             )
         layout = _check_layout(layout, batch, seq_len, hidden_states.device)
+        device = hidden_states.device
         sp = getattr(layout, "sequence_parallel", None)
         if sp is not None:
             # sequence parallel: keys from the whole group (global row positions), queries this rank's shard
-            glob = sp.global_layout
-            state = sp.gather_sequence(self._token_state(hidden_states), grad=False)
-            return self._pool_select(
-                hidden_states, q_resid, lambda: state, glob.valid.to(state.device), glob.local_pos.to(state.device),
-                offset=sp.offset,
-            )
-        return self._pool_select(
-            hidden_states, q_resid, lambda: self._token_state(hidden_states), layout.valid.to(hidden_states.device),
-            layout.local_pos.to(hidden_states.device), offset=0,
-        )
-
-    def _pool_select(self, hidden_states, q_resid, token_state, valid_kv, local_pos_kv, offset: int) -> torch.Tensor:
-        """:meth:`forward` for the queries at key-row positions ``[offset, offset + S)``."""
-        batch, seq_len, _ = hidden_states.shape
-        device = hidden_states.device
+            glob, offset = sp.global_layout, sp.offset
+            state = sp.gather_sequence(self._token_state(hidden_states), grad=False)  # every rank, collectively
+            valid_kv, local_pos_kv = glob.valid.to(device), glob.local_pos.to(device)
+        else:
+            state, offset = None, 0  # computed below only when a pool can be selected
+            valid_kv, local_pos_kv = layout.valid.to(device), layout.local_pos.to(device)
         kp = self.index_kpool
         kv_len = valid_kv.shape[1]
         positions_kv = torch.arange(kv_len, device=device)
@@ -172,7 +164,8 @@ class Glm53FlashIndexer(nn.Module):
 
             # Pool keys, once per forward (fp32).
             slots = (pool_end[:, :, None] - (kp - 1) + torch.arange(kp, device=device)).clamp_min(0)  # [B, P, kp]
-            pool_keys = kpool_pool_keys(token_state(), slots, self.index_kpool_compress_ape)
+            state = self._token_state(hidden_states) if state is None else state
+            pool_keys = kpool_pool_keys(state, slots, self.index_kpool_compress_ape)
 
             # Selectable pools of query t: ids [hi - (local_pos + 1) // kp, hi) with hi = ends_upto[t].
             ends_q = ends_upto[:, queries]
