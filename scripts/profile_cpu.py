@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""CPU profile of one training step (forward + backward) of the benchmarks' wide tiny config, per model family.
+"""CPU profile of one training step (forward + backward), or of one cached decode step, of the benchmarks' wide tiny
+config, per model family.
 
 The model is ``Glm53FlashForCausalLM`` on ``_common.WIDE_TEXT`` (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts,
 fp32), random weights (``_common.randomize_``), ``labels = input_ids``. One untimed step warms up, then one step runs
@@ -8,7 +9,8 @@ under ``torch.profiler`` (CPU activity, input shapes, FLOPs).
 Families, attributed from the outside (nothing of this script is in ``glm53flash_hf``):
 
 * ``KDA``: ``Glm53FlashLinearAttention`` (projections, gate, convolution, delta rule, gated norm, output proj).
-* ``DSA indexer``: ``Glm53FlashIndexer``.  ``sparse MLA``: ``Glm53FlashAttention`` less its indexer.
+* ``DSA indexer``: ``Glm53FlashIndexer`` (``forward`` and, when decoding, ``forward_cached``).
+* ``sparse MLA``: ``Glm53FlashAttention`` less its indexer.
 * ``mHC``: ``Glm53FlashHyperConnection`` (``hc_pre``) and ``hc_post`` (wrapped where the decoder layer calls it).
 * ``MoE``: ``Glm53FlashMoE`` and the dense ``Glm53FlashMLP``.  ``loss``: ``lm_head`` and the loss function (from
   ``lm_head``'s input to the end of the model's forward).  ``other``: everything else (embedding, RMSNorms, glue).
@@ -24,10 +26,14 @@ FLOPs are the profiler's ``with_flops`` formulas (matrix products, convolutions,
 triangular solve counts 0). Bytes are an estimate: the sizes of the op's tensor inputs (recorded shapes) plus one
 output the size of its largest input, at 4 bytes per element (fp32; index tensors are counted at 4 bytes too).
 
+Decode (``--decode C [C ...]``): per context length ``C``, the model in eval mode prefills ``C`` tokens with a cache
+(unprofiled), decodes one token (warm-up), then one more token under the profiler (phase ``decode``; no backward).
+
 Usage::
 
     python scripts/profile_cpu.py                          # S = 2048 8192 32768
     python scripts/profile_cpu.py --seqlens 2048 8192 --threads 2 --json prof.json
+    python scripts/profile_cpu.py --decode 4096 16384      # one decode step after 4k and 16k tokens of context
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import torch  # noqa: E402
 from _common import WIDE_TEXT, randomize_  # noqa: E402
 
 FAMILIES = ("KDA", "DSA indexer", "sparse MLA", "mHC", "MoE", "loss", "other")
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "decode")
 _PREFIX = "fam::"
 
 
@@ -158,6 +164,13 @@ def instrument(model) -> tuple[list, _Range]:
 
         undo.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         undo.append(module.register_forward_hook(post, with_kwargs=True))
+        if hasattr(module, "forward_cached"):  # the indexer's cached entry, called instead of forward when decoding
+
+            def cached(*args, region=region, original=module.forward_cached, **kwargs):
+                return region.exit(original(*region.enter(args), **kwargs))
+
+            module.forward_cached = cached
+            undo.append(type("Undo", (), {"remove": staticmethod(lambda m=module: delattr(m, "forward_cached"))})())
 
     hc_region = _Region("mHC")
     original_hc_post = modeling.hc_post
@@ -297,10 +310,37 @@ def profile_step(model, seq_len: int, seed: int = 1) -> dict:
     return {"seq_len": seq_len, "step_s": wall, "loss": loss.item(), "families": out}
 
 
+def profile_decode(model, context: int, seed: int = 1) -> dict:
+    """Prefill ``context`` tokens with a cache and decode one token (both unprofiled), then decode one more token under
+    the profiler; returns :func:`summarise`'s dict (phase ``decode``) plus that step's wall time (``step_s``)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, context + 2), generator=gen)
+    model.eval()
+    undo, _ = instrument(model)
+    try:
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :context], use_cache=True).past_key_values
+            step = ids[:, context : context + 1]
+            cache = model(input_ids=step, past_key_values=cache, use_cache=True).past_key_values
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+                t0 = time.perf_counter()
+                with record_function("phase::decode"):
+                    model(input_ids=ids[:, context + 1 :], past_key_values=cache, use_cache=True)
+                wall = time.perf_counter() - t0
+    finally:
+        for h in undo:
+            h.remove()
+        model.train()
+    return {"seq_len": context, "step_s": wall, "decode": True, "families": summarise(prof.events())}
+
+
 def table(res: dict) -> str:
     fam = res["families"]
     total = sum(r["time_s"] for p in fam.values() for r in p.values())
-    lines = [f"S={res['seq_len']}: step {res['step_s']:.2f} s under the profiler (attributed {total:.2f} s)", "",
+    what = f"decode step after {res['seq_len']} tokens" if res.get("decode") else f"S={res['seq_len']}: step"
+    lines = [f"{what}: {res['step_s'] * 1e3:.1f} ms under the profiler (attributed {total * 1e3:.1f} ms)", "",
              "| family | phase | time (s) | share | op calls | GFLOP | GB moved (est.) | GFLOP/s |",
              "|---|---|---|---|---|---|---|---|"]
     for f in FAMILIES:
@@ -309,11 +349,11 @@ def table(res: dict) -> str:
             if r is None:
                 continue
             rate = r["flops"] / r["time_s"] / 1e9 if r["time_s"] > 0 else 0.0
-            lines.append(f"| {f} | {p} | {r['time_s']:.3f} | {100 * r['time_s'] / total:.1f} % | {r['calls']} | "
+            lines.append(f"| {f} | {p} | {r['time_s']:.4f} | {100 * r['time_s'] / total:.1f} % | {r['calls']} | "
                          f"{r['flops'] / 1e9:.2f} | {r['bytes'] / 1e9:.2f} | {rate:.1f} |")
     per_family = {f: sum(fam[p][f]["time_s"] for p in fam) for f in FAMILIES}
     lines.append("")
-    lines.append("shares by family (forward + backward): " + ", ".join(
+    lines.append(f"shares by family ({' + '.join(p for p in PHASES if p in fam)}): " + ", ".join(
         f"{f} {100 * t / total:.1f} %" for f, t in per_family.items()))
     return "\n".join(lines)
 
@@ -321,14 +361,16 @@ def table(res: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 32768], help="sequence lengths")
+    parser.add_argument("--decode", type=int, nargs="+", metavar="C",
+                        help="profile one cached decode step after each context length C (instead of --seqlens)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model()
     results = []
-    for s in args.seqlens:
-        res = profile_step(model, s)
+    for s in args.decode or args.seqlens:
+        res = profile_decode(model, s) if args.decode else profile_step(model, s)
         results.append(res)
         print(table(res), flush=True)
         print(flush=True)

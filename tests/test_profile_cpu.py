@@ -40,3 +40,23 @@ def test_profile_cpu_smoke(tmp_path):
     shares = [float(x.split()[-2]) for x in proc.stdout.split("shares by family (forward + backward): ")[1]
               .splitlines()[0].split(", ")]
     assert abs(sum(shares) - 100.0) < 0.5, shares
+
+
+def test_profile_cpu_decode_smoke(tmp_path):
+    """``--decode``: one cached decode step per context length, every family (the indexer through its cached entry)
+    attributed in the ``decode`` phase, nothing in a backward."""
+    out_json = tmp_path / "decode.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "profile_cpu.py"), "--decode", "64", "--threads", "1",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "decode step after 64 tokens" in proc.stdout
+    (res,) = json.loads(out_json.read_text())
+    assert res["decode"] is True and set(res["families"]) == {"decode"}
+    rows = res["families"]["decode"]
+    for family in ("KDA", "DSA indexer", "sparse MLA", "mHC", "MoE", "loss"):
+        assert rows[family]["calls"] > 0 and rows[family]["time_s"] > 0, (family, rows[family])
+    attributed = sum(r["time_s"] for r in rows.values())
+    assert 0.8 * res["step_s"] <= attributed <= 1.01 * res["step_s"], (attributed, res["step_s"])
