@@ -27,7 +27,9 @@ triangular solve counts 0). Bytes are an estimate: the sizes of the op's tensor 
 output the size of its largest input, at 4 bytes per element (fp32; index tensors are counted at 4 bytes too).
 
 Decode (``--decode C [C ...]``): per context length ``C``, the model in eval mode prefills ``C`` tokens with a cache
-(unprofiled), decodes one token (warm-up), then one more token under the profiler (phase ``decode``; no backward).
+(unprofiled), decodes one token (warm-up) and five more timed without the profiler (their median is printed beside
+the profiled time: the profiler's own cost per op is large against a decode step's small ops), then one more token
+under the profiler (phase ``decode``; no backward).
 
 Usage::
 
@@ -311,12 +313,13 @@ def profile_step(model, seq_len: int, seed: int = 1) -> dict:
 
 
 def profile_decode(model, context: int, seed: int = 1) -> dict:
-    """Prefill ``context`` tokens with a cache and decode one token (both unprofiled), then decode one more token under
-    the profiler; returns :func:`summarise`'s dict (phase ``decode``) plus that step's wall time (``step_s``)."""
+    """Prefill ``context`` tokens with a cache and decode one token (both untimed), decode five tokens timed without the
+    profiler, then one more under it; returns :func:`summarise`'s dict (phase ``decode``), the profiled step's wall
+    time (``step_s``) and the unprofiled steps' median (``unprofiled_step_s``)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, context + 2), generator=gen)
+    ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, context + 7), generator=gen)
     model.eval()
     undo, _ = instrument(model)
     try:
@@ -324,23 +327,30 @@ def profile_decode(model, context: int, seed: int = 1) -> dict:
             cache = model(input_ids=ids[:, :context], use_cache=True).past_key_values
             step = ids[:, context : context + 1]
             cache = model(input_ids=step, past_key_values=cache, use_cache=True).past_key_values
+            times = []
+            for i in range(context + 1, context + 6):
+                t0 = time.perf_counter()
+                cache = model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).past_key_values
+                times.append(time.perf_counter() - t0)
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
                 t0 = time.perf_counter()
                 with record_function("phase::decode"):
-                    model(input_ids=ids[:, context + 1 :], past_key_values=cache, use_cache=True)
+                    model(input_ids=ids[:, context + 6 :], past_key_values=cache, use_cache=True)
                 wall = time.perf_counter() - t0
     finally:
         for h in undo:
             h.remove()
         model.train()
-    return {"seq_len": context, "step_s": wall, "decode": True, "families": summarise(prof.events())}
+    return {"seq_len": context, "step_s": wall, "unprofiled_step_s": sorted(times)[2], "decode": True,
+            "families": summarise(prof.events())}
 
 
 def table(res: dict) -> str:
     fam = res["families"]
     total = sum(r["time_s"] for p in fam.values() for r in p.values())
     what = f"decode step after {res['seq_len']} tokens" if res.get("decode") else f"S={res['seq_len']}: step"
-    lines = [f"{what}: {res['step_s'] * 1e3:.1f} ms under the profiler (attributed {total * 1e3:.1f} ms)", "",
+    plain = f", {res['unprofiled_step_s'] * 1e3:.1f} ms without it (median of 5)" if "unprofiled_step_s" in res else ""
+    lines = [f"{what}: {res['step_s'] * 1e3:.1f} ms under the profiler{plain} (attributed {total * 1e3:.1f} ms)", "",
              "| family | phase | time (s) | share | op calls | GFLOP | GB moved (est.) | GFLOP/s |",
              "|---|---|---|---|---|---|---|---|"]
     for f in FAMILIES:
@@ -364,9 +374,14 @@ def main() -> int:
     parser.add_argument("--decode", type=int, nargs="+", metavar="C",
                         help="profile one cached decode step after each context length C (instead of --seqlens)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
+                        help="heap policy (glm53flash_hf.train.malloc.set_malloc_policy), as bench_cpu.py --malloc")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from glm53flash_hf.train.malloc import set_malloc_policy
+
+    set_malloc_policy(args.malloc)
     model = build_model()
     results = []
     for s in args.decode or args.seqlens:
