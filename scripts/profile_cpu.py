@@ -17,7 +17,8 @@ Families, attributed from the outside (nothing of this script is in ``glm53flash
 
 Forward: a forward pre-hook opens a ``torch.profiler.record_function`` range ``fam::<family>`` and a forward hook
 closes it. Backward: the hooks also pass the region's floating inputs and outputs through identity
-``autograd.Function`` markers; the first output marker's backward opens the range, the last input marker's backward
+``autograd.Function`` markers, one for the outputs and one for the inputs of a call; the output marker's backward
+opens the range, the input marker's backward (autograd calls it once, when all of the inputs' gradients are in)
 closes it (the loss range opens when backward starts). Time: the step's wall time on the profiler's clock is cut at
 every range boundary and each piece goes to the innermost open range (the one opened last; none open: ``other``),
 so a family's time includes its Python overhead and the shares add up to 100 %. Op calls, FLOPs and bytes: every
@@ -78,19 +79,17 @@ class _Range:
 
 
 class _Marker(torch.autograd.Function):
-    """Identity on ``xs``; its backward calls ``action(last)`` where ``last`` says whether every marked tensor of
-    this call has now received its gradient."""
+    """Identity on ``xs``; its backward (one call for all of ``xs``, once their gradients are in) calls ``action()``."""
 
     @staticmethod
-    def forward(ctx, action, state, *xs):
-        ctx.action, ctx.state = action, state
+    def forward(ctx, action, *xs):
+        ctx.action = action
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state["left"] -= 1
-        ctx.action(ctx.state["left"] == 0)
-        return (None, None, *grads)
+        ctx.action()
+        return (None, *grads)
 
 
 def _mark(values, action):
@@ -108,7 +107,7 @@ def _mark(values, action):
     visit(values)
     if not flat:
         return values
-    marked = iter(_Marker.apply(action, {"left": len(flat)}, *flat))
+    marked = iter(_Marker.apply(action, *flat))
     ids = {id(x) for x in flat}
 
     def rebuild(v):
@@ -133,12 +132,12 @@ class _Region:
         bwd = _Range(self.family)
         self.calls.append((fwd, bwd))
         fwd.open()
-        return _mark(args, lambda last: bwd.close() if last else None)
+        return _mark(args, bwd.close)
 
     def exit(self, out):
         fwd, bwd = self.calls.pop()
         fwd.close()
-        return _mark(out, lambda last: bwd.open())
+        return _mark(out, bwd.open)
 
 
 def instrument(model) -> tuple[list, _Range]:
@@ -187,7 +186,7 @@ def instrument(model) -> tuple[list, _Range]:
 
     def head_pre(mod, args):
         loss_fwd.open()
-        return _mark(args, lambda last: loss_bwd.close() if last else None)
+        return _mark(args, loss_bwd.close)
 
     def model_post(mod, args, out):
         loss_fwd.close()

@@ -60,3 +60,24 @@ def test_profile_cpu_decode_smoke(tmp_path):
         assert rows[family]["calls"] > 0 and rows[family]["time_s"] > 0, (family, rows[family])
     attributed = sum(r["time_s"] for r in rows.values())
     assert 0.8 * res["step_s"] <= attributed <= 1.01 * res["step_s"], (attributed, res["step_s"])
+
+
+def test_backward_range_of_a_multi_input_call_closes(monkeypatch):
+    """A region's backward range opens at its output marker and closes at its input marker, also when the call has
+    several differentiable inputs (``hc_post`` has four): autograd calls the input marker's backward once."""
+    import profile_cpu
+    import torch
+
+    seen = []
+    opened, closed = profile_cpu._Range.open, profile_cpu._Range.close
+    monkeypatch.setattr(profile_cpu._Range, "open", lambda self: (seen.append(("open", id(self))), opened(self)))
+    monkeypatch.setattr(profile_cpu._Range, "close", lambda self: (seen.append(("close", id(self))), closed(self)))
+    region = profile_cpu._Region("mHC")
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    a2, b2 = region.enter((a, b))
+    fwd, bwd = region.calls[-1]
+    out = region.exit(a2 * b2)
+    assert seen == [("open", id(fwd)), ("close", id(fwd))]
+    out.sum().backward()
+    assert seen[2:] == [("open", id(bwd)), ("close", id(bwd))] and bwd.handle is None
+    assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
