@@ -26,7 +26,8 @@ the memory allocated just before it (weights, inputs excluded). An out-of-memory
 built-in's dense DSA keeps ``[S, S]`` masks and ``[S, 32, S/4]`` fp32 indexer scores); any other error is reported
 with its type and the run goes on. "fused" requests that fall back to torch are reported in the notes.
 
-Each (family, S) also carries ``predicted_ms``: :func:`gpu_cost.family_cost`'s H200 roofline of the kernels the
+Each (family, S) also carries ``predicted_ms``: :func:`gpu_cost.family_cost`'s roofline (the datasheet of the device
+in use: H100 or, for any other name, H200) of the kernels the
 ``raw`` variant launches (forward + backward, ``scripts/gpu_cost.py``); the report shows it and ``raw / predicted``,
 and the progress lines of ``raw`` and ``entry`` print ``measured/predicted``, so a GPU run checks the model too.
 
@@ -380,10 +381,16 @@ def measured_over_predicted(res, predicted_ms):
     return None
 
 
+def roofline_device() -> dict:
+    """``gpu_cost``'s datasheet entry for the CUDA device in use (H200 without one)."""
+    return gpu_cost.device_for(torch.cuda.get_device_name() if torch.cuda.is_available() else "H200")
+
+
 def predicted_ms(family: str, sizes: dict, seq: int) -> float:
-    """``scripts/gpu_cost.py``'s H200 prediction (ms) of the ``raw`` variant of ``family`` at ``seq`` tokens."""
+    """``scripts/gpu_cost.py``'s prediction (ms) of the ``raw`` variant of ``family`` at ``seq`` tokens on the device
+    in use (:func:`roofline_device`)."""
     config = Glm53FlashTextConfig(**sizes)
-    return gpu_cost.total_ms(gpu_cost.family_cost(family, config, seq))
+    return gpu_cost.total_ms(gpu_cost.family_cost(family, config, seq), roofline_device())
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -450,8 +457,8 @@ def write_report(path, results, header: dict):
     text += [f"- {k}: {v}" for k, v in header.items()]
     text += ["", "Forward + backward, batch 1, bf16; median of the timed calls; peak = extra memory during a call.",
              "speed-up = built-in / ours; overhead = entry / raw - 1 (see scripts/bench_gpu.py).",
-             "predicted ms: scripts/gpu_cost.py's H200 roofline of the raw variant's kernels (forward + backward; "
-             "a prediction, not a measurement); raw / predicted: measured raw time over it.", ""]
+             f"predicted ms: scripts/gpu_cost.py's {roofline_device()['name']} roofline of the raw variant's kernels "
+             "(forward + backward; a prediction, not a measurement); raw / predicted: measured raw time over it.", ""]
     text += rows + ["", "## Targets", ""] + (targets(results) or ["- no comparable runs"]) + [""]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -543,8 +550,9 @@ def main(argv=None) -> int:
                 mp = measured_over_predicted(res, entry["predicted_ms"]) if name in ("raw", "entry") else None
                 print(f"[bench] {family} S={seq} {name}: {fmt_ms(res)} ms, peak {fmt_gib(res)} GiB"
                       f"{' (fallback)' if res.get('fallback') else ''}"
-                      + ("" if mp is None else f", predicted {fmt_pred(entry['predicted_ms'])} ms (H200 roofline), "
-                                               f"measured/predicted {mp:.2f}"), flush=True)
+                      + ("" if mp is None else f", predicted {fmt_pred(entry['predicted_ms'])} ms "
+                                               f"({roofline_device()['name']} roofline), measured/predicted {mp:.2f}"),
+                      flush=True)
                 free_memory(device, collect=res["status"] != "ok")
         del case
         free_memory(device, collect=device.type == "cuda")

@@ -48,7 +48,7 @@ MAX_REGS_PER_THREAD = 255
 REGS_PER_BLOCK = 65536  # 64 Ki 32-bit registers per block on sm_80, sm_90 and sm_100
 MAX_THREADS_PER_BLOCK = 1024
 
-# release shapes (docs: /work/shared/reference/model-spec.md; configuration defaults of Glm53FlashConfig)
+# release shapes (the configuration defaults of Glm53FlashConfig, with the release's index_kpool and MTP layer)
 HIDDEN = 4096
 TOKENS = 4096  # one training sequence; decode shapes use 1
 HC_MULT = 4
@@ -569,7 +569,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="*", default=[],
                         help=f"families ({', '.join(FAMILIES)}) or substrings of kernel / launch-site names")
-    parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=list(TARGETS),
+                        help="targets to compile for (default: all three)")
     parser.add_argument("--out", help="write the rows as JSON to this path")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--unpruned", action="store_true",

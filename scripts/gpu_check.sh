@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU machine: installs what it needs, runs the `gpu` tests, then the GPU benchmark,
-# and writes a report (with scripts/gpu_cost.py's roofline: the benchmark prints measured / predicted for each kernel it
-# times). Its step limits add up to 500 s (tests 180, benchmark 170, roofline 30, KDA SP 120), within 10 minutes on
+# and writes a report (with scripts/gpu_cost.py's roofline for the device in use, H100 or H200: the benchmark prints
+# measured / predicted per family and sequence length, the report adds the per-kernel predictions). Its step limits add up to 500 s (tests 180, benchmark 170, roofline 30, KDA SP 120), within 10 minutes on
 # one H200 (the device budget is 15 min, machine start included).
 #
 # Prepare (on a machine with pip's package index, once):   bash scripts/gpu_wheels.sh     (fills .whl/, ignored by git)
@@ -107,7 +107,9 @@ fi
 # 4b. The roofline model the benchmark's "predicted ms" column comes from (arithmetic only, a few seconds).
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "roofline model (scripts/gpu_cost.py: predictions, not measurements)"
-  timeout 30 "$PY" scripts/gpu_cost.py > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
+  COST_DEVICE=$("$PY" -c "import torch; print('h100' if 'H100' in torch.cuda.get_device_name().upper() else 'h200')" \
+    2>/dev/null || echo h200)
+  timeout 30 "$PY" scripts/gpu_cost.py --device "$COST_DEVICE" > "$OUT_DIR/.cost.md" || stamp "gpu_cost.py failed"
 fi
 
 # 5. One KDA layer: our sequence parallelism vs one device (the SP part needs >= 2 GPUs).

@@ -4,9 +4,10 @@
 Every number here is arithmetic on shapes: nothing is measured. ``scripts/bench_gpu.py`` prints its measured times
 next to :func:`family_cost`'s predictions, so the first GPU run checks this model as well as the kernels.
 
-Device (H200 SXM, NVIDIA's H200 datasheet): 989 TFLOPS dense BF16 tensor-core (1979 with 2:4 sparsity, unused here),
-67 TFLOPS FP32 (CUDA cores, used for the kernels whose ``tl.dot`` runs in ieee fp32 and for elementwise work),
-4.8 TB/s HBM3e, 141 GB; NVLink 4 900 GB/s per GPU (used as the bandwidth of every collective).
+Device (``--device``, default ``h200``; NVIDIA's datasheets): H200 SXM: 989 TFLOPS dense BF16 tensor-core (1979 with
+2:4 sparsity, unused here), 67 TFLOPS FP32 (CUDA cores, used for the kernels whose ``tl.dot`` runs in ieee fp32 and
+for elementwise work), 4.8 TB/s HBM3e, 141 GB; H100 SXM: the same compute peaks, 3.35 TB/s HBM3, 80 GB; NVLink 4
+900 GB/s per GPU on both (used as the bandwidth of every collective).
 
 Model of one kernel launch (:class:`Kernel`): ``flops`` counted from the launch grid and the kernel's loop structure
 (each ``tl.dot`` of an ``[m, k] x [k, n]`` tile is ``2 m k n``, at the block sizes the launcher picks, padded tiles
@@ -35,8 +36,8 @@ compute), the vision tower, kernel launch gaps, load imbalance between experts.
 
 Usage::
 
-    python scripts/gpu_cost.py                                  # kernel table + predicted steps
-    python scripts/gpu_cost.py --gpus 8 --ep 8 --sp 8 --seq 131072 --full --markdown
+    python scripts/gpu_cost.py                # kernel table, the KDA layer at 128k over SP 8, predicted steps
+    python scripts/gpu_cost.py --device h100 --gpus 8 --ep 8 --sp 4 --seq 32768 --full
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ from glm53flash_hf.dsa_ops import DEFAULT_INDEXER_SCORE_ELEMENTS  # noqa: E402
 # ---------------------------------------------------------------------------------------- device (H200 datasheet)
 H200 = dict(name="H200 SXM", bf16_flops=989e12, bf16_sparse_flops=1979e12, fp32_flops=67e12, hbm_bytes_s=4.8e12,
             hbm_gb=141, nvlink_bytes_s=900e9)
+H100 = dict(H200, name="H100 SXM", hbm_bytes_s=3.35e12, hbm_gb=80)
+DEVICES = {"h200": H200, "h100": H100}
+
+
+def device_for(name: str) -> dict:
+    """The datasheet entry for a CUDA device name (``torch.cuda.get_device_name()``): H100 for a name with "H100",
+    else H200."""
+    return H100 if "H100" in name.upper() else H200
 GEMM_EFFICIENCY = 0.7  # fraction of peak assumed for cuBLAS / grouped GEMMs at these sizes
 BF16, FP32, I32 = 2, 4, 4
 
@@ -67,7 +76,7 @@ XTUNER = {"kda_layer_128k_sp8_ms": 44.35, "crop25b_tokens_s_gpu": 12.4e3}
 
 def release_config(**overrides) -> Glm53FlashTextConfig:
     """The release text config: the class defaults (hidden 4096, 45 layers, KDA 64 x 128, MLA 64 heads, 288 experts)
-    with the release values that differ from them (model-spec §1: ``index_kpool`` 4, one MTP layer)."""
+    with the release values that differ from them (``index_kpool`` 4, one MTP layer)."""
     kw = dict(index_kpool=4, num_nextn_predict_layers=1)
     kw.update(overrides)
     return Glm53FlashTextConfig(**kw)
@@ -549,16 +558,17 @@ def kernel_table(c, shapes=RELEASE_SHAPES, device=H200) -> list[str]:
 
 
 def step_rows(c, configs, device=H200) -> list[str]:
-    rows = ["| GPUs | EP | SP | seq | train | layers | T/GPU | KDA ms | DSA ms | mHC ms | MoE ms | dense ms | "
-            "head ms | EP comm ms | SP comm ms | step ms | tokens/s/GPU | step ms, re-reads in L2 | "
+    rows = ["| GPUs | EP | SP | seq | train | layers | checkpointing | T/GPU | KDA ms | DSA ms | mHC ms | MoE ms | "
+            "dense ms | head ms | EP comm ms | SP comm ms | step ms | tokens/s/GPU | step ms, re-reads in L2 | "
             "tokens/s/GPU, re-reads in L2 |",
-            "|" + "---|" * 19]
+            "|" + "---|" * 20]
     for kw in configs:
         r = predict_step(c, device=device, **kw)
         lo = predict_step(c, device=device, floor=True, **kw)
         p = r["parts"]
         rows.append(f"| {r['gpus']} | {r['ep']} | {r['sp']} | {r['seq']} | {'full' if r['full'] else 'LoRA'} | "
-                    f"{r['layers']} | {r['tokens_per_gpu']} | {p['kda']:.1f} | {p['dsa']:.1f} | {p['mhc']:.1f} | "
+                    f"{r['layers']} | {'yes' if kw.get('recompute', True) else 'no'} | {r['tokens_per_gpu']} | "
+                    f"{p['kda']:.1f} | {p['dsa']:.1f} | {p['mhc']:.1f} | "
                     f"{p['moe']:.1f} | {p['dense_mlp']:.1f} | {p['head']:.1f} | {p['comm_ep']:.1f} | "
                     f"{p['comm_sp']:.1f} | {r['step_ms']:.0f} | {r['tokens_s_gpu']:.0f} | {lo['step_ms']:.0f} | "
                     f"{lo['tokens_s_gpu']:.0f} |")
@@ -576,26 +586,33 @@ def kda_layer_sp_ms(c, seq: int, sp: int, device=H200) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--ep", type=int, default=8)
-    p.add_argument("--sp", type=int, default=8)
-    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--device", choices=sorted(DEVICES), default="h200", help="datasheet figures (default h200)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs of the first step row (default 8)")
+    p.add_argument("--ep", type=int, default=8, help="expert-parallel size of the first step row (default 8)")
+    p.add_argument("--sp", type=int, default=8, help="sequence-parallel size of the first step row (default 8)")
+    p.add_argument("--seq", type=int, default=131072, help="tokens per sequence of the first step row (default 131072)")
     p.add_argument("--full", action="store_true", help="full fine-tuning (default LoRA)")
     p.add_argument("--layers", type=int, default=None, help="main layers (a prefix crop; default all)")
     p.add_argument("--no-recompute", action="store_true", help="no per-layer activation checkpointing")
     args = p.parse_args(argv)
+    dev = DEVICES[args.device]
     c = release_config()
-    print(f"# Roofline model ({H200['name']}: {H200['bf16_flops'] / 1e12:.0f} TFLOPS dense BF16, "
-          f"{H200['fp32_flops'] / 1e12:.0f} TFLOPS FP32, {H200['hbm_bytes_s'] / 1e12:.1f} TB/s HBM3e, "
-          f"{H200['hbm_gb']} GB; NVLink {H200['nvlink_bytes_s'] / 1e9:.0f} GB/s; GEMMs at {GEMM_EFFICIENCY:.0%} "
+    print(f"# Roofline model ({dev['name']}: {dev['bf16_flops'] / 1e12:.0f} TFLOPS dense BF16, "
+          f"{dev['fp32_flops'] / 1e12:.0f} TFLOPS FP32, {dev['hbm_bytes_s'] / 1e12:.2f} TB/s HBM, "
+          f"{dev['hbm_gb']} GB; NVLink {dev['nvlink_bytes_s'] / 1e9:.0f} GB/s; GEMMs at {GEMM_EFFICIENCY:.0%} "
           f"of peak). Predictions, not measurements.\n")
-    print("\n".join(kernel_table(c)))
-    print(f"\nKDA layer fwd+bwd per rank, 128k tokens over SP 8: predicted {kda_layer_sp_ms(c, 131072, 8):.2f} ms "
+    print("\n".join(kernel_table(c, device=dev)))
+    print(f"\nKDA layer fwd+bwd per rank, 128k tokens over SP 8: predicted {kda_layer_sp_ms(c, 131072, 8, dev):.2f} ms "
           f"(xtuner, 8 x H200: {XTUNER['kda_layer_128k_sp8_ms']} ms)\n")
     configs = [dict(gpus=args.gpus, ep=args.ep, sp=args.sp, seq=args.seq, full=args.full, layers=args.layers,
                     recompute=not args.no_recompute)]
-    configs.append(dict(gpus=8, ep=8, sp=1, seq=8192, full=True, layers=5, recompute=True))
-    print("\n".join(step_rows(c, configs)))
+    # the comparison rows of docs/benchmarks.md: full fine-tuning at 128k / 32k / 8k, and the 5-layer crop at 8k
+    # with and without activation checkpointing
+    configs += [dict(gpus=8, ep=8, sp=8, seq=131072, full=True), dict(gpus=8, ep=8, sp=4, seq=32768, full=True),
+                dict(gpus=8, ep=8, sp=1, seq=8192, full=True),
+                dict(gpus=8, ep=8, sp=1, seq=8192, full=True, layers=5, recompute=True),
+                dict(gpus=8, ep=8, sp=1, seq=8192, full=True, layers=5, recompute=False)]
+    print("\n".join(step_rows(c, configs, device=dev)))
     print(f"\nxtuner's 25B crop (layers 0-4 + MTP, 8 x H200): about {XTUNER['crop25b_tokens_s_gpu']:.0f} tokens/s/GPU")
     return 0
 

@@ -55,7 +55,7 @@ def test_smoke_run(tmp_path):
         assert r["predicted_ms"] == pytest.approx(bench.predicted_ms(r["family"], bench.TINY_TEXT, r["seq"]))
         assert r["predicted_ms"] > 0
     entry_lines = [line for line in proc.stdout.splitlines() if re.match(r"\[bench\] \w+ S=\d+ entry:", line)]
-    assert len(entry_lines) == 8 and all("(H200 roofline), measured/predicted" in line for line in entry_lines)
+    assert len(entry_lines) == 8 and all("(H200 SXM roofline), measured/predicted" in line for line in entry_lines)
     text = report.read_text()
     assert text.count("| kda |") == 2 and "## Targets" in text and "device: cpu (smoke)" in text
 

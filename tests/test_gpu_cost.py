@@ -135,3 +135,14 @@ def test_hc_pre_reduce_reads_each_tensor_once(cost):
     assert reduce.bytes == nbytes(x, fn, proj, sumsq)
     assert reduce.flops == 2 * t * n * d * 32 + 2 * t * n * d
     assert reduce.peak == "fp32"  # ieee fp32 tl.dot: CUDA cores, not bf16 tensor cores
+
+
+def test_device_choice():
+    """``--device h100``: the same compute peaks, H100's lower HBM bandwidth, so every memory-bound kernel is slower;
+    ``device_for`` maps CUDA device names."""
+    import gpu_cost as cost
+
+    assert cost.device_for("NVIDIA H100 80GB HBM3") is cost.H100 and cost.device_for("NVIDIA H200") is cost.H200
+    k = cost.Kernel("k", flops=1e9, bytes=4.8e9, peak="bf16")  # memory-bound on both
+    assert k.bound(cost.H100) == "memory" and k.seconds(cost.H100) > k.seconds(cost.H200)
+    assert abs(k.seconds(cost.H100) / k.seconds(cost.H200) - 4.8 / 3.35) < 1e-9
