@@ -12,16 +12,21 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_profile_cpu_smoke(tmp_path):
+def _run(tmp_path, *args: str) -> tuple[str, list]:
+    """``scripts/profile_cpu.py *args --threads 1`` in a child process; its stdout and its JSON results."""
     out_json = tmp_path / "prof.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "profile_cpu.py"), "--seqlens", "64", "--threads", "1",
+        [sys.executable, os.path.join(ROOT, "scripts", "profile_cpu.py"), *args, "--threads", "1",
          "--json", str(out_json)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| family | phase | time (s) | share | op calls | GFLOP | GB moved (est.) | GFLOP/s |" in proc.stdout
-    (res,) = json.loads(out_json.read_text())
+    return proc.stdout, json.loads(out_json.read_text())
+
+
+def test_profile_cpu_smoke(tmp_path):
+    stdout, (res,) = _run(tmp_path, "--seqlens", "64")
+    assert "| family | phase | time (s) | share | op calls | GFLOP | GB moved (est.) | GFLOP/s |" in stdout
     fams = res["families"]
     assert set(fams) == {"forward", "backward"}
     expected = {"KDA", "DSA indexer", "sparse MLA", "mHC", "MoE", "loss", "other"}
@@ -37,7 +42,7 @@ def test_profile_cpu_smoke(tmp_path):
     assert fams["forward"]["KDA"]["flops"] > 0 and fams["forward"]["MoE"]["bytes"] > 0
     attributed = sum(r["time_s"] for p in fams.values() for r in p.values())
     assert 0.8 * res["step_s"] <= attributed <= 1.01 * res["step_s"], (attributed, res["step_s"])
-    shares = [float(x.split()[-2]) for x in proc.stdout.split("shares by family (forward + backward): ")[1]
+    shares = [float(x.split()[-2]) for x in stdout.split("shares by family (forward + backward): ")[1]
               .splitlines()[0].split(", ")]
     assert abs(sum(shares) - 100.0) < 0.5, shares
 
@@ -45,15 +50,8 @@ def test_profile_cpu_smoke(tmp_path):
 def test_profile_cpu_decode_smoke(tmp_path):
     """``--decode``: one cached decode step per context length, every family (the indexer through its cached entry)
     attributed in the ``decode`` phase, nothing in a backward."""
-    out_json = tmp_path / "decode.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "profile_cpu.py"), "--decode", "64", "--threads", "1",
-         "--json", str(out_json)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "decode step after 64 tokens" in proc.stdout
-    (res,) = json.loads(out_json.read_text())
+    stdout, (res,) = _run(tmp_path, "--decode", "64")
+    assert "decode step after 64 tokens" in stdout
     assert res["decode"] is True and set(res["families"]) == {"decode"}
     rows = res["families"]["decode"]
     for family in ("KDA", "DSA indexer", "sparse MLA", "mHC", "MoE", "loss"):
