@@ -13,6 +13,7 @@ expansion follows transformers 5.24's ``Glm5NextProcessor`` (``models/glm5_next/
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import warnings
@@ -666,6 +667,19 @@ class Glm53FlashProcessor(ProcessorMixin):
                 pretrained_model_name_or_path, subfolder=subfolder, **kwargs
             )
         return [image_processor, tokenizer, video_processor]
+
+    @classmethod
+    def _resolve_subprocessors(cls, pretrained_model_name_or_path, processor_dict, **kwargs):
+        """transformers' loading hook from 5.25 on (earlier versions call :meth:`_get_arguments_from_pretrained`):
+        ``(processor_dict with the three sub-processors of _get_arguments_from_pretrained, the kwargs for __init__)``.
+
+        Raises:
+            as :meth:`_get_arguments_from_pretrained`.
+        """
+        loaded = cls._get_arguments_from_pretrained(pretrained_model_name_or_path, processor_dict, **kwargs)
+        processor_dict = dict(processor_dict, **dict(zip(("image_processor", "tokenizer", "video_processor"), loaded)))
+        init_args = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs", *cls.get_attributes()}
+        return processor_dict, {k: v for k, v in kwargs.items() if k in init_args}
 
 
 Glm53FlashProcessor.register_for_auto_class("AutoProcessor")
