@@ -159,6 +159,28 @@ def test_fp8_kept_logits_equal_dequantized(models):
     assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def test_fp8_experts_whose_halves_are_not_whole_blocks(tmp_path):
+    """Routed experts of intermediate size 96: gate and up are blocked separately (one 128-row block each), so the
+    merged rows' two scale rows look like one 128-row grid over 192 rows; the FP8-kept logits still equal the
+    dequantized model's (fp32, 1e-5 relative)."""
+    from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
+
+    with open(DEFAULT_CONFIG) as f:
+        config = json.load(f)
+    config["text_config"]["moe_intermediate_size"] = 96
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    folder = make_tiny(str(tmp_path / "ckpt"), config_path=str(path), fp8=True, show_progress=False)
+    kept = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    deq = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32, dequantize_fp8=True).eval()
+    experts = kept.model.layers[1].mlp.experts
+    assert isinstance(experts, Glm53FlashFP8Experts) and experts.gate_up_proj_scale_inv.shape[1] == 2
+    ids = torch.randint(0, 2000, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = kept(input_ids=ids).logits, deq(input_ids=ids).logits
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 def test_fp8_kept_text_model_equals_dequantized(tiny_fp8):
     """The text-only class (config from text_config, which lacks quantization_config) also keeps FP8."""
     from glm53flash_hf.modeling_glm53flash import Glm53FlashTextModel
