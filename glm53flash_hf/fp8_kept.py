@@ -95,7 +95,8 @@ def fp8_linear_block_rows(
 
     Args:
         x: ``[..., in]`` float (the compute dtype); weight: ``[out, in]`` ``float8_e4m3fn``; bias: optional ``[out]``.
-        scale_inv: fp32 ``[ceil(out/br), ceil(in/bc)]``, or two separately blocked halves (merged gate/up).
+        scale_inv: fp32 ``[ceil(out/br), ceil(in/bc)]``, or two separately blocked halves (merged gate/up), read
+            as halves only when its row count is not ``ceil(out/br)``.
         block: ``(br, bc)``.
 
     Returns:
@@ -196,9 +197,16 @@ class Glm53FlashFP8Experts(FP8Experts):
         projections plus, under a LoRA adapter, ``x @ delta[e].T``; accumulated in fp32."""
         gate_up, gate_up_scale, gate_up_delta = self._weight_and_delta("gate_up_proj")
         down, down_scale, down_delta = self._weight_and_delta("down_proj")
+        # gate and up are blocked separately; unless each is a whole number of block rows, their scale rows are no
+        # block grid over the merged rows (and may have as many rows as one), so each half is projected on its own
+        split = self.block_size is not None and (gate_up.shape[-2] // 2) % self.block_size[0] != 0
 
-        def project(x, w, s, delta, e):
-            y = self.linear(x, w[e], s[e])
+        def project(x, w, s, delta, e, halves=False):
+            if halves:
+                r, n = w.shape[-2] // 2, s.shape[-2] // 2
+                y = torch.cat([self.linear(x, w[e, :r], s[e, :n]), self.linear(x, w[e, r:], s[e, n:])], dim=-1)
+            else:
+                y = self.linear(x, w[e], s[e])
             return y if delta is None else y + x @ delta[e].to(x.dtype).T
 
         out = torch.zeros_like(hidden_states, dtype=torch.float32)
@@ -207,7 +215,7 @@ class Glm53FlashFP8Experts(FP8Experts):
                 continue
             token_idx, pos = torch.where(top_k_index == e)
             x = hidden_states[token_idx]
-            h = self._apply_gate(project(x, gate_up, gate_up_scale, gate_up_delta, e))
+            h = self._apply_gate(project(x, gate_up, gate_up_scale, gate_up_delta, e, split))
             y = project(h, down, down_scale, down_delta, e)
             out.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None].to(y.dtype)).float())
         return out.to(hidden_states.dtype)

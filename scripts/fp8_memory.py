@@ -1,9 +1,11 @@
 """Weight bytes and the live-tensor peak of one LoRA forward+backward on an FP8 base kept in FP8 against the same
 checkpoint loaded dequantized (CPU).
 
-For the tiny config (``configuration/tiny.json``) and the benchmarks' wide config (``scripts/_common.WIDE_TEXT``:
-hidden 256, experts' intermediate 128, i.e. whole 128x128 blocks), ``glm53flash-make-tiny --fp8`` writes the FP8
-checkpoint; each is loaded kept in FP8 and with ``dequantize_fp8=True`` in ``--dtype``, gets
+For the tiny FP8 checkpoint (``tiny-fp8``: ``glm53flash-make-tiny --fp8``'s default config,
+``configuration/tiny_fp8.json``, whose FP8-stored modules hold most of the bytes as in the release), the tiny config
+(``configuration/tiny.json``) and the benchmarks' wide config (``scripts/_common.WIDE_TEXT``: hidden 256, experts'
+intermediate 128, i.e. whole 128x128 blocks), ``glm53flash-make-tiny --fp8`` writes the FP8 checkpoint; each is
+loaded kept in FP8 and with ``dequantize_fp8=True`` in ``--dtype``, gets
 :func:`glm53flash_hf.train.trainer.default_lora_config` adapters (rank ``--rank``, routed experts included), and one
 ``model(input_ids, labels).loss.backward()`` on ``--seq`` tokens runs under the live-tensor counter of
 ``scripts/bench_sp.py`` (``_LiveTensors``: every CPU storage an aten op returns, counted until freed; after a warm-up
@@ -12,7 +14,7 @@ the step's high-water above them, and their sum.
 
 Usage::
 
-    python scripts/fp8_memory.py                 # tiny and wide, fp32, 512 tokens
+    python scripts/fp8_memory.py                 # tiny-fp8, tiny and wide, fp32, 512 tokens
     python scripts/fp8_memory.py --dtype bfloat16 --seq 2048
 """
 
@@ -31,9 +33,13 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 MIB = 1024**2
 
 
-def _config_file(folder: str, wide: bool) -> str:
+def _config_file(folder: str, name: str) -> str | None:
+    """The config file of ``name``; ``None`` (make-tiny's ``--fp8`` default) for ``"tiny-fp8"``."""
     from _common import WIDE_TEXT
 
+    if name == "tiny-fp8":
+        return None
+    wide = name == "wide"
     with open(os.path.join(ROOT, "configuration", "tiny.json")) as f:
         config = json.load(f)
     if wide:
@@ -82,17 +88,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    print(f"| config | load ({args.dtype}) | weights MiB | fwd+bwd high-water MiB | total MiB | total / dequantized |")
-    print("|---|---|---|---|---|---|")
+    print(f"| config | load ({args.dtype}) | weights MiB | weights / dequantized | fwd+bwd high-water MiB | total MiB "
+          "| total / dequantized |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("tiny", "wide"):
-            folder = make_tiny(os.path.join(tmp, name), config_path=_config_file(tmp, name == "wide"), fp8=True,
+        for name in ("tiny-fp8", "tiny", "wide"):
+            folder = make_tiny(os.path.join(tmp, name), config_path=_config_file(tmp, name), fp8=True,
                                show_progress=False)
             rows = {label: measure(folder, label == "dequantized", dtype, args.seq, args.rank)
                     for label in ("fp8 kept", "dequantized")}
             for label, r in rows.items():
-                print(f"| {name} | {label} | {r['weights'] / MIB:.2f} | {r['step_peak'] / MIB:.2f} "
-                      f"| {r['total'] / MIB:.2f} | {r['total'] / rows['dequantized']['total']:.3f} |")
+                deq = rows["dequantized"]
+                print(f"| {name} | {label} | {r['weights'] / MIB:.2f} | {r['weights'] / deq['weights']:.3f} "
+                      f"| {r['step_peak'] / MIB:.2f} | {r['total'] / MIB:.2f} | {r['total'] / deq['total']:.3f} |")
     return 0
 
 

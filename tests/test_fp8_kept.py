@@ -19,7 +19,7 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 from glm53flash_hf import fp8_kept
 from glm53flash_hf.checkpoint import fp8_module_names, inspect_checkpoint
 from glm53flash_hf.fp8_kept import Glm53FlashFP8Experts, Glm53FlashFP8Linear, fp8_linear_block_rows, fp8_weight_bytes
-from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM, Glm53FlashForConditionalGeneration
 from glm53flash_hf.tools.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from glm53flash_hf.tools.make_tiny import make_tiny
 
@@ -89,6 +89,42 @@ def test_fp8_modules_kept_as_e4m3_with_scales(tiny_fp8, models):
     assert whole_deq["total"] - whole_kept["total"] == (4 - 1) * whole_kept["fp8"] - whole_kept["scales"]
 
 
+def _bytes_in_memory(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters and buffers."""
+    storages = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_whole_model_weight_bytes_fp8_kept_vs_dequantized(tiny_fp8, dtype, record_property):
+    """The tiny FP8 checkpoint as ``make_tiny(fp8=True)`` writes it, loaded on CPU kept in FP8 (the
+    Glm53FlashFP8Linear / Glm53FlashFP8Experts modules a CUDA load builds too), holds <= 0.55 of the bytes of all
+    parameters and buffers of the same checkpoint loaded with ``dequantize_fp8=True`` in ``dtype``: the text model
+    and the model with its vision tower. The ratios are recorded (``record_property``) and printed. The text-tiny
+    config's proportions (embeddings and head a third of the bytes) miss the bound, the reason for the FP8 config."""
+    from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
+    from glm53flash_hf.tools import plan
+    from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
+
+    n_fp8_modules = len(fp8_module_names(inspect_checkpoint(tiny_fp8)))
+    for cls in (Glm53FlashForCausalLM, Glm53FlashForConditionalGeneration):
+        kept = cls.from_pretrained(tiny_fp8, dtype=dtype)
+        deq = cls.from_pretrained(tiny_fp8, dtype=dtype, dequantize_fp8=True)
+        converted = _converted(kept)
+        assert len(converted) == n_fp8_modules and not _converted(deq)
+        assert {type(m) for m in converted.values()} == {Glm53FlashFP8Linear, Glm53FlashFP8Experts}
+        kept_bytes, deq_bytes = _bytes_in_memory(kept), _bytes_in_memory(deq)
+        assert kept_bytes == fp8_weight_bytes(kept)["total"] and deq_bytes == fp8_weight_bytes(deq)["total"]
+        ratio = kept_bytes / deq_bytes
+        record_property(f"{cls.__name__} {dtype} fp8-kept / dequantized bytes", round(ratio, 4))
+        print(f"{cls.__name__} {dtype}: {kept_bytes} / {deq_bytes} bytes = {ratio:.4f}")
+        assert ratio <= 0.55, (cls.__name__, kept_bytes, deq_bytes)
+    text_tiny = plan.fp8_load_bytes(Glm53FlashConfig.from_json_file(DEFAULT_CONFIG), dtype)
+    assert text_tiny["total"] > 0.55 * text_tiny["dequantized"], text_tiny
+
+
 def test_fp8_load_bytes_on_meta_equal_the_load_and_release_ratio(tiny_fp8, models):
     """plan.fp8_load_bytes (meta device, the load's quantizer and module classes) counts exactly the bytes of the
     real tiny loads, FP8-kept and dequantized. At the release configuration it finds the release's 37,338 FP8
@@ -120,6 +156,28 @@ def test_fp8_kept_logits_equal_dequantized(models):
     with torch.no_grad():
         a, b = kept(input_ids=ids).logits, deq(input_ids=ids).logits
     assert torch.isfinite(b).all()
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_fp8_experts_whose_halves_are_not_whole_blocks(tmp_path):
+    """Routed experts of intermediate size 96: gate and up are blocked separately (one 128-row block each), so the
+    merged rows' two scale rows look like one 128-row grid over 192 rows; the FP8-kept logits still equal the
+    dequantized model's (fp32, 1e-5 relative)."""
+    from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
+
+    with open(DEFAULT_CONFIG) as f:
+        config = json.load(f)
+    config["text_config"]["moe_intermediate_size"] = 96
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    folder = make_tiny(str(tmp_path / "ckpt"), config_path=str(path), fp8=True, show_progress=False)
+    kept = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    deq = Glm53FlashForCausalLM.from_pretrained(folder, dtype=torch.float32, dequantize_fp8=True).eval()
+    experts = kept.model.layers[1].mlp.experts
+    assert isinstance(experts, Glm53FlashFP8Experts) and experts.gate_up_proj_scale_inv.shape[1] == 2
+    ids = torch.randint(0, 2000, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = kept(input_ids=ids).logits, deq(input_ids=ids).logits
     assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 

@@ -10,7 +10,9 @@ Token layout: the BPE vocabulary fills ids ``0 .. P-1``, ``P`` being the config'
 tokens follow in the order of :data:`SPECIAL_TOKENS`: ``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``,
 ``<|observation|>`` = ``P+9`` (the three EOS ids), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` =
 ``P+16``, ``<|video|>`` = ``P+17``. Every id in the config is checked against the tokenizer. ``--fp8`` stores the
-tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` plus ``<key>_scale_inv``.
+tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` plus ``<key>_scale_inv``, and by default builds
+the model of ``tiny_fp8_config.json``: the tiny config with 64 routed experts of intermediate size 128 (instead of 8
+of 32), so that, as in the release, the quantized modules hold most of the weight bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from . import docstring_parser
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Shipped inside the package (so non-editable installs have it); configuration/tiny.json links to it.
 DEFAULT_CONFIG = os.path.join(HERE, "tiny_config.json")
+# The default of ``--fp8``: DEFAULT_CONFIG with more and wider routed experts (configuration/tiny_fp8.json links to it).
+DEFAULT_FP8_CONFIG = os.path.join(HERE, "tiny_fp8_config.json")
 
 # GLM special tokens in id order (the release's tokenizer_config.json); the first one sits at the config's pad_token_id.
 SPECIAL_TOKENS = (
@@ -248,13 +252,14 @@ def _check_out(out: str, overwrite: bool) -> None:
         raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace the checkpoint files in it")
 
 
-def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: bool = False,
+def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool = False,
               dtype: str = "bfloat16", overwrite: bool = False, show_progress: bool = True) -> str:
     """Write the tiny checkpoint folder atomically (:func:`glm53flash_hf.checkpoint.atomic_save`); return ``out``.
 
     Args:
         out: destination folder (must be empty unless ``overwrite``).
-        config_path: a GLM-5.3-Flash ``config.json`` (``text_config`` + ``vision_config``).
+        config_path: a GLM-5.3-Flash ``config.json`` (``text_config`` + ``vision_config``); ``None``:
+            :data:`DEFAULT_FP8_CONFIG` when ``fp8``, else :data:`DEFAULT_CONFIG`.
         seed: ``torch.manual_seed`` of the text model's initialisation (vision: ``seed + 1``).
         fp8: store the FP8-release tensors as block-scaled e4m3 with ``_scale_inv``.
         dtype: ``"bfloat16"`` or ``"float32"`` (fp32-kept parameters stay fp32).
@@ -272,6 +277,8 @@ def make_tiny(out: str, config_path: str = DEFAULT_CONFIG, seed: int = 0, fp8: b
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}; got dtype={dtype!r}")
+    if config_path is None:
+        config_path = DEFAULT_FP8_CONFIG if fp8 else DEFAULT_CONFIG
     with open(config_path) as f:
         raw = json.load(f)
     for section in ("text_config", "vision_config"):
@@ -385,16 +392,18 @@ def main(argv=None) -> int:
         "--fp8",
         action="store_true",
         help="store the tensors the FP8 release quantizes (experts, shared experts, dense MLPs, 4 DSA/MTP "
-        "projections) as float8_e4m3fn with 128x128-block <key>_scale_inv, and write quantization_config",
+        "projections) as float8_e4m3fn with 128x128-block <key>_scale_inv, and write quantization_config; "
+        "without --config, the model of tiny_fp8_config.json (configuration/tiny_fp8.json: 64 routed experts of "
+        "intermediate 128, so that the FP8 modules hold most of the bytes, as in the release)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="random seed of the weights (text: seed, vision: seed+1); default 0"
     )
     parser.add_argument(
         "--config",
-        default=DEFAULT_CONFIG,
+        default=None,
         help="model config JSON with text_config and vision_config (default: the package's tiny_config.json, "
-        "the same file as configuration/tiny.json); "
+        "the same file as configuration/tiny.json; with --fp8, tiny_fp8_config.json); "
         "its special-token ids must follow the layout described below",
     )
     parser.add_argument(
