@@ -117,17 +117,25 @@ class CacheContext:
     local_pos: torch.Tensor
 
 
+def _first_attention_layer(cache: Cache) -> CacheLayerMixin | None:
+    """The layer whose length is the past length of ``cache``: an :class:`MtpDraftCache`'s own layer, else the first
+    attention (``CacheLayerMixin``) layer, or ``None``. Not ``cache.get_seq_length()``: that reads layer 0, a KDA layer,
+    in transformers >= 5.25 (earlier versions skip to the first attention layer)."""
+    if isinstance(cache, MtpDraftCache):
+        return cache.layers[cache.mtp_layer_idx]
+    return next((layer for layer in cache.layers if isinstance(layer, CacheLayerMixin)), None)
+
+
 def cache_seq_length(cache: Cache) -> int:
     """Tokens already stored in ``cache`` (first attention layer; 0 without one)."""
-    if not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
-        return 0
-    return int(cache.get_seq_length())
+    layer = _first_attention_layer(cache)
+    return 0 if layer is None else int(layer.get_seq_length())
 
 
 def _unpadded_context(cache: Cache, batch_size: int, seq_len: int, device: torch.device) -> CacheContext:
     """The context of a traced cached forward without padding (``past`` a long 0-d tensor)."""
-    layer = next((lay for lay in cache.layers if isinstance(lay, CacheLayerMixin)), None)
-    past = cache.get_seq_length() if layer is not None else 0
+    layer = _first_attention_layer(cache)
+    past = layer.get_seq_length() if layer is not None else 0
     past = past.clone() if isinstance(past, torch.Tensor) else torch.tensor(past, device=device)
     past = past.to(device=device, dtype=torch.long)
     positions = torch.arange(seq_len, device=device) + past
@@ -185,7 +193,7 @@ def build_cache_context(
                 f"attention_mask must be a 2-D [batch, past + seq] padding mask with a cache; got shape "
                 f"{tuple(attention_mask.shape)}"
             )
-        if past == 0 and not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+        if past == 0 and _first_attention_layer(cache) is None:
             past = attention_mask.shape[1] - seq_len  # all-KDA model: the mask tells the past length
         if attention_mask.shape != (batch_size, past + seq_len):
             raise ValueError(
