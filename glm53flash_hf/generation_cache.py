@@ -334,7 +334,7 @@ class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
         self.record_past = False
         self.pool_key_undo: list[tuple] = []
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         self.record_past = True
 
     def record_pool_keys(
