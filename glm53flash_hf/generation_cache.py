@@ -29,6 +29,7 @@ __all__ = [
     "check_cache",
     "check_cache_continuation",
     "check_cache_layers",
+    "check_croppable",
     "check_left_padding",
     "make_croppable",
 ]
@@ -418,6 +419,20 @@ def make_croppable(cache: Cache) -> Cache:
         new.record_past = getattr(layer, "record_past", False)  # an assistant's cache records from its creation
         cache.layers[i] = new
     return cache
+
+
+def check_croppable(cache: Cache) -> None:
+    """Raise ``ValueError`` unless every KDA layer of ``cache`` is a :class:`Glm53FlashKDACacheLayer` (after
+    :func:`make_croppable`): assisted decoding crops into verification calls, which only those layers roll back
+    (transformers' ``LinearAttentionLayer`` reports itself croppable from 5.25 on but restores call boundaries)."""
+    plain = [i for i, layer in enumerate(cache.layers)
+             if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, Glm53FlashKDACacheLayer)]
+    if plain:
+        raise ValueError(
+            "assisted decoding (assistant_model, prompt_lookup_num_tokens, use_mtp) needs a cache whose KDA layers "
+            f"can be cropped; the {type(cache).__name__} given has {len(plain)} plain linear-attention layers (the "
+            f"first: layer {plain[0]}); pass an empty DynamicCache(config=model.config) or no cache"
+        )
 
 
 class MtpDraftCache(Cache):
