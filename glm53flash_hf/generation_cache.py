@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
@@ -28,6 +29,7 @@ __all__ = [
     "check_cache",
     "check_cache_continuation",
     "check_cache_layers",
+    "check_croppable",
     "check_left_padding",
     "make_croppable",
 ]
@@ -117,17 +119,25 @@ class CacheContext:
     local_pos: torch.Tensor
 
 
+def _first_attention_layer(cache: Cache) -> CacheLayerMixin | None:
+    """The layer whose length is the past length of ``cache``: an :class:`MtpDraftCache`'s own layer, else the first
+    attention (``CacheLayerMixin``) layer, or ``None``. Not ``cache.get_seq_length()``: that reads layer 0, a KDA layer,
+    in transformers >= 5.25 (earlier versions skip to the first attention layer)."""
+    if isinstance(cache, MtpDraftCache):
+        return cache.layers[cache.mtp_layer_idx]
+    return next((layer for layer in cache.layers if isinstance(layer, CacheLayerMixin)), None)
+
+
 def cache_seq_length(cache: Cache) -> int:
     """Tokens already stored in ``cache`` (first attention layer; 0 without one)."""
-    if not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
-        return 0
-    return int(cache.get_seq_length())
+    layer = _first_attention_layer(cache)
+    return 0 if layer is None else int(layer.get_seq_length())
 
 
 def _unpadded_context(cache: Cache, batch_size: int, seq_len: int, device: torch.device) -> CacheContext:
     """The context of a traced cached forward without padding (``past`` a long 0-d tensor)."""
-    layer = next((lay for lay in cache.layers if isinstance(lay, CacheLayerMixin)), None)
-    past = cache.get_seq_length() if layer is not None else 0
+    layer = _first_attention_layer(cache)
+    past = layer.get_seq_length() if layer is not None else 0
     past = past.clone() if isinstance(past, torch.Tensor) else torch.tensor(past, device=device)
     past = past.to(device=device, dtype=torch.long)
     positions = torch.arange(seq_len, device=device) + past
@@ -185,7 +195,7 @@ def build_cache_context(
                 f"attention_mask must be a 2-D [batch, past + seq] padding mask with a cache; got shape "
                 f"{tuple(attention_mask.shape)}"
             )
-        if past == 0 and not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+        if past == 0 and _first_attention_layer(cache) is None:
             past = attention_mask.shape[1] - seq_len  # all-KDA model: the mask tells the past length
         if attention_mask.shape != (batch_size, past + seq_len):
             raise ValueError(
@@ -239,7 +249,10 @@ def build_cache_context(
 class Glm53FlashKDACacheLayer(LinearAttentionLayer):
     """transformers' ``LinearAttentionLayer`` that ``crop(-n)`` rolls back exactly while past recording is on: each
     recorded call adds a ``history`` entry (per-token states, or a replay of a first call), and ``crop(-n)`` restores
-    the state ``n`` tokens back among those recorded since the last crop."""
+    the state ``n`` tokens back among those recorded since the last crop. The layer keeps this history itself (not
+    the base class's per-call list of transformers >= 5.25, which would hold a second copy and restores call
+    boundaries only) and, where the base class counts the tokens seen (``get_seq_length``, 5.25), keeps that count
+    through ``crop``."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -253,6 +266,15 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
     @property
     def is_compileable(self) -> bool:
         return not self.record_past
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """The base class's update (``conv_states``: the call's conv inputs ``[B, D, S]``); a first call while
+        recording keeps ``W`` zeros before its inputs, so that a crop into it still leaves a ``W``-wide window."""
+        first = not self.has_previous_state[state_idx]
+        out = super().update_conv_state(conv_states, state_idx, **kwargs)
+        if first and self.record_past:
+            self.conv_states[state_idx] = F.pad(self.conv_states[state_idx], (self.conv_kernel_size[state_idx], 0))
+        return out
 
     def update_recurrent_state(
         self,
@@ -276,40 +298,65 @@ class Glm53FlashKDACacheLayer(LinearAttentionLayer):
             else:
                 entry = (None, None, None, recurrent_states.clone())
             self.history[state_idx].append(entry)
-        return super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.recurrent_states[state_idx].copy_(recurrent_states)  # in place: the static address stays
+        return self.recurrent_states[state_idx]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` recorded tokens (``crop(0)``: shrink the conv window to ``W``).
-        ``RuntimeError`` when not recording, for a positive argument, or beyond what was recorded since the last crop.
+        ``RuntimeError`` when not recording, for a positive argument, or beyond what was recorded since the last crop
+        (the layer then unchanged).
         """
-        super().crop(tokens_to_remove)
+        if not self.record_past:
+            raise RuntimeError(
+                f"Glm53FlashKDACacheLayer.crop({tokens_to_remove}): the layer does not record its past; call "
+                "activate_past_recording() before the calls to crop"
+            )
+        if tokens_to_remove > 0:
+            raise RuntimeError(
+                f"Glm53FlashKDACacheLayer.crop({tokens_to_remove}): linear attention layers are cropped by a negative "
+                "count of tokens to remove"
+            )
         n = abs(tokens_to_remove)
+        restored = {i: self._restored_state(i, n, tokens_to_remove) for i in range(self.number_of_states)}
         for i in range(self.number_of_states):
-            history, start = self.history[i], self.history_start[i]
+            if self.is_conv_states_initialized[i]:
+                width = self.conv_kernel_size[i]
+                conv = self.conv_states[i]
+                self.conv_states[i] = conv[..., -width:] if n == 0 else conv[..., -n - width : conv.shape[-1] - n]
             self.history[i], self.history_start[i] = [], None
-            if n == 0 or not self.is_recurrent_states_initialized[i]:
-                continue
-            # the restorable tail: the calls after the last one recorded without per-token states or replay
-            first = max((k + 1 for k, entry in enumerate(history) if entry[0] is None), default=0)
-            before = history[first - 1][3] if first else start
-            tail = history[first:]
-            restorable = sum(entry[0] for entry in tail)
-            if n > restorable:
-                raise RuntimeError(
-                    f"Glm53FlashKDACacheLayer.crop({tokens_to_remove}): the calls recorded since the last crop hold "
-                    f"{restorable} restorable tokens; can remove at most {restorable} tokens"
-                )
-            keep, offset = restorable - n, 0
-            for length, states, replay, final in tail:
-                if keep < offset + length:
-                    j = keep - offset
-                    state = before if j == 0 else states[j - 1] if states is not None else replay(j)
-                    break
-                offset, before = offset + length, final
-            if state is None:
-                self.recurrent_states[i].zero_()
-            else:
-                self.recurrent_states[i].copy_(state)
+            if n and self.is_recurrent_states_initialized[i]:
+                if restored[i] is None:
+                    self.recurrent_states[i].zero_()
+                else:
+                    self.recurrent_states[i].copy_(restored[i])
+        count = getattr(self, "cumulative_length_linear", None)  # the tokens seen (transformers >= 5.25)
+        if count is not None:
+            count.sub_(n)
+
+    def _restored_state(self, i: int, n: int, tokens_to_remove: int) -> torch.Tensor | None:
+        """The recurrent state ``n`` tokens back (``None``: the zero state, or nothing to restore)."""
+        if n == 0 or not self.is_recurrent_states_initialized[i]:
+            return None
+        history, start = self.history[i], self.history_start[i]
+        # the restorable tail: the calls after the last one recorded without per-token states or replay
+        first = max((k + 1 for k, entry in enumerate(history) if entry[0] is None), default=0)
+        before = history[first - 1][3] if first else start
+        tail = history[first:]
+        restorable = sum(entry[0] for entry in tail)
+        if n > restorable:
+            raise RuntimeError(
+                f"Glm53FlashKDACacheLayer.crop({tokens_to_remove}): the calls recorded since the last crop hold "
+                f"{restorable} restorable tokens; can remove at most {restorable} tokens"
+            )
+        keep, offset = restorable - n, 0
+        for length, states, replay, final in tail:
+            if keep < offset + length:
+                j = keep - offset
+                return before if j == 0 else states[j - 1] if states is not None else replay(j)
+            offset, before = offset + length, final
+        return None  # unreachable: keep < restorable
 
     def reset(self) -> None:
         super().reset()
@@ -326,7 +373,7 @@ class Glm53FlashIndexedCacheLayer(DynamicIndexedLayer):
         self.record_past = False
         self.pool_key_undo: list[tuple] = []
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         self.record_past = True
 
     def record_pool_keys(
@@ -372,6 +419,20 @@ def make_croppable(cache: Cache) -> Cache:
         new.record_past = getattr(layer, "record_past", False)  # an assistant's cache records from its creation
         cache.layers[i] = new
     return cache
+
+
+def check_croppable(cache: Cache) -> None:
+    """Raise ``ValueError`` unless every KDA layer of ``cache`` is a :class:`Glm53FlashKDACacheLayer` (after
+    :func:`make_croppable`): assisted decoding crops into verification calls, which only those layers roll back
+    (transformers' ``LinearAttentionLayer`` reports itself croppable from 5.25 on but restores call boundaries)."""
+    plain = [i for i, layer in enumerate(cache.layers)
+             if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, Glm53FlashKDACacheLayer)]
+    if plain:
+        raise ValueError(
+            "assisted decoding (assistant_model, prompt_lookup_num_tokens, use_mtp) needs a cache whose KDA layers "
+            f"can be cropped; the {type(cache).__name__} given has {len(plain)} plain linear-attention layers (the "
+            f"first: layer {plain[0]}); pass an empty DynamicCache(config=model.config) or no cache"
+        )
 
 
 class MtpDraftCache(Cache):

@@ -166,6 +166,8 @@ class Glm53FlashLinearAttention(nn.Module):
             recording = cache.is_recording_past(self.layer_idx)
             if recording and conv_state is not None:  # a recording layer keeps every input since the last crop
                 conv_state = conv_state[..., -self.conv_kernel_size :]
+                if conv_state.shape[-1] < self.conv_kernel_size:  # fewer inputs than W so far: zeros before them
+                    conv_state = F.pad(conv_state, (self.conv_kernel_size - conv_state.shape[-1], 0))
         # one choice per call, from the tensors only (never from self.training: a checkpoint recompute replays it)
         fused = choose_backend("kda", requested_backend(self.config, "kda"), hidden_states,
                                self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
@@ -218,7 +220,7 @@ class Glm53FlashLinearAttention(nn.Module):
                     return core(*prefix, initial_state=None, output_final_state=True)[1].float()
 
                 history = {"replay": (S, replay)}
-            self._store(cache, conv_final, mixed, final, continuing, recording, history)
+            self._store(cache, conv_final, mixed, final, history)
         return self._output(o, x, params)
 
     def decode(self, x, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
@@ -228,7 +230,7 @@ class Glm53FlashLinearAttention(nn.Module):
         o, final = self._step_core(x, params)(q, k, v, g, beta, initial_state=recurrent_state,
                                                output_final_state=True)
         history = {"per_token_states": final.float()[None]} if recording else {}
-        self._store(cache, conv_final, mixed, final, True, recording, history)
+        self._store(cache, conv_final, mixed, final, history)
         return self._output(o, x, params)
 
     def verify(self, x, params, conv_state, recurrent_state, cache) -> torch.Tensor:
@@ -242,7 +244,7 @@ class Glm53FlashLinearAttention(nn.Module):
                               output_final_state=True)
             outs.append(o_i)
             states.append(state.float())
-        self._store(cache, conv_final, mixed, state, True, True, {"per_token_states": torch.stack(states)})
+        self._store(cache, conv_final, mixed, state, {"per_token_states": torch.stack(states)})
         return self._output(torch.cat(outs, dim=1), x, params)
 
     # ------------------------------------------------------------------------------------------ shared pieces
@@ -285,12 +287,10 @@ class Glm53FlashLinearAttention(nn.Module):
 
         return step
 
-    def _store(self, cache, conv_final, conv_inputs, recurrent_final, continuing, recording, history) -> None:
-        conv_update = conv_final
-        if recording:
-            conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
-            if not continuing:
-                conv_update = F.pad(conv_update, (self.conv_kernel_size, 0))
+    def _store(self, cache, conv_final, conv_inputs, recurrent_final, history) -> None:
+        # the call's conv inputs [B, D, S]: the cache layer keeps the last W (all of them while recording) and counts
+        # S tokens (transformers >= 5.25 counts the width it receives as the tokens seen)
+        conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
         cache.update_conv_state(conv_update, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
         cache.update_recurrent_state(recurrent_final.float(), self.layer_idx, **history)
 

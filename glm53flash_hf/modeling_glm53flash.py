@@ -610,13 +610,13 @@ class _Glm53FlashGenerationHooks:
         """transformers' cache preparation; assisted (or assistant) generation gets croppable KDA / indexer layers."""
         from transformers.generation.configuration_utils import GenerationMode
 
-        from .generation_cache import make_croppable
+        from .generation_cache import check_croppable, make_croppable
 
         out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
         # generation_config.is_assistant: this model drafts for another, and transformers crops its cache
         assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
         if assisted and model_kwargs.get("cache") is not None:
-            make_croppable(model_kwargs["cache"])
+            check_croppable(make_croppable(model_kwargs["cache"]))
         return out
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

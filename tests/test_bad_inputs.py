@@ -410,6 +410,15 @@ def test_static_cache_that_fits_generates(lm):
     assert torch.equal(out, ref)
 
 
+def test_static_cache_with_assisted_generation_raises(lm):
+    """A StaticCache's KDA layers cannot roll back into a verification call (transformers 5.25 calls them croppable
+    and failed inside crop)."""
+    cache = StaticCache(config=lm.config, max_cache_len=32)
+    match = r"needs a cache whose KDA layers can be cropped; the StaticCache given has \d+ plain linear-attention"
+    with pytest.raises(ValueError, match=match + r" layers \(the first: layer 0\)"):
+        lm.generate(IDS, cache=cache, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3)
+
+
 # ------------------------------------------------------------------------------------------------ training data
 
 
