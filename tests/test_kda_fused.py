@@ -39,6 +39,7 @@ section "KDA".
 from __future__ import annotations
 
 import importlib.abc
+import os
 import sys
 import warnings
 from types import SimpleNamespace
@@ -629,6 +630,49 @@ def test_cached_decode_takes_the_fused_step(force_fused, monkeypatch, lower_boun
     with torch.no_grad():
         full = torch_layer(x, build_document_layout(2, 13, "cpu"))[0]
     assert_rel(outs["fused"][0], full, "cached vs uncached", tol=1e-5)
+
+
+def package_frames_at(call, is_target) -> list[str]:
+    """The package's own frames (qualified names, outermost first) on the stack when ``call()`` first enters a function
+    whose code object ``is_target`` accepts (that function included if it is the package's), seen by
+    ``sys.setprofile``. Frames of torch (module call, custom-op dispatch, autograd) and of tests are not counted."""
+    import glm53flash_hf
+
+    root = os.path.dirname(os.path.abspath(glm53flash_hf.__file__)) + os.sep
+    stacks = []
+
+    def profile(frame, event, arg):
+        if event == "call" and not stacks and is_target(frame.f_code):
+            codes = []
+            while frame is not None:
+                codes.append(frame.f_code)
+                frame = frame.f_back
+            stacks.append([c.co_qualname for c in reversed(codes) if c.co_filename.startswith(root)])
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    assert stacks, "the target function was not called"
+    return stacks[0]
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_layer_to_its_kernel(force_fused):
+    """From the KDA layer's forward to its kernel: at most 4 frames of the package's own code, on the fused path (to
+    fla's ``chunk_kda_fwd``) and on the torch path (to the chunked core ``_chunk_kda_core``)."""
+    fused, torch_layer = layer_pair(seed=6)
+    x = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(7))
+    layout = build_document_layout(1, 8, "cpu")
+    kernel = os.path.join("fla", "ops", "kda", "chunk_fwd.py")
+    with torch.no_grad():
+        fused_frames = package_frames_at(
+            lambda: fused(x, layout), lambda c: c.co_name == "chunk_kda_fwd" and c.co_filename.endswith(kernel))
+        torch_frames = package_frames_at(lambda: torch_layer(x, layout), lambda c: c.co_name == "_chunk_kda_core")
+    print("fused:", " -> ".join(fused_frames), "\ntorch:", " -> ".join(torch_frames))
+    for frames in (fused_frames, torch_frames):
+        assert frames[0] == "Glm53FlashLinearAttention.forward" and len(frames) <= 4, frames
 
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test (CPU tensors, no interpreter)")
