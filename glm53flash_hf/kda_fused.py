@@ -11,7 +11,6 @@ call raises ``TypeError`` when the installed fla rejects an argument and ``Impor
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -19,10 +18,9 @@ import torch
 
 from .dispatch import local_tensor
 from .fla_compat import (
-    call_checked,
     chunk_backward,
+    chunk_context_parallel,
     chunk_forward,
-    chunk_indices_of,
     conv_backward,
     conv_forward,
     cp_device_error,
@@ -33,7 +31,7 @@ from .fla_compat import (
     recurrent_step,
 )
 from .graph_ops import define_op
-from .kda_ops import check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
+from .kda_ops import check_conv_inputs, check_core_inputs, check_state
 
 __all__ = [
     "fused_kda_available",
@@ -144,15 +142,6 @@ def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: in
         raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
 
 
-def _device(t: torch.Tensor):
-    """The CUDA device context of ``t`` (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
-
-
 def _empty(like: torch.Tensor) -> torch.Tensor:
     """The placeholder an op returns for an output that does not exist (custom ops return no ``None``)."""
     return like.new_empty(0)
@@ -162,15 +151,6 @@ def _or_none(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
     return t if exists else None
 
 
-def _chunk_indices(cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
-    """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2])``, or three ``None``."""
-    if cu_seqlens is None:
-        return None, None, None
-    cu = cu_seqlens.to(torch.long)
-    cu_cpu = torch.tensor(cu_host, dtype=torch.long)
-    return cu, cu_cpu, chunk_indices_of(cu, cu_cpu, chunk_size)
-
-
 def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """Fake of the chunk-index output: ``[NT, 2]`` long with a data-dependent ``NT``, ``[0, 2]`` without documents."""
     rows = 0 if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
@@ -178,58 +158,9 @@ def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.
 
 
 # ======================================================================================================= custom ops
+# The bodies are fla_compat's chunk_forward, chunk_backward, conv_forward, ... (the fla calls); here their fakes and
+# autograd formulas.
 # ---------------------------------------------------------------------------------------------------------- chunk_kda
-def _chunk_fwd_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    scale: float,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    safe_gate: bool,
-    lower_bound: float | None,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, T, H, K = q.shape
-    cu_host = None
-    if cu_seqlens is not None:  # the checks that read the boundaries run here: a traced graph cannot read data
-        cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]")
-        check_state(initial_state, len(cu_host) - 1, H, K, v.shape[-1])
-    with _device(q):
-        q, k, v, g, beta, A_log, dt_bias, initial_state = map(
-            _contiguous, (q, k, v, g, beta, A_log, dt_bias, initial_state))
-        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, chunk_size)
-        o, final, q, q_rstd, k, k_rstd, beta_act, g_cumsum, Aqk, Akk = chunk_forward(
-            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu, chunk_indices=indices, scale=scale, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
-            chunk_size=chunk_size)
-    l2 = use_qk_l2norm_in_kernel
-    return (
-        o.type_as(q),
-        final if final is not None else _empty(q),
-        q if l2 else _empty(q),
-        q_rstd if l2 else _empty(q),
-        k if l2 else _empty(q),
-        k_rstd if l2 else _empty(q),
-        beta_act if use_beta_sigmoid_in_kernel else _empty(q),
-        g_cumsum if g_cumsum is not None else _empty(q),
-        Aqk,
-        Akk,
-        indices if indices is not None else q.new_empty((0, 2), dtype=torch.long),
-    )
-
-
 def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
                     chunk_size):
@@ -251,51 +182,6 @@ def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
         k.new_empty((B, T, H, chunk_size)),  # Akk
         _indices_fake(q, cu_seqlens),
     )
-
-
-def _chunk_bwd_impl(
-    do: torch.Tensor,
-    dht: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    q_normed: torch.Tensor,
-    q_rstd: torch.Tensor,
-    k_normed: torch.Tensor,
-    k_rstd: torch.Tensor,
-    beta_act: torch.Tensor,
-    g_cumsum: torch.Tensor,
-    Aqk: torch.Tensor,
-    Akk: torch.Tensor,
-    chunk_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    safe_gate: bool,
-    lower_bound: float | None,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
-    l2 = use_qk_l2norm_in_kernel
-    with _device(q):
-        qk_q = q_normed if l2 else q.contiguous()
-        qk_k = k_normed if l2 else k.contiguous()
-        g_in, A_log_in, dt_bias_in, h0 = map(_contiguous, (g, A_log, dt_bias, initial_state))
-        dq, dk, dv, db, dg, dh0, dA, dbias = chunk_backward(
-            do, dht, qk_q, qk_k, v, beta, beta_act, g_in, g_cumsum, A_log_in, dt_bias_in, h0, Aqk, Akk, cu_seqlens,
-            chunk_indices, q_normed=q_normed, q_rstd=q_rstd, k_normed=k_normed, k_rstd=k_rstd, scale=scale,
-            use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
-            chunk_size=chunk_size)
-    return (dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), dA if dA is not None else _empty(q),
-            dbias if dbias is not None else _empty(q), dh0 if dh0 is not None else _empty(q))
 
 
 def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
@@ -327,56 +213,16 @@ def _chunk_backward(ctx, do, dht, *_):
             _or_none(dh0, initial_state is not None)) + (None,) * 9
 
 
-_CHUNK_BWD = define_op("fla_chunk_kda_bwd", _chunk_bwd_impl, _chunk_bwd_fake)
-_CHUNK_FWD = define_op("fla_chunk_kda_fwd", _chunk_fwd_impl, _chunk_fwd_fake, backward=_chunk_backward,
+_CHUNK_BWD = define_op("fla_chunk_kda_bwd", chunk_backward, _chunk_bwd_fake)
+_CHUNK_FWD = define_op("fla_chunk_kda_fwd", chunk_forward, _chunk_fwd_fake, backward=_chunk_backward,
                        setup_context=_chunk_setup)
 
 
 # ----------------------------------------------------------------------------------------------------- causal_conv1d
-_CONV_CHUNK = 64  # fla's CausalConv1dFunction default chunk size
-
-
-def _conv_fwd_impl(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    activation: str | None,
-    output_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cu_host = None
-    if cu_seqlens is not None:  # reads the boundaries (one host sync); the shape checks ran in the caller
-        cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
-    with _device(x):
-        weight, initial_state = weight.contiguous(), _contiguous(initial_state)
-        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, _CONV_CHUNK)
-        y, final = conv_forward(x, weight, initial_state=initial_state, output_final_state=output_final_state,
-                                activation=activation, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=indices,
-                                chunk_size=_CONV_CHUNK)
-    return (y, final if final is not None else _empty(x),
-            indices if indices is not None else x.new_empty((0, 2), dtype=torch.long))
-
-
 def _conv_fwd_fake(x, weight, initial_state, cu_seqlens, activation, output_final_state):
     n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else _empty(x)
     return x.new_empty(x.shape), final, _indices_fake(x, cu_seqlens)
-
-
-def _conv_bwd_impl(
-    dy: torch.Tensor,
-    dht: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    chunk_indices: torch.Tensor,
-    activation: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _device(x):
-        dx, dw, dh0 = conv_backward(x, dy, dht, weight, initial_state=initial_state, activation=activation,
-                                    cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=_CONV_CHUNK)
-    return dx, dw, dh0 if dh0 is not None else _empty(x)
 
 
 def _conv_bwd_fake(dy, dht, x, weight, initial_state, cu_seqlens, chunk_indices, activation):
@@ -400,32 +246,14 @@ def _conv_backward(ctx, dy, dht, _):
     return dx, dw, _or_none(dh0, initial_state is not None), None, None, None
 
 
-_CONV_BWD = define_op("fla_causal_conv1d_bwd", _conv_bwd_impl, _conv_bwd_fake)
-_CONV_FWD = define_op("fla_causal_conv1d_fwd", _conv_fwd_impl, _conv_fwd_fake, backward=_conv_backward,
+_CONV_BWD = define_op("fla_causal_conv1d_bwd", conv_backward, _conv_bwd_fake)
+_CONV_FWD = define_op("fla_causal_conv1d_fwd", conv_forward, _conv_fwd_fake, backward=_conv_backward,
                       setup_context=_conv_setup)
 
 
 # ---------------------------------------------------------------------------------------------------- rms_norm_gated
-def _norm_fwd_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    dim = x.shape[-1]
-    with _device(x):
-        y, rstd = norm_forward(x.contiguous().reshape(-1, dim), gate.contiguous().reshape(-1, dim),
-                               weight.contiguous(), eps)
-    return y.reshape(x.shape), rstd
-
-
 def _norm_fwd_fake(x, gate, weight, eps):
     return x.new_empty(x.shape), x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
-
-
-def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dim = x.shape[-1]
-    with _device(x):
-        dx, dg, dw = norm_backward(dy.contiguous().reshape(-1, dim), x.contiguous().reshape(-1, dim),
-                                   gate.contiguous().reshape(-1, dim), weight.contiguous(), rstd, eps, x.dtype)
-    return dx.reshape(x.shape), dg.reshape(gate.shape), dw
 
 
 def _norm_bwd_fake(dy, x, gate, weight, rstd, eps):
@@ -445,28 +273,12 @@ def _norm_backward(ctx, dy, _):
     return dx, dg, dw, None
 
 
-_NORM_BWD = define_op("fla_rms_norm_gated_bwd", _norm_bwd_impl, _norm_bwd_fake)
-_NORM_FWD = define_op("fla_rms_norm_gated_fwd", _norm_fwd_impl, _norm_fwd_fake, backward=_norm_backward,
+_NORM_BWD = define_op("fla_rms_norm_gated_bwd", norm_backward, _norm_bwd_fake)
+_NORM_FWD = define_op("fla_rms_norm_gated_fwd", norm_forward, _norm_fwd_fake, backward=_norm_backward,
                       setup_context=_norm_setup)
 
 
 # ----------------------------------------------------------------------------------------------- fused_recurrent_kda
-def _recurrent_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    scale: float | None,
-    lower_bound: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return recurrent_step(q, k, v, g, beta, A_log, dt_bias, initial_state=initial_state, scale=scale,
-                          lower_bound=lower_bound)
-
-
 def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):
     B, _, H, K = q.shape
     return v.new_empty(v.shape), q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
@@ -477,7 +289,7 @@ def _recurrent_backward(ctx, *grads):
                        "(chunk_kda_gate_in_kernel) for training")
 
 
-_RECURRENT = define_op("fla_fused_recurrent_kda", _recurrent_impl, _recurrent_fake, backward=_recurrent_backward)
+_RECURRENT = define_op("fla_fused_recurrent_kda", recurrent_step, _recurrent_fake, backward=_recurrent_backward)
 
 
 # ============================================================================================== kernels, one by one
@@ -504,49 +316,33 @@ def chunk_kda_fused(
         ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
             ``cu_seqlens``.
     """
-    o, final = _CHUNK_FWD(*_chunk_args(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
-    ))[:2]
+    args = _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, None,
+                       use_qk_l2norm_in_kernel)
+    o, final = _CHUNK_FWD(**args)[:2]
     return o, final if output_final_state else None
 
 
-def _check_chunk_call(q, k, v, g, beta, chunk_size: int, gate=None) -> None:
-    """Checks of every fused chunked entry point; ``gate = (A_log, dt_bias, lower_bound)`` for the in-kernel gate."""
+def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate,
+                use_qk_l2norm_in_kernel=True) -> dict:
+    """The checked arguments of the op ``fla_chunk_kda_fwd`` by name; ``gate = (A_log, dt_bias, lower_bound)`` puts
+    the forget gate and the beta sigmoid in the kernel, ``None`` takes an activated gate and beta."""
     check_core_inputs(q, k, v, g, beta)
-    H, K = q.shape[2], q.shape[3]
-    _check_head_dim(K, v.shape[-1])
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_head_dim(K, V)
+    A_log, dt_bias, lower_bound = (None, None, None) if gate is None else gate
     if gate is not None:
-        A_log, dt_bias, lower_bound = gate
         _check_gate_params(A_log, dt_bias, H, K, lower_bound)
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
-
-
-def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None,
-                **flags):
-    """The checked arguments of ``fla_chunk_kda_fwd``; ``flags`` are the kernel's ``use_*`` switches."""
-    _check_chunk_call(q, k, v, g, beta, chunk_size, gate)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     if cu_seqlens is None:  # with documents, the op checks the state against the boundaries it reads
         check_state(initial_state, B, H, K, V)
-    return (
-        q, k, v, g, beta, A_log, dt_bias,
-        initial_state.float() if initial_state is not None else None,
-        cu_seqlens,
-        float(K**-0.5 if scale is None else scale),
-        output_final_state,
-        flags["use_qk_l2norm_in_kernel"],
-        flags["use_gate_in_kernel"],
-        flags["use_beta_sigmoid_in_kernel"],
-        _safe_gate(lower_bound) if gate is not None else False,
-        lower_bound,
-        chunk_size,
-    )
+    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                initial_state=None if initial_state is None else initial_state.float(), cu_seqlens=cu_seqlens,
+                scale=float(K**-0.5 if scale is None else scale), output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=gate is not None,
+                use_beta_sigmoid_in_kernel=gate is not None, safe_gate=_safe_gate(lower_bound),
+                lower_bound=lower_bound, chunk_size=chunk_size)
 
 
 def chunk_kda_gate_in_kernel(
@@ -583,13 +379,8 @@ def chunk_kda_gate_in_kernel(
     Raises:
         ValueError: as :func:`chunk_kda_fused`; wrong ``A_log`` / ``dt_bias`` shapes, a non-negative ``lower_bound``.
     """
-    o, final = _CHUNK_FWD(*_chunk_args(
-        q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-        gate=(A_log, dt_bias, lower_bound),
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-    ))[:2]
+    o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state,
+                                        cu_seqlens, chunk_size, (A_log, dt_bias, lower_bound)))[:2]
     return o, final if output_final_state else None
 
 
@@ -616,34 +407,11 @@ def chunk_kda_context_parallel(
     Raises:
         ValueError: as :func:`chunk_kda_gate_in_kernel`, or ``q.shape[0] != 1``.
     """
-    _check_chunk_call(q, k, v, g_raw, beta_logits, chunk_size, (A_log, dt_bias, lower_bound))
+    args = _chunk_args(q, k, v, g_raw, beta_logits, scale, None, False, None, chunk_size, (A_log, dt_bias, lower_bound))
     if q.shape[0] != 1:
         raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
-    K = q.shape[3]
-    cp = load_cp()
-    with _device(q):
-        o, _ = call_checked(
-            cp.chunk_kda,
-            "chunk_kda",
-            q=q,
-            k=k,
-            v=v,
-            g=g_raw,
-            beta=beta_logits,
-            scale=float(K**-0.5 if scale is None else scale),
-            initial_state=None,
-            output_final_state=False,
-            use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            safe_gate=_safe_gate(lower_bound),
-            lower_bound=lower_bound,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            chunk_size=chunk_size,
-            cp_context=cp_context,
-        )
-    return o.type_as(q)
+    del args["cu_seqlens"]  # the documents come from cp_context
+    return chunk_context_parallel(cp_context, **args).type_as(q)
 
 
 def causal_conv1d_fused(

@@ -748,25 +748,24 @@ def test_probe_reasons(monkeypatch):
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
 def test_guard_rejects_keywords_the_function_would_ignore(monkeypatch):
-    """call_checked raises TypeError naming the function and the argument for a keyword that is neither a named
-    parameter nor read from **kwargs; kwargs names (listed in KWARGS_READ) are accepted only where the source reads
-    them."""
+    """checked raises TypeError naming the function and the argument for a keyword that is neither a named parameter
+    nor read from **kwargs; kwargs names (listed in KWARGS_READ) are accepted only where the source reads them."""
     from glm53flash_hf import fla_compat
 
     def no_safe_gate(q, k, *, scale=None):
         return "called"
 
-    assert fla_compat.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, scale=0.5) == "called"
-    with pytest.raises(TypeError, match=r"no_safe_gate.*\['safe_gate'\]"):
-        fla_compat.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, safe_gate=True)
-
     def chunk_kda(q, **kwargs):  # reads A_log and chunk_size from **kwargs, swallows the rest (as fla's does)
         return kwargs.get("A_log"), kwargs.pop("chunk_size", 64)
 
+    fla = SimpleNamespace(no_safe_gate=no_safe_gate, chunk_kda=chunk_kda)
+    assert fla_compat.checked(fla, "no_safe_gate", q=1, k=2, scale=0.5)() == "called"
+    with pytest.raises(TypeError, match=r"no_safe_gate.*\['safe_gate'\]"):
+        fla_compat.checked(fla, "no_safe_gate", q=1, k=2, safe_gate=True)
     monkeypatch.setitem(fla_compat.KWARGS_READ, "chunk_kda", ("A_log", "dt_bias", "chunk_size"))
-    assert fla_compat.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, chunk_size=32) == (3, 32)
+    assert fla_compat.checked(fla, "chunk_kda", q=1, A_log=3, chunk_size=32)() == (3, 32)
     with pytest.raises(TypeError, match=r"chunk_kda.*\['dt_bias'\]"):
-        fla_compat.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, dt_bias=4)
+        fla_compat.checked(fla, "chunk_kda", q=1, A_log=3, dt_bias=4)
 
 
 def _fake_fla(record):
