@@ -41,6 +41,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from torch import Tensor
 
 from .kda_ops import check_conv_inputs, check_cu_seqlens, check_state
 
@@ -214,17 +215,12 @@ _LOG = logging.getLogger(__name__)
 
 
 def _on_cuda(values) -> bool:
-    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values)
+    return any(isinstance(v, Tensor) and v.device.type == "cuda" for v in values)
 
 
 def fla_autotuners() -> list:
-    """The Triton autotuners of the fla modules imported so far.
-
-    Returns:
-        Every ``triton.runtime.autotuner.Autotuner`` (fla's ``CachedAutotuner`` included) reachable from a module-level
-        name of a module ``fla`` / ``fla.*`` in ``sys.modules``, through ``Heuristics`` wrappers (``.fn``); each
-        once, in import order. Empty when triton or fla is not imported. Imports nothing.
-    """
+    """Every Triton ``Autotuner`` reachable from a module-level name of the ``fla.*`` modules imported so far (through
+    ``Heuristics`` wrappers), each once, in import order; empty when triton or fla is not imported. Imports nothing."""
     if "triton.runtime.autotuner" not in sys.modules:
         return []
     from triton.runtime.autotuner import Autotuner
@@ -244,23 +240,11 @@ def fla_autotuners() -> list:
 
 
 def shared_memory_need(tuner, config, nargs: dict, kwargs: dict) -> int | None:
-    """The shared memory (bytes per block) that ``tuner``'s kernel compiled with ``config`` needs on the current
-    device, from the compiled kernel's metadata (Triton's ``CompiledKernel.metadata.shared``).
+    """Bytes of shared memory per block that ``tuner``'s kernel compiled with ``config`` needs on the current device
+    (the compiled kernel's ``metadata.shared``), or ``None`` when it does not compile or has no such metadata.
 
-    The kernel is compiled, not loaded or launched (``JITFunction.run(..., warmup=True)`` with the launch's arguments
-    and the configuration's parameters), for the target of triton's active driver; the compiled kernel stays in the
-    kernel's cache, where the autotuner's benchmark of the same configuration finds it.
-
-    Args:
-        tuner: a ``triton.runtime.autotuner.Autotuner``.
-        config: a ``triton.Config`` of it.
-        nargs: the launch's positional arguments by parameter name (the autotuner's ``nargs``).
-        kwargs: the launch's keyword arguments (as ``early_config_prune`` receives them; ``grid`` and ``warmup``
-            included or not).
-
-    Returns:
-        Bytes, or ``None`` when the kernel does not compile (the compiler's exception is swallowed: the autotuner meets
-        it again when it benchmarks the configuration) or its metadata has no ``shared``.
+    The kernel is compiled for the active driver's target, not loaded or launched (``JITFunction.run(..., warmup=True)``
+    with the launch's arguments ``nargs`` by parameter name and ``kwargs`` as ``early_config_prune`` receives them).
     """
     call = {**nargs, **kwargs, **config.all_kwargs(), "warmup": True}
     call.setdefault("grid", (1,))
@@ -285,26 +269,14 @@ def _max_shared_memory() -> int:
 
 
 def prune_by_shared_memory(tuner, on_drop=None) -> bool:
-    """Chain onto ``tuner``'s ``early_config_prune`` a prune that drops the configurations whose compiled kernel needs
-    more shared memory per block than the current device allows (the comparison Triton makes when it loads a kernel,
-    ``OutOfResources``), made before the autotuner benchmarks them.
-
-    The prune runs where the autotuner prunes (once per tuning key, only when it has more than one configuration):
-    first the autotuner's own ``early_config_prune`` if it has one, then each remaining configuration is compiled
-    (:func:`shared_memory_need`) and kept unless its need exceeds ``max_shared_mem`` of triton's active driver for the
-    current device. A configuration that does not compile, or whose need is unknown, is kept. If no configuration
-    fits, the list is returned unchanged (Triton then raises ``OutOfResources`` naming the need and the limit).
-
-    Args:
-        tuner: a ``triton.runtime.autotuner.Autotuner``.
-        on_drop: called as ``on_drop(tuner, config, need, limit)`` (bytes) for each configuration dropped; ``None``:
-            only a ``logging`` debug record.
-
-    Returns:
-        ``True`` when the prune was chained now, ``False`` when ``tuner`` already had it (idempotent).
+    """Chain onto ``tuner``'s ``early_config_prune`` (after its own, if any) a prune that drops the configurations
+    whose compiled kernel (:func:`shared_memory_need`) needs more shared memory per block than the current device's
+    ``max_shared_mem``; configurations of unknown need are kept, and if none fits the list is returned unchanged.
+    ``on_drop(tuner, config, need, limit)`` is called for each dropped one. Returns ``False`` when ``tuner`` already
+    had the prune (idempotent), else ``True``.
 
     Raises:
-        TypeError: ``tuner`` is not an ``Autotuner`` (naming its type).
+        TypeError: ``tuner`` is not a triton ``Autotuner``.
     """
     from triton.runtime.autotuner import Autotuner
 
@@ -335,14 +307,8 @@ def prune_by_shared_memory(tuner, on_drop=None) -> bool:
 
 
 def install_shared_memory_prune() -> int:
-    """:func:`prune_by_shared_memory` on every autotuner of :func:`fla_autotuners` (the fla modules imported so far).
-
-    Called by :func:`checked` before the first fla call with a CUDA tensor argument after :func:`load` or
-    :func:`load_cp` imported fla; never on import, never for CPU (or meta) tensors. Idempotent.
-
-    Returns:
-        The number of autotuners that got the prune now (0 when all had it).
-    """
+    """:func:`prune_by_shared_memory` on every autotuner of :func:`fla_autotuners`; returns how many got it now.
+    Run by :func:`checked` at the first fla call with a CUDA tensor after fla was imported; idempotent."""
     _PRUNE["pending"] = False
     return sum(prune_by_shared_memory(tuner) for tuner in fla_autotuners())
 
@@ -352,8 +318,7 @@ def install_shared_memory_prune() -> int:
 # calls of each, with the arguments those Functions pass), as the bodies of kda_fused's custom ops: tensors in, a
 # tensor or a tuple of new tensors out, an empty tensor for an output that does not exist. The checks that read
 # cu_seqlens run here (a traced graph cannot read data); the others ran in kda_fused's public functions.
-Tensor = torch.Tensor
-CONV_CHUNK = 64  # fla's CausalConv1dFunction default chunk size
+_CONV_CHUNK = 64  # fla's CausalConv1dFunction default chunk size
 _NORM = dict(bias=None, activation="sigmoid", is_rms_norm=True)  # fla's gated norm as RMSNorm * sigmoid(gate)
 
 
@@ -487,11 +452,11 @@ def conv_forward(x: Tensor, weight: Tensor, initial_state: Tensor | None, cu_seq
     fla = load()
     with _device(x):
         if cu_seqlens is not None:
-            cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, CONV_CHUNK)
+            cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, _CONV_CHUNK)
         y, final = checked(
             fla, "causal_conv1d_fwd", x=x, weight=weight.contiguous(), bias=None, residual=None,
             initial_state=_contiguous(initial_state), output_final_state=output_final_state, activation=activation,
-            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=indices, chunk_size=CONV_CHUNK)()
+            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=indices, chunk_size=_CONV_CHUNK)()
     return y, _or_empty(final, x), indices if indices is not None else x.new_empty((0, 2), dtype=torch.long)
 
 
@@ -509,7 +474,7 @@ def conv_backward(dy: Tensor, dht: Tensor | None, x: Tensor, weight: Tensor, ini
             load(), "causal_conv1d_bwd", x=x, dy=dy, dht=_contiguous(dht), weight=weight.contiguous(), bias=None,
             residual=None, initial_state=_contiguous(initial_state), activation=activation,
             cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-            chunk_indices=chunk_indices if cu_seqlens is not None else None, chunk_size=CONV_CHUNK)()
+            chunk_indices=chunk_indices if cu_seqlens is not None else None, chunk_size=_CONV_CHUNK)()
     return dx, dw, _or_empty(dh0, x)
 
 

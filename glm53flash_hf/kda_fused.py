@@ -15,6 +15,7 @@ import math
 import os
 
 import torch
+from torch import Tensor
 
 from .dispatch import local_tensor
 from .fla_compat import (
@@ -38,7 +39,6 @@ __all__ = [
     "chunk_kda_fused",
     "chunk_kda_gate_in_kernel",
     "chunk_kda_context_parallel",
-    "fla_cp_available",
     "fla_cp_context",
     "fla_cp_refusal",
     "causal_conv1d_fused",
@@ -55,27 +55,20 @@ SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lo
 
 
 # ========================================================================================================= fla access
-def fla_cp_available(device: torch.device) -> tuple[bool, str]:
-    """``(True, "")`` if fla's context-parallel kernels import and accept ``device``, else ``(False, reason)``."""
-    try:
-        error = cp_device_error(device)
-    except ImportError as exc:
-        return False, str(exc)
-    if error is not None:
-        return False, f"fla refuses the device {device}: {error}"
-    return True, ""
-
-
 def fla_cp_refusal(sp, device) -> str | None:
-    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row), or ``None``."""
+    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row, fla's CP modules and a
+    device they accept), or ``None``."""
     if sp.global_layout.batch_size != 1:
         return (f"it chains one token row and this batch has {sp.global_layout.batch_size} rows; pack the "
                 "documents into one row per step to use it")
-    ok, reason = fla_cp_available(device)
-    return None if ok else reason
+    try:
+        error = cp_device_error(device)
+    except ImportError as exc:
+        return str(exc)
+    return None if error is None else f"fla refuses the device {device}: {error}"
 
 
-def fla_cp_context(sp, cu_seqlens: torch.Tensor):
+def fla_cp_context(sp, cu_seqlens: Tensor):
     """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``).
 
     Raises:
@@ -94,16 +87,12 @@ def fla_cp_context(sp, cu_seqlens: torch.Tensor):
     return sp.memo["fla_cp"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ============================================================================================================== probe
-def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
+def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
     """The KDA probe of :mod:`.dispatch`: ``(True, "")`` when fla's kernels can run on ``tensors``, else
     ``(False, reason)``. Floating tensors must be float32/bfloat16/float16 on CUDA (CPU under ``TRITON_INTERPRET=1``),
     a 4-D tensor ``[B, T, H, K]`` with ``K`` in ``[16, 256]``, and fla-core must import."""
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tensors if isinstance(t, Tensor)]
     if not tensors:
         return False, "no tensors given"
     bad = sorted({str(t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES})
@@ -114,7 +103,7 @@ def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     if wrong:
         return False, f"head dim {wrong[0]} is outside fla's supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
     if not all(t.is_cuda for t in tensors):
-        if not (_interpreting() and all(t.device.type == "cpu" for t in tensors)):
+        if not (os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)):
             return False, "the tensors are not on a CUDA device"
     error = import_error()
     if error is not None:
@@ -133,7 +122,7 @@ def _safe_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and SAFE_GATE_RANGE[0] <= lower_bound < SAFE_GATE_RANGE[1]
 
 
-def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: int, lower_bound) -> None:
+def _check_gate_params(A_log: Tensor, dt_bias: Tensor, H: int, K: int, lower_bound) -> None:
     if tuple(A_log.shape) != (H,):
         raise ValueError(f"A_log must be [H={H}]; got shape {tuple(A_log.shape)}")
     if tuple(dt_bias.shape) != (H * K,):
@@ -142,16 +131,16 @@ def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: in
         raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
+def _empty(like: Tensor) -> Tensor:
     """The placeholder an op returns for an output that does not exist (custom ops return no ``None``)."""
     return like.new_empty(0)
 
 
-def _or_none(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
+def _or_none(t: Tensor, exists: bool) -> Tensor | None:
     return t if exists else None
 
 
-def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+def _indices_fake(like: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     """Fake of the chunk-index output: ``[NT, 2]`` long with a data-dependent ``NT``, ``[0, 2]`` without documents."""
     rows = 0 if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
     return like.new_empty((rows, 2), dtype=torch.long)
@@ -293,20 +282,10 @@ _RECURRENT = define_op("fla_fused_recurrent_kda", recurrent_step, _recurrent_fak
 
 
 # ============================================================================================== kernels, one by one
-def chunk_kda_fused(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    use_qk_l2norm_in_kernel: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                    initial_state: Tensor | None = None, output_final_state: bool = False,
+                    cu_seqlens: Tensor | None = None, chunk_size: int = 64,
+                    use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA with an activated gate and beta by fla's chunked kernels (fla's ``chunk_kda``).
 
     The contract of :func:`.kda_ops.chunk_kda_torch` (float32/bfloat16/float16 inputs; fla computes the gate and the
@@ -316,9 +295,8 @@ def chunk_kda_fused(
         ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
             ``cu_seqlens``.
     """
-    args = _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, None,
-                       use_qk_l2norm_in_kernel)
-    o, final = _CHUNK_FWD(**args)[:2]
+    o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                        chunk_size, None, use_qk_l2norm_in_kernel))[:2]
     return o, final if output_final_state else None
 
 
@@ -345,22 +323,10 @@ def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
                 lower_bound=lower_bound, chunk_size=chunk_size)
 
 
-def chunk_kda_gate_in_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g_raw: torch.Tensor,
-    beta_logits: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda_gate_in_kernel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
+                             dt_bias: Tensor, lower_bound: float | None, *, scale: float | None = None,
+                             initial_state: Tensor | None = None, output_final_state: bool = False,
+                             cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
     """GLM's KDA core in one call of fla's chunked kernels: forget gate, beta sigmoid, q/k l2-norm, delta rule.
 
     Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with the gate of :class:`.kda.Glm53FlashForgetGate`,
@@ -384,20 +350,9 @@ def chunk_kda_gate_in_kernel(
     return o, final if output_final_state else None
 
 
-def chunk_kda_context_parallel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g_raw: torch.Tensor,
-    beta_logits: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    *,
-    cp_context,
-    scale: float | None = None,
-    chunk_size: int = 64,
-) -> torch.Tensor:
+def chunk_kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
+                               dt_bias: Tensor, lower_bound: float | None, *, cp_context, scale: float | None = None,
+                               chunk_size: int = 64) -> Tensor:
     """One rank's shard of a context-parallel :func:`chunk_kda_gate_in_kernel`: fla's ``chunk_kda`` with ``cp_context``.
 
     Arguments as :func:`chunk_kda_gate_in_kernel` over the rank's ``[1, T, ...]`` tokens, documents from
@@ -414,15 +369,9 @@ def chunk_kda_context_parallel(
     return chunk_context_parallel(cp_context, **args).type_as(q)
 
 
-def causal_conv1d_fused(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    activation: str | None = "silu",
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_conv1d_fused(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None = None, activation: str | None = "silu",
+                        initial_state: Tensor | None = None, output_final_state: bool = False
+                        ) -> tuple[Tensor, Tensor | None]:
     """Depthwise causal convolution (+SiLU) by fla's convolution kernels: the contract of
     :func:`.kda_ops.causal_conv1d_torch`, accumulated in fp32 whatever the weight dtype.
 
@@ -436,7 +385,7 @@ def causal_conv1d_fused(
     return y, final if output_final_state else None
 
 
-def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_gated_fused(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` for ``x, gate`` ``[..., K]``, ``weight`` ``[K]``, by
     fla's ``rms_norm_gated(activation="sigmoid")`` kernels (:class:`.kda.Glm53FlashRMSNormGated`).
 
@@ -451,19 +400,9 @@ def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     return _NORM_FWD(x, gate, weight, float(eps))[0]
 
 
-def fused_recurrent_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g_raw: torch.Tensor,
-    beta_logits: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    state: torch.Tensor | None,
-    *,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
+                         dt_bias: Tensor, lower_bound: float | None, state: Tensor | None, *,
+                         scale: float | None = None) -> tuple[Tensor, Tensor]:
     """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
 
     Equals :func:`.kda_ops.recurrent_kda_torch` on the gate and beta of :func:`chunk_kda_gate_in_kernel` (same
