@@ -1,15 +1,10 @@
 """fla-core as this package calls it: the only module that imports ``fla``.
 
-* :func:`load`, :func:`load_cp`: fla's functions, imported at their first call (inside ``try`` blocks);
-  :func:`import_error`, :func:`cp_device_error`: the probes. Importing this module imports neither fla nor triton.
-* :func:`checked`: every fla call passes its arguments by keyword, each checked against the installed function.
-* The bodies of :mod:`.kda_fused`'s custom ops, each the body of an fla autograd Function (``ChunkKDAFunction``,
-  ``CausalConv1dFunction``, ``LayerNormGatedFunction``): :func:`chunk_forward`, :func:`chunk_backward`,
-  :func:`conv_forward`, :func:`conv_backward`, :func:`norm_forward`, :func:`norm_backward`; and :func:`recurrent_step`,
-  :func:`chunk_context_parallel` (fla's public entry points).
-* :func:`prune_by_shared_memory`, :func:`install_shared_memory_prune`, :func:`fla_autotuners`,
-  :func:`shared_memory_need`: fla's autotuners keep only the configurations whose compiled kernel fits the device's
-  shared memory per block (installed at the first fla call with CUDA tensors).
+* :func:`load`, :func:`load_cp`: fla imported at their first call (inside ``try`` blocks), never on import; the probes
+  :func:`import_error`, :func:`cp_device_error`; :func:`checked`: every fla call by keyword, each keyword checked.
+* The bodies of :mod:`.kda_fused`'s custom ops (:func:`chunk_forward`, ..., :func:`recurrent_step`).
+* :func:`prune_by_shared_memory` and its helpers: fla's autotuners keep only the configurations whose compiled kernel
+  fits the device's shared memory per block.
 
 fla names used that are not in fla's public API (no fla package ``__all__`` lists them), here and nowhere else:
 
@@ -317,7 +312,8 @@ def install_shared_memory_prune() -> int:
 # The forward and backward of fla-core's ChunkKDAFunction, CausalConv1dFunction and LayerNormGatedFunction (the fla
 # calls of each, with the arguments those Functions pass), as the bodies of kda_fused's custom ops: tensors in, a
 # tensor or a tuple of new tensors out, an empty tensor for an output that does not exist. The checks that read
-# cu_seqlens run here (a traced graph cannot read data); the others ran in kda_fused's public functions.
+# cu_seqlens run here (a traced graph cannot read data); the others ran in kda_fused's public functions. Each body
+# also raises ImportError and TypeError as load() / load_cp() and checked() do.
 _CONV_CHUNK = 64  # fla's CausalConv1dFunction default chunk size
 _NORM = dict(bias=None, activation="sigmoid", is_rms_norm=True)  # fla's gated norm as RMSNorm * sigmoid(gate)
 
@@ -351,14 +347,12 @@ def chunk_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_lo
     """The forward of fla's ``ChunkKDAFunction``, arguments as fla's ``chunk_kda`` (``initial_state`` fp32).
 
     Returns:
-        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V], q, q_rstd, k, k_rstd, beta_act, g_cumsum, Aqk,
-        Akk, chunk_indices [NT, 2] long)``: the residuals of the backward, ``q``/``k`` l2-normalised with their
-        reciprocal norms when ``use_qk_l2norm_in_kernel``, ``beta_act`` the sigmoid of ``beta`` when
-        ``use_beta_sigmoid_in_kernel``; empty where absent (``chunk_indices`` ``[0, 2]`` without ``cu_seqlens``).
+        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V])`` and the backward's residuals ``q``, ``q_rstd``,
+        ``k``, ``k_rstd`` (l2-normalised, reciprocal norms), ``beta_act`` (sigmoid), ``g_cumsum``, ``Aqk``, ``Akk``,
+        ``chunk_indices [NT, 2]`` long; empty where absent (``chunk_indices`` ``[0, 2]`` without ``cu_seqlens``).
 
     Raises:
         ValueError: bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
-        ImportError, TypeError: as :func:`load`, :func:`checked`.
     """
     B, T, H, K = q.shape
     cu = cu_cpu = indices = None
@@ -400,9 +394,6 @@ def chunk_backward(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tens
     """The backward of fla's ``ChunkKDAFunction``: ``do`` ``[B, T, H, V]``, ``dht`` fp32 ``[N, H, K, V]`` or ``None``,
     the forward's inputs and :func:`chunk_forward`'s residuals. Returns ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias,
     dh0)``, each shaped and typed as its input (empty where the input is ``None``).
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`checked`.
     """
     fla = load()
     l2, sig = use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel
@@ -427,11 +418,7 @@ def chunk_backward(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tens
 
 
 def chunk_context_parallel(cp_context, **kwargs) -> Tensor:
-    """fla's public ``chunk_kda`` with ``cp_context`` (keyword arguments as fla's, on ``q``'s device); returns ``o``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load_cp`, :func:`checked`.
-    """
+    """fla's public ``chunk_kda`` with ``cp_context`` (keyword arguments as fla's, on ``q``'s device); returns ``o``."""
     with _device(kwargs["q"]):
         return checked(load_cp(), "chunk_kda", cp_context=cp_context, **kwargs)()[0]
 
@@ -444,7 +431,6 @@ def conv_forward(x: Tensor, weight: Tensor, initial_state: Tensor | None, cu_seq
 
     Raises:
         ValueError: bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
-        ImportError, TypeError: as :func:`load`, :func:`checked`.
     """
     cu = cu_cpu = indices = None
     if cu_seqlens is not None:
@@ -465,9 +451,6 @@ def conv_backward(dy: Tensor, dht: Tensor | None, x: Tensor, weight: Tensor, ini
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`conv_forward` (``dy`` as ``x``, ``dht`` as the final state or ``None``). Returns
     ``(dx, dweight, dh0 or empty)``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`checked`.
     """
     with _device(x):
         dx, dw, _, _, dh0 = checked(
@@ -481,9 +464,6 @@ def conv_backward(dy: Tensor, dht: Tensor | None, x: Tensor, weight: Tensor, ini
 def norm_forward(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """The forward of fla's ``LayerNormGatedFunction`` as RMSNorm with a sigmoid gate, no bias or residual: ``x``,
     ``gate`` ``[..., D]``, ``weight`` ``[D]``. Returns ``(y in x's shape and dtype, rstd fp32 [x.numel() // D])``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`checked`.
     """
     dim = x.shape[-1]
     with _device(x):
@@ -495,11 +475,7 @@ def norm_forward(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> tuple[T
 
 def norm_backward(dy: Tensor, x: Tensor, gate: Tensor, weight: Tensor, rstd: Tensor, eps: float
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward of :func:`norm_forward` (``dy`` as ``x``). Returns ``(dx, dgate, dweight)``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`checked`.
-    """
+    """The backward of :func:`norm_forward` (``dy`` as ``x``). Returns ``(dx, dgate, dweight)``."""
     dim = x.shape[-1]
     with _device(x):
         dx, dg, dw, _, _ = checked(
@@ -515,9 +491,6 @@ def recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
     """fla's ``fused_recurrent_kda`` with the gate, the beta sigmoid and the q/k l2-norm in the kernel, K-first state:
     ``g`` the raw gate input, ``beta`` logits, ``initial_state`` fp32 ``[B, H, K, V]`` or ``None``. Returns
     ``(o [B, T, H, V] in q's dtype, final_state fp32 [B, H, K, V])``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`checked`.
     """
     return tuple(checked(
         load(), "fused_recurrent_kda", q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,

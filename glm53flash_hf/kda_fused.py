@@ -1,12 +1,7 @@
-"""Fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops (namespace ``glm53flash``), with the
-maths of the torch path :mod:`.kda_ops`.
-
-A KDA layer call on this path: :func:`causal_conv1d_fused`, then :func:`chunk_kda_gate_in_kernel` (gate, beta sigmoid,
-q/k l2-norm and chunked delta rule in one kernel call), :func:`fused_recurrent_step` (a cached decode step without
-gradients) or :func:`chunk_kda_context_parallel` (a sequence-parallel shard), then :func:`rms_norm_gated_fused`.
-Every op has a fake (``torch.compile(fullgraph=True)`` traces it) and reads ``cu_seqlens`` inside the op. The fla calls
-are in :mod:`.fla_compat`; importing this module never imports fla. Besides the errors each function lists, a kernel
-call raises ``TypeError`` when the installed fla rejects an argument and ``ImportError`` when fla-core is missing.
+"""Fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops (namespace ``glm53flash``) with fakes
+and autograd formulas, the maths of the torch path :mod:`.kda_ops`; the ops' bodies (the fla calls) are in
+:mod:`.fla_compat`, and importing this module never imports fla. Besides the errors each function lists, a kernel call
+raises ``TypeError`` when the installed fla rejects an argument and ``ImportError`` when fla-core is missing.
 """
 
 from __future__ import annotations
@@ -329,9 +324,9 @@ def chunk_kda_gate_in_kernel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, bet
                              cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
     """GLM's KDA core in one call of fla's chunked kernels: forget gate, beta sigmoid, q/k l2-norm, delta rule.
 
-    Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with the gate of :class:`.kda.Glm53FlashForgetGate`,
-    ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))`` (``-exp(A_log[h]) * softplus(g_raw + dt_bias)``
-    when ``lower_bound`` is None), in fp32 inside the kernel; differentiable in every tensor argument.
+    Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with ``g`` the gate of
+    :class:`.kda.Glm53FlashForgetGate` on ``g_raw``, computed in fp32 inside the kernel; differentiable in every tensor
+    argument.
 
     Args:
         q, k: ``[B, T, H, K]`` after the short convolution (not normalised); v: ``[B, T, H, V]``.
