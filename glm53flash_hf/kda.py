@@ -194,15 +194,14 @@ class Glm53FlashLinearAttention(nn.Module):
                                                layout.num_segments)
         (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state,
                                            output_final_state=cache is not None, **varlen)
-        core = cp_core = chunk_kda_torch
+        core, cp_core = chunk_kda_torch, None
         if params["fused"]:
             from .kda_fused import chunk_kda_context_parallel, chunk_kda_gate_in_kernel
 
             core = functools.partial(chunk_kda_gate_in_kernel, **params["gate"])
             cp_core = functools.partial(chunk_kda_context_parallel, **params["gate"])
         if sp is not None:
-            o = sp_chunk_kda(sp, core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens,
-                             cp_core=cp_core if params["fused"] else None)
+            o = sp_chunk_kda(sp, core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, cp_core=cp_core)
             return self._output(o, x, params)
         o, final = core(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
                         **varlen)
