@@ -44,9 +44,9 @@ def _has_kernel(qualname: str, key: str) -> bool:
 @pytest.mark.parametrize("module", sorted(FAMILY_OPS))
 def test_fused_modules_register_their_ops(module):
     """Importing ``glm53flash_hf.<module>`` registers ``glm53flash::<name>`` for each of its ops (exactly the ops whose
-    implementation that module, or the module of its op bodies, defines): a fake (Meta) kernel, a schema without mutated or aliased arguments, and an
-    autograd formula exactly for the forward ops. The KDA ops register without importing fla (hidden in this process
-    by conftest)."""
+    implementation that module, or the module of its op bodies, defines): a fake (Meta) kernel, a schema without
+    mutated or aliased arguments, and an autograd formula exactly for the forward ops. The KDA ops register without
+    importing fla (hidden in this process by conftest)."""
     if module != "kda_fused":
         pytest.importorskip("triton", reason="triton is not installed")
     importlib.import_module(f"glm53flash_hf.{module}")
