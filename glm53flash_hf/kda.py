@@ -276,13 +276,7 @@ class Glm53FlashLinearAttention(nn.Module):
         from .kda_fused import chunk_kda_gate_in_kernel, fused_recurrent_step
 
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        if needs_grad:
-            return functools.partial(chunk_kda_gate_in_kernel, **params["gate"])
-
-        def step(q, k, v, g_raw, beta_logits, *, initial_state, output_final_state):
-            return fused_recurrent_step(q, k, v, g_raw, beta_logits, state=initial_state, **params["gate"])
-
-        return step
+        return functools.partial(chunk_kda_gate_in_kernel if needs_grad else fused_recurrent_step, **params["gate"])
 
     def _store(self, cache, conv_final, conv_inputs, recurrent_final, continuing, recording, history) -> None:
         conv_update = conv_final

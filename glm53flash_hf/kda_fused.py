@@ -396,13 +396,13 @@ def rms_norm_gated_fused(x: Tensor, gate: Tensor, weight: Tensor, eps: float) ->
 
 
 def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
-                         dt_bias: Tensor, lower_bound: float | None, state: Tensor | None, *,
-                         scale: float | None = None) -> tuple[Tensor, Tensor]:
+                         dt_bias: Tensor, lower_bound: float | None, initial_state: Tensor | None = None, *,
+                         scale: float | None = None, output_final_state: bool = True) -> tuple[Tensor, Tensor | None]:
     """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
 
     Equals :func:`.kda_ops.recurrent_kda_torch` on the gate and beta of :func:`chunk_kda_gate_in_kernel` (same
-    arguments, no ``cu_seqlens``); ``state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
-    ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V])``, without an autograd graph.
+    arguments, no ``cu_seqlens``); ``initial_state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
+    ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V] or None)``, without an autograd graph.
 
     Raises:
         RuntimeError: grad mode is on and an input requires grad (the kernel has no backward).
@@ -410,7 +410,7 @@ def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_lo
     """
     A_log = local_tensor(A_log, "forget_gate.A_log")
     dt_bias = local_tensor(dt_bias, "forget_gate.dt_bias")
-    inputs = (q, k, v, g_raw, beta_logits, A_log, dt_bias, state)
+    inputs = (q, k, v, g_raw, beta_logits, A_log, dt_bias, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         raise RuntimeError(
             "fused_recurrent_step has no backward (fla's fused_recurrent_kda is inference-only) but an input requires "
@@ -421,11 +421,12 @@ def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_lo
     V = v.shape[-1]
     _check_head_dim(K, V)
     _check_gate_params(A_log, dt_bias, H, K, lower_bound)
-    check_state(state, B, H, K, V)
-    if state is not None and state.dtype != torch.float32:
-        raise ValueError(f"state must be float32 (the recurrent cache is fp32); got dtype {state.dtype}")
-    return _RECURRENT(q, k, v, g_raw, beta_logits, A_log, dt_bias, state,
-                      None if scale is None else float(scale), lower_bound)
+    check_state(initial_state, B, H, K, V)
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"initial_state must be float32 (the recurrent cache is fp32); got {initial_state.dtype}")
+    o, final = _RECURRENT(q, k, v, g_raw, beta_logits, A_log, dt_bias, initial_state,
+                          None if scale is None else float(scale), lower_bound)
+    return o, final if output_final_state else None
 
 
 def kernel_params(layer) -> dict:

@@ -658,20 +658,35 @@ def package_frames_at(call, is_target) -> list[str]:
     return stacks[0]
 
 
+def fla_function(name: str, file: str):
+    """Matcher of :func:`package_frames_at` for fla's function ``name`` defined in ``fla/ops/kda/<file>``."""
+    path = os.path.join("fla", "ops", "kda", file)
+    return lambda code: code.co_name == name and code.co_filename.endswith(path)
+
+
 @pytest.mark.interpreter
 def test_frames_from_the_layer_to_its_kernel(force_fused):
     """From the KDA layer's forward to its kernel: at most 4 frames of the package's own code, on the fused path (to
-    fla's ``chunk_kda_fwd``) and on the torch path (to the chunked core ``_chunk_kda_core``)."""
+    fla's ``chunk_kda_fwd``; for a cached decode step without gradients to fla's ``fused_recurrent_kda``) and on the
+    torch path (to the chunked core ``_chunk_kda_core``; for the decode step to ``recurrent_kda_torch``)."""
+    from transformers import DynamicCache
+
     fused, torch_layer = layer_pair(seed=6)
-    x = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(7))
-    layout = build_document_layout(1, 8, "cpu")
-    kernel = os.path.join("fla", "ops", "kda", "chunk_fwd.py")
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(7))
+
+    def prefill_and_decode(layer, kernel, step):
+        cache = DynamicCache(config=tiny_config())
+        return (package_frames_at(lambda: layer(x[:, :8], build_document_layout(1, 8, "cpu"), cache=cache), kernel),
+                package_frames_at(lambda: layer(x[:, 8:], build_document_layout(1, 1, "cpu"), cache=cache), step))
+
+    chunk, step = fla_function("chunk_kda_fwd", "chunk_fwd.py"), fla_function("fused_recurrent_kda",
+                                                                              "fused_recurrent.py")
     with torch.no_grad():
-        fused_frames = package_frames_at(
-            lambda: fused(x, layout), lambda c: c.co_name == "chunk_kda_fwd" and c.co_filename.endswith(kernel))
-        torch_frames = package_frames_at(lambda: torch_layer(x, layout), lambda c: c.co_name == "_chunk_kda_core")
-    print("fused:", " -> ".join(fused_frames), "\ntorch:", " -> ".join(torch_frames))
-    for frames in (fused_frames, torch_frames):
+        found = dict(zip(("fused", "fused decode"), prefill_and_decode(fused, chunk, step)))
+        found.update(zip(("torch", "torch decode"), prefill_and_decode(
+            torch_layer, lambda c: c.co_name == "_chunk_kda_core", lambda c: c.co_name == "recurrent_kda_torch")))
+    print("\n".join(f"{name}: {' -> '.join(frames)}" for name, frames in found.items()))
+    for frames in found.values():
         assert frames[0] == "Glm53FlashLinearAttention.forward" and len(frames) <= 4, frames
 
 
