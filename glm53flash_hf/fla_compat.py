@@ -1,16 +1,10 @@
 """fla-core as this package calls it: the only module that imports ``fla``.
 
-* :func:`load`, :func:`load_cp`: fla's functions, imported at their first call (inside ``try`` blocks);
-  :func:`import_error`, :func:`cp_device_error`: the probes. Importing this module imports neither fla nor triton.
-* :func:`call_checked` (with :func:`accepted_keywords`, :data:`KWARGS_READ`): every fla call, by keyword, each
-  keyword checked against the installed function's signature.
-* The bodies of fla's autograd Functions ``ChunkKDAFunction``, ``CausalConv1dFunction`` and
-  ``LayerNormGatedFunction`` that :mod:`.kda_fused` runs inside its custom ops: :func:`chunk_forward`,
-  :func:`chunk_backward`, :func:`conv_forward`, :func:`conv_backward`, :func:`norm_forward`, :func:`norm_backward`;
-  and :func:`chunk_indices_of`, :func:`recurrent_step`.
-* :func:`prune_by_shared_memory`, :func:`install_shared_memory_prune`, :func:`fla_autotuners`,
-  :func:`shared_memory_need`: fla's autotuners keep only the configurations whose compiled kernel fits the device's
-  shared memory per block (installed at the first fla call with CUDA tensors).
+* :func:`load`, :func:`load_cp`: fla imported at their first call (inside ``try`` blocks), never on import; the probes
+  :func:`import_error`, :func:`cp_device_error`; :func:`checked`: every fla call by keyword, each keyword checked.
+* The bodies of :mod:`.kda_fused`'s custom ops (:func:`chunk_forward`, ..., :func:`recurrent_step`).
+* :func:`prune_by_shared_memory` and its helpers: fla's autotuners keep only the configurations whose compiled kernel
+  fits the device's shared memory per block.
 
 fla names used that are not in fla's public API (no fla package ``__all__`` lists them), here and nowhere else:
 
@@ -33,6 +27,7 @@ Versions: checked against fla-core :data:`FLA_CHECKED`; requires ``fla-core`` :d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -41,6 +36,9 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from torch import Tensor
+
+from .kda_ops import check_conv_inputs, check_cu_seqlens, check_state
 
 __all__ = [
     "FLA_REQUIREMENT",
@@ -51,14 +49,14 @@ __all__ = [
     "load_cp",
     "cp_device_error",
     "accepted_keywords",
-    "call_checked",
+    "checked",
     "fla_autotuners",
     "prune_by_shared_memory",
     "install_shared_memory_prune",
     "shared_memory_need",
-    "chunk_indices_of",
     "chunk_forward",
     "chunk_backward",
+    "chunk_context_parallel",
     "conv_forward",
     "conv_backward",
     "norm_forward",
@@ -78,11 +76,8 @@ _INSTALL = f"pip install 'fla-core{FLA_REQUIREMENT}'"
 
 @functools.lru_cache(maxsize=1)
 def load() -> SimpleNamespace:
-    """Import fla-core's functions once.
-
-    Returns:
-        A namespace with ``version`` (fla's ``__version__``) and the functions listed in the module docstring under
-        their fla names (``l2norm_fwd``, ..., ``layer_norm_gated_bwd``, ``fused_recurrent_kda``).
+    """Import fla-core's functions once: a namespace with ``version`` (fla's ``__version__``) and the functions listed
+    in the module docstring under their fla names.
 
     Raises:
         ImportError: fla cannot be imported (the message names the cause and the required range).
@@ -101,18 +96,11 @@ def load() -> SimpleNamespace:
         raise ImportError(f"fla-core cannot be imported ({type(exc).__name__}: {exc}); {_INSTALL}") from exc
     _PRUNE["pending"] = True
     return SimpleNamespace(
-        version=getattr(fla, "__version__", "unknown"),
-        l2norm_fwd=l2norm_fwd,
-        l2norm_bwd=l2norm_bwd,
-        fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd,
-        fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd,
-        prepare_chunk_indices=prepare_chunk_indices,
-        chunk_kda_fwd=chunk_kda_fwd,
-        chunk_kda_bwd=chunk_kda_bwd,
-        causal_conv1d_fwd=causal_conv1d_fwd,
-        causal_conv1d_bwd=causal_conv1d_bwd,
-        layer_norm_gated_fwd=layer_norm_gated_fwd,
-        layer_norm_gated_bwd=layer_norm_gated_bwd,
+        version=getattr(fla, "__version__", "unknown"), l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd,
+        fused_beta_sigmoid_fwd=fused_beta_sigmoid_fwd, fused_beta_sigmoid_bwd=fused_beta_sigmoid_bwd,
+        prepare_chunk_indices=prepare_chunk_indices, chunk_kda_fwd=chunk_kda_fwd, chunk_kda_bwd=chunk_kda_bwd,
+        causal_conv1d_fwd=causal_conv1d_fwd, causal_conv1d_bwd=causal_conv1d_bwd,
+        layer_norm_gated_fwd=layer_norm_gated_fwd, layer_norm_gated_bwd=layer_norm_gated_bwd,
         fused_recurrent_kda=fused_recurrent_kda,
     )
 
@@ -129,11 +117,8 @@ def import_error() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def load_cp() -> SimpleNamespace:
-    """Import fla-core's context-parallel KDA once.
-
-    Returns:
-        A namespace with ``chunk_kda`` (the entry point that takes ``cp_context``), ``build_cp_context`` and
-        ``context`` (the module ``fla.ops.cp.context``).
+    """Import fla-core's context-parallel KDA once: a namespace with ``chunk_kda`` (the entry point that takes
+    ``cp_context``), ``build_cp_context`` and ``context`` (the module ``fla.ops.cp.context``).
 
     Raises:
         ImportError: the CP modules cannot be imported (naming the cause).
@@ -165,17 +150,9 @@ def cp_device_error(device: torch.device) -> str | None:
 
 
 def accepted_keywords(fn, name: str, kwargs_names: tuple[str, ...] = ()) -> frozenset:
-    """The keywords a call of ``fn`` may pass without being silently ignored.
-
-    Args:
-        fn: the installed function (decorators are unwrapped through ``__wrapped__``).
-        name: its name, for messages.
-        kwargs_names: names the function is documented to read from its ``**kwargs``.
-
-    Returns:
-        The named parameters of ``fn`` (positional-or-keyword and keyword-only), plus each of ``kwargs_names`` that
-        the function's source reads from its ``**kwargs`` (``kwargs.get("x")``, ``kwargs.pop("x", ...)``,
-        ``kwargs["x"]``). A function without ``**kwargs``, or whose source cannot be read, gets no extras.
+    """The keywords a call of ``fn`` (unwrapped through ``__wrapped__``) may pass without being silently ignored: its
+    named parameters, plus each of ``kwargs_names`` that its source reads from its ``**kwargs``
+    (``kwargs.get("x")``, ``kwargs.pop("x", ...)``, ``kwargs["x"]``).
 
     Raises:
         TypeError: ``fn`` has no inspectable signature (naming ``name``).
@@ -195,31 +172,22 @@ def accepted_keywords(fn, name: str, kwargs_names: tuple[str, ...] = ()) -> froz
             source = ""
         kw = re.escape(var_kw[0])
         for n in kwargs_names:
-            q = re.escape(n)
-            if re.search(rf"\b{kw}\s*(?:\.\s*(?:get|pop)\s*\(\s*|\[\s*)['\"]{q}['\"]", source):
+            if re.search(rf"\b{kw}\s*(?:\.\s*(?:get|pop)\s*\(\s*|\[\s*)['\"]{re.escape(n)}['\"]", source):
                 extra.add(n)
     return frozenset(named | extra)
 
 
-def call_checked(fn, name: str, **kwargs):
-    """Call the fla function ``fn`` with keyword arguments only, after checking that it accepts every one.
+def checked(namespace, name: str, **kwargs) -> functools.partial:
+    """The fla function ``namespace.<name>`` bound to ``kwargs`` (keywords only), to be called: ``checked(...)()``.
 
-    The accepted set (:func:`accepted_keywords` with ``KWARGS_READ[name]``) is computed once per function object.
-
-    Args:
-        fn: the fla function.
-        name: its fla name (``"chunk_kda_fwd"``, ...), used for :data:`KWARGS_READ` and messages.
-        kwargs: the arguments.
-
-    Returns:
-        Whatever ``fn`` returns.
-
-    Before the call, the first with a CUDA tensor argument after :func:`load` / :func:`load_cp` imported fla runs
+    Every keyword is checked against the function (:func:`accepted_keywords` with ``KWARGS_READ[name]``, computed once
+    per function object). The first binding with a CUDA tensor after :func:`load` / :func:`load_cp` imported fla runs
     :func:`install_shared_memory_prune`.
 
     Raises:
         TypeError: a keyword is not accepted (naming the function and the argument(s)).
     """
+    fn = getattr(namespace, name)
     accepted = _ACCEPTED.get(fn)
     if accepted is None:
         accepted = _ACCEPTED[fn] = accepted_keywords(fn, name, KWARGS_READ.get(name, ()))
@@ -232,7 +200,7 @@ def call_checked(fn, name: str, **kwargs):
         )
     if _PRUNE["pending"] and _on_cuda(kwargs.values()):
         install_shared_memory_prune()
-    return fn(**kwargs)
+    return functools.partial(fn, **kwargs)
 
 
 # ============================================================================= autotune configurations that cannot load
@@ -242,17 +210,12 @@ _LOG = logging.getLogger(__name__)
 
 
 def _on_cuda(values) -> bool:
-    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values)
+    return any(isinstance(v, Tensor) and v.device.type == "cuda" for v in values)
 
 
 def fla_autotuners() -> list:
-    """The Triton autotuners of the fla modules imported so far.
-
-    Returns:
-        Every ``triton.runtime.autotuner.Autotuner`` (fla's ``CachedAutotuner`` included) reachable from a module-level
-        name of a module ``fla`` / ``fla.*`` in ``sys.modules``, through ``Heuristics`` wrappers (``.fn``); each
-        once, in import order. Empty when triton or fla is not imported. Imports nothing.
-    """
+    """Every Triton ``Autotuner`` reachable from a module-level name of the ``fla.*`` modules imported so far (through
+    ``Heuristics`` wrappers), each once, in import order; empty when triton or fla is not imported. Imports nothing."""
     if "triton.runtime.autotuner" not in sys.modules:
         return []
     from triton.runtime.autotuner import Autotuner
@@ -272,23 +235,11 @@ def fla_autotuners() -> list:
 
 
 def shared_memory_need(tuner, config, nargs: dict, kwargs: dict) -> int | None:
-    """The shared memory (bytes per block) that ``tuner``'s kernel compiled with ``config`` needs on the current
-    device, from the compiled kernel's metadata (Triton's ``CompiledKernel.metadata.shared``).
+    """Bytes of shared memory per block that ``tuner``'s kernel compiled with ``config`` needs on the current device
+    (the compiled kernel's ``metadata.shared``), or ``None`` when it does not compile or has no such metadata.
 
-    The kernel is compiled, not loaded or launched (``JITFunction.run(..., warmup=True)`` with the launch's arguments
-    and the configuration's parameters), for the target of triton's active driver; the compiled kernel stays in the
-    kernel's cache, where the autotuner's benchmark of the same configuration finds it.
-
-    Args:
-        tuner: a ``triton.runtime.autotuner.Autotuner``.
-        config: a ``triton.Config`` of it.
-        nargs: the launch's positional arguments by parameter name (the autotuner's ``nargs``).
-        kwargs: the launch's keyword arguments (as ``early_config_prune`` receives them; ``grid`` and ``warmup``
-            included or not).
-
-    Returns:
-        Bytes, or ``None`` when the kernel does not compile (the compiler's exception is swallowed: the autotuner meets
-        it again when it benchmarks the configuration) or its metadata has no ``shared``.
+    The kernel is compiled for the active driver's target, not loaded or launched (``JITFunction.run(..., warmup=True)``
+    with the launch's arguments ``nargs`` by parameter name and ``kwargs`` as ``early_config_prune`` receives them).
     """
     call = {**nargs, **kwargs, **config.all_kwargs(), "warmup": True}
     call.setdefault("grid", (1,))
@@ -313,26 +264,14 @@ def _max_shared_memory() -> int:
 
 
 def prune_by_shared_memory(tuner, on_drop=None) -> bool:
-    """Chain onto ``tuner``'s ``early_config_prune`` a prune that drops the configurations whose compiled kernel needs
-    more shared memory per block than the current device allows (the comparison Triton makes when it loads a kernel,
-    ``OutOfResources``), made before the autotuner benchmarks them.
-
-    The prune runs where the autotuner prunes (once per tuning key, only when it has more than one configuration):
-    first the autotuner's own ``early_config_prune`` if it has one, then each remaining configuration is compiled
-    (:func:`shared_memory_need`) and kept unless its need exceeds ``max_shared_mem`` of triton's active driver for the
-    current device. A configuration that does not compile, or whose need is unknown, is kept. If no configuration
-    fits, the list is returned unchanged (Triton then raises ``OutOfResources`` naming the need and the limit).
-
-    Args:
-        tuner: a ``triton.runtime.autotuner.Autotuner``.
-        on_drop: called as ``on_drop(tuner, config, need, limit)`` (bytes) for each configuration dropped; ``None``:
-            only a ``logging`` debug record.
-
-    Returns:
-        ``True`` when the prune was chained now, ``False`` when ``tuner`` already had it (idempotent).
+    """Chain onto ``tuner``'s ``early_config_prune`` (after its own, if any) a prune that drops the configurations
+    whose compiled kernel (:func:`shared_memory_need`) needs more shared memory per block than the current device's
+    ``max_shared_mem``; configurations of unknown need are kept, and if none fits the list is returned unchanged.
+    ``on_drop(tuner, config, need, limit)`` is called for each dropped one. Returns ``False`` when ``tuner`` already
+    had the prune (idempotent), else ``True``.
 
     Raises:
-        TypeError: ``tuner`` is not an ``Autotuner`` (naming its type).
+        TypeError: ``tuner`` is not a triton ``Autotuner``.
     """
     from triton.runtime.autotuner import Autotuner
 
@@ -363,299 +302,197 @@ def prune_by_shared_memory(tuner, on_drop=None) -> bool:
 
 
 def install_shared_memory_prune() -> int:
-    """:func:`prune_by_shared_memory` on every autotuner of :func:`fla_autotuners` (the fla modules imported so far).
-
-    Called by :func:`call_checked` before the first fla call with a CUDA tensor argument after :func:`load` or
-    :func:`load_cp` imported fla; never on import, never for CPU (or meta) tensors. Idempotent.
-
-    Returns:
-        The number of autotuners that got the prune now (0 when all had it).
-    """
+    """:func:`prune_by_shared_memory` on every autotuner of :func:`fla_autotuners`; returns how many got it now.
+    Run by :func:`checked` at the first fla call with a CUDA tensor after fla was imported; idempotent."""
     _PRUNE["pending"] = False
     return sum(prune_by_shared_memory(tuner) for tuner in fla_autotuners())
 
 
-# ================================================================================== the bodies of fla's Functions
-# fla-core's ChunkKDAFunction, CausalConv1dFunction and LayerNormGatedFunction, forward and backward: the fla calls
-# of each, with the arguments those Functions pass. What the forward of a Function saves for its backward is returned
-# to the caller.
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+# ============================================================================================== the custom ops' bodies
+# The forward and backward of fla-core's ChunkKDAFunction, CausalConv1dFunction and LayerNormGatedFunction (the fla
+# calls of each, with the arguments those Functions pass), as the bodies of kda_fused's custom ops: tensors in, a
+# tensor or a tuple of new tensors out, an empty tensor for an output that does not exist. The checks that read
+# cu_seqlens run here (a traced graph cannot read data); the others ran in kda_fused's public functions. Each body
+# also raises ImportError and TypeError as load() / load_cp() and checked() do.
+_CONV_CHUNK = 64  # fla's CausalConv1dFunction default chunk size
+_NORM = dict(bias=None, activation="sigmoid", is_rms_norm=True)  # fla's gated norm as RMSNorm * sigmoid(gate)
+
+
+def _device(t: Tensor):
+    """The CUDA device context of ``t`` (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _contiguous(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def chunk_indices_of(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """fla's chunk indices ``[NT, 2]`` (long: document, chunk within it) of the documents ``cu_seqlens`` (long
-    ``[N + 1]``, with its host copy), ``NT`` the number of chunks of ``chunk_size`` tokens over all documents.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
-    """
-    return call_checked(load().prepare_chunk_indices, "prepare_chunk_indices", cu_seqlens=cu_seqlens,
-                        chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
 
 
-def chunk_forward(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-                  scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                  safe_gate, lower_bound, chunk_size):
-    """The forward of fla's ``ChunkKDAFunction`` on contiguous inputs (the arguments of fla's ``chunk_kda``).
+def _chunk_indices(fla, cu_seqlens: Tensor, cu_host: list[int], chunk_size: int):
+    """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2] long: document, chunk within it)``."""
+    cu = cu_seqlens.to(torch.long)
+    cu_cpu = torch.tensor(cu_host, dtype=torch.long)
+    return cu, cu_cpu, checked(fla, "prepare_chunk_indices", cu_seqlens=cu, chunk_size=chunk_size,
+                               cu_seqlens_cpu=cu_cpu)()
 
-    Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` (the log decay, or the raw gate input when
-            ``use_gate_in_kernel``); beta: ``[B, T, H]`` (logits when ``use_beta_sigmoid_in_kernel``); float32,
-            bfloat16 or float16.
-        A_log: ``[H]``, dt_bias: ``[H * K]`` (fp32) when ``use_gate_in_kernel``, else ``None``.
-        initial_state: ``[N, H, K, V]`` fp32 or ``None``; cu_seqlens: long ``[N + 1]`` (with ``cu_seqlens_cpu`` and
-            :func:`chunk_indices_of`'s ``chunk_indices``) or ``None``.
-        scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-            safe_gate, lower_bound, chunk_size: as fla's ``chunk_kda``.
+
+def chunk_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None,
+                  dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None, scale: float,
+                  output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+                  use_beta_sigmoid_in_kernel: bool, safe_gate: bool, lower_bound: float | None,
+                  chunk_size: int) -> tuple[(Tensor,) * 11]:
+    """The forward of fla's ``ChunkKDAFunction``, arguments as fla's ``chunk_kda`` (``initial_state`` fp32).
 
     Returns:
-        ``(o, final_state or None, q, q_rstd, k, k_rstd, beta_act, g_cumsum or None, Aqk, Akk)``: ``q``/``k``
-        l2-normalised with their reciprocal norms when ``use_qk_l2norm_in_kernel`` (else the inputs and ``None``),
-        ``beta_act`` the sigmoid of ``beta`` when ``use_beta_sigmoid_in_kernel`` (else ``beta``); ``o`` ``[B, T, H, V]``
-        in q's dtype, ``final_state`` fp32 ``[N, H, K, V]``.
+        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V])`` and the backward's residuals ``q``, ``q_rstd``,
+        ``k``, ``k_rstd`` (l2-normalised, reciprocal norms), ``beta_act`` (sigmoid), ``g_cumsum``, ``Aqk``, ``Akk``,
+        ``chunk_indices [NT, 2]`` long; empty where absent (``chunk_indices`` ``[0, 2]`` without ``cu_seqlens``).
 
     Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+        ValueError: bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
+    """
+    B, T, H, K = q.shape
+    cu = cu_cpu = indices = None
+    if cu_seqlens is not None:
+        cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]")
+        check_state(initial_state, len(cu_host) - 1, H, K, v.shape[-1])
+    fla = load()
+    with _device(q):
+        q, k, v, g, beta, A_log, dt_bias, initial_state = map(
+            _contiguous, (q, k, v, g, beta, A_log, dt_bias, initial_state))
+        if cu_seqlens is not None:
+            cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, chunk_size)
+        q_rstd = k_rstd = None
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd = checked(fla, "l2norm_fwd", x=q)()
+            k, k_rstd = checked(fla, "l2norm_fwd", x=k)()
+        beta_act = beta
+        if use_beta_sigmoid_in_kernel:
+            beta_act = checked(fla, "fused_beta_sigmoid_fwd", x=beta, scale=1.0)()
+        o, final, g_cumsum, Aqk, Akk = checked(
+            fla, "chunk_kda_fwd", q=q, k=k, v=v, g=g, beta=beta_act, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+            chunk_indices=indices, chunk_size=chunk_size, safe_gate=safe_gate, lower_bound=lower_bound,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, disable_recompute=False,
+            return_intermediate_states=False, cp_context=None, use_graph=False, chunk_offsets=None)()[:5]
+    l2 = use_qk_l2norm_in_kernel
+    residuals = (q, q_rstd, k, k_rstd) if l2 else (None,) * 4
+    residuals += (beta_act if use_beta_sigmoid_in_kernel else None, g_cumsum)
+    return (o.type_as(q), _or_empty(final, q), *(_or_empty(t, q) for t in residuals), Aqk, Akk,
+            indices if indices is not None else q.new_empty((0, 2), dtype=torch.long))
+
+
+def chunk_backward(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                   A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
+                   cu_seqlens: Tensor | None, q_normed: Tensor, q_rstd: Tensor, k_normed: Tensor, k_rstd: Tensor,
+                   beta_act: Tensor, g_cumsum: Tensor, Aqk: Tensor, Akk: Tensor, chunk_indices: Tensor, scale: float,
+                   use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+                   safe_gate: bool, lower_bound: float | None, chunk_size: int) -> tuple[(Tensor,) * 8]:
+    """The backward of fla's ``ChunkKDAFunction``: ``do`` ``[B, T, H, V]``, ``dht`` fp32 ``[N, H, K, V]`` or ``None``,
+    the forward's inputs and :func:`chunk_forward`'s residuals. Returns ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias,
+    dh0)``, each shaped and typed as its input (empty where the input is ``None``).
     """
     fla = load()
-    q_rstd = k_rstd = None
-    if use_qk_l2norm_in_kernel:
-        q, q_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=q)
-        k, k_rstd = call_checked(fla.l2norm_fwd, "l2norm_fwd", x=k)
-    beta_act = beta
-    if use_beta_sigmoid_in_kernel:
-        beta_act = call_checked(fla.fused_beta_sigmoid_fwd, "fused_beta_sigmoid_fwd", x=beta, scale=1.0)
-    o, final, g_cumsum, Aqk, Akk = call_checked(
-        fla.chunk_kda_fwd,
-        "chunk_kda_fwd",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta_act,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=False,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_indices=chunk_indices,
-        chunk_size=chunk_size,
-        safe_gate=safe_gate,
-        lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        disable_recompute=False,
-        return_intermediate_states=False,
-        cp_context=None,
-        use_graph=False,
-        chunk_offsets=None,
-    )[:5]
-    return o, final, q, q_rstd, k, k_rstd, beta_act, g_cumsum, Aqk, Akk
+    l2, sig = use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel
+    with _device(q):
+        g_in, A_log, dt_bias, initial_state = map(_contiguous, (g, A_log, dt_bias, initial_state))
+        dq, dk, dv, db, dg, dh0, dA, dbias = checked(
+            fla, "chunk_kda_bwd", q=q_normed if l2 else q.contiguous(), k=k_normed if l2 else k.contiguous(),
+            v=v.contiguous(), beta=beta_act if sig else beta.contiguous(), Aqk=Aqk, Akk=Akk, scale=scale,
+            initial_state=initial_state, do=do.contiguous(), dht=_contiguous(dht),
+            g=None if use_gate_in_kernel else g_cumsum, g_org=g_in if use_gate_in_kernel else None,
+            state_v_first=False, cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+            chunk_indices=chunk_indices if cu_seqlens is not None else None, chunk_size=chunk_size,
+            safe_gate=safe_gate, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+            dt_bias=dt_bias, disable_recompute=False, cp_context=None, use_graph=False, chunk_offsets=None)()
+        if l2:
+            dq = checked(fla, "l2norm_bwd", y=q_normed, rstd=q_rstd, dy=dq)()
+            dk = checked(fla, "l2norm_bwd", y=k_normed, rstd=k_rstd, dy=dk)()
+        if sig:
+            db = checked(fla, "fused_beta_sigmoid_bwd", x=beta.contiguous(), dy=db, scale=1.0)()
+    return (dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), _or_empty(dA, q), _or_empty(dbias, q),
+            _or_empty(dh0, q))
 
 
-def chunk_backward(do, dht, q, k, v, beta, beta_act, g, g_cumsum, A_log, dt_bias, initial_state, Aqk, Akk,
-                   cu_seqlens, chunk_indices, *, q_normed, q_rstd, k_normed, k_rstd, scale, use_qk_l2norm_in_kernel,
-                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, chunk_size):
-    """The backward of fla's ``ChunkKDAFunction``: ``do`` ``[B, T, H, V]``, ``dht`` ``[N, H, K, V]`` fp32 or ``None``;
-    ``q``/``k`` as the kernel read them (normalised when ``use_qk_l2norm_in_kernel``), the rest as
-    :func:`chunk_forward` took and returned them.
+def chunk_context_parallel(cp_context, **kwargs) -> Tensor:
+    """fla's public ``chunk_kda`` with ``cp_context`` (keyword arguments as fla's, on ``q``'s device); returns ``o``."""
+    with _device(kwargs["q"]):
+        return checked(load_cp(), "chunk_kda", cp_context=cp_context, **kwargs)()[0]
 
-    Returns:
-        ``(dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)``, each shaped as its input (fla's; ``None`` where fla has
-        none).
+
+def conv_forward(x: Tensor, weight: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor | None,
+                 activation: str | None, output_final_state: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward of fla's ``CausalConv1dFunction`` without bias or residual: ``x`` ``[B, T, D]``, ``weight``
+    ``[D, W]``, ``initial_state`` ``[N, D, W]`` or ``None``, ``activation`` ``"silu"`` or ``None``. Returns
+    ``(y [B, T, D] in x's dtype, final_state [N, D, W] or empty, chunk_indices [NT, 2] long or [0, 2])``.
 
     Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+        ValueError: bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
     """
+    cu = cu_cpu = indices = None
+    if cu_seqlens is not None:
+        cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
     fla = load()
-    dq, dk, dv, db, dg, dh0, dA, dbias = call_checked(
-        fla.chunk_kda_bwd,
-        "chunk_kda_bwd",
-        q=q,
-        k=k,
-        v=v.contiguous(),
-        beta=beta_act if use_beta_sigmoid_in_kernel else beta.contiguous(),
-        Aqk=Aqk,
-        Akk=Akk,
-        scale=scale,
-        initial_state=initial_state,
-        do=do.contiguous(),
-        dht=_contiguous(dht),
-        g=None if use_gate_in_kernel else g_cumsum,
-        g_org=g if use_gate_in_kernel else None,
-        state_v_first=False,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-        chunk_indices=chunk_indices if cu_seqlens is not None else None,
-        chunk_size=chunk_size,
-        safe_gate=safe_gate,
-        lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        disable_recompute=False,
-        cp_context=None,
-        use_graph=False,
-        chunk_offsets=None,
-    )
-    if use_qk_l2norm_in_kernel:
-        dq = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=q_normed, rstd=q_rstd, dy=dq)
-        dk = call_checked(fla.l2norm_bwd, "l2norm_bwd", y=k_normed, rstd=k_rstd, dy=dk)
-    if use_beta_sigmoid_in_kernel:
-        db = call_checked(fla.fused_beta_sigmoid_bwd, "fused_beta_sigmoid_bwd", x=beta.contiguous(), dy=db,
-                          scale=1.0)
-    return dq, dk, dv, db, dg, dh0, dA, dbias
+    with _device(x):
+        if cu_seqlens is not None:
+            cu, cu_cpu, indices = _chunk_indices(fla, cu_seqlens, cu_host, _CONV_CHUNK)
+        y, final = checked(
+            fla, "causal_conv1d_fwd", x=x, weight=weight.contiguous(), bias=None, residual=None,
+            initial_state=_contiguous(initial_state), output_final_state=output_final_state, activation=activation,
+            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=indices, chunk_size=_CONV_CHUNK)()
+    return y, _or_empty(final, x), indices if indices is not None else x.new_empty((0, 2), dtype=torch.long)
 
 
-def conv_forward(x, weight, *, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu,
-                 chunk_indices, chunk_size):
-    """The forward of fla's ``CausalConv1dFunction`` without bias or residual.
-
-    Args:
-        x: ``[B, T, D]``; weight: ``[D, W]`` (depthwise kernel of width ``W``); initial_state: ``[N, D, W]`` or
-            ``None``; activation: ``"silu"`` or ``None``; cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size: as
-            :func:`chunk_forward`.
-
-    Returns:
-        ``(y [B, T, D] in x's dtype, final_state [N, D, W] or None)``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+def conv_backward(dy: Tensor, dht: Tensor | None, x: Tensor, weight: Tensor, initial_state: Tensor | None,
+                  cu_seqlens: Tensor | None, chunk_indices: Tensor, activation: str | None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`conv_forward` (``dy`` as ``x``, ``dht`` as the final state or ``None``). Returns
+    ``(dx, dweight, dh0 or empty)``.
     """
-    return call_checked(
-        load().causal_conv1d_fwd,
-        "causal_conv1d_fwd",
-        x=x,
-        weight=weight,
-        bias=None,
-        residual=None,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        activation=activation,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_indices=chunk_indices,
-        chunk_size=chunk_size,
-    )
+    with _device(x):
+        dx, dw, _, _, dh0 = checked(
+            load(), "causal_conv1d_bwd", x=x, dy=dy, dht=_contiguous(dht), weight=weight.contiguous(), bias=None,
+            residual=None, initial_state=_contiguous(initial_state), activation=activation,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+            chunk_indices=chunk_indices if cu_seqlens is not None else None, chunk_size=_CONV_CHUNK)()
+    return dx, dw, _or_empty(dh0, x)
 
 
-def conv_backward(x, dy, dht, weight, *, initial_state, activation, cu_seqlens, chunk_indices, chunk_size):
-    """The backward of fla's ``CausalConv1dFunction`` without bias or residual (arguments as :func:`conv_forward`;
-    ``dy`` as ``x``, ``dht`` as the final state or ``None``).
-
-    Returns:
-        ``(dx, dweight, dh0 or None)``, shaped as ``x``, ``weight``, ``initial_state``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+def norm_forward(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The forward of fla's ``LayerNormGatedFunction`` as RMSNorm with a sigmoid gate, no bias or residual: ``x``,
+    ``gate`` ``[..., D]``, ``weight`` ``[D]``. Returns ``(y in x's shape and dtype, rstd fp32 [x.numel() // D])``.
     """
-    dx, dw, _, _, dh0 = call_checked(
-        load().causal_conv1d_bwd,
-        "causal_conv1d_bwd",
-        x=x,
-        dy=dy,
-        dht=_contiguous(dht),
-        weight=weight.contiguous(),
-        bias=None,
-        residual=None,
-        initial_state=_contiguous(initial_state),
-        activation=activation,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-        chunk_indices=chunk_indices if cu_seqlens is not None else None,
-        chunk_size=chunk_size,
-    )
-    return dx, dw, dh0
+    dim = x.shape[-1]
+    with _device(x):
+        y, _, rstd, _ = checked(
+            load(), "layer_norm_gated_fwd", x=x.contiguous().reshape(-1, dim), g=gate.contiguous().reshape(-1, dim),
+            weight=weight.contiguous(), eps=eps, residual=None, residual_dtype=None, **_NORM)()
+    return y.reshape(x.shape), rstd
 
 
-def norm_forward(x, g, weight, eps):
-    """The forward of fla's ``LayerNormGatedFunction`` as RMSNorm with a sigmoid gate, no bias or residual.
+def norm_backward(dy: Tensor, x: Tensor, gate: Tensor, weight: Tensor, rstd: Tensor, eps: float
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`norm_forward` (``dy`` as ``x``). Returns ``(dx, dgate, dweight)``."""
+    dim = x.shape[-1]
+    with _device(x):
+        dx, dg, dw, _, _ = checked(
+            load(), "layer_norm_gated_bwd", dy=dy.contiguous().reshape(-1, dim), x=x.contiguous().reshape(-1, dim),
+            g=gate.contiguous().reshape(-1, dim), weight=weight.contiguous(), eps=eps, mean=None, rstd=rstd,
+            dresidual=None, has_residual=False, x_dtype=x.dtype, **_NORM)()
+    return dx.reshape(x.shape), dg.reshape(gate.shape), dw
 
-    Args:
-        x, g: rows ``[N, D]``; weight: ``[D]``; eps: added to the mean square.
 
-    Returns:
-        ``(y [N, D] in x's dtype, rstd [N] fp32)``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
+def recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+                   initial_state: Tensor | None, scale: float | None, lower_bound: float | None
+                   ) -> tuple[Tensor, Tensor]:
+    """fla's ``fused_recurrent_kda`` with the gate, the beta sigmoid and the q/k l2-norm in the kernel, K-first state:
+    ``g`` the raw gate input, ``beta`` logits, ``initial_state`` fp32 ``[B, H, K, V]`` or ``None``. Returns
+    ``(o [B, T, H, V] in q's dtype, final_state fp32 [B, H, K, V])``.
     """
-    y, _, rstd, _ = call_checked(
-        load().layer_norm_gated_fwd,
-        "layer_norm_gated_fwd",
-        x=x,
-        g=g,
-        weight=weight,
-        bias=None,
-        activation="sigmoid",
-        eps=eps,
-        residual=None,
-        residual_dtype=None,
-        is_rms_norm=True,
-    )
-    return y, rstd
-
-
-def norm_backward(dy, x, g, weight, rstd, eps, x_dtype):
-    """The backward of :func:`norm_forward` (``dy`` as ``x``; ``x_dtype`` the dtype of ``dx``).
-
-    Returns:
-        ``(dx [N, D], dg [N, D], dweight [D])``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
-    """
-    dx, dg, dw, _, _ = call_checked(
-        load().layer_norm_gated_bwd,
-        "layer_norm_gated_bwd",
-        dy=dy,
-        x=x,
-        g=g,
-        weight=weight,
-        bias=None,
-        activation="sigmoid",
-        eps=eps,
-        mean=None,
-        rstd=rstd,
-        dresidual=None,
-        has_residual=False,
-        is_rms_norm=True,
-        x_dtype=x_dtype,
-    )
-    return dx, dg, dw
-
-
-def recurrent_step(q, k, v, g, beta, A_log, dt_bias, *, initial_state, scale, lower_bound):
-    """fla's ``fused_recurrent_kda`` with the gate, the beta sigmoid and the q/k l2-norm in the kernel, K-first state.
-
-    Args:
-        q, k, g: ``[B, T, H, K]`` (``g`` the raw gate input); v: ``[B, T, H, V]``; beta: ``[B, T, H]`` logits;
-            A_log: ``[H]``; dt_bias: ``[H * K]``; initial_state: ``[B, H, K, V]`` fp32 or ``None``; scale,
-            lower_bound: as fla's ``fused_recurrent_kda``.
-
-    Returns:
-        ``(o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32)``.
-
-    Raises:
-        ImportError, TypeError: as :func:`load`, :func:`call_checked`.
-    """
-    return tuple(call_checked(
-        load().fused_recurrent_kda,
-        "fused_recurrent_kda",
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        lower_bound=lower_bound,
-        state_v_first=False,
-    ))
+    return tuple(checked(
+        load(), "fused_recurrent_kda", q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+        initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound, state_v_first=False)())

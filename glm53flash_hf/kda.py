@@ -196,15 +196,14 @@ class Glm53FlashLinearAttention(nn.Module):
                                                layout.num_segments)
         (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state,
                                            output_final_state=cache is not None, **varlen)
-        core = cp_core = chunk_kda_torch
+        core, cp_core = chunk_kda_torch, None
         if params["fused"]:
             from .kda_fused import chunk_kda_context_parallel, chunk_kda_gate_in_kernel
 
             core = functools.partial(chunk_kda_gate_in_kernel, **params["gate"])
             cp_core = functools.partial(chunk_kda_context_parallel, **params["gate"])
         if sp is not None:
-            o = sp_chunk_kda(sp, core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens,
-                             cp_core=cp_core if params["fused"] else None)
+            o = sp_chunk_kda(sp, core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, cp_core=cp_core)
             return self._output(o, x, params)
         o, final = core(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
                         **varlen)
@@ -279,13 +278,7 @@ class Glm53FlashLinearAttention(nn.Module):
         from .kda_fused import chunk_kda_gate_in_kernel, fused_recurrent_step
 
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        if needs_grad:
-            return functools.partial(chunk_kda_gate_in_kernel, **params["gate"])
-
-        def step(q, k, v, g_raw, beta_logits, *, initial_state, output_final_state):
-            return fused_recurrent_step(q, k, v, g_raw, beta_logits, state=initial_state, **params["gate"])
-
-        return step
+        return functools.partial(chunk_kda_gate_in_kernel if needs_grad else fused_recurrent_step, **params["gate"])
 
     def _store(self, cache, conv_final, conv_inputs, recurrent_final, history) -> None:
         # the call's conv inputs [B, D, S]: the cache layer keeps the last W (all of them while recording) and counts

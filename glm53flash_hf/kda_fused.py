@@ -1,28 +1,22 @@
-"""Fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops (namespace ``glm53flash``), with the
-maths of the torch path :mod:`.kda_ops`.
-
-A KDA layer call on this path: :func:`causal_conv1d_fused`, then :func:`chunk_kda_gate_in_kernel` (gate, beta sigmoid,
-q/k l2-norm and chunked delta rule in one kernel call), :func:`fused_recurrent_step` (a cached decode step without
-gradients) or :func:`chunk_kda_context_parallel` (a sequence-parallel shard), then :func:`rms_norm_gated_fused`.
-Every op has a fake (``torch.compile(fullgraph=True)`` traces it) and reads ``cu_seqlens`` inside the op. The fla calls
-are in :mod:`.fla_compat`; importing this module never imports fla. Besides the errors each function lists, a kernel
-call raises ``TypeError`` when the installed fla rejects an argument and ``ImportError`` when fla-core is missing.
+"""Fused KDA path: fla-core's Triton kernels as ``torch.library`` custom ops (namespace ``glm53flash``) with fakes
+and autograd formulas, the maths of the torch path :mod:`.kda_ops`; the ops' bodies (the fla calls) are in
+:mod:`.fla_compat`, and importing this module never imports fla. Besides the errors each function lists, a kernel call
+raises ``TypeError`` when the installed fla rejects an argument and ``ImportError`` when fla-core is missing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
 import torch
+from torch import Tensor
 
 from .dispatch import local_tensor
 from .fla_compat import (
-    call_checked,
     chunk_backward,
+    chunk_context_parallel,
     chunk_forward,
-    chunk_indices_of,
     conv_backward,
     conv_forward,
     cp_device_error,
@@ -33,14 +27,13 @@ from .fla_compat import (
     recurrent_step,
 )
 from .graph_ops import define_op
-from .kda_ops import check_conv_inputs, check_core_inputs, check_cu_seqlens, check_state
+from .kda_ops import check_conv_inputs, check_core_inputs, check_state
 
 __all__ = [
     "fused_kda_available",
     "chunk_kda_fused",
     "chunk_kda_gate_in_kernel",
     "chunk_kda_context_parallel",
-    "fla_cp_available",
     "fla_cp_context",
     "fla_cp_refusal",
     "causal_conv1d_fused",
@@ -57,27 +50,20 @@ SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lo
 
 
 # ========================================================================================================= fla access
-def fla_cp_available(device: torch.device) -> tuple[bool, str]:
-    """``(True, "")`` if fla's context-parallel kernels import and accept ``device``, else ``(False, reason)``."""
-    try:
-        error = cp_device_error(device)
-    except ImportError as exc:
-        return False, str(exc)
-    if error is not None:
-        return False, f"fla refuses the device {device}: {error}"
-    return True, ""
-
-
 def fla_cp_refusal(sp, device) -> str | None:
-    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row), or ``None``."""
+    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row, fla's CP modules and a
+    device they accept), or ``None``."""
     if sp.global_layout.batch_size != 1:
         return (f"it chains one token row and this batch has {sp.global_layout.batch_size} rows; pack the "
                 "documents into one row per step to use it")
-    ok, reason = fla_cp_available(device)
-    return None if ok else reason
+    try:
+        error = cp_device_error(device)
+    except ImportError as exc:
+        return str(exc)
+    return None if error is None else f"fla refuses the device {device}: {error}"
 
 
-def fla_cp_context(sp, cu_seqlens: torch.Tensor):
+def fla_cp_context(sp, cu_seqlens: Tensor):
     """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``).
 
     Raises:
@@ -96,16 +82,12 @@ def fla_cp_context(sp, cu_seqlens: torch.Tensor):
     return sp.memo["fla_cp"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ============================================================================================================== probe
-def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
+def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
     """The KDA probe of :mod:`.dispatch`: ``(True, "")`` when fla's kernels can run on ``tensors``, else
     ``(False, reason)``. Floating tensors must be float32/bfloat16/float16 on CUDA (CPU under ``TRITON_INTERPRET=1``),
     a 4-D tensor ``[B, T, H, K]`` with ``K`` in ``[16, 256]``, and fla-core must import."""
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tensors if isinstance(t, Tensor)]
     if not tensors:
         return False, "no tensors given"
     bad = sorted({str(t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES})
@@ -116,7 +98,7 @@ def fused_kda_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     if wrong:
         return False, f"head dim {wrong[0]} is outside fla's supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
     if not all(t.is_cuda for t in tensors):
-        if not (_interpreting() and all(t.device.type == "cpu" for t in tensors)):
+        if not (os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)):
             return False, "the tensors are not on a CUDA device"
     error = import_error()
     if error is not None:
@@ -135,7 +117,7 @@ def _safe_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and SAFE_GATE_RANGE[0] <= lower_bound < SAFE_GATE_RANGE[1]
 
 
-def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: int, lower_bound) -> None:
+def _check_gate_params(A_log: Tensor, dt_bias: Tensor, H: int, K: int, lower_bound) -> None:
     if tuple(A_log.shape) != (H,):
         raise ValueError(f"A_log must be [H={H}]; got shape {tuple(A_log.shape)}")
     if tuple(dt_bias.shape) != (H * K,):
@@ -144,92 +126,25 @@ def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, H: int, K: in
         raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
 
 
-def _device(t: torch.Tensor):
-    """The CUDA device context of ``t`` (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
+def _empty(like: Tensor) -> Tensor:
     """The placeholder an op returns for an output that does not exist (custom ops return no ``None``)."""
     return like.new_empty(0)
 
 
-def _or_none(t: torch.Tensor, exists: bool) -> torch.Tensor | None:
+def _or_none(t: Tensor, exists: bool) -> Tensor | None:
     return t if exists else None
 
 
-def _chunk_indices(cu_seqlens: torch.Tensor | None, cu_host: list[int] | None, chunk_size: int):
-    """``(cu_seqlens long, its host copy, fla's chunk indices [NT, 2])``, or three ``None``."""
-    if cu_seqlens is None:
-        return None, None, None
-    cu = cu_seqlens.to(torch.long)
-    cu_cpu = torch.tensor(cu_host, dtype=torch.long)
-    return cu, cu_cpu, chunk_indices_of(cu, cu_cpu, chunk_size)
-
-
-def _indices_fake(like: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+def _indices_fake(like: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     """Fake of the chunk-index output: ``[NT, 2]`` long with a data-dependent ``NT``, ``[0, 2]`` without documents."""
     rows = 0 if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
     return like.new_empty((rows, 2), dtype=torch.long)
 
 
 # ======================================================================================================= custom ops
+# The bodies are fla_compat's chunk_forward, chunk_backward, conv_forward, ... (the fla calls); here their fakes and
+# autograd formulas.
 # ---------------------------------------------------------------------------------------------------------- chunk_kda
-def _chunk_fwd_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    scale: float,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    safe_gate: bool,
-    lower_bound: float | None,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, T, H, K = q.shape
-    cu_host = None
-    if cu_seqlens is not None:  # the checks that read the boundaries run here: a traced graph cannot read data
-        cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]")
-        check_state(initial_state, len(cu_host) - 1, H, K, v.shape[-1])
-    with _device(q):
-        q, k, v, g, beta, A_log, dt_bias, initial_state = map(
-            _contiguous, (q, k, v, g, beta, A_log, dt_bias, initial_state))
-        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, chunk_size)
-        o, final, q, q_rstd, k, k_rstd, beta_act, g_cumsum, Aqk, Akk = chunk_forward(
-            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu, chunk_indices=indices, scale=scale, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
-            chunk_size=chunk_size)
-    l2 = use_qk_l2norm_in_kernel
-    return (
-        o.type_as(q),
-        final if final is not None else _empty(q),
-        q if l2 else _empty(q),
-        q_rstd if l2 else _empty(q),
-        k if l2 else _empty(q),
-        k_rstd if l2 else _empty(q),
-        beta_act if use_beta_sigmoid_in_kernel else _empty(q),
-        g_cumsum if g_cumsum is not None else _empty(q),
-        Aqk,
-        Akk,
-        indices if indices is not None else q.new_empty((0, 2), dtype=torch.long),
-    )
-
-
 def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
                     chunk_size):
@@ -251,51 +166,6 @@ def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
         k.new_empty((B, T, H, chunk_size)),  # Akk
         _indices_fake(q, cu_seqlens),
     )
-
-
-def _chunk_bwd_impl(
-    do: torch.Tensor,
-    dht: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    q_normed: torch.Tensor,
-    q_rstd: torch.Tensor,
-    k_normed: torch.Tensor,
-    k_rstd: torch.Tensor,
-    beta_act: torch.Tensor,
-    g_cumsum: torch.Tensor,
-    Aqk: torch.Tensor,
-    Akk: torch.Tensor,
-    chunk_indices: torch.Tensor,
-    scale: float,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    safe_gate: bool,
-    lower_bound: float | None,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
-    l2 = use_qk_l2norm_in_kernel
-    with _device(q):
-        qk_q = q_normed if l2 else q.contiguous()
-        qk_k = k_normed if l2 else k.contiguous()
-        g_in, A_log_in, dt_bias_in, h0 = map(_contiguous, (g, A_log, dt_bias, initial_state))
-        dq, dk, dv, db, dg, dh0, dA, dbias = chunk_backward(
-            do, dht, qk_q, qk_k, v, beta, beta_act, g_in, g_cumsum, A_log_in, dt_bias_in, h0, Aqk, Akk, cu_seqlens,
-            chunk_indices, q_normed=q_normed, q_rstd=q_rstd, k_normed=k_normed, k_rstd=k_rstd, scale=scale,
-            use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
-            chunk_size=chunk_size)
-    return (dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), dA if dA is not None else _empty(q),
-            dbias if dbias is not None else _empty(q), dh0 if dh0 is not None else _empty(q))
 
 
 def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
@@ -327,56 +197,16 @@ def _chunk_backward(ctx, do, dht, *_):
             _or_none(dh0, initial_state is not None)) + (None,) * 9
 
 
-_CHUNK_BWD = define_op("fla_chunk_kda_bwd", _chunk_bwd_impl, _chunk_bwd_fake)
-_CHUNK_FWD = define_op("fla_chunk_kda_fwd", _chunk_fwd_impl, _chunk_fwd_fake, backward=_chunk_backward,
+_CHUNK_BWD = define_op("fla_chunk_kda_bwd", chunk_backward, _chunk_bwd_fake)
+_CHUNK_FWD = define_op("fla_chunk_kda_fwd", chunk_forward, _chunk_fwd_fake, backward=_chunk_backward,
                        setup_context=_chunk_setup)
 
 
 # ----------------------------------------------------------------------------------------------------- causal_conv1d
-_CONV_CHUNK = 64  # fla's CausalConv1dFunction default chunk size
-
-
-def _conv_fwd_impl(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    activation: str | None,
-    output_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cu_host = None
-    if cu_seqlens is not None:  # reads the boundaries (one host sync); the shape checks ran in the caller
-        cu_host = check_conv_inputs(x, weight, activation, initial_state, cu_seqlens)
-    with _device(x):
-        weight, initial_state = weight.contiguous(), _contiguous(initial_state)
-        cu, cu_cpu, indices = _chunk_indices(cu_seqlens, cu_host, _CONV_CHUNK)
-        y, final = conv_forward(x, weight, initial_state=initial_state, output_final_state=output_final_state,
-                                activation=activation, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=indices,
-                                chunk_size=_CONV_CHUNK)
-    return (y, final if final is not None else _empty(x),
-            indices if indices is not None else x.new_empty((0, 2), dtype=torch.long))
-
-
 def _conv_fwd_fake(x, weight, initial_state, cu_seqlens, activation, output_final_state):
     n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else _empty(x)
     return x.new_empty(x.shape), final, _indices_fake(x, cu_seqlens)
-
-
-def _conv_bwd_impl(
-    dy: torch.Tensor,
-    dht: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    chunk_indices: torch.Tensor,
-    activation: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _device(x):
-        dx, dw, dh0 = conv_backward(x, dy, dht, weight, initial_state=initial_state, activation=activation,
-                                    cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=_CONV_CHUNK)
-    return dx, dw, dh0 if dh0 is not None else _empty(x)
 
 
 def _conv_bwd_fake(dy, dht, x, weight, initial_state, cu_seqlens, chunk_indices, activation):
@@ -400,32 +230,14 @@ def _conv_backward(ctx, dy, dht, _):
     return dx, dw, _or_none(dh0, initial_state is not None), None, None, None
 
 
-_CONV_BWD = define_op("fla_causal_conv1d_bwd", _conv_bwd_impl, _conv_bwd_fake)
-_CONV_FWD = define_op("fla_causal_conv1d_fwd", _conv_fwd_impl, _conv_fwd_fake, backward=_conv_backward,
+_CONV_BWD = define_op("fla_causal_conv1d_bwd", conv_backward, _conv_bwd_fake)
+_CONV_FWD = define_op("fla_causal_conv1d_fwd", conv_forward, _conv_fwd_fake, backward=_conv_backward,
                       setup_context=_conv_setup)
 
 
 # ---------------------------------------------------------------------------------------------------- rms_norm_gated
-def _norm_fwd_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    dim = x.shape[-1]
-    with _device(x):
-        y, rstd = norm_forward(x.contiguous().reshape(-1, dim), gate.contiguous().reshape(-1, dim),
-                               weight.contiguous(), eps)
-    return y.reshape(x.shape), rstd
-
-
 def _norm_fwd_fake(x, gate, weight, eps):
     return x.new_empty(x.shape), x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
-
-
-def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dim = x.shape[-1]
-    with _device(x):
-        dx, dg, dw = norm_backward(dy.contiguous().reshape(-1, dim), x.contiguous().reshape(-1, dim),
-                                   gate.contiguous().reshape(-1, dim), weight.contiguous(), rstd, eps, x.dtype)
-    return dx.reshape(x.shape), dg.reshape(gate.shape), dw
 
 
 def _norm_bwd_fake(dy, x, gate, weight, rstd, eps):
@@ -445,28 +257,12 @@ def _norm_backward(ctx, dy, _):
     return dx, dg, dw, None
 
 
-_NORM_BWD = define_op("fla_rms_norm_gated_bwd", _norm_bwd_impl, _norm_bwd_fake)
-_NORM_FWD = define_op("fla_rms_norm_gated_fwd", _norm_fwd_impl, _norm_fwd_fake, backward=_norm_backward,
+_NORM_BWD = define_op("fla_rms_norm_gated_bwd", norm_backward, _norm_bwd_fake)
+_NORM_FWD = define_op("fla_rms_norm_gated_fwd", norm_forward, _norm_fwd_fake, backward=_norm_backward,
                       setup_context=_norm_setup)
 
 
 # ----------------------------------------------------------------------------------------------- fused_recurrent_kda
-def _recurrent_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    scale: float | None,
-    lower_bound: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return recurrent_step(q, k, v, g, beta, A_log, dt_bias, initial_state=initial_state, scale=scale,
-                          lower_bound=lower_bound)
-
-
 def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):
     B, _, H, K = q.shape
     return v.new_empty(v.shape), q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
@@ -477,24 +273,14 @@ def _recurrent_backward(ctx, *grads):
                        "(chunk_kda_gate_in_kernel) for training")
 
 
-_RECURRENT = define_op("fla_fused_recurrent_kda", _recurrent_impl, _recurrent_fake, backward=_recurrent_backward)
+_RECURRENT = define_op("fla_fused_recurrent_kda", recurrent_step, _recurrent_fake, backward=_recurrent_backward)
 
 
 # ============================================================================================== kernels, one by one
-def chunk_kda_fused(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    use_qk_l2norm_in_kernel: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                    initial_state: Tensor | None = None, output_final_state: bool = False,
+                    cu_seqlens: Tensor | None = None, chunk_size: int = 64,
+                    use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA with an activated gate and beta by fla's chunked kernels (fla's ``chunk_kda``).
 
     The contract of :func:`.kda_ops.chunk_kda_torch` (float32/bfloat16/float16 inputs; fla computes the gate and the
@@ -504,72 +290,43 @@ def chunk_kda_fused(
         ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
             ``cu_seqlens``.
     """
-    o, final = _CHUNK_FWD(*_chunk_args(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
-    ))[:2]
+    o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                        chunk_size, None, use_qk_l2norm_in_kernel))[:2]
     return o, final if output_final_state else None
 
 
-def _check_chunk_call(q, k, v, g, beta, chunk_size: int, gate=None) -> None:
-    """Checks of every fused chunked entry point; ``gate = (A_log, dt_bias, lower_bound)`` for the in-kernel gate."""
+def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate,
+                use_qk_l2norm_in_kernel=True) -> dict:
+    """The checked arguments of the op ``fla_chunk_kda_fwd`` by name; ``gate = (A_log, dt_bias, lower_bound)`` puts
+    the forget gate and the beta sigmoid in the kernel, ``None`` takes an activated gate and beta."""
     check_core_inputs(q, k, v, g, beta)
-    H, K = q.shape[2], q.shape[3]
-    _check_head_dim(K, v.shape[-1])
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_head_dim(K, V)
+    A_log, dt_bias, lower_bound = (None, None, None) if gate is None else gate
     if gate is not None:
-        A_log, dt_bias, lower_bound = gate
         _check_gate_params(A_log, dt_bias, H, K, lower_bound)
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
-
-
-def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate=None,
-                **flags):
-    """The checked arguments of ``fla_chunk_kda_fwd``; ``flags`` are the kernel's ``use_*`` switches."""
-    _check_chunk_call(q, k, v, g, beta, chunk_size, gate)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     if cu_seqlens is None:  # with documents, the op checks the state against the boundaries it reads
         check_state(initial_state, B, H, K, V)
-    return (
-        q, k, v, g, beta, A_log, dt_bias,
-        initial_state.float() if initial_state is not None else None,
-        cu_seqlens,
-        float(K**-0.5 if scale is None else scale),
-        output_final_state,
-        flags["use_qk_l2norm_in_kernel"],
-        flags["use_gate_in_kernel"],
-        flags["use_beta_sigmoid_in_kernel"],
-        _safe_gate(lower_bound) if gate is not None else False,
-        lower_bound,
-        chunk_size,
-    )
+    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                initial_state=None if initial_state is None else initial_state.float(), cu_seqlens=cu_seqlens,
+                scale=float(K**-0.5 if scale is None else scale), output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=gate is not None,
+                use_beta_sigmoid_in_kernel=gate is not None, safe_gate=_safe_gate(lower_bound),
+                lower_bound=lower_bound, chunk_size=chunk_size)
 
 
-def chunk_kda_gate_in_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g_raw: torch.Tensor,
-    beta_logits: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda_gate_in_kernel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
+                             dt_bias: Tensor, lower_bound: float | None, *, scale: float | None = None,
+                             initial_state: Tensor | None = None, output_final_state: bool = False,
+                             cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
     """GLM's KDA core in one call of fla's chunked kernels: forget gate, beta sigmoid, q/k l2-norm, delta rule.
 
-    Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with the gate of :class:`.kda.Glm53FlashForgetGate`,
-    ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))`` (``-exp(A_log[h]) * softplus(g_raw + dt_bias)``
-    when ``lower_bound`` is None), in fp32 inside the kernel; differentiable in every tensor argument.
+    Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with ``g`` the gate of
+    :class:`.kda.Glm53FlashForgetGate` on ``g_raw``, computed in fp32 inside the kernel; differentiable in every tensor
+    argument.
 
     Args:
         q, k: ``[B, T, H, K]`` after the short convolution (not normalised); v: ``[B, T, H, V]``.
@@ -583,30 +340,14 @@ def chunk_kda_gate_in_kernel(
     Raises:
         ValueError: as :func:`chunk_kda_fused`; wrong ``A_log`` / ``dt_bias`` shapes, a non-negative ``lower_bound``.
     """
-    o, final = _CHUNK_FWD(*_chunk_args(
-        q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-        gate=(A_log, dt_bias, lower_bound),
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-    ))[:2]
+    o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state,
+                                        cu_seqlens, chunk_size, (A_log, dt_bias, lower_bound)))[:2]
     return o, final if output_final_state else None
 
 
-def chunk_kda_context_parallel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g_raw: torch.Tensor,
-    beta_logits: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    *,
-    cp_context,
-    scale: float | None = None,
-    chunk_size: int = 64,
-) -> torch.Tensor:
+def chunk_kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
+                               dt_bias: Tensor, lower_bound: float | None, *, cp_context, scale: float | None = None,
+                               chunk_size: int = 64) -> Tensor:
     """One rank's shard of a context-parallel :func:`chunk_kda_gate_in_kernel`: fla's ``chunk_kda`` with ``cp_context``.
 
     Arguments as :func:`chunk_kda_gate_in_kernel` over the rank's ``[1, T, ...]`` tokens, documents from
@@ -616,45 +357,16 @@ def chunk_kda_context_parallel(
     Raises:
         ValueError: as :func:`chunk_kda_gate_in_kernel`, or ``q.shape[0] != 1``.
     """
-    _check_chunk_call(q, k, v, g_raw, beta_logits, chunk_size, (A_log, dt_bias, lower_bound))
+    args = _chunk_args(q, k, v, g_raw, beta_logits, scale, None, False, None, chunk_size, (A_log, dt_bias, lower_bound))
     if q.shape[0] != 1:
         raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
-    K = q.shape[3]
-    cp = load_cp()
-    with _device(q):
-        o, _ = call_checked(
-            cp.chunk_kda,
-            "chunk_kda",
-            q=q,
-            k=k,
-            v=v,
-            g=g_raw,
-            beta=beta_logits,
-            scale=float(K**-0.5 if scale is None else scale),
-            initial_state=None,
-            output_final_state=False,
-            use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            safe_gate=_safe_gate(lower_bound),
-            lower_bound=lower_bound,
-            A_log=A_log,
-            dt_bias=dt_bias,
-            chunk_size=chunk_size,
-            cp_context=cp_context,
-        )
-    return o.type_as(q)
+    del args["cu_seqlens"]  # the documents come from cp_context
+    return chunk_context_parallel(cp_context, **args).type_as(q)
 
 
-def causal_conv1d_fused(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    activation: str | None = "silu",
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_conv1d_fused(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None = None, activation: str | None = "silu",
+                        initial_state: Tensor | None = None, output_final_state: bool = False
+                        ) -> tuple[Tensor, Tensor | None]:
     """Depthwise causal convolution (+SiLU) by fla's convolution kernels: the contract of
     :func:`.kda_ops.causal_conv1d_torch`, accumulated in fp32 whatever the weight dtype.
 
@@ -668,7 +380,7 @@ def causal_conv1d_fused(
     return y, final if output_final_state else None
 
 
-def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_gated_fused(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` for ``x, gate`` ``[..., K]``, ``weight`` ``[K]``, by
     fla's ``rms_norm_gated(activation="sigmoid")`` kernels (:class:`.kda.Glm53FlashRMSNormGated`).
 
@@ -683,24 +395,14 @@ def rms_norm_gated_fused(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     return _NORM_FWD(x, gate, weight, float(eps))[0]
 
 
-def fused_recurrent_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g_raw: torch.Tensor,
-    beta_logits: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    state: torch.Tensor | None,
-    *,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
+                         dt_bias: Tensor, lower_bound: float | None, initial_state: Tensor | None = None, *,
+                         scale: float | None = None, output_final_state: bool = True) -> tuple[Tensor, Tensor | None]:
     """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
 
     Equals :func:`.kda_ops.recurrent_kda_torch` on the gate and beta of :func:`chunk_kda_gate_in_kernel` (same
-    arguments, no ``cu_seqlens``); ``state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
-    ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V])``, without an autograd graph.
+    arguments, no ``cu_seqlens``); ``initial_state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
+    ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V] or None)``, without an autograd graph.
 
     Raises:
         RuntimeError: grad mode is on and an input requires grad (the kernel has no backward).
@@ -708,7 +410,7 @@ def fused_recurrent_step(
     """
     A_log = local_tensor(A_log, "forget_gate.A_log")
     dt_bias = local_tensor(dt_bias, "forget_gate.dt_bias")
-    inputs = (q, k, v, g_raw, beta_logits, A_log, dt_bias, state)
+    inputs = (q, k, v, g_raw, beta_logits, A_log, dt_bias, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         raise RuntimeError(
             "fused_recurrent_step has no backward (fla's fused_recurrent_kda is inference-only) but an input requires "
@@ -719,11 +421,12 @@ def fused_recurrent_step(
     V = v.shape[-1]
     _check_head_dim(K, V)
     _check_gate_params(A_log, dt_bias, H, K, lower_bound)
-    check_state(state, B, H, K, V)
-    if state is not None and state.dtype != torch.float32:
-        raise ValueError(f"state must be float32 (the recurrent cache is fp32); got dtype {state.dtype}")
-    return _RECURRENT(q, k, v, g_raw, beta_logits, A_log, dt_bias, state,
-                      None if scale is None else float(scale), lower_bound)
+    check_state(initial_state, B, H, K, V)
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"initial_state must be float32 (the recurrent cache is fp32); got {initial_state.dtype}")
+    o, final = _RECURRENT(q, k, v, g_raw, beta_logits, A_log, dt_bias, initial_state,
+                          None if scale is None else float(scale), lower_bound)
+    return o, final if output_final_state else None
 
 
 def kernel_params(layer) -> dict:

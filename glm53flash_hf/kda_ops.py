@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from .graph_ops import in_graph, recompute_op
 
@@ -41,12 +42,12 @@ _L2NORM_EPS = 1e-6
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def _l2norm(x: Tensor) -> Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim (fla's and transformers' ``l2norm``)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2NORM_EPS)
 
 
-def _autocast_disabled(x: torch.Tensor):
+def _autocast_disabled(x: Tensor):
     """Autocast off on ``x``'s device while the torch KDA ops run (they compute in their own dtypes)."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
@@ -54,7 +55,7 @@ def _autocast_disabled(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, name_batch: str) -> list[int]:
+def check_cu_seqlens(cu_seqlens: Tensor, total: int, batch: int, name_batch: str) -> list[int]:
     """``cu_seqlens`` as a host list (one sync); raises ``ValueError`` unless ``batch`` (named ``name_batch``) is 1
     and ``cu_seqlens`` is a 1-D integer tensor of ``>= 2`` entries strictly increasing from 0 to ``total``."""
     if batch != 1:
@@ -75,13 +76,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, name_batc
     return cu
 
 
-def check_conv_inputs(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    activation: str | None,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-) -> list[int] | None:
+def check_conv_inputs(x: Tensor, weight: Tensor, activation: str | None, initial_state: Tensor | None,
+                      cu_seqlens: Tensor | None) -> list[int] | None:
     """Checks of :func:`causal_conv1d_torch`'s arguments, ``ValueError`` on a bad shape, activation or ``cu_seqlens``;
     returns ``cu_seqlens`` as a host list or ``None``."""
     if x.dim() != 3:
@@ -99,7 +95,7 @@ def check_conv_inputs(
     return cu_host
 
 
-def check_core_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+def check_core_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
     """Raise ``ValueError`` naming the first of ``q, k, g`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``, ``beta``
     ``[B, T, H]`` whose shape does not match."""
     if q.dim() != 4:
@@ -114,7 +110,7 @@ def check_core_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}; got {tuple(beta.shape)}")
 
 
-def check_state(initial_state: torch.Tensor | None, n: int, H: int, K: int, V: int) -> None:
+def check_state(initial_state: Tensor | None, n: int, H: int, K: int, V: int) -> None:
     """Raise ``ValueError`` unless ``initial_state`` is ``None`` or ``[n, H, K, V]`` (the transformers cache layout)."""
     if initial_state is not None and tuple(initial_state.shape) != (n, H, K, V):
         raise ValueError(f"initial_state must be [N={n}, H={H}, K={K}, V={V}]; got {tuple(initial_state.shape)}")
@@ -133,15 +129,9 @@ def _prepare_core(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def causal_conv1d_torch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    activation: str | None = "silu",
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_conv1d_torch(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None = None, activation: str | None = "silu",
+                        initial_state: Tensor | None = None, output_final_state: bool = False
+                        ) -> tuple[Tensor, Tensor | None]:
     """Depthwise causal 1-D convolution (no bias) with optional SiLU, restarting at document boundaries.
 
     ``y[t, d] = act(sum_{w < W} weight[d, w] * x[t - (W - 1) + w, d])``, inputs before the document from
@@ -234,12 +224,12 @@ class _ChunkPlan:
     num_chunks: int
     num_rows: int
     num_docs: int
-    token_index: torch.Tensor | None = None
-    first_docs: torch.Tensor | None = None
+    token_index: Tensor | None = None
+    first_docs: Tensor | None = None
     resets: dict | None = None
     ends: dict | None = None
 
-    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+    def to_chunks(self, x: Tensor) -> Tensor:
         """``[B, T, H, F]`` -> ``[L, R, H, C, F]`` (zeros in padding slots)."""
         Fdim = x.shape[-1]
         L, R, H, C = self.num_chunks, self.num_rows, self.heads, self.chunk
@@ -251,7 +241,7 @@ class _ChunkPlan:
         out = out.index_copy(0, self.token_index, x.reshape(-1, Fdim))
         return out.view(L, R, H, C, Fdim)
 
-    def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
+    def from_chunks(self, y: Tensor) -> Tensor:
         """``[L, R, H, C, F]`` -> ``[B, T, H, F]`` (padding slots dropped)."""
         Fdim = y.shape[-1]
         if self.token_index is None:
@@ -320,7 +310,7 @@ def _make_plan(B: int, T: int, H: int, C: int, cu_host: list[int] | None, device
     )
 
 
-def _lower_blocks(a: torch.Tensor, h: int) -> torch.Tensor:
+def _lower_blocks(a: Tensor, h: int) -> Tensor:
     """View ``[M, C / 2h, h, h]`` of the lower-left ``[h, h]`` block of every diagonal ``[2h, 2h]`` block of ``a``."""
     M, C, _ = a.shape
     return a.as_strided((M, C // (2 * h), h, h), (C * C, 2 * h * (C + 1), C, 1), a.storage_offset() + h * C)
@@ -329,7 +319,7 @@ def _lower_blocks(a: torch.Tensor, h: int) -> torch.Tensor:
 class _DecayLevels:
     """Level factors ``(h, e_row, e_col)`` of :func:`_intra_chunk_products`; then the chunk's prefix / suffix sums."""
 
-    def __init__(self, g: torch.Tensor):
+    def __init__(self, g: Tensor):
         self.prefix = g.clone()  # inclusive prefix sums inside blocks of h
         self.suffix = torch.zeros_like(g)  # exclusive suffix sums inside blocks of h
 
@@ -345,7 +335,7 @@ class _DecayLevels:
             h *= 2
 
 
-def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+def _reverse_cumsum(x: Tensor) -> Tensor:
     return x.flip(-2).cumsum(-2).flip(-2)
 
 
@@ -395,7 +385,7 @@ class _IntraChunkProducts(torch.autograd.Function):
         return dq, dk, dg
 
 
-def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _intra_chunk_products(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, ...]:
     """``(Akk, Aqk [M, C, C], exp(G), exp(G_{C-1} - G) [M, C, K])`` for fp32 ``[M, C, K]`` inputs, ``G = cumsum(g)``.
 
     ``Akk[i, j] = sum_d k_id k_jd exp(G_id - G_jd)`` for ``j < i`` (zero elsewhere); ``Aqk`` the same with ``q_i``,
@@ -404,20 +394,10 @@ def _intra_chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> 
     return _IntraChunkProducts.apply(q.contiguous(), k.contiguous(), g.contiguous())
 
 
-def chunk_kda_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    use_qk_l2norm_in_kernel: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                    initial_state: Tensor | None = None, output_final_state: bool = False,
+                    cu_seqlens: Tensor | None = None, chunk_size: int = 64,
+                    use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
     """Chunked Kimi Delta Attention in torch, fp32 maths (autocast off); memory ``O(T)``, never ``O(T^2)``.
 
     fla's ``chunk_kda`` with an activated gate and beta; transformers' ``chunk_kimi_delta_attention`` (WY form;
@@ -499,7 +479,7 @@ def _doc_chunk(length: int, chunk_size: int) -> int:
     return min(chunk_size, 1 << max(0, length - 1).bit_length())
 
 
-def _causal_matmul(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _causal_matmul(a: Tensor, u: Tensor) -> Tensor:
     """``a @ u`` for a lower-triangular ``a`` ``[..., C, C]`` whose NaN/inf in ``u[j]`` reach only rows ``i >= j``."""
     bad = ~torch.isfinite(u)
     out = a @ torch.where(bad, torch.zeros((), dtype=u.dtype, device=u.device), u)
@@ -640,18 +620,9 @@ class _StateRecurrence(torch.autograd.Function):
                 d_decay.view(*shape, K), d_h0, None, None)
 
 
-def recurrent_kda_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                        initial_state: Tensor | None = None, output_final_state: bool = False,
+                        use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
     """Token-by-token Kimi Delta Attention (a differentiable loop over ``T``; transformers'
     ``recurrent_kimi_delta_attention``), fp32 maths. Arguments as in :func:`chunk_kda_torch` without ``cu_seqlens``;
     ``initial_state`` ``[B, H, K, V]`` is not modified. Returns ``(o [B, T, H, V] in q.dtype, final fp32 or None)``.

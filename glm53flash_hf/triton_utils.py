@@ -41,8 +41,6 @@ __all__ = [
 ]
 
 
-
-
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

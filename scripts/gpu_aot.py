@@ -380,22 +380,24 @@ def _kda_inputs(tokens: int):
 def _capture_kda_chunk():
     import torch
 
+    from glm53flash_hf import fla_compat
     from glm53flash_hf import kda_fused as kf
     q, beta, a_log, dt_bias = _kda_inputs(TOKENS)
     state = torch.empty(1, KDA_HEADS, KDA_HEAD_DIM, KDA_HEAD_DIM, dtype=torch.float32, device="meta")
     safe = kf._safe_gate(KDA_LOWER_BOUND)
     flags = (True, True, True, safe, KDA_LOWER_BOUND, KDA_CHUNK)
     with _site(f"chunk_kda fwd (chunk {KDA_CHUNK})"):
-        out = kf._chunk_fwd_impl(q, q, q, q, beta, a_log, dt_bias, state, None, KDA_HEAD_DIM ** -0.5, True, *flags)
+        out = fla_compat.chunk_forward(q, q, q, q, beta, a_log, dt_bias, state, None, KDA_HEAD_DIM ** -0.5, True,
+                                       *flags)
     with _site(f"chunk_kda bwd (chunk {KDA_CHUNK})"):
-        kf._chunk_bwd_impl(q, state, q, q, q, q, beta, a_log, dt_bias, state, None, *out[2:], KDA_HEAD_DIM ** -0.5,
-                           *flags)
+        fla_compat.chunk_backward(q, state, q, q, q, q, beta, a_log, dt_bias, state, None, *out[2:],
+                                  KDA_HEAD_DIM ** -0.5, *flags)
 
 
 def _capture_kda_conv():
     import torch
 
-    from glm53flash_hf import kda_fused as kf
+    from glm53flash_hf import fla_compat
     width = 3 * KDA_HEADS * KDA_HEAD_DIM
     for tokens in (TOKENS, 1):
         x = torch.empty(1, tokens, width, dtype=torch.bfloat16, device="meta")
@@ -403,35 +405,35 @@ def _capture_kda_conv():
         h0 = torch.empty(1, width, CONV_KERNEL, dtype=torch.bfloat16, device="meta")
         tag = "train" if tokens > 1 else "decode"
         with _site(f"causal_conv1d fwd ({tag})"):
-            kf._conv_fwd_impl(x, w, h0, None, "silu", True)
+            fla_compat.conv_forward(x, w, h0, None, "silu", True)
         if tokens > 1:
             with _site("causal_conv1d bwd"):
-                kf._conv_bwd_impl(x, h0, x, w, h0, None, None, "silu")
+                fla_compat.conv_backward(x, h0, x, w, h0, None, None, "silu")
 
 
 def _capture_kda_norm():
     import torch
 
-    from glm53flash_hf import kda_fused as kf
+    from glm53flash_hf import fla_compat
     for tokens in (TOKENS, 1):
         x = torch.empty(1, tokens, KDA_HEADS, KDA_HEAD_DIM, dtype=torch.bfloat16, device="meta")
         w = torch.empty(KDA_HEAD_DIM, dtype=torch.float32, device="meta")
         tag = "train" if tokens > 1 else "decode"
         with _site(f"rms_norm_gated fwd ({tag})"):
-            _, rstd = kf._norm_fwd_impl(x, x, w, 1e-5)
+            _, rstd = fla_compat.norm_forward(x, x, w, 1e-5)
         if tokens > 1:
             with _site("rms_norm_gated bwd"):
-                kf._norm_bwd_impl(x, x, x, w, rstd, 1e-5)
+                fla_compat.norm_backward(x, x, x, w, rstd, 1e-5)
 
 
 def _capture_kda_recurrent():
     import torch
 
-    from glm53flash_hf import kda_fused as kf
+    from glm53flash_hf import fla_compat
     q, beta, a_log, dt_bias = _kda_inputs(1)
     state = torch.empty(1, KDA_HEADS, KDA_HEAD_DIM, KDA_HEAD_DIM, dtype=torch.float32, device="meta")
     with _site("fused_recurrent_kda (decode)"), torch.no_grad():
-        kf._recurrent_impl(q, q, q, q, beta, a_log, dt_bias, state, None, KDA_LOWER_BOUND)
+        fla_compat.recurrent_step(q, q, q, q, beta, a_log, dt_bias, state, None, KDA_LOWER_BOUND)
 
 
 CAPTURE = {"mhc": _capture_mhc, "dsa": _capture_dsa, "moe": _capture_moe, "kda_chunk": _capture_kda_chunk,

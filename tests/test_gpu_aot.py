@@ -306,7 +306,7 @@ def test_prune_compiles_a_real_kernel_for_the_device(stand_in, launches, monkeyp
 
 
 def test_prune_is_installed_on_fla_autotuners_only_for_cuda_tensors(monkeypatch):
-    """:func:`fla_compat.call_checked` installs the prune on the autotuners of the imported ``fla.*`` modules (through
+    """:func:`fla_compat.checked` installs the prune on the autotuners of the imported ``fla.*`` modules (through
     a ``Heuristics`` wrapper too) at the first call with a CUDA tensor after fla was loaded; CPU and meta tensors, or
     no tensor, install nothing; installing again changes nothing."""
     import sys
@@ -333,13 +333,13 @@ def test_prune_is_installed_on_fla_autotuners_only_for_cuda_tensors(monkeypatch)
     def fn(x):
         return "called"
 
-    assert fla_compat.call_checked(fn, "fn", x=torch.zeros(1)) == "called"
-    assert fla_compat.call_checked(fn, "fn", x=torch.zeros(1, device="meta")) == "called"
-    assert fla_compat.call_checked(fn, "fn", x=3) == "called"
+    assert fla_compat.checked(types.SimpleNamespace(fn=fn), "fn", x=torch.zeros(1))() == "called"
+    assert fla_compat.checked(types.SimpleNamespace(fn=fn), "fn", x=torch.zeros(1, device="meta"))() == "called"
+    assert fla_compat.checked(types.SimpleNamespace(fn=fn), "fn", x=3)() == "called"
     assert marked() == [False, False] and fla_compat._PRUNE["pending"] is True
     with FakeTensorMode():
         on_gpu = torch.empty(1, device="cuda")
-    assert fla_compat.call_checked(fn, "fn", x=on_gpu) == "called"
+    assert fla_compat.checked(types.SimpleNamespace(fn=fn), "fn", x=on_gpu)() == "called"
     assert marked() == [True, True] and fla_compat._PRUNE["pending"] is False
     chained = plain.early_config_prune
     assert fla_compat.install_shared_memory_prune() == 0 and plain.early_config_prune is chained

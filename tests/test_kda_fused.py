@@ -39,6 +39,7 @@ section "KDA".
 from __future__ import annotations
 
 import importlib.abc
+import os
 import sys
 import warnings
 from types import SimpleNamespace
@@ -631,6 +632,64 @@ def test_cached_decode_takes_the_fused_step(force_fused, monkeypatch, lower_boun
     assert_rel(outs["fused"][0], full, "cached vs uncached", tol=1e-5)
 
 
+def package_frames_at(call, is_target) -> list[str]:
+    """The package's own frames (qualified names, outermost first) on the stack when ``call()`` first enters a function
+    whose code object ``is_target`` accepts (that function included if it is the package's), seen by
+    ``sys.setprofile``. Frames of torch (module call, custom-op dispatch, autograd) and of tests are not counted."""
+    import glm53flash_hf
+
+    root = os.path.dirname(os.path.abspath(glm53flash_hf.__file__)) + os.sep
+    stacks = []
+
+    def profile(frame, event, arg):
+        if event == "call" and not stacks and is_target(frame.f_code):
+            codes = []
+            while frame is not None:
+                codes.append(frame.f_code)
+                frame = frame.f_back
+            stacks.append([c.co_qualname for c in reversed(codes) if c.co_filename.startswith(root)])
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    assert stacks, "the target function was not called"
+    return stacks[0]
+
+
+def fla_function(name: str, file: str):
+    """Matcher of :func:`package_frames_at` for fla's function ``name`` defined in ``fla/ops/kda/<file>``."""
+    path = os.path.join("fla", "ops", "kda", file)
+    return lambda code: code.co_name == name and code.co_filename.endswith(path)
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_layer_to_its_kernel(force_fused):
+    """From the KDA layer's forward to its kernel: at most 4 frames of the package's own code, on the fused path (to
+    fla's ``chunk_kda_fwd``; for a cached decode step without gradients to fla's ``fused_recurrent_kda``) and on the
+    torch path (to the chunked core ``_chunk_kda_core``; for the decode step to ``recurrent_kda_torch``)."""
+    from transformers import DynamicCache
+
+    fused, torch_layer = layer_pair(seed=6)
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(7))
+
+    def prefill_and_decode(layer, kernel, step):
+        cache = DynamicCache(config=tiny_config())
+        return (package_frames_at(lambda: layer(x[:, :8], build_document_layout(1, 8, "cpu"), cache=cache), kernel),
+                package_frames_at(lambda: layer(x[:, 8:], build_document_layout(1, 1, "cpu"), cache=cache), step))
+
+    chunk, step = fla_function("chunk_kda_fwd", "chunk_fwd.py"), fla_function("fused_recurrent_kda",
+                                                                              "fused_recurrent.py")
+    with torch.no_grad():
+        found = dict(zip(("fused", "fused decode"), prefill_and_decode(fused, chunk, step)))
+        found.update(zip(("torch", "torch decode"), prefill_and_decode(
+            torch_layer, lambda c: c.co_name == "_chunk_kda_core", lambda c: c.co_name == "recurrent_kda_torch")))
+    print("\n".join(f"{name}: {' -> '.join(frames)}" for name, frames in found.items()))
+    for frames in found.values():
+        assert frames[0] == "Glm53FlashLinearAttention.forward" and len(frames) <= 4, frames
+
+
 @pytest.mark.skipif(INTERPRETING, reason="main-process test (CPU tensors, no interpreter)")
 def test_cpu_auto_never_imports_fla_and_equals_torch(monkeypatch):
     """kernels="auto" on CPU tensors takes the torch path (bit-equal to kernels="torch", forward and backward, packed
@@ -704,25 +763,24 @@ def test_probe_reasons(monkeypatch):
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
 def test_guard_rejects_keywords_the_function_would_ignore(monkeypatch):
-    """call_checked raises TypeError naming the function and the argument for a keyword that is neither a named
-    parameter nor read from **kwargs; kwargs names (listed in KWARGS_READ) are accepted only where the source reads
-    them."""
+    """checked raises TypeError naming the function and the argument for a keyword that is neither a named parameter
+    nor read from **kwargs; kwargs names (listed in KWARGS_READ) are accepted only where the source reads them."""
     from glm53flash_hf import fla_compat
 
     def no_safe_gate(q, k, *, scale=None):
         return "called"
 
-    assert fla_compat.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, scale=0.5) == "called"
-    with pytest.raises(TypeError, match=r"no_safe_gate.*\['safe_gate'\]"):
-        fla_compat.call_checked(no_safe_gate, "no_safe_gate", q=1, k=2, safe_gate=True)
-
     def chunk_kda(q, **kwargs):  # reads A_log and chunk_size from **kwargs, swallows the rest (as fla's does)
         return kwargs.get("A_log"), kwargs.pop("chunk_size", 64)
 
+    fla = SimpleNamespace(no_safe_gate=no_safe_gate, chunk_kda=chunk_kda)
+    assert fla_compat.checked(fla, "no_safe_gate", q=1, k=2, scale=0.5)() == "called"
+    with pytest.raises(TypeError, match=r"no_safe_gate.*\['safe_gate'\]"):
+        fla_compat.checked(fla, "no_safe_gate", q=1, k=2, safe_gate=True)
     monkeypatch.setitem(fla_compat.KWARGS_READ, "chunk_kda", ("A_log", "dt_bias", "chunk_size"))
-    assert fla_compat.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, chunk_size=32) == (3, 32)
+    assert fla_compat.checked(fla, "chunk_kda", q=1, A_log=3, chunk_size=32)() == (3, 32)
     with pytest.raises(TypeError, match=r"chunk_kda.*\['dt_bias'\]"):
-        fla_compat.call_checked(chunk_kda, "chunk_kda", q=1, A_log=3, dt_bias=4)
+        fla_compat.checked(fla, "chunk_kda", q=1, A_log=3, dt_bias=4)
 
 
 def _fake_fla(record):
