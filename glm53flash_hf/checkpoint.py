@@ -113,28 +113,19 @@ class LoadOnlyRenaming(WeightRenaming):
         return _InertRenaming(source_patterns=r"^\b$", target_patterns="")
 
 
-def causal_lm_prefix_renaming() -> WeightRenaming:
-    """``model.language_model.`` / ``language_model.`` → ``model.`` (Glm53FlashForCausalLM; canonical source first)."""
-    return WeightRenaming(
-        source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns=r"^model\."
-    )
-
-
-def text_model_prefix_renaming() -> WeightRenaming:
-    """``model.language_model.`` / ``language_model.`` → ``""`` (Glm53FlashTextModel; load only)."""
-    return LoadOnlyRenaming(source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns="")
-
-
-def layer_conversions() -> list:
-    """The per-layer transforms (published key → in-memory parameter), independent of the key prefix."""
+def model_conversions() -> dict[str, list]:
+    """``{class name: transforms}`` of this module copy: the text model drops the ``model.language_model.`` /
+    ``language_model.`` prefix (load only) and maps the per-layer published keys to its parameters; the causal LM maps
+    that prefix to ``model.``."""
+    prefixes = [r"^model\.language_model\.", r"^language_model\."]
     renames = [
         (r"self_attn\.f_a_proj\.", "self_attn.forget_gate.f_a_proj."),
         (r"self_attn\.f_b_proj\.", "self_attn.forget_gate.f_b_proj."),
         (r"self_attn\.dt_bias", "self_attn.forget_gate.dt_bias"),
         (r"self_attn\.A_log", "self_attn.forget_gate.A_log"),
     ] + [(f"hc_{site}_{p}", f"{site}_hc.{p}") for site in ("attn", "ffn") for p in ("fn", "base", "scale")]
-    out: list = [WeightRenaming(source_patterns=s, target_patterns=t) for s, t in renames]
-    out += [
+    layers: list = [WeightRenaming(source_patterns=s, target_patterns=t) for s, t in renames]
+    layers += [
         WeightConverter(
             source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
             target_patterns="mlp.experts.gate_up_proj",
@@ -151,14 +142,9 @@ def layer_conversions() -> list:
             operations=[Concatenate(dim=0), CastToParamDtype()],
         ),
     ]
-    return out
-
-
-def model_conversions() -> dict[str, list]:
-    """``{class name: transforms}`` of this module copy."""
     return {
-        "Glm53FlashTextModel": [text_model_prefix_renaming()] + layer_conversions(),
-        "Glm53FlashForCausalLM": [causal_lm_prefix_renaming()],
+        "Glm53FlashTextModel": [LoadOnlyRenaming(source_patterns=prefixes, target_patterns="")] + layers,
+        "Glm53FlashForCausalLM": [WeightRenaming(source_patterns=prefixes, target_patterns=r"^model\.")],
     }
 
 
@@ -204,10 +190,11 @@ def checkpoint_keys(path: str) -> list[str] | None:
     return None if weight_map is None else list(weight_map)
 
 
-def _no_duplicate_keys(path: str):
-    """``json.load`` ``object_pairs_hook`` raising ``ValueError`` for a repeated name."""
+def read_json(path: str, *, unique_keys: bool = False):
+    """The parsed JSON file ``path``; ``ValueError`` naming the file when it is unreadable, invalid, or (with
+    ``unique_keys``) gives a name twice in one object."""
 
-    def hook(pairs):
+    def unique(pairs):
         out = {}
         for key, value in pairs:
             if key in out:
@@ -215,15 +202,9 @@ def _no_duplicate_keys(path: str):
             out[key] = value
         return out
 
-    return hook
-
-
-def read_json(path: str, *, unique_keys: bool = False):
-    """The parsed JSON file ``path``; ``ValueError`` naming the file when it is unreadable, invalid, or (with
-    ``unique_keys``) gives a name twice in one object."""
     try:
         with open(path) as f:
-            return json.load(f, object_pairs_hook=_no_duplicate_keys(path) if unique_keys else None)
+            return json.load(f, object_pairs_hook=unique if unique_keys else None)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from e
 
