@@ -71,15 +71,11 @@ def choose_backend(family: str, requested: str, *tensors: torch.Tensor) -> str:
     return "torch"
 
 
-def register_fused(family: str, torch_op: Callable, loader: str | Callable[[], Callable]) -> None:
-    """Register the fused alternative of ``torch_op`` (same arguments and contract), imported on the first fused call:
-    ``loader`` is ``"module.function"`` of this package or a callable returning it; ``ValueError`` for an unknown
-    family."""
+def register_fused(family: str, torch_op: Callable, loader: Callable[[], Callable]) -> None:
+    """Register the fused alternative of ``torch_op`` (same arguments and contract), imported by ``loader()`` on the
+    first fused call; ``ValueError`` for an unknown family."""
     if family not in KERNEL_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {KERNEL_FAMILIES}")
-    if isinstance(loader, str):
-        module, name = loader.rsplit(".", 1)
-        loader = lambda: getattr(importlib.import_module(f"{__package__}.{module}"), name)
     FUSED_ALTERNATIVES[torch_op.__name__] = (family, loader)
 
 

@@ -32,7 +32,13 @@ __all__ = [
 ]
 
 
-register_fused("dsa", sparse_mla_torch, "dsa_fused.sparse_mla_fused")  # imported for CUDA tensors only
+def _sparse_mla_fused():
+    from .dsa_fused import sparse_mla_fused  # CUDA tensors only: CPU runs never import triton
+
+    return sparse_mla_fused
+
+
+register_fused("dsa", sparse_mla_torch, _sparse_mla_fused)
 
 
 def sparse_mla(

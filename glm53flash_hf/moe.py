@@ -94,7 +94,13 @@ class Glm53FlashTopkRouter(nn.Module):
         )
 
 
-register_fused("moe", experts_forward_torch, "moe_fused.experts_forward_fused")
+def _experts_forward_fused():
+    from .moe_fused import experts_forward_fused
+
+    return experts_forward_fused
+
+
+register_fused("moe", experts_forward_torch, _experts_forward_fused)
 
 
 def grouped_experts_forward(
