@@ -152,11 +152,8 @@ def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
 
 
 class Glm53FlashVideoProcessorKwargs(VideosKwargs, total=False):
-    """Keyword arguments of :class:`Glm53FlashVideoProcessor` on top of transformers' ``VideosKwargs``.
-
-    patch_size (14), temporal_patch_size (2), merge_size (2), patch_expand_factor (1), max_frames (2048),
-    min_image_tokens / max_image_tokens: the clip's token budget for ``smart_resize`` (16 / 240000).
-    """
+    """Keyword arguments of :class:`Glm53FlashVideoProcessor` on top of transformers' ``VideosKwargs`` (defaults: its
+    class attributes; ``min_image_tokens`` / ``max_image_tokens``: the clip's token budget for ``smart_resize``)."""
 
     patch_size: int
     temporal_patch_size: int

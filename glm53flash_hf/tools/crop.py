@@ -60,29 +60,21 @@ class KeyAction:
 
 @dataclass
 class CropPlan:
-    """Everything :func:`run_crop` will do, computed from the headers and ``config.json`` only.
-
-    Attributes:
-        src, layers, dtype: source folder, N, dequantization dtype. block: FP8 block size.
-        weight_map, dtypes, shapes: the source's index and shard headers.
-        actions: one :class:`KeyAction` per source tensor. mtp_layers: MTP layers found.
-        config_in / config_out / schedule_changes: source and rewritten config, ``{field: (old, new)}``.
-        copy_files: non-weight files copied to OUT.
-    """
+    """Everything :func:`run_crop` will do, computed from the headers and ``config.json`` only."""
 
     src: str
-    layers: int
-    dtype: torch.dtype
-    weight_map: dict[str, str]
+    layers: int  # N, the main layers kept
+    dtype: torch.dtype  # of dequantized FP8 weights
+    weight_map: dict[str, str]  # the source's index and shard headers
     dtypes: dict[str, str]
     shapes: dict[str, list[int]]
-    actions: list[KeyAction]
+    actions: list[KeyAction]  # one per source tensor
     config_in: dict
     config_out: dict
-    schedule_changes: dict = field(default_factory=dict)
-    copy_files: list[str] = field(default_factory=list)
-    mtp_layers: int = 0
-    block: tuple[int, int] = (128, 128)
+    schedule_changes: dict = field(default_factory=dict)  # {field: (old, new)}
+    copy_files: list[str] = field(default_factory=list)  # non-weight files copied to OUT
+    mtp_layers: int = 0  # MTP layers found
+    block: tuple[int, int] = (128, 128)  # FP8 block size
 
     def counts(self) -> dict[str, int]:
         """Number of source tensors per action, plus ``dequantize``."""
