@@ -27,13 +27,7 @@ from transformers.conversion_mapping import (
     get_model_conversion_mapping,
     register_checkpoint_conversion_mapping,
 )
-from transformers.core_model_loading import (
-    Concatenate,
-    ConversionOps,
-    MergeModulelist,
-    WeightConverter,
-    WeightRenaming,
-)
+from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter, WeightRenaming
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -614,10 +608,8 @@ def strict_load_report(
                     f" mlp.experts.{{i}}.{{gate,up,down}}_proj.weight tensors are missing from the files)"
                 )
             rows.append(row)
-        message = f"Shape mismatch for {len(rows)} checkpoint tensors of {type(model).__name__}: "
-        message += "; ".join(rows[:20])
-        if len(rows) > 20:
-            message += f"; ... ({len(rows)} in all)"
+        shown = "; ".join(rows[:20]) + (f"; ... ({len(rows)} in all)" if len(rows) > 20 else "")
+        message = f"Shape mismatch for {len(rows)} checkpoint tensors of {type(model).__name__}: {shown}"
         if allow_mismatched:
             logger.warning(message + " (ignore_mismatched_sizes=True: those parameters keep their initial values)")
         else:
@@ -746,10 +738,8 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, d
     )  # fmt: skip
 
     def has_qc(config) -> bool:
-        text = config.get_text_config(decoder=True)
-        return getattr(config, "quantization_config", None) is not None or (
-            getattr(text, "quantization_config", None) is not None
-        )
+        return any(getattr(c, "quantization_config", None) is not None
+                   for c in (config, config.get_text_config(decoder=True)))
 
     config = kwargs.get("config")
     if isinstance(config, PreTrainedConfig):
