@@ -32,12 +32,7 @@ from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
-from .generation_cache import (
-    check_cache,
-    check_cache_continuation,
-    check_cache_layers,
-    check_left_padding,
-)
+from .generation_cache import check_cache, check_cache_continuation, check_cache_layers, check_left_padding
 from .graph_ops import in_graph, module_op, module_parameters, register_module
 from .input_checks import (
     check_input_ids,
@@ -430,19 +425,17 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 kept = {int(i) % len(all_hidden) for i in output_hidden_states}
                 all_hidden = tuple(h if i in kept else None for i, h in enumerate(all_hidden))
         mtp_inputs = {"pre_norm_hidden_state": h_pre, "mtp_inputs_embeds": inputs_embeds} if output_mtp_inputs else {}
-        if not mtp_depth:
-            return Glm53FlashTextModelOutput(
-                last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
-                document_layout=layout if output_router_logits or layout.sequence_parallel is not None else None,
-                attentions=attentions, **mtp_inputs,
+        mtp_hidden = None
+        if mtp_depth:
+            mtp_hidden = self.mtp_forward(
+                h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
             )
-        mtp_hidden = self.mtp_forward(
-            h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
-        )
+            mtp_inputs["pre_norm_hidden_state"] = h_pre
+        keep_layout = mtp_depth or output_router_logits or layout.sequence_parallel is not None
         return Glm53FlashTextModelOutput(
-            last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, pre_norm_hidden_state=h_pre,
-            mtp_hidden_states=mtp_hidden, document_layout=layout, router_logits=router_logits, attentions=attentions,
-            mtp_inputs_embeds=mtp_inputs.get("mtp_inputs_embeds"),
+            last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
+            document_layout=layout if keep_layout else None, attentions=attentions, mtp_hidden_states=mtp_hidden,
+            **mtp_inputs,
         )
 
     def mtp_forward(
@@ -539,6 +532,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     else:
         hidden_states = hidden_states[:, logits_to_keep, :]
     logits = head_model.lm_head(hidden_states)
+    text_config = head_model.config.get_text_config(decoder=True)
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
@@ -577,14 +571,13 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
             shifted=given_shift is not None,
             count_total=sp.global_count if per_depth_mean else None,
         )
-        loss = loss + head_model.config.get_text_config(decoder=True).mtp_loss_weight * mtp_value
+        loss = loss + text_config.mtp_loss_weight * mtp_value
     router_logits = getattr(outputs, "router_logits", None)
     aux_loss = None
     if router_logits:
-        aux_loss = router_load_balancing_loss(head_model.config.get_text_config(decoder=True), router_logits,
-                                              outputs.document_layout)
+        aux_loss = router_load_balancing_loss(text_config, router_logits, outputs.document_layout)
         if loss is not None:
-            loss = loss + head_model.config.get_text_config(decoder=True).router_aux_loss_coef * aux_loss
+            loss = loss + text_config.router_aux_loss_coef * aux_loss
     return Glm53FlashCausalLMOutputWithPast(
         loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None),
         attentions=getattr(outputs, "attentions", None),
@@ -1002,12 +995,5 @@ Glm53FlashForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 Glm53FlashModel.register_for_auto_class("AutoModel")
 Glm53FlashForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
 
-__all__ = [
-    "Glm53FlashPreTrainedModel",
-    "Glm53FlashTextModel",
-    "Glm53FlashForCausalLM",
-    "Glm53FlashModel",
-    "Glm53FlashForConditionalGeneration",
-    "Glm53FlashDecoderLayer",
-    "Glm53FlashMTPLayer",
-]
+__all__ = ["Glm53FlashPreTrainedModel", "Glm53FlashTextModel", "Glm53FlashForCausalLM", "Glm53FlashModel",
+           "Glm53FlashForConditionalGeneration", "Glm53FlashDecoderLayer", "Glm53FlashMTPLayer"]
