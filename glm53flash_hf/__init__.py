@@ -17,21 +17,10 @@ from .processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DocumentLayout",
-    "Glm53FlashConfig",
-    "Glm53FlashForCausalLM",
-    "Glm53FlashForConditionalGeneration",
-    "Glm53FlashModel",
-    "Glm53FlashPackingCollator",
-    "Glm53FlashPreTrainedModel",
-    "Glm53FlashProcessor",
-    "Glm53FlashTextConfig",
-    "Glm53FlashTextModel",
-    "Glm53FlashVideoProcessor",
-    "Glm53FlashVisionConfig",
-    "build_document_layout",
-]
+__all__ = ["DocumentLayout", "Glm53FlashConfig", "Glm53FlashForCausalLM", "Glm53FlashForConditionalGeneration",
+           "Glm53FlashModel", "Glm53FlashPackingCollator", "Glm53FlashPreTrainedModel", "Glm53FlashProcessor",
+           "Glm53FlashTextConfig", "Glm53FlashTextModel", "Glm53FlashVideoProcessor", "Glm53FlashVisionConfig",
+           "build_document_layout"]
 
 
 def __getattr__(name: str):

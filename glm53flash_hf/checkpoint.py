@@ -27,13 +27,7 @@ from transformers.conversion_mapping import (
     get_model_conversion_mapping,
     register_checkpoint_conversion_mapping,
 )
-from transformers.core_model_loading import (
-    Concatenate,
-    ConversionOps,
-    MergeModulelist,
-    WeightConverter,
-    WeightRenaming,
-)
+from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter, WeightRenaming
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -113,28 +107,19 @@ class LoadOnlyRenaming(WeightRenaming):
         return _InertRenaming(source_patterns=r"^\b$", target_patterns="")
 
 
-def causal_lm_prefix_renaming() -> WeightRenaming:
-    """``model.language_model.`` / ``language_model.`` → ``model.`` (Glm53FlashForCausalLM; canonical source first)."""
-    return WeightRenaming(
-        source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns=r"^model\."
-    )
-
-
-def text_model_prefix_renaming() -> WeightRenaming:
-    """``model.language_model.`` / ``language_model.`` → ``""`` (Glm53FlashTextModel; load only)."""
-    return LoadOnlyRenaming(source_patterns=[r"^model\.language_model\.", r"^language_model\."], target_patterns="")
-
-
-def layer_conversions() -> list:
-    """The per-layer transforms (published key → in-memory parameter), independent of the key prefix."""
+def model_conversions() -> dict[str, list]:
+    """``{class name: transforms}`` of this module copy: the text model drops the ``model.language_model.`` /
+    ``language_model.`` prefix (load only) and maps the per-layer published keys to its parameters; the causal LM maps
+    that prefix to ``model.``."""
+    prefixes = [r"^model\.language_model\.", r"^language_model\."]
     renames = [
         (r"self_attn\.f_a_proj\.", "self_attn.forget_gate.f_a_proj."),
         (r"self_attn\.f_b_proj\.", "self_attn.forget_gate.f_b_proj."),
         (r"self_attn\.dt_bias", "self_attn.forget_gate.dt_bias"),
         (r"self_attn\.A_log", "self_attn.forget_gate.A_log"),
     ] + [(f"hc_{site}_{p}", f"{site}_hc.{p}") for site in ("attn", "ffn") for p in ("fn", "base", "scale")]
-    out: list = [WeightRenaming(source_patterns=s, target_patterns=t) for s, t in renames]
-    out += [
+    layers: list = [WeightRenaming(source_patterns=s, target_patterns=t) for s, t in renames]
+    layers += [
         WeightConverter(
             source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
             target_patterns="mlp.experts.gate_up_proj",
@@ -151,14 +136,9 @@ def layer_conversions() -> list:
             operations=[Concatenate(dim=0), CastToParamDtype()],
         ),
     ]
-    return out
-
-
-def model_conversions() -> dict[str, list]:
-    """``{class name: transforms}`` of this module copy."""
     return {
-        "Glm53FlashTextModel": [text_model_prefix_renaming()] + layer_conversions(),
-        "Glm53FlashForCausalLM": [causal_lm_prefix_renaming()],
+        "Glm53FlashTextModel": [LoadOnlyRenaming(source_patterns=prefixes, target_patterns="")] + layers,
+        "Glm53FlashForCausalLM": [WeightRenaming(source_patterns=prefixes, target_patterns=r"^model\.")],
     }
 
 
@@ -204,10 +184,11 @@ def checkpoint_keys(path: str) -> list[str] | None:
     return None if weight_map is None else list(weight_map)
 
 
-def _no_duplicate_keys(path: str):
-    """``json.load`` ``object_pairs_hook`` raising ``ValueError`` for a repeated name."""
+def read_json(path: str, *, unique_keys: bool = False):
+    """The parsed JSON file ``path``; ``ValueError`` naming the file when it is unreadable, invalid, or (with
+    ``unique_keys``) gives a name twice in one object."""
 
-    def hook(pairs):
+    def unique(pairs):
         out = {}
         for key, value in pairs:
             if key in out:
@@ -215,15 +196,9 @@ def _no_duplicate_keys(path: str):
             out[key] = value
         return out
 
-    return hook
-
-
-def read_json(path: str, *, unique_keys: bool = False):
-    """The parsed JSON file ``path``; ``ValueError`` naming the file when it is unreadable, invalid, or (with
-    ``unique_keys``) gives a name twice in one object."""
     try:
         with open(path) as f:
-            return json.load(f, object_pairs_hook=_no_duplicate_keys(path) if unique_keys else None)
+            return json.load(f, object_pairs_hook=unique if unique_keys else None)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from e
 
@@ -633,10 +608,8 @@ def strict_load_report(
                     f" mlp.experts.{{i}}.{{gate,up,down}}_proj.weight tensors are missing from the files)"
                 )
             rows.append(row)
-        message = f"Shape mismatch for {len(rows)} checkpoint tensors of {type(model).__name__}: "
-        message += "; ".join(rows[:20])
-        if len(rows) > 20:
-            message += f"; ... ({len(rows)} in all)"
+        shown = "; ".join(rows[:20]) + (f"; ... ({len(rows)} in all)" if len(rows) > 20 else "")
+        message = f"Shape mismatch for {len(rows)} checkpoint tensors of {type(model).__name__}: {shown}"
         if allow_mismatched:
             logger.warning(message + " (ignore_mismatched_sizes=True: those parameters keep their initial values)")
         else:
@@ -765,10 +738,8 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, d
     )  # fmt: skip
 
     def has_qc(config) -> bool:
-        text = config.get_text_config(decoder=True)
-        return getattr(config, "quantization_config", None) is not None or (
-            getattr(text, "quantization_config", None) is not None
-        )
+        return any(getattr(c, "quantization_config", None) is not None
+                   for c in (config, config.get_text_config(decoder=True)))
 
     config = kwargs.get("config")
     if isinstance(config, PreTrainedConfig):

@@ -150,11 +150,8 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
             raise ValueError(
                 f"swiglu_limit must be positive (or None for no clamp); got swiglu_limit={self.swiglu_limit}"
             )
-        for name, allowed in (
-            ("layer_types", LAYER_TYPES),
-            ("mlp_layer_types", MLP_LAYER_TYPES),
-            ("indexer_types", INDEXER_TYPES),
-        ):
+        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES),
+                              ("indexer_types", INDEXER_TYPES)):
             values = getattr(self, name)
             if len(values) < n:
                 raise ValueError(f"{name} has {len(values)} entries but num_hidden_layers={n}")

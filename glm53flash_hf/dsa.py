@@ -24,12 +24,7 @@ from .norm import Glm53FlashRMSNorm
 from .offload import call_onloaded, is_offload_hooked
 from .packing import DocumentLayout, build_document_layout
 
-__all__ = [
-    "Glm53FlashAttention",
-    "Glm53FlashIndexer",
-    "init_dsa_weights",
-    "sparse_mla",
-]
+__all__ = ["Glm53FlashAttention", "Glm53FlashIndexer", "init_dsa_weights", "sparse_mla"]
 
 
 def _sparse_mla_fused():
@@ -50,9 +45,7 @@ def sparse_mla(
     backend: str = "auto",
     query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`.dsa_ops.sparse_mla_torch` (same arguments, returns and errors) in the implementation ``backend``
-    names: ``"torch"``, ``"fused"`` (:func:`.dsa_fused.sparse_mla_fused`; when it cannot run, warns once and runs
-    torch) or ``"auto"`` (fused where it can run); ``ValueError`` for another ``backend``."""
+    """:func:`.dsa_ops.sparse_mla_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`)."""
     op = op_for(sparse_mla_torch, backend, q_abs, latent, indices)
     return op(q_abs, latent, indices, scale, query_chunk=query_chunk)
 

@@ -12,17 +12,9 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from .graph_ops import define_op
 
-__all__ = [
-    "DEFAULT_INDEXER_SCORE_ELEMENTS",
-    "DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS",
-    "check_sparse_mla_args",
-    "kpool_pool_keys",
-    "select_top_pools",
-    "sparse_mla_torch",
-    "sparse_mla_with_weights",
-    "stable_topk_indices",
-    "tail_token_ids",
-]
+__all__ = ["DEFAULT_INDEXER_SCORE_ELEMENTS", "DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS", "check_sparse_mla_args",
+           "kpool_pool_keys", "select_top_pools", "sparse_mla_torch", "sparse_mla_with_weights", "stable_topk_indices",
+           "tail_token_ids"]
 
 # Working-set budgets in tensor elements (fp32: 4 bytes each).
 DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 24  # [B, chunk, index_n_heads, pools] score buffer of the indexer

@@ -18,21 +18,10 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-__all__ = [
-    "CacheContext",
-    "Glm53FlashIndexedCacheLayer",
-    "Glm53FlashKDACacheLayer",
-    "MtpDraftCache",
-    "UnsupportedCacheError",
-    "build_cache_context",
-    "cache_seq_length",
-    "check_cache",
-    "check_cache_continuation",
-    "check_cache_layers",
-    "check_croppable",
-    "check_left_padding",
-    "make_croppable",
-]
+__all__ = ["CacheContext", "Glm53FlashIndexedCacheLayer", "Glm53FlashKDACacheLayer", "MtpDraftCache",
+           "UnsupportedCacheError", "build_cache_context", "cache_seq_length", "check_cache",
+           "check_cache_continuation", "check_cache_layers", "check_croppable", "check_left_padding",
+           "make_croppable"]
 
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 
@@ -141,15 +130,9 @@ def _unpadded_context(cache: Cache, batch_size: int, seq_len: int, device: torch
     past = past.clone() if isinstance(past, torch.Tensor) else torch.tensor(past, device=device)
     past = past.to(device=device, dtype=torch.long)
     positions = torch.arange(seq_len, device=device) + past
+    valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
     first = torch.zeros(batch_size, dtype=torch.long, device=device)
-    return CacheContext(
-        past=past,
-        seq_len=seq_len,
-        valid=torch.ones(batch_size, seq_len, dtype=torch.bool, device=device),
-        first=first,
-        positions=positions,
-        local_pos=positions.unsqueeze(0).expand(batch_size, seq_len),
-    )
+    return CacheContext(past, seq_len, valid, first, positions, positions.unsqueeze(0).expand(batch_size, seq_len))
 
 
 def build_cache_context(
@@ -231,14 +214,7 @@ def build_cache_context(
         torch.full((batch_size,), total, dtype=torch.long, device=device),
     ).long()
     positions = torch.arange(past, total, device=device)
-    return CacheContext(
-        past=past,
-        seq_len=seq_len,
-        valid=valid_full[:, past:],
-        first=first,
-        positions=positions,
-        local_pos=positions.unsqueeze(0) - first.unsqueeze(1),
-    )
+    return CacheContext(past, seq_len, valid_full[:, past:], first, positions, positions.unsqueeze(0) - first[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,15 +9,8 @@ import torch
 
 from .graph_ops import in_graph
 
-__all__ = [
-    "check_inputs_embeds",
-    "check_input_ids",
-    "check_integer_tensor",
-    "check_labels",
-    "check_loss_arguments",
-    "check_not_meta",
-    "check_vision_inputs",
-]
+__all__ = ["check_inputs_embeds", "check_input_ids", "check_integer_tensor", "check_labels", "check_loss_arguments",
+           "check_not_meta", "check_vision_inputs"]
 
 
 def _is_integer(t: torch.Tensor) -> bool:

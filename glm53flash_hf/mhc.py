@@ -39,8 +39,7 @@ def hc_pre(
     norm_eps: float,
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`.mhc_ops.hc_pre_torch` (its contract) or, by ``backend`` (:func:`.dispatch.choose_backend`), its
-    fused alternative for this call; ``ValueError`` also for an unknown backend."""
+    """:func:`.mhc_ops.hc_pre_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`)."""
     op = op_for(hc_pre_torch, backend, hidden_streams, fn, base, scale)
     return op(hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
@@ -53,8 +52,7 @@ def hc_post(
     *,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """:func:`.mhc_ops.hc_post_torch` (its contract) or, by ``backend`` (:func:`.dispatch.choose_backend`), its
-    fused alternative for this call; ``ValueError`` also for an unknown backend."""
+    """:func:`.mhc_ops.hc_post_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`)."""
     return op_for(hc_post_torch, backend, y, residual, post, comb)(y, residual, post, comb)
 
 
@@ -103,12 +101,5 @@ def init_mhc_weights(module: nn.Module, config) -> None:
         init.ones_(module.scale)
 
 
-__all__ = [
-    "Glm53FlashHyperConnection",
-    "hc_expand",
-    "hc_head",
-    "hc_post",
-    "hc_pre",
-    "init_mhc_weights",
-    "sinkhorn_normalize",
-]
+__all__ = ["Glm53FlashHyperConnection", "hc_expand", "hc_head", "hc_post", "hc_pre", "init_mhc_weights",
+           "sinkhorn_normalize"]

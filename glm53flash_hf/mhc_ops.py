@@ -10,16 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "check_hc_post_args",
-    "check_hc_pre_args",
-    "hc_expand",
-    "hc_head",
-    "hc_post_torch",
-    "hc_pre_torch",
-    "mix_weights",
-    "sinkhorn_normalize",
-]
+__all__ = ["check_hc_post_args", "check_hc_pre_args", "hc_expand", "hc_head", "hc_post_torch", "hc_pre_torch",
+           "mix_weights", "sinkhorn_normalize"]
 
 
 def check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters: int) -> None:

@@ -32,12 +32,7 @@ from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
 from .dispatch import requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
-from .generation_cache import (
-    check_cache,
-    check_cache_continuation,
-    check_cache_layers,
-    check_left_padding,
-)
+from .generation_cache import check_cache, check_cache_continuation, check_cache_layers, check_left_padding
 from .graph_ops import in_graph, module_op, module_parameters, register_module
 from .input_checks import (
     check_input_ids,
@@ -430,19 +425,17 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 kept = {int(i) % len(all_hidden) for i in output_hidden_states}
                 all_hidden = tuple(h if i in kept else None for i, h in enumerate(all_hidden))
         mtp_inputs = {"pre_norm_hidden_state": h_pre, "mtp_inputs_embeds": inputs_embeds} if output_mtp_inputs else {}
-        if not mtp_depth:
-            return Glm53FlashTextModelOutput(
-                last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
-                document_layout=layout if output_router_logits or layout.sequence_parallel is not None else None,
-                attentions=attentions, **mtp_inputs,
+        mtp_hidden = None
+        if mtp_depth:
+            mtp_hidden = self.mtp_forward(
+                h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
             )
-        mtp_hidden = self.mtp_forward(
-            h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
-        )
+            mtp_inputs["pre_norm_hidden_state"] = h_pre
+        keep_layout = mtp_depth or output_router_logits or layout.sequence_parallel is not None
         return Glm53FlashTextModelOutput(
-            last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, pre_norm_hidden_state=h_pre,
-            mtp_hidden_states=mtp_hidden, document_layout=layout, router_logits=router_logits, attentions=attentions,
-            mtp_inputs_embeds=mtp_inputs.get("mtp_inputs_embeds"),
+            last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
+            document_layout=layout if keep_layout else None, attentions=attentions, mtp_hidden_states=mtp_hidden,
+            **mtp_inputs,
         )
 
     def mtp_forward(
@@ -520,6 +513,16 @@ def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, logits_to_k
         check_labels(value, tuple(source.shape[:2]), head_model.vocab_size, ignore, name=name)
 
 
+def _head_forward(head_model, labels, logits_to_keep, use_cache, kwargs, **inputs):
+    """Both heads' forward: the head checks, ``head_model.model(**inputs, **kwargs)`` with the MTP depth, then
+    :func:`_lm_head_and_loss`."""
+    _check_head_inputs(head_model, inputs["input_ids"], inputs["inputs_embeds"], labels, logits_to_keep, kwargs)
+    kwargs["use_cache"] = use_cache
+    kwargs["mtp_depth"] = _mtp_depth_for(head_model, labels, kwargs)
+    outputs = head_model.model(**inputs, **kwargs)
+    return _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs)
+
+
 def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Glm53FlashCausalLMOutputWithPast:
     """Logits of the kept positions, transformers' ``ForCausalLMLoss`` (divided by ``num_items_in_batch``, else by the
     supervised-token count, at least 1: all-ignored labels give 0.0), plus the MTP and router losses when they ran."""
@@ -529,6 +532,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     else:
         hidden_states = hidden_states[:, logits_to_keep, :]
     logits = head_model.lm_head(hidden_states)
+    text_config = head_model.config.get_text_config(decoder=True)
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
@@ -567,14 +571,13 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
             shifted=given_shift is not None,
             count_total=sp.global_count if per_depth_mean else None,
         )
-        loss = loss + head_model.config.get_text_config(decoder=True).mtp_loss_weight * mtp_value
+        loss = loss + text_config.mtp_loss_weight * mtp_value
     router_logits = getattr(outputs, "router_logits", None)
     aux_loss = None
     if router_logits:
-        aux_loss = router_load_balancing_loss(head_model.config.get_text_config(decoder=True), router_logits,
-                                              outputs.document_layout)
+        aux_loss = router_load_balancing_loss(text_config, router_logits, outputs.document_layout)
         if loss is not None:
-            loss = loss + head_model.config.get_text_config(decoder=True).router_aux_loss_coef * aux_loss
+            loss = loss + text_config.router_aux_loss_coef * aux_loss
     return Glm53FlashCausalLMOutputWithPast(
         loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None),
         attentions=getattr(outputs, "attentions", None),
@@ -722,19 +725,10 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
-        _check_head_inputs(self, input_ids, inputs_embeds, labels, logits_to_keep, kwargs)
-        kwargs["use_cache"] = use_cache
-        mtp_depth = _mtp_depth_for(self, labels, kwargs)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            output_hidden_states=output_hidden_states,
-            mtp_depth=mtp_depth,
-            **kwargs,
-        )
-        return _lm_head_and_loss(self, outputs, labels, logits_to_keep, kwargs)
+        return _head_forward(
+            self, labels, logits_to_keep, use_cache, kwargs, input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+        )  # fmt: skip
 
 
 @dataclass
@@ -902,68 +896,44 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             check_input_ids(input_ids, text_config.vocab_size)
         else:
             check_inputs_embeds(inputs_embeds, text_config.hidden_size)
-        if pixel_values is not None:
-            check_vision_inputs(pixel_values, image_grid_thw, self.config.vision_config, "pixel_values",
-                                "image_grid_thw")
-        if pixel_values_videos is not None:
-            check_vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision_config, "pixel_values_videos",
-                                "video_grid_thw")
+        modalities = (("image", pixel_values, image_grid_thw, "pixel_values", "image_grid_thw"),
+                      ("video", pixel_values_videos, video_grid_thw, "pixel_values_videos", "video_grid_thw"))
+        for _, pixels, grid, pixels_name, grid_name in modalities:
+            if pixels is not None:
+                check_vision_inputs(pixels, grid, self.config.vision_config, pixels_name, grid_name)
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
-        image_outputs = video_outputs = None
+        tower_outputs = {"image": None, "video": None}
         if pixel_values is not None or pixel_values_videos is not None:
-            image_mask, video_mask = placeholder_masks(
+            masks = dict(zip(("image", "video"), placeholder_masks(
                 input_ids, mm_token_type_ids, self.config, inputs_embeds, self.get_input_embeddings()
-            )
+            )))  # fmt: skip
             tower_kwargs = {k: kwargs[k] for k in ("output_hidden_states", "output_attentions") if k in kwargs}
             if output_hidden_states is not None:
                 tower_kwargs["output_hidden_states"] = output_hidden_states
-            if pixel_values is not None:
-                if image_grid_thw is None:
-                    raise ValueError("pixel_values needs image_grid_thw")
-                image_outputs, image_features = self._tower(
-                    self.get_image_features, pixel_values, image_grid_thw, image_grid_thw, tower_kwargs
-                )
-                inputs_embeds = self._splice(inputs_embeds, image_mask, image_features, "image")
-            if pixel_values_videos is not None:
-                if video_grid_thw is None:
-                    raise ValueError("pixel_values_videos needs video_grid_thw")
-                video_outputs, video_features = self._tower(
-                    self.get_video_features, pixel_values_videos, video_grid_thw,
-                    self._frames_grid(video_grid_thw), tower_kwargs,
-                )  # fmt: skip
-                inputs_embeds = self._splice(inputs_embeds, video_mask, video_features, "video")
+            for what, pixels, grid, _, _ in modalities:
+                if pixels is None:
+                    continue
+                features_fn, tower_grid = self.get_image_features, grid
+                if what == "video":
+                    features_fn, tower_grid = self.get_video_features, self._frames_grid(grid)
+                tower_outputs[what], features = self._tower(features_fn, pixels, grid, tower_grid, tower_kwargs)
+                inputs_embeds = self._splice(inputs_embeds, masks[what], features, what)
         uncached = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
         if input_ids is not None and uncached and not in_graph():
             # A full (uncached) forward must get features for every placeholder it holds (checked eagerly).
-            image_mask, video_mask = placeholder_masks(input_ids, mm_token_type_ids, self.config)
-            for mask, given, what in ((image_mask, pixel_values, "pixel_values"), (video_mask, pixel_values_videos,
-                                                                                    "pixel_values_videos")):
+            full_masks = placeholder_masks(input_ids, mm_token_type_ids, self.config)
+            for mask, (what, given, _, pixels_name, _) in zip(full_masks, modalities):
                 if given is None and bool(mask.any()):
                     raise ValueError(
-                        f"input_ids hold {int(mask.sum())} {'image' if what == 'pixel_values' else 'video'} "
-                        f"placeholder tokens but no {what} were given"
+                        f"input_ids hold {int(mask.sum())} {what} placeholder tokens but no {pixels_name} were given"
                     )
         outputs = self.language_model(
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            **kwargs,
-        )
+            inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+            output_hidden_states=output_hidden_states, **kwargs,
+        )  # fmt: skip
         return Glm53FlashModelOutputWithPast(
-            last_hidden_state=outputs.last_hidden_state,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            pre_norm_hidden_state=outputs.pre_norm_hidden_state,
-            mtp_hidden_states=outputs.mtp_hidden_states,
-            document_layout=outputs.document_layout,
-            mtp_inputs_embeds=outputs.mtp_inputs_embeds,
-            router_logits=outputs.router_logits,
-            image_outputs=image_outputs,
-            video_outputs=video_outputs,
+            **outputs, image_outputs=tower_outputs["image"], video_outputs=tower_outputs["video"]
         )
 
 
@@ -1011,23 +981,12 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Glm53FlashCausalLMOutputWithPast:
-        _check_head_inputs(self, input_ids, inputs_embeds, labels, logits_to_keep, kwargs)
-        kwargs["use_cache"] = use_cache
-        kwargs["mtp_depth"] = _mtp_depth_for(self, labels, kwargs)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            mm_token_type_ids=mm_token_type_ids,
-            output_hidden_states=output_hidden_states,
-            **kwargs,
-        )
-        return _lm_head_and_loss(self, outputs, labels, logits_to_keep, kwargs)
+        return _head_forward(
+            self, labels, logits_to_keep, use_cache, kwargs, input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=position_ids, inputs_embeds=inputs_embeds, pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+            mm_token_type_ids=mm_token_type_ids, output_hidden_states=output_hidden_states,
+        )  # fmt: skip
 
 
 # Make save_pretrained copy this module and its relative imports next to the weights (remote code).
@@ -1036,12 +995,5 @@ Glm53FlashForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 Glm53FlashModel.register_for_auto_class("AutoModel")
 Glm53FlashForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
 
-__all__ = [
-    "Glm53FlashPreTrainedModel",
-    "Glm53FlashTextModel",
-    "Glm53FlashForCausalLM",
-    "Glm53FlashModel",
-    "Glm53FlashForConditionalGeneration",
-    "Glm53FlashDecoderLayer",
-    "Glm53FlashMTPLayer",
-]
+__all__ = ["Glm53FlashPreTrainedModel", "Glm53FlashTextModel", "Glm53FlashForCausalLM", "Glm53FlashModel",
+           "Glm53FlashForConditionalGeneration", "Glm53FlashDecoderLayer", "Glm53FlashMTPLayer"]

@@ -114,9 +114,8 @@ def grouped_experts_forward(
     drop_out_of_range: bool = False,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """Routed experts, :func:`.moe_ops.experts_forward_torch` (same arguments, returns and errors) in the
-    implementation ``backend`` names (``"torch"``, ``"auto"``, ``"fused"``: :func:`.moe_fused.experts_forward_fused`;
-    :func:`.dispatch.choose_backend`)."""
+    """:func:`.moe_ops.experts_forward_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`
+    decides)."""
     op = op_for(experts_forward_torch, backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
     return op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
               drop_out_of_range=drop_out_of_range)
@@ -201,12 +200,5 @@ def init_moe_weights(module: nn.Module, config) -> None:
         init.zeros_(module.e_score_correction_bias)
 
 
-__all__ = [
-    "Glm53FlashExperts",
-    "Glm53FlashMLP",
-    "Glm53FlashMoE",
-    "Glm53FlashTopkRouter",
-    "clamped_swiglu",
-    "grouped_experts_forward",
-    "init_moe_weights",
-]
+__all__ = ["Glm53FlashExperts", "Glm53FlashMLP", "Glm53FlashMoE", "Glm53FlashTopkRouter", "clamped_swiglu",
+           "grouped_experts_forward", "init_moe_weights"]

@@ -33,13 +33,8 @@ from .triton_utils import (
     triton,
 )
 
-__all__ = [
-    "clamped_swiglu_fused",
-    "experts_forward_fused",
-    "fused_moe_available",
-    "rows_by_token",
-    "weighted_combine_fused",
-]
+__all__ = ["clamped_swiglu_fused", "experts_forward_fused", "fused_moe_available", "rows_by_token",
+           "weighted_combine_fused"]
 
 
 def fused_moe_available(*tensors: torch.Tensor) -> tuple[bool, str]:

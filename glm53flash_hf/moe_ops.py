@@ -8,18 +8,8 @@ import torch
 import torch.nn.functional as F
 import transformers.integrations.moe  # noqa: F401  registers torch.ops.transformers.grouped_mm_fallback
 
-__all__ = [
-    "check_experts_args",
-    "clamped_swiglu",
-    "experts_forward_torch",
-    "grouped_mm",
-    "PermuteRows",
-    "combine_rows",
-    "routing_metadata",
-    "rows_by_token",
-    "sort_rows",
-    "topk_routing",
-]
+__all__ = ["check_experts_args", "clamped_swiglu", "experts_forward_torch", "grouped_mm", "PermuteRows", "combine_rows",
+           "routing_metadata", "rows_by_token", "sort_rows", "topk_routing"]
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:

@@ -13,13 +13,7 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator
 from .generation_cache import MtpDraftCache
 from .packing import build_layout
 
-__all__ = ["Glm53FlashMTPCandidateGenerator", "text_model_of"]
-
-
-def text_model_of(model):
-    """The :class:`~.modeling_glm53flash.Glm53FlashTextModel` of a causal LM or of the VL head."""
-    inner = model.model
-    return getattr(inner, "language_model", inner)
+__all__ = ["Glm53FlashMTPCandidateGenerator"]
 
 
 class Glm53FlashMTPCandidateGenerator(MTPCandidateGenerator):
@@ -42,7 +36,7 @@ class Glm53FlashMTPCandidateGenerator(MTPCandidateGenerator):
         self.num_mtp_layers = 1  # drafts per step (transformers' attribute name)
         self.model_kwargs_overrides = {"output_mtp_inputs": True}
         self.main_model = main_model
-        self.text_model = text_model_of(main_model)
+        self.text_model = getattr(main_model.model, "language_model", main_model.model)  # the causal LM's or VL's
         self.mtp_layer = self.text_model.layers[config.num_hidden_layers]
         self.lm_head = main_model.lm_head
         self.device = next(self.mtp_layer.parameters()).device

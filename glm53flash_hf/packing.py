@@ -160,16 +160,8 @@ def layout_from_starts(starts: torch.Tensor, valid: torch.Tensor, trivial: bool 
     arange = torch.arange(seq_len, device=starts.device)
     seg_idx = (torch.cumsum(starts.reshape(-1).long(), 0) - 1).view(batch_size, seq_len)
     doc_start = torch.cummax(torch.where(starts, arange.expand(batch_size, -1), torch.zeros_like(arange)), dim=1).values
-    return DocumentLayout(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        valid=valid,
-        starts=starts,
-        doc_start=doc_start,
-        local_pos=arange.unsqueeze(0) - doc_start,
-        seq_idx=seg_idx,
-        trivial=trivial,
-    )
+    local_pos = arange.unsqueeze(0) - doc_start
+    return DocumentLayout(batch_size, seq_len, valid, starts, doc_start, local_pos, seg_idx, trivial)
 
 
 def build_layout(
@@ -212,25 +204,15 @@ def build_layout(
             sequence_parallel_group, batch_size, seq_len, device, attention_mask=attention_mask,
             position_ids=position_ids, **kwargs,
         )
-    cu = kwargs.get("cu_seq_lens_q")
-    cu2 = kwargs.get("cu_seqlens")
+    cu, cu2 = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seqlens")
     check_integer_tensor("cu_seq_lens_q", cu)
-    if (
-        cu is not None
-        and cu2 is not None
-        and not torch.compiler.is_compiling()
-        and not torch.equal(cu.long().cpu(), cu2.long().cpu())
-    ):
-        raise ValueError("cu_seq_lens_q and cu_seqlens were both given and differ")
+    if cu is not None and cu2 is not None and not torch.compiler.is_compiling():
+        if not torch.equal(cu.long().cpu(), cu2.long().cpu()):
+            raise ValueError("cu_seq_lens_q and cu_seqlens were both given and differ")
     layout = build_document_layout(
-        batch_size,
-        seq_len,
-        device,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cu_seqlens=cu if cu is not None else cu2,
-        seq_idx=kwargs.get("seq_idx"),
-    )
+        batch_size, seq_len, device, attention_mask=attention_mask, position_ids=position_ids,
+        cu_seqlens=cu if cu is not None else cu2, seq_idx=kwargs.get("seq_idx"),
+    )  # fmt: skip
     if not layout.trivial:
         # the packed layers read the segment boundaries: build them here, not first inside a (checkpointed) layer,
         # where the lazy build would be a side effect on an outside object

@@ -153,11 +153,8 @@ def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
 
 
 class Glm53FlashVideoProcessorKwargs(VideosKwargs, total=False):
-    """Keyword arguments of :class:`Glm53FlashVideoProcessor` on top of transformers' ``VideosKwargs``.
-
-    patch_size (14), temporal_patch_size (2), merge_size (2), patch_expand_factor (1), max_frames (2048),
-    min_image_tokens / max_image_tokens: the clip's token budget for ``smart_resize`` (16 / 240000).
-    """
+    """Keyword arguments of :class:`Glm53FlashVideoProcessor` on top of transformers' ``VideosKwargs`` (defaults: its
+    class attributes; ``min_image_tokens`` / ``max_image_tokens``: the clip's token budget for ``smart_resize``)."""
 
     patch_size: int
     temporal_patch_size: int
@@ -316,14 +313,9 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
                 min_image_tokens: int, max_image_tokens: int) -> tuple[int, int, int, int]:
         """``(target_h, target_w, content_h, content_w)``: the aligned canvas and the resized content inside it."""
         target_h, target_w = smart_resize(
-            num_frames=num_frames,
-            height=height,
-            width=width,
-            temporal_factor=temporal_factor,
-            factor=factor,
-            min_pixels=min_image_tokens,
-            max_pixels=max_image_tokens,
-        )
+            num_frames=num_frames, height=height, width=width, temporal_factor=temporal_factor, factor=factor,
+            min_pixels=min_image_tokens, max_pixels=max_image_tokens,
+        )  # fmt: skip
         scale = min(target_h / height, target_w / width)
         if num_frames * height * width >= temporal_factor * factor**2 * min_image_tokens:
             scale = min(1.0, scale)  # only clips below the minimum budget are enlarged
@@ -339,14 +331,9 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         temporal = kw.get("temporal_patch_size") or self.temporal_patch_size
         expand = kw.get("patch_expand_factor") or self.patch_expand_factor
         target_h, target_w = smart_resize(
-            num_frames=num_frames,
-            height=height,
-            width=width,
-            temporal_factor=temporal,
-            factor=patch * merge * expand,
-            min_pixels=kw.get("min_image_tokens") or self.min_image_tokens,
-            max_pixels=kw.get("max_image_tokens") or self.max_image_tokens,
-        )
+            num_frames, height, width, temporal, patch * merge * expand,
+            kw.get("min_image_tokens") or self.min_image_tokens, kw.get("max_image_tokens") or self.max_image_tokens,
+        )  # fmt: skip
         grid_t = -(-num_frames // temporal)
         return grid_t * (target_h // patch) * (target_w // patch)
 
@@ -595,12 +582,8 @@ class Glm53FlashProcessor(ProcessorMixin):
     def post_process_image_text_to_text(self, generated_outputs, skip_special_tokens=True,
                                         clean_up_tokenization_spaces=False, **kwargs):
         """Decode generated ids ``[B, S]`` to strings (``tokenizer.batch_decode``)."""
-        return self.tokenizer.batch_decode(
-            generated_outputs,
-            skip_special_tokens=skip_special_tokens,
-            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
-            **kwargs,
-        )
+        return self.tokenizer.batch_decode(generated_outputs, skip_special_tokens=skip_special_tokens,
+                                           clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -634,20 +617,20 @@ class Glm53FlashProcessor(ProcessorMixin):
         subfolder = kwargs.pop("subfolder", "")
         folder = os.fspath(pretrained_model_name_or_path)
         folder = os.path.join(folder, subfolder) if subfolder else folder
-        if os.path.isdir(folder):
-            if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
-                raise FileNotFoundError(
-                    f"{folder}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)}); save the tokenizer "
-                    "next to the processor (processor.save_pretrained(folder))"
-                )
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-            except (OSError, ValueError) as error:
-                raise ValueError(
-                    f"{folder}: the tokenizer does not load ({type(error).__name__}: {str(error).splitlines()[0]})"
-                ) from error
-        else:
+        local = os.path.isdir(folder)
+        if local and not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"{folder}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)}); save the tokenizer "
+                "next to the processor (processor.save_pretrained(folder))"
+            )
+        try:
             tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        except (OSError, ValueError) as error:
+            if not local:
+                raise
+            raise ValueError(
+                f"{folder}: the tokenizer does not load ({type(error).__name__}: {str(error).splitlines()[0]})"
+            ) from error
         image_processor = AutoImageProcessor.from_pretrained(
             pretrained_model_name_or_path, subfolder=subfolder, backend="pil", **kwargs
         )

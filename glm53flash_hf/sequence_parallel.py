@@ -10,11 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "SequenceParallelContext",
-    "shard_sequence",
-    "sp_loss_kwargs",
-]
+__all__ = ["SequenceParallelContext", "shard_sequence", "sp_loss_kwargs"]
 
 
 class _AllGather(torch.autograd.Function):
@@ -23,10 +19,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
-        tensor = tensor.contiguous()
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, tensor, group=group)
-        return tuple(out)
+        return tuple(_gather_plain(tensor, group))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -41,15 +34,16 @@ class _AllGather(torch.autograd.Function):
         return stacked[rank].clone(), None
 
 
-def _gather_autograd(tensor: torch.Tensor, group) -> tuple[torch.Tensor, ...]:
-    return _AllGather.apply(tensor, group)
-
-
 def _gather_plain(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     tensor = tensor.contiguous()
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, tensor, group=group)
     return out
+
+
+def _gather(tensor: torch.Tensor, group, grad: bool):
+    """Every rank's ``tensor``; with ``grad`` through :class:`_AllGather` (gradients summed onto the owner)."""
+    return _AllGather.apply(tensor, group) if grad else _gather_plain(tensor, group)
 
 
 def _anchor(value: torch.Tensor, gathered) -> torch.Tensor:
@@ -91,21 +85,14 @@ class SequenceParallelContext:
     def gather_sequence(self, x: torch.Tensor, grad: bool = True) -> torch.Tensor:
         """All-gather ``x`` ``[B, L, ...]`` along the sequence into ``[B, S, ...]``; with ``grad`` (and ``x`` requiring
         grad) the backward sums every rank's gradient onto its owner."""
-        parts = _gather_autograd(x, self.group) if grad and x.requires_grad else _gather_plain(x, self.group)
-        return torch.cat(list(parts), dim=1)
+        return torch.cat(list(_gather(x, self.group, grad and x.requires_grad)), dim=1)
 
     def _next_rank_head(self, x: torch.Tensor, count: int, fill) -> torch.Tensor:
         if count > self.local_len:
             raise ValueError(f"shift={count} exceeds the per-rank shard length local_len={self.local_len}")
         head = x[:, :count]
-        if x.requires_grad:
-            parts = _gather_autograd(head, self.group)
-        else:
-            parts = _gather_plain(head, self.group)
-        if self.rank + 1 < self.world:
-            nxt = parts[self.rank + 1]
-        else:
-            nxt = torch.full_like(head, fill)
+        parts = _gather(head, self.group, x.requires_grad)
+        nxt = parts[self.rank + 1] if self.rank + 1 < self.world else torch.full_like(head, fill)
         return _anchor(nxt, parts) if x.requires_grad else nxt
 
     def doc_roll(self, x: torch.Tensor, shift: int, fill=0) -> torch.Tensor:
@@ -141,7 +128,7 @@ class SequenceParallelContext:
         if L < count:
             raise ValueError(f"previous_rank_tail needs local_len >= count = {count}; got {L}")
         tail = x[:, L - count :]
-        parts = _gather_autograd(tail, self.group) if x.requires_grad else _gather_plain(tail, self.group)
+        parts = _gather(tail, self.group, x.requires_grad)
         prev = parts[self.rank - 1] if self.rank > 0 else torch.zeros_like(parts[0])
         if keep is not None:
             prev = torch.where(keep.view(keep.shape + (1,) * (prev.dim() - 2)), prev, torch.zeros_like(prev))
@@ -155,8 +142,7 @@ class SequenceParallelContext:
         ``b_local`` ``[B, ..., K, V]``): ``S_in(0) = 0``, ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}``, zero where
         ``keep`` (bool ``[B]``) is False."""
         grads = a_local.requires_grad or b_local.requires_grad
-        gather = _gather_autograd if grads else _gather_plain
-        a_all, b_all = gather(a_local, self.group), gather(b_local, self.group)
+        a_all, b_all = _gather(a_local, self.group, grads), _gather(b_local, self.group, grads)
         state = torch.zeros_like(b_local)
         for r in range(self.rank):
             state = torch.matmul(a_all[r], state) + b_all[r]

@@ -37,16 +37,8 @@ from . import check_output_folder
 from .fp8 import dequantize_fp8_blockwise
 
 INDEX_NAME = "model.safetensors.index.json"
-COPY_PATTERNS = (
-    "tokenizer*",
-    "*.jinja",
-    "*processor*config.json",
-    "generation_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.json",
-    "*.py",
-)
+COPY_PATTERNS = ("tokenizer*", "*.jinja", "*processor*config.json", "generation_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "chat_template.json", "*.py")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _LAYER_KEY = re.compile(
     r"^(?P<prefix>model\.language_model\.|language_model\.|model\.|)layers\.(?P<idx>\d+)\.(?P<rest>.+)$"
@@ -68,29 +60,21 @@ class KeyAction:
 
 @dataclass
 class CropPlan:
-    """Everything :func:`run_crop` will do, computed from the headers and ``config.json`` only.
-
-    Attributes:
-        src, layers, dtype: source folder, N, dequantization dtype. block: FP8 block size.
-        weight_map, dtypes, shapes: the source's index and shard headers.
-        actions: one :class:`KeyAction` per source tensor. mtp_layers: MTP layers found.
-        config_in / config_out / schedule_changes: source and rewritten config, ``{field: (old, new)}``.
-        copy_files: non-weight files copied to OUT.
-    """
+    """Everything :func:`run_crop` will do, computed from the headers and ``config.json`` only."""
 
     src: str
-    layers: int
-    dtype: torch.dtype
-    weight_map: dict[str, str]
+    layers: int  # N, the main layers kept
+    dtype: torch.dtype  # of dequantized FP8 weights
+    weight_map: dict[str, str]  # the source's index and shard headers
     dtypes: dict[str, str]
     shapes: dict[str, list[int]]
-    actions: list[KeyAction]
+    actions: list[KeyAction]  # one per source tensor
     config_in: dict
     config_out: dict
-    schedule_changes: dict = field(default_factory=dict)
-    copy_files: list[str] = field(default_factory=list)
-    mtp_layers: int = 0
-    block: tuple[int, int] = (128, 128)
+    schedule_changes: dict = field(default_factory=dict)  # {field: (old, new)}
+    copy_files: list[str] = field(default_factory=list)  # non-weight files copied to OUT
+    mtp_layers: int = 0  # MTP layers found
+    block: tuple[int, int] = (128, 128)  # FP8 block size
 
     def counts(self) -> dict[str, int]:
         """Number of source tensors per action, plus ``dequantize``."""
@@ -272,20 +256,10 @@ def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> Cro
         if os.path.isfile(os.path.join(src, name)) and any(fnmatch.fnmatch(name, p) for p in COPY_PATTERNS)
     )
     return CropPlan(
-        src=src,
-        layers=layers,
-        dtype=dtype,
-        weight_map=weight_map,
-        dtypes=dtypes,
-        shapes=shapes,
-        actions=actions,
-        config_in=config,
-        config_out=config_out,
-        schedule_changes=changes,
-        copy_files=copy_files,
-        mtp_layers=len(mtp_ids),
-        block=block,
-    )
+        src=src, layers=layers, dtype=dtype, weight_map=weight_map, dtypes=dtypes, shapes=shapes, actions=actions,
+        config_in=config, config_out=config_out, schedule_changes=changes, copy_files=copy_files,
+        mtp_layers=len(mtp_ids), block=block,
+    )  # fmt: skip
 
 
 def describe(plan: CropPlan, list_keys: bool = False) -> str:
@@ -342,10 +316,6 @@ class _ShardReaders:
         self.handles.clear()
 
 
-def _largest_shard_bytes(src: str, weight_map: dict[str, str]) -> int:
-    return max(os.path.getsize(os.path.join(src, f)) for f in set(weight_map.values()))
-
-
 def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progress: bool = True) -> dict:
     """Write the crop ``plan`` into ``out`` atomically, flushing output shards at ``max_shard_size`` bytes (default: the
     largest source shard).
@@ -370,7 +340,9 @@ def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progre
 
 def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: bool) -> dict:
     """The body of :func:`run_crop`, writing into the empty folder ``out``."""
-    limit = max_shard_size if max_shard_size is not None else _largest_shard_bytes(plan.src, plan.weight_map)
+    limit = max_shard_size
+    if limit is None:  # the largest source shard
+        limit = max(os.path.getsize(os.path.join(plan.src, f)) for f in set(plan.weight_map.values()))
     by_file: dict[str, list[KeyAction]] = {}
     for a in plan.actions:
         if a.target is not None:
@@ -454,30 +426,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", metavar="SRC", help="source checkpoint folder (config.json + safetensors shards and index)")
     p.add_argument("out", metavar="OUT", help="output folder; must not exist or be empty (not created with --dry-run)")
-    p.add_argument(
-        "--layers", type=int, required=True, metavar="N", help="number of main layers to keep (1..num_hidden_layers)"
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print what would be written (tensors kept / renamed / dropped, dequantized weights, new schedule, "
-        "copied files) and write nothing",
-    )
-    p.add_argument(
-        "--list-keys", action="store_true", help="with the summary, list every source tensor and what happens to it"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default="bf16",
-        help="dtype of dequantized FP8 weights (default: bf16); every other tensor is copied in its own dtype",
-    )
-    p.add_argument(
-        "--max-shard-size",
-        type=size,
-        default=None,
-        help="largest output shard (e.g. 5GB, 500MB, bytes); default: the size of the largest source shard file",
-    )
+    p.add_argument("--layers", type=int, required=True, metavar="N",
+                   help="number of main layers to keep (1..num_hidden_layers)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would be written (tensors kept / renamed / dropped, dequantized weights, new "
+                        "schedule, copied files) and write nothing")
+    p.add_argument("--list-keys", action="store_true",
+                   help="with the summary, list every source tensor and what happens to it")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype of dequantized FP8 weights (default: bf16); every other tensor is copied in its own "
+                        "dtype")
+    p.add_argument("--max-shard-size", type=size, default=None,
+                   help="largest output shard (e.g. 5GB, 500MB, bytes); default: the size of the largest source shard "
+                        "file")
     p.add_argument("--no-progress", action="store_true", help="hide the tqdm progress bar (shown by default)")
     return p
 
@@ -494,9 +455,6 @@ def main(argv=None) -> int:
         if args.dry_run:
             print(f"dry run: nothing written to {args.out}")
             return 0
-        check_output_folder(args.out, args.src)
-        if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-            raise ValueError(f"output folder {args.out} exists and is not empty")
         result = run_crop(plan, args.out, args.max_shard_size, progress=not args.no_progress)
     except ValueError as e:
         parser.exit(2, f"glm53flash-crop: error: {e}\n")

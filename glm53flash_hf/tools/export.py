@@ -9,6 +9,7 @@ SRC. Nothing is downloaded.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import os
@@ -171,18 +172,6 @@ def _write_json(data, path: str) -> None:
         f.write("\n")
 
 
-def _copy_with_our_auto_map(src_path: str, dst: str) -> str:
-    """Copy ``src_path`` to ``dst``, a foreign ``auto_map`` rewritten; return ``"config"`` if rewritten, else
-    ``"copy"``.
-    """
-    data = _with_our_auto_map(src_path)
-    if data is None:
-        shutil.copy2(src_path, dst)
-        return "copy"
-    _write_json(data, dst)
-    return "config"
-
-
 def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, show_progress: bool = True) -> dict:
     """Write the remote-code folder ``out`` for the checkpoint folder ``src``.
 
@@ -240,8 +229,12 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             if kind == "link":
                 written[rel] = link_file(os.path.join(src, rel), dst, link)
+            elif (data := _with_our_auto_map(os.path.join(src, rel))) is None:  # no foreign auto_map
+                shutil.copy2(os.path.join(src, rel), dst)
+                written[rel] = "copy"
             else:
-                written[rel] = _copy_with_our_auto_map(os.path.join(src, rel), dst)
+                _write_json(data, dst)
+                written[rel] = "config"
         for path in code:
             shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
             written[os.path.basename(path)] = "code"
@@ -322,22 +315,15 @@ def _scrub_kept_entries(out: str, written: dict) -> list[str]:
 def main(argv=None) -> int:
     """Command-line entry point of ``glm53flash-export``; returns the exit status."""
     parser = docstring_parser("glm53flash-export", __doc__)
-    parser.add_argument(
-        "src", metavar="SRC", help="local checkpoint folder (config.json with model_type glm5_next, safetensors)"
-    )
+    parser.add_argument("src", metavar="SRC",
+                        help="local checkpoint folder (config.json with model_type glm5_next, safetensors)")
     parser.add_argument("out", metavar="OUT", help="folder to write (created; must be empty unless --overwrite)")
-    parser.add_argument(
-        "--link",
-        choices=LINK_MODES,
-        default="symlink",
-        help="how weight files and indexes reach OUT: symlink (default; falls back to hardlink, then copy, with a "
-        "warning), hardlink (falls back to copy) or copy",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty OUT (its old weights, indexes and configs are dropped, its other files kept)",
-    )
+    parser.add_argument("--link", choices=LINK_MODES, default="symlink",
+                        help="how weight files and indexes reach OUT: symlink (default; falls back to hardlink, then "
+                             "copy, with a warning), hardlink (falls back to copy) or copy")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty OUT (its old weights, indexes and configs are dropped, its other "
+                             "files kept)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     args = parser.parse_args(argv)
     try:
@@ -345,9 +331,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as error:  # user mistakes: one clean line, no traceback
         parser.error(str(error))
     if not args.quiet:
-        counts: dict[str, int] = {}
-        for kind in written.values():
-            counts[kind] = counts.get(kind, 0) + 1
+        counts = collections.Counter(written.values())
         summary = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
         print(f"wrote {os.path.abspath(args.out)} ({summary})")
     return 0

@@ -179,20 +179,9 @@ def load_model(path: str, dtype):
     return model
 
 
-def load_processor(path: str):
-    """This package's processor (``Glm53FlashProcessor``) from ``path``."""
-    from ..processing_glm53flash import Glm53FlashProcessor
-
-    return Glm53FlashProcessor.from_pretrained(path)
-
-
 def check_saved_folder(out: str, adapter: bool) -> list[str]:
-    """Check that ``out`` is a self-contained Hub-style folder; return the list of files found.
-
-    Checked: ``config.json`` with ``auto_map`` for ``AutoConfig``, ``AutoModelForCausalLM`` and
-    ``AutoModelForImageTextToText`` and their modules; safetensors weights; ``processor_config.json`` with
-    ``AutoProcessor`` and its module; the tokenizer and ``chat_template.jinja``; with ``adapter``, its config and
-    weights.
+    """Check that ``out`` is a self-contained Hub-style folder (configs with their ``auto_map`` modules, weights,
+    tokenizer, chat template; with ``adapter``, the adapter's files); return the list of files found.
 
     Raises:
         RuntimeError: naming every missing piece.
@@ -427,27 +416,16 @@ def _check_args(parser, args) -> None:
 
 @dataclass
 class Job:
-    """What the steps of one ``glm53flash-finetune`` run share.
-
-    Attributes:
-        args: the parsed command line.
-        out: absolute output folder.
-        staging: where the run writes its output before it replaces ``out``.
-        dtype: weights dtype.
-        training_args: the ``transformers.TrainingArguments`` of the run.
-        main_process: whether this is process 0 (it alone prints, saves and verifies).
-        model_path: the checkpoint trained; set by :func:`prepare`.
-        ep_plan: the :class:`glm53flash_hf.train.expert_parallel.ExpertParallelPlan` under ``--ep N > 1``.
-    """
+    """What the steps of one ``glm53flash-finetune`` run share."""
 
     args: argparse.Namespace
-    out: str
-    staging: str
+    out: str  # absolute output folder
+    staging: str  # where the run writes its output before it replaces ``out``
     dtype: object
     training_args: object
-    main_process: bool
-    model_path: str = ""
-    ep_plan: object = None
+    main_process: bool  # process 0: it alone prints, saves and verifies
+    model_path: str = ""  # the checkpoint trained; set by prepare()
+    ep_plan: object = None  # the ExpertParallelPlan under --ep N > 1
 
     def say(self, *parts) -> None:
         """Print on the main process only."""
@@ -461,30 +439,17 @@ def training_arguments(args, out: str, dtype):
     from transformers import TrainingArguments
 
     lr = args.lr if args.lr is not None else (1e-3 if args.full else 5e-3)
+    bf16 = torch.cuda.is_available() and (dtype == torch.bfloat16 or (
+        (_fsdp_launch() or args.ep > 1) and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"))
     return TrainingArguments(
-        output_dir=out,
-        max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=lr,
-        lr_scheduler_type="linear",
-        warmup_steps=args.warmup_steps,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        remove_unused_columns=False,
-        label_names=["labels"],
-        dataloader_num_workers=0,
-        seed=args.seed,
-        data_seed=args.seed,
-        bf16=torch.cuda.is_available() and (dtype == torch.bfloat16 or (
-            (_fsdp_launch() or args.ep > 1) and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16")),
-        dataloader_pin_memory=torch.cuda.is_available(),
+        output_dir=out, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, learning_rate=lr, lr_scheduler_type="linear",
+        warmup_steps=args.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+        report_to=[], remove_unused_columns=False, label_names=["labels"], dataloader_num_workers=0, seed=args.seed,
+        data_seed=args.seed, bf16=bf16, dataloader_pin_memory=torch.cuda.is_available(),
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
-    )
+    )  # fmt: skip
 
 
 def prepare(job: Job):
@@ -501,7 +466,9 @@ def prepare(job: Job):
             if job.main_process:
                 make_tiny(model_path, show_progress=False)
     job.model_path = os.path.abspath(model_path) if os.path.isdir(model_path) else model_path
-    processor = load_processor(job.model_path)
+    from ..processing_glm53flash import Glm53FlashProcessor
+
+    processor = Glm53FlashProcessor.from_pretrained(job.model_path)
     model = load_model(job.model_path, job.dtype)
     if args.ep > 1:
         job.ep_plan = shard_experts(model, args.ep)

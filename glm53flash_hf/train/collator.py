@@ -88,14 +88,9 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
         **kwargs,
     ):
         super().__init__(
-            return_position_ids=True,
-            separator_id=separator_id,
-            return_flash_attn_kwargs=True,
-            return_seq_idx=False,
-            position_ids_start=0,
-            return_tensors="pt",
-            **kwargs,
-        )
+            return_position_ids=True, separator_id=separator_id, return_flash_attn_kwargs=True, return_seq_idx=False,
+            position_ids_start=0, return_tensors="pt", **kwargs,
+        )  # fmt: skip
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be a positive int or None; got {max_length}")
         if pad_to_max_length and max_length is None:
@@ -180,10 +175,8 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
             names = [features[i].get("name", i) if hasattr(features[i], "get") else i for i in untrained]
             warnings.warn(
                 f"Glm53FlashPackingCollator: {len(untrained)} of {len(samples)} samples have no trained label "
-                f"(every label after the first is {IGNORE_INDEX}): {names[:10]}",
-                UserWarning,
-                stacklevel=2,
-            )
+                f"(every label after the first is {IGNORE_INDEX}): {names[:10]}", UserWarning, stacklevel=2,
+            )  # fmt: skip
         rows = self.plan([len(s.input_ids) for s in samples])
         if not rows or not rows[0]:
             raise ValueError("Glm53FlashPackingCollator received a batch where every example is empty.")

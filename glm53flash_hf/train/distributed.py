@@ -358,18 +358,52 @@ def load_dcp(state: dict, checkpoint_dir) -> None:
         raise
 
 
+def _model_optimizer_state(model: nn.Module, optimizer) -> dict:
+    """``{"model": ...}`` and, with an ``optimizer``, ``"optimizer"``: DCP's state dicts of both."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optimizer": osd}
+
+
+def _keep_saved_optimizer_state(state: dict, path: str) -> list[str]:
+    """Drop from ``state["optimizer"]`` the parameters the checkpoint at ``path`` has no state for; return them."""
+    # get_state_dict creates a state for every parameter of a fresh optimizer; parameters that never had a gradient
+    # (the DSA indexer: top-k selection only) have none in the saved optimizer. Drop exactly those (the loaded
+    # optimizer then has no state for them either, as the saved one); any other missing key still raises.
+    if "optimizer" not in state:
+        return []
+    saved = {
+        key[len("optimizer.state."):].rsplit(".", 1)[0]
+        for key in read_sharded_metadata(path).state_dict_metadata
+        if key.startswith("optimizer.state.")
+    }
+    osd = state["optimizer"]
+    stateless = [fqn for fqn in osd["state"] if fqn not in saved]
+    osd["state"] = {fqn: value for fqn, value in osd["state"].items() if fqn in saved}
+    return stateless
+
+
+def _set_loaded_state(model: nn.Module, optimizer, state: dict, stateless: list[str]) -> None:
+    """Put the loaded ``state`` into ``model`` (and ``optimizer``)."""
+    # strict=False only lets set_state_dict accept the stateless parameters (every model key was loaded)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=not stateless))
+
+
 def save_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save model (and optimizer, unless ``None``) state as a sharded DCP folder ``checkpoint_dir`` (created, shared
     by the ranks) with keys ``"model"`` and ``"optimizer"``; collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optimizer": osd}
-    dcp.save(state, checkpoint_id=os.fspath(checkpoint_dir))
+    dcp.save(_model_optimizer_state(model, optimizer), checkpoint_id=os.fspath(checkpoint_dir))
 
 
 def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -383,50 +417,13 @@ def load_sharded_checkpoint(checkpoint_dir, model: nn.Module, optimizer: torch.o
         UnsafeCheckpointError (a ``ValueError``): ``.metadata`` or a non-tensor item pickles anything else.
         RuntimeError: keys missing in the checkpoint (e.g. an optimizer requested from a weights-only checkpoint).
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
     path = _check_checkpoint_dir(checkpoint_dir)
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-        load_dcp(state, path)
-        set_model_state_dict(model, state["model"])
-        return
-    msd, osd = get_state_dict(model, optimizer)
-    # get_state_dict creates a state for every parameter of a fresh optimizer; parameters that never had a gradient
-    # (the DSA indexer: top-k selection only) have none in the saved optimizer. Drop exactly those (the loaded
-    # optimizer then has no state for them either, as the saved one); any other missing key still raises.
-    saved = {
-        key[len("optimizer.state."):].rsplit(".", 1)[0]
-        for key in read_sharded_metadata(path).state_dict_metadata
-        if key.startswith("optimizer.state.")
-    }
-    stateless = [fqn for fqn in osd["state"] if fqn not in saved]
-    osd["state"] = {fqn: value for fqn, value in osd["state"].items() if fqn in saved}
-    state = {"model": msd, "optimizer": osd}
+    state = _model_optimizer_state(model, optimizer)
+    stateless = _keep_saved_optimizer_state(state, path)
     load_dcp(state, path)  # raises on any requested key the checkpoint lacks
-    # strict=False only lets set_state_dict accept the stateless parameters (every model key was loaded above)
-    options = StateDictOptions(strict=not stateless)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
-    )
+    _set_loaded_state(model, optimizer, state, stateless)
 
 
-__all__ = [
-    "FP32_ANCHOR_CLASSES",
-    "Fsdp2Plan",
-    "UnsafeCheckpointError",
-    "apply_fsdp2",
-    "fp32_kept_parameter_names",
-    "load_dcp",
-    "load_sharded_checkpoint",
-    "no_split_blocks",
-    "read_sharded_metadata",
-    "save_sharded_checkpoint",
-    "shard_fp32_kept_units",
-]
+__all__ = ["FP32_ANCHOR_CLASSES", "Fsdp2Plan", "UnsafeCheckpointError", "apply_fsdp2", "fp32_kept_parameter_names",
+           "load_dcp", "load_sharded_checkpoint", "no_split_blocks", "read_sharded_metadata", "save_sharded_checkpoint",
+           "shard_fp32_kept_units"]

@@ -20,6 +20,13 @@ MOE_CLASS_NAME = "Glm53FlashMoE"
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
+def _all_to_all(x, output_splits, input_splits, group):
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+    return out
+
+
 class AllToAll(torch.autograd.Function):
     """Autograd all-to-all of rows, ``apply(x, output_splits, input_splits, group)``: ``x [sum(input_splits), ...]`` ->
     ``[sum(output_splits), ...]``; the backward is the reverse all-to-all.
@@ -28,18 +35,12 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
         ctx.splits, ctx.group = (output_splits, input_splits), group
-        x = x.contiguous()
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
-        return out
+        return _all_to_all(x, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        grad = grad.contiguous()
-        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad, input_splits, output_splits, group=ctx.group)
-        return out, None, None, None
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
 class ExpertDispatcher:
@@ -318,6 +319,13 @@ def _expert_weight_key(name: str, plan: ExpertParallelPlan) -> bool:
     return plan.is_expert_parameter(name) and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 
 
+def _ep_parts(t: torch.Tensor, plan: ExpertParallelPlan) -> list[torch.Tensor]:
+    """Every ep rank's ``t`` (all-gather over the ep group)."""
+    parts = [torch.empty_like(t) for _ in range(plan.ep_size)]
+    dist.all_gather(parts, t.contiguous(), group=plan.group(plan.ep_ranks))
+    return parts
+
+
 def _full_local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -336,17 +344,14 @@ def gather_full_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[s
             raise ValueError(f"gather_full_state_dict needs the base model; got PEFT key {name}")
         t = _full_local(t).detach()
         if _expert_weight_key(name, plan) and plan.ep_size > 1:
-            parts = [torch.empty_like(t) for _ in range(plan.ep_size)]
-            dist.all_gather(parts, t.contiguous(), group=plan.group(plan.ep_ranks))
-            t = torch.cat(parts)
+            t = torch.cat(_ep_parts(t, plan))
         out[name] = t
     return out
 
 
 def _gather_expert_adapter(name: str, t: torch.Tensor, plan: ExpertParallelPlan) -> torch.Tensor:
     """All-gather one expert LoRA factor over the ep group into PEFT's one-process layout (``ParamWrapper``)."""
-    parts = [torch.empty_like(t) for _ in range(plan.ep_size)]
-    dist.all_gather(parts, t.contiguous(), group=plan.group(plan.ep_ranks))
+    parts = _ep_parts(t, plan)
     if "lora_B" not in name:
         return torch.cat(parts)
     n_local = plan.num_experts // plan.ep_size
@@ -418,12 +423,10 @@ def _from_ep_dtensor(loaded, template):
 
 
 def _ep_state(model, optimizer, plan):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from .distributed import _model_optimizer_state
 
-    if optimizer is None:
-        msd, osd = get_model_state_dict(model), None
-    else:
-        msd, osd = get_state_dict(model, optimizer)
+    state = _model_optimizer_state(model, optimizer)
+    msd, osd = state["model"], state.get("optimizer")
     templates = {}
     for name in list(msd):
         if _expert_weight_key(name, plan) or (plan.is_expert_parameter(name) and "lora_" in name):
@@ -431,14 +434,13 @@ def _ep_state(model, optimizer, plan):
             msd[name] = _to_ep_dtensor(msd[name], plan)
     if osd is not None:
         # the per-parameter state dicts get_state_dict returns may be the optimizer's own: copy before replacing
-        osd = {**osd, "state": {fqn: dict(st) for fqn, st in osd["state"].items()}}
+        osd = state["optimizer"] = {**osd, "state": {fqn: dict(st) for fqn, st in osd["state"].items()}}
         for fqn, st in osd["state"].items():
             if plan.is_expert_parameter(fqn):
                 for k, v in st.items():
                     if torch.is_tensor(v) and v.dim() > 0:
                         templates[("optim", fqn, k)] = v
                         st[k] = _to_ep_dtensor(v, plan)
-    state = {"model": msd} if osd is None else {"model": msd, "optimizer": osd}
     return state, templates
 
 
@@ -460,24 +462,14 @@ def load_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, 
         FileNotFoundError: no DCP ``.metadata`` in ``checkpoint_dir``. RuntimeError: keys missing (from DCP).
         ValueError: ``.metadata`` or a non-tensor item pickles anything but DCP metadata / plain values.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-    from .distributed import _check_checkpoint_dir, load_dcp, read_sharded_metadata
+    from .distributed import _check_checkpoint_dir, _keep_saved_optimizer_state, _set_loaded_state, load_dcp
 
     path = _check_checkpoint_dir(checkpoint_dir)
     state, templates = _ep_state(model, optimizer, plan)
-    stateless = []
-    if optimizer is not None:
-        # as load_sharded_checkpoint: parameters that never had a gradient (the DSA indexer) have no saved state
-        saved = {
-            key[len("optimizer.state."):].rsplit(".", 1)[0]
-            for key in read_sharded_metadata(path).state_dict_metadata
-            if key.startswith("optimizer.state.")
-        }
-        osd = state["optimizer"]
-        stateless = [fqn for fqn in osd["state"] if fqn not in saved]
-        osd["state"] = {fqn: st for fqn, st in osd["state"].items() if fqn in saved}
-        templates = {k: v for k, v in templates.items() if k[0] == "model" or k[1] in saved}
+    # as load_sharded_checkpoint: parameters that never had a gradient (the DSA indexer) have no saved state
+    stateless = _keep_saved_optimizer_state(state, path)
+    kept = state["optimizer"]["state"] if optimizer is not None else {}
+    templates = {k: v for k, v in templates.items() if k[0] == "model" or k[1] in kept}
     load_dcp(state, path)
     for key, template in templates.items():
         if key[0] == "model":
@@ -485,30 +477,10 @@ def load_sharded_checkpoint_ep(checkpoint_dir, model, plan: ExpertParallelPlan, 
         else:
             st = state["optimizer"]["state"][key[1]]
             st[key[2]] = _from_ep_dtensor(st[key[2]], template)
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        options = StateDictOptions(strict=not stateless)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=options)
+    _set_loaded_state(model, optimizer, state, stateless)
 
 
-__all__ = [
-    "AllToAll",
-    "ExpertDispatcher",
-    "ExpertParallelPlan",
-    "apply_expert_parallel",
-    "apply_fsdp2_ep",
-    "check_reduction_groups",
-    "clip_grad_norm_ep",
-    "find_moe_blocks",
-    "gather_adapter_state_dict",
-    "gather_full_state_dict",
-    "load_sharded_checkpoint_ep",
-    "reduce_gradients",
-    "reduction_ranks",
-    "replicate_reduction_groups",
-    "save_adapter_ep",
-    "save_pretrained_ep",
-    "save_sharded_checkpoint_ep",
-]
+__all__ = ["AllToAll", "ExpertDispatcher", "ExpertParallelPlan", "apply_expert_parallel", "apply_fsdp2_ep",
+           "check_reduction_groups", "clip_grad_norm_ep", "find_moe_blocks", "gather_adapter_state_dict",
+           "gather_full_state_dict", "load_sharded_checkpoint_ep", "reduce_gradients", "reduction_ranks",
+           "replicate_reduction_groups", "save_adapter_ep", "save_pretrained_ep", "save_sharded_checkpoint_ep"]

@@ -1,20 +1,14 @@
 """Process-wide heap policy for CPU training: keep freed large blocks for reuse instead of returning them to the OS.
 
-glibc's ``malloc`` serves every block above its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and gives it
-back with ``munmap`` on ``free``; torch's CPU allocator is a thin layer over ``malloc``, so each large temporary of a
-training step is page-faulted in (and zero-filled by the kernel) again, step after step. The ``"reuse"`` policy sets
-three ``mallopt`` parameters (glibc ``malloc.h``; ``mallopt(3)``):
+The ``"reuse"`` policy sets three ``mallopt`` parameters (glibc ``malloc.h``; ``mallopt(3)``):
 
 * ``M_MMAP_MAX = 0``: no block is served by ``mmap``; large blocks come from the heap like small ones;
 * ``M_TRIM_THRESHOLD = 2**31 - 1``: freed memory at the top of the heap is kept (up to 2 GiB), not trimmed;
 * ``M_TOP_PAD = 64 MiB``: the heap grows in steps of at least 64 MiB.
 
-The cost is resident memory: the process keeps the high-water mark of its heap (plus fragmentation) instead of
-returning freed blocks; with glibc 2.36 the first few repeats of an allocation may still grow the heap (the small
-tail ``posix_memalign`` splits off sits in the thread cache next to the freed block) before it is reused. The
-parameters only change later allocations; torch offers no CPU caching allocator switch (its
-``CPUCachingAllocator`` is reachable from C++ only). Other C libraries (musl, macOS): nothing is changed and a
-warning says so once.
+The cost is resident memory: the process keeps the high-water mark of its heap (plus fragmentation). The parameters
+only change later allocations. Other C libraries (musl, macOS): nothing is changed and a warning says so once. Why
+(glibc's mmap threshold, measurements): ``docs/design.md``, "FSDP2 and fine-tuning".
 """
 
 from __future__ import annotations

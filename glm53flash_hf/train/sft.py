@@ -78,29 +78,18 @@ def build_sft_example(
         batch_images, batch_videos, _, _ = processor._multimodal_inputs_from_conversations(conversations, {}, False)
         images, videos = batch_images[0], batch_videos[0]
     rendered, generation = render_jinja_template(
-        conversations=conversations,
-        tools=tools,
-        chat_template=processor._resolve_chat_template(None),
-        return_assistant_tokens_mask=True,
-        add_generation_prompt=False,
-        enable_thinking=enable_thinking,
-        reasoning_effort=reasoning_effort,
-        clear_thinking=clear_thinking,
-        end_of_text_after_assistant=True,
+        conversations=conversations, tools=tools, chat_template=processor._resolve_chat_template(None),
+        return_assistant_tokens_mask=True, add_generation_prompt=False, enable_thinking=enable_thinking,
+        reasoning_effort=reasoning_effort, clear_thinking=clear_thinking, end_of_text_after_assistant=True,
         **processor.tokenizer.special_tokens_map,
-    )
+    )  # fmt: skip
     call_kwargs = dict(processor_kwargs)
     if video_metadata is not None:
         call_kwargs["video_metadata"] = video_metadata
     out = processor(
-        text=[rendered[0]],
-        images=_none_if_empty(images),
-        videos=_none_if_empty(videos),
-        add_special_tokens=False,
-        return_offsets_mapping=True,
-        return_text_replacement_offsets=True,
-        **call_kwargs,
-    )
+        text=[rendered[0]], images=_none_if_empty(images), videos=_none_if_empty(videos), add_special_tokens=False,
+        return_offsets_mapping=True, return_text_replacement_offsets=True, **call_kwargs,
+    )  # fmt: skip
     out = processor._adjust_assistant_masks_indices(out, generation)
     input_ids = list(out["input_ids"][0])
     trained = list(out.pop("assistant_masks")[0])
@@ -121,16 +110,9 @@ def build_sft_example(
     if all(label == IGNORE_INDEX for label in labels):
         warnings.warn(
             f"{name}: no trained token (every label is {IGNORE_INDEX}: the assistant turns have loss=False, "
-            f"their reasoning is cleared, or max_length={max_length} cuts them off)",
-            UserWarning,
-            stacklevel=2,
-        )
-    data.update(
-        input_ids=input_ids,
-        attention_mask=[1] * len(input_ids),
-        labels=labels,
-        mm_token_type_ids=types,
-    )
+            f"their reasoning is cleared, or max_length={max_length} cuts them off)", UserWarning, stacklevel=2,
+        )  # fmt: skip
+    data.update(input_ids=input_ids, attention_mask=[1] * len(input_ids), labels=labels, mm_token_type_ids=types)
     return BatchFeature(data=data, tensor_type=return_tensors)
 
 
@@ -187,12 +169,11 @@ def _keep_media(data: dict, keep_images: int, keep_videos: int) -> dict:
     ):
         if grid_key not in data:
             continue
-        grid = np.asarray(data[grid_key])
-        rows = int(np.prod(grid[:keep], axis=-1).sum()) if keep else 0
         if keep == 0:
             data.pop(grid_key)
             data.pop(pixels_key, None)
         else:
+            rows = int(np.prod(np.asarray(data[grid_key])[:keep], axis=-1).sum())
             data[grid_key] = data[grid_key][:keep]
             data[pixels_key] = data[pixels_key][:rows]
     return data

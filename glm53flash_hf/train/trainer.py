@@ -25,19 +25,8 @@ ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
 #: (``gate_proj``, ``up_proj``, ``down_proj``). The routed experts are parameters, not modules, and are reached only
 #: through :data:`EXPERT_TARGET_PARAMETERS`. ``kv_b_proj`` (MLA's latent up-projection) is adapted too: the
 #: absorbed attention takes its effective weight from the wrapped module (``Glm53FlashAttention.kv_b_weight``).
-DEFAULT_TARGET_MODULES = (
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+DEFAULT_TARGET_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_proj", "k_proj", "v_proj",
+                          "o_proj", "gate_proj", "up_proj", "down_proj")
 
 #: The routed experts' 3-D parameters (``Glm53FlashExperts``), as PEFT ``target_parameters`` suffixes.
 EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -75,14 +64,10 @@ def default_lora_config(
     if not modules and not experts:
         raise ValueError("nothing to adapt: give target_modules or set experts=True")
     options = dict(
-        r=r,
-        lora_alpha=2 * r if lora_alpha is None else lora_alpha,
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-        target_modules=_module_regex(modules) if modules else None,
+        r=r, lora_alpha=2 * r if lora_alpha is None else lora_alpha, lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM", target_modules=_module_regex(modules) if modules else None,
         target_parameters=list(EXPERT_TARGET_PARAMETERS) if experts else None,
-    )
+    )  # fmt: skip
     options.update(kwargs)
     return LoraConfig(**options)
 
@@ -336,12 +321,8 @@ class Glm53FlashTrainer(Trainer):
                     os.rename(final, os.path.join(staging, "replaced"))
                 os.rename(written, final)
             shutil.rmtree(staging, ignore_errors=True)
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
         if self._checkpoint_push:
             super()._push_from_checkpoint(final)
