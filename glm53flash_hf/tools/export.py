@@ -10,6 +10,7 @@ SRC. Nothing is downloaded.
 from __future__ import annotations
 
 import collections
+import filecmp
 import inspect
 import json
 import os
@@ -60,20 +61,9 @@ def remote_code_files() -> list[str]:
     return files
 
 
-def is_weight_file(name: str) -> bool:
-    """True for the files :func:`export` links instead of copying (weights and their shard indexes)."""
-    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
-
-
 def link_file(src: str, dst: str, mode: str = "symlink") -> str:
     """Make ``dst`` refer to ``src`` by ``mode`` (``"symlink"``, then hard link, then copy; ``"hardlink"``; ``"copy"``),
-    warning at every fallback; return the method used.
-
-    Raises:
-        OSError: only when the copy fails too.
-    """
-    if mode not in LINK_MODES:
-        raise ValueError(f"link mode must be one of {LINK_MODES}; got {mode!r}")
+    warning at every fallback; return the method used. ``OSError`` only when the copy fails too."""
     if mode == "symlink":
         try:
             os.symlink(os.path.abspath(src), dst)
@@ -123,13 +113,9 @@ def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[s
             if is_code_file(name):
                 code.append(rel)
                 continue
-            plan.append((rel, "link" if is_weight_file(name) else "copy"))
+            is_weight = name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")  # linked, not copied
+            plan.append((rel, "link" if is_weight else "copy"))
     return plan, code
-
-
-def _same_bytes(a: str, b: str) -> bool:
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        return fa.read() == fb.read()
 
 
 def _replace_auto_maps(data, auto_map: dict) -> bool:
@@ -247,7 +233,9 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     kept = _scrub_kept_entries(out, written)
     ours = {os.path.basename(p): p for p in code}
     foreign = [rel for rel in src_code if rel not in ours]
-    outdated = [rel for rel in src_code if rel in ours and not _same_bytes(os.path.join(src, rel), ours[rel])]
+    outdated = [
+        rel for rel in src_code if rel in ours and not filecmp.cmp(os.path.join(src, rel), ours[rel], shallow=False)
+    ]
     replaced = sorted(rel for rel, kind in written.items() if kind == "config" and rel != "config.json")
     if foreign or outdated or dropped_entries or replaced or kept:
         parts = [f"SRC's code files not copied: {', '.join(foreign)}"] if foreign else []
