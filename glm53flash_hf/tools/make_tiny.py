@@ -6,6 +6,10 @@ code, a small vision tower under ``model.visual.*``, a byte-level BPE tokenizer 
 ``0 .. P-1`` (``P`` = the config's ``pad_token_id``), :data:`SPECIAL_TOKENS` follow in order. ``--fp8`` stores the
 tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` and builds ``tiny_fp8_config.json`` (64 routed
 experts, so that the quantized modules hold most of the weight bytes, as in the release).
+
+Token layout: ``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``, ``<|observation|>`` = ``P+9`` (the three EOS
+ids), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` = ``P+16``, ``<|video|>`` = ``P+17``; every id in the
+config is checked against the tokenizer.
 """
 
 from __future__ import annotations
@@ -165,20 +169,6 @@ def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
     hf_tokenizer.save_pretrained(out)
 
 
-def _weight_files(out: str) -> tuple[list[str], dict[str, str]]:
-    """Shard file names and the key → file map of the safetensors checkpoint in ``out``."""
-    index_path = os.path.join(out, SAFETENSORS_INDEX)
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-        return files, dict(weight_map)
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
-        return ["model.safetensors"], {k: "model.safetensors" for k in f.keys()}
-
-
 def _tensor_bytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -200,9 +190,11 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
     """Rewrite the text shards (FP8 when ``fp8``), add ``vision_state`` as the last shard, and write the index."""
     from safetensors.torch import load_file, save_file
 
+    from ..checkpoint import read_weight_map
     from .fp8 import fp8_keys_of
 
-    files, weight_map = _weight_files(out)
+    weight_map = read_weight_map(out)
+    files = sorted(set(weight_map.values()))
     fp8_keys = fp8_keys_of(weight_map) if fp8 else set()
     n = len(files) + 1
     new_map: dict[str, str] = {}
