@@ -18,7 +18,7 @@ import re
 import shutil
 import warnings
 
-from ..checkpoint import atomic_save
+from ..checkpoint import atomic_save, read_json
 from . import check_output_folder, docstring_parser
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -84,11 +84,7 @@ def _read_config(src: str) -> dict:
     path = os.path.join(src, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"SRC={src!r} has no config.json; pass a local checkpoint folder")
-    with open(path) as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
+    config = read_json(path)
     if config.get("model_type") != "glm5_next":
         raise ValueError(f"{path}: model_type={config.get('model_type')!r}; expected 'glm5_next' (GLM-5.3-Flash)")
     return config
@@ -161,13 +157,8 @@ def _write_json(data, path: str) -> None:
 def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, show_progress: bool = True) -> dict:
     """Write the remote-code folder ``out`` for the checkpoint folder ``src``.
 
-    Args:
-        src: local checkpoint folder with a ``glm5_next`` ``config.json`` and safetensors weights.
-        out: destination folder, written atomically (:func:`glm53flash_hf.checkpoint.atomic_save`); must be empty
-            unless ``overwrite``.
-        link: ``"symlink"`` (default), ``"hardlink"`` or ``"copy"`` for the weight files (:func:`link_file`).
-        overwrite: allow a non-empty ``out``.
-        show_progress: tqdm progress bar.
+    ``src``: a local folder with a ``glm5_next`` ``config.json`` and safetensors weights; ``out`` is written atomically
+    and must be empty unless ``overwrite``; ``link``: how weight files are placed (:func:`link_file`).
 
     Returns:
         ``{relative path: "symlink" | "hardlink" | "copy" | "code" | "config"}`` for every file written.
