@@ -392,14 +392,10 @@ RELEASE_GPUS = (("8xH100 80GB", 79.6), ("8xH200 141GB", 140.4))
 def release_setup(config, memory: float, lora_rank: int, base: str, seq_len: int) -> tuple[Setup, MemoryPlan]:
     """The setup of a row of the release table and its plan: 8 GPUs, FSDP2 over all 8, activation checkpointing,
     micro-batch 1, bf16 compute, 4 GiB reserve, and of EP 8 (SP 1) or SP 8 (EP 1) the one needing less memory."""
-    best = None
-    for ep, sp in ((8, 1), (1, 8)):
-        s = Setup(gpus=8, gpu_memory_gib=memory, fsdp=8, ep=ep, sp=sp, seq_len=seq_len, micro_batch=1,
-                  lora_rank=lora_rank, base=base, compute_dtype="bf16", checkpointing=True, reserve_gib=4.0)
-        p = plan_memory(config, s)
-        if best is None or p.total < best[1].total:
-            best = (s, p)
-    return best
+    setups = [Setup(gpus=8, gpu_memory_gib=memory, fsdp=8, ep=ep, sp=sp, seq_len=seq_len, micro_batch=1,
+                    lora_rank=lora_rank, base=base, compute_dtype="bf16", checkpointing=True, reserve_gib=4.0)
+              for ep, sp in ((8, 1), (1, 8))]
+    return min(((s, plan_memory(config, s)) for s in setups), key=lambda pair: pair[1].total)
 
 
 def release_table(config) -> str:
