@@ -80,16 +80,6 @@ def link_file(src: str, dst: str, mode: str = "symlink") -> str:
     return "copy"
 
 
-def _read_config(src: str) -> dict:
-    path = os.path.join(src, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"SRC={src!r} has no config.json; pass a local checkpoint folder")
-    config = read_json(path)
-    if config.get("model_type") != "glm5_next":
-        raise ValueError(f"{path}: model_type={config.get('model_type')!r}; expected 'glm5_next' (GLM-5.3-Flash)")
-    return config
-
-
 def is_code_file(name: str) -> bool:
     """True for the Python files of SRC that :func:`export` never copies (``*.py``, ``*.pyc``)."""
     return name.endswith((".py", ".pyc"))
@@ -148,9 +138,9 @@ def _with_our_auto_map(path: str):
     return data if _replace_auto_maps(data, processor_auto_map()) else None
 
 
-def _write_json(data, path: str) -> None:
+def _write_json(data, path: str, sort_keys: bool = False) -> None:
     with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+        json.dump(data, f, indent=2, sort_keys=sort_keys)
         f.write("\n")
 
 
@@ -178,13 +168,18 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     if not os.path.isdir(src):
         raise FileNotFoundError(f"SRC={src!r} is not a local folder")
     check_output_folder(out, src, allow_links=overwrite)
-    config = _read_config(src)
+    config_path = os.path.join(src, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"SRC={src!r} has no config.json; pass a local checkpoint folder")
+    config = read_json(config_path)
+    if config.get("model_type") != "glm5_next":
+        raise ValueError(
+            f"{config_path}: model_type={config.get('model_type')!r}; expected 'glm5_next' (GLM-5.3-Flash)"
+        )
     try:
         Glm53FlashConfig.from_dict(dict(config))
     except Exception as error:  # the message names the field; keep the type visible
-        raise ValueError(
-            f"{os.path.join(src, 'config.json')} does not validate: {type(error).__name__}: {error}"
-        ) from error
+        raise ValueError(f"{config_path} does not validate: {type(error).__name__}: {error}") from error
 
     code = remote_code_files()
     plan, src_code = _plan(src, skip_names={"config.json"})
@@ -215,9 +210,7 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         for path in code:
             shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
             written[os.path.basename(path)] = "code"
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
+        _write_json(config, os.path.join(folder, "config.json"), sort_keys=True)
         written["config.json"] = "config"
 
     atomic_save(out, write)
