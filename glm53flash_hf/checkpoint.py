@@ -270,12 +270,6 @@ def read_config_json(folder: str) -> dict | None:
     return config
 
 
-def read_quantization_config(folder: str) -> dict | None:
-    """The ``quantization_config`` of ``folder/config.json`` (top level or in ``text_config``) or None."""
-    config = read_config_json(folder) or {}
-    return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-
-
 def fp8_block_size(quantization_config: dict | None) -> tuple[int, int]:
     """``weight_block_size`` of an FP8 ``quantization_config`` (128x128 when absent)."""
     block = (quantization_config or {}).get("weight_block_size") or (128, 128)
@@ -294,11 +288,6 @@ class CheckpointInfo:
     quantization_config: dict | None = None
     fp8_weights: set[str] = field(default_factory=set)
     non_float: list[str] = field(default_factory=list)
-
-    @property
-    def is_fp8(self) -> bool:
-        """True when the checkpoint stores FP8 weights."""
-        return bool(self.fp8_weights)
 
 
 def is_fp8_dtype(dtype: str) -> bool:
@@ -348,7 +337,9 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
     weight_map = read_weight_map(folder)
     if weight_map is None:
         return None
-    info = CheckpointInfo(folder=folder, weight_map=weight_map, quantization_config=read_quantization_config(folder))
+    config = read_config_json(folder) or {}
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    info = CheckpointInfo(folder=folder, weight_map=weight_map, quantization_config=qc)
     by_file: dict[str, list[str]] = {}
     for key, fname in weight_map.items():
         by_file.setdefault(fname, []).append(key)
@@ -793,7 +784,7 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     if not isinstance(dequantize_fp8, bool):
         raise ValueError(f"dequantize_fp8 must be a bool; got {dequantize_fp8!r}")
     keep_fp8 = contextlib.nullcontext()
-    if ckpt is not None and ckpt.is_fp8:
+    if ckpt is not None and ckpt.fp8_weights:
         if kwargs.get("quantization_config") is None:
             _request_fp8_dequantization(cls, pretrained_model_name_or_path, ckpt, kwargs, dequantize=dequantize_fp8)
         if not getattr(kwargs.get("quantization_config"), "dequantize", False):

@@ -201,14 +201,8 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
     # ---- frame sampling -------------------------------------------------------------------------------------
 
     def sample_frames(self, metadata: VideoMetadata, fps: int | float | None = None, **kwargs) -> np.ndarray:
-        """Indices of the frames to keep (the rule of ``Glm5NextVideoProcessor.sample_frames``).
-
-        Args:
-            metadata: the clip's ``VideoMetadata`` (``fps`` and ``total_num_frames`` required).
-            fps: target frames per second (default ``self.fps``).
-
-        Returns:
-            int64 array of frame indices (even length).
+        """Indices (int64, even length) of the frames to keep at ``fps`` (default ``self.fps``) frames per second, by
+        the rule of ``Glm5NextVideoProcessor.sample_frames``.
 
         Raises:
             ValueError: the metadata has no ``fps``; ``fps`` or the metadata's ``fps`` not a finite number > 0;
@@ -339,16 +333,10 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
 
     @staticmethod
     def patchify(video: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int):
-        """Cut a ``[T, C, H, W]`` clip into vision-tower patches.
-
-        Returns:
-            ``(patches, grid_t, grid_h, grid_w)``; ``patches`` is ``[grid_t*grid_h*grid_w,
-            C*temporal_patch_size*patch_size**2]``, rows ``(t, h/merge, w/merge, merge_h, merge_w)``, features
-            ``(C, temporal, patch_h, patch_w)``; an incomplete last tubelet repeats the last frame.
-
-        Raises:
-            ValueError: when H or W is not a multiple of ``patch_size * merge_size``.
-        """
+        """Cut a ``[T, C, H, W]`` clip into ``(patches, grid_t, grid_h, grid_w)``: ``patches`` is
+        ``[grid_t*grid_h*grid_w, C*temporal_patch_size*patch_size**2]``, rows ``(t, h/merge, w/merge, merge_h,
+        merge_w)``, features ``(C, temporal, patch_h, patch_w)``; an incomplete last tubelet repeats the last frame.
+        ``ValueError`` when H or W is not a multiple of ``patch_size * merge_size``."""
         frames, channels, height, width = video.shape
         unit = patch_size * merge_size
         if height % unit or width % unit:
@@ -431,11 +419,8 @@ class Glm53FlashProcessor(ProcessorMixin):
     ``processor(text=..., images=..., videos=...)`` returns ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
     and, when given media, ``pixel_values`` + ``image_grid_thw`` / ``pixel_values_videos`` + ``video_grid_thw``.
 
-    Args:
-        image_processor: e.g. ``transformers.Glm5NextImageProcessorPil()``; needs a ``merge_size``.
-        tokenizer: a fast tokenizer holding every token of :data:`REQUIRED_TOKENS` as one vocabulary entry.
-        video_processor: e.g. :class:`Glm53FlashVideoProcessor`.
-        chat_template: Jinja template; defaults to the packaged ``chat_template.jinja``.
+    ``image_processor`` needs a ``merge_size``; ``tokenizer``: a fast tokenizer holding every token of
+    :data:`REQUIRED_TOKENS` as one vocabulary entry; ``chat_template`` defaults to the packaged one.
 
     Raises:
         ValueError: a missing processor or special token (names the tokens); marker/media count mismatches.

@@ -31,6 +31,7 @@ from ..checkpoint import (
     fp8_block_size,
     is_fp8_dtype,
     open_shard,
+    read_config_json,
     read_weight_map,
 )
 from . import check_output_folder
@@ -109,6 +110,8 @@ def rewrite_config(config: dict, layers: int, mtp_layers: int) -> tuple[dict, di
         ValueError: ``layers`` out of range, a schedule list of the wrong length, a ``shared`` indexer layer
             without its ``full`` partner among the kept layers, or a config that no longer validates.
     """
+    from ..configuration_glm53flash import Glm53FlashConfig
+
     out = json.loads(json.dumps(config))
     text = _text_config(out)
     n_src = text.get("num_hidden_layers")
@@ -122,7 +125,8 @@ def rewrite_config(config: dict, layers: int, mtp_layers: int) -> tuple[dict, di
     for name in ("layer_types", "mlp_layer_types", "indexer_types"):
         values = text.get(name)
         if values is None:  # the config class derives it from num_hidden_layers: write the source's explicitly
-            resolved = resolved or _resolved_text_config(config)
+            if resolved is None:  # the source's text config with Glm53FlashConfig's defaults filled in
+                resolved = Glm53FlashConfig(**_config_kwargs(config)).get_text_config(decoder=True)
             values = list(getattr(resolved, name))
         if len(values) != n_src:
             raise ValueError(f"text_config.{name} has {len(values)} entries but num_hidden_layers={n_src}")
@@ -156,28 +160,15 @@ def rewrite_config(config: dict, layers: int, mtp_layers: int) -> tuple[dict, di
     for holder in (out, text):
         if holder.pop("quantization_config", None) is not None:
             changes["quantization_config"] = ("present", "removed")
-    _validate_config(out)
+    try:
+        Glm53FlashConfig(**_config_kwargs(out))
+    except Exception as e:
+        raise ValueError(f"the cropped config does not validate: {e}") from e
     return out, changes
 
 
 def _config_kwargs(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in ("auto_map", "transformers_version", "architectures")}
-
-
-def _resolved_text_config(config: dict):
-    """The source's text config with :class:`.configuration_glm53flash.Glm53FlashConfig`'s defaults filled in."""
-    from ..configuration_glm53flash import Glm53FlashConfig
-
-    return Glm53FlashConfig(**_config_kwargs(config)).get_text_config(decoder=True)
-
-
-def _validate_config(config: dict) -> None:
-    from ..configuration_glm53flash import Glm53FlashConfig
-
-    try:
-        Glm53FlashConfig(**_config_kwargs(config))
-    except Exception as e:
-        raise ValueError(f"the cropped config does not validate: {e}") from e
 
 
 def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> CropPlan:
@@ -187,11 +178,9 @@ def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> Cro
         ValueError: missing config or weights, a corrupt shard (named), inconsistent FP8 pairs, ``layers`` out of
             range, MTP layer numbering that does not follow the main stack, or an invalid cropped config.
     """
-    config_path = os.path.join(src, "config.json")
-    if not os.path.isfile(config_path):
+    config = read_config_json(src)
+    if config is None:
         raise ValueError(f"{src}: no config.json")
-    with open(config_path) as f:
-        config = json.load(f)
     weight_map = read_weight_map(src)
     if weight_map is None:
         raise ValueError(f"{src}: no {INDEX_NAME} or model.safetensors")

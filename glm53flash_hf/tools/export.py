@@ -10,6 +10,7 @@ SRC. Nothing is downloaded.
 from __future__ import annotations
 
 import collections
+import filecmp
 import inspect
 import json
 import os
@@ -17,7 +18,7 @@ import re
 import shutil
 import warnings
 
-from ..checkpoint import atomic_save
+from ..checkpoint import atomic_save, read_json
 from . import check_output_folder, docstring_parser
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -60,20 +61,9 @@ def remote_code_files() -> list[str]:
     return files
 
 
-def is_weight_file(name: str) -> bool:
-    """True for the files :func:`export` links instead of copying (weights and their shard indexes)."""
-    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
-
-
 def link_file(src: str, dst: str, mode: str = "symlink") -> str:
     """Make ``dst`` refer to ``src`` by ``mode`` (``"symlink"``, then hard link, then copy; ``"hardlink"``; ``"copy"``),
-    warning at every fallback; return the method used.
-
-    Raises:
-        OSError: only when the copy fails too.
-    """
-    if mode not in LINK_MODES:
-        raise ValueError(f"link mode must be one of {LINK_MODES}; got {mode!r}")
+    warning at every fallback; return the method used. ``OSError`` only when the copy fails too."""
     if mode == "symlink":
         try:
             os.symlink(os.path.abspath(src), dst)
@@ -88,20 +78,6 @@ def link_file(src: str, dst: str, mode: str = "symlink") -> str:
             _warn(f"could not hard-link {dst} -> {src} ({error}); copying the file")
     shutil.copy2(os.path.realpath(src), dst)
     return "copy"
-
-
-def _read_config(src: str) -> dict:
-    path = os.path.join(src, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"SRC={src!r} has no config.json; pass a local checkpoint folder")
-    with open(path) as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
-    if config.get("model_type") != "glm5_next":
-        raise ValueError(f"{path}: model_type={config.get('model_type')!r}; expected 'glm5_next' (GLM-5.3-Flash)")
-    return config
 
 
 def is_code_file(name: str) -> bool:
@@ -123,13 +99,9 @@ def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[s
             if is_code_file(name):
                 code.append(rel)
                 continue
-            plan.append((rel, "link" if is_weight_file(name) else "copy"))
+            is_weight = name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")  # linked, not copied
+            plan.append((rel, "link" if is_weight else "copy"))
     return plan, code
-
-
-def _same_bytes(a: str, b: str) -> bool:
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        return fa.read() == fb.read()
 
 
 def _replace_auto_maps(data, auto_map: dict) -> bool:
@@ -166,22 +138,17 @@ def _with_our_auto_map(path: str):
     return data if _replace_auto_maps(data, processor_auto_map()) else None
 
 
-def _write_json(data, path: str) -> None:
+def _write_json(data, path: str, sort_keys: bool = False) -> None:
     with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+        json.dump(data, f, indent=2, sort_keys=sort_keys)
         f.write("\n")
 
 
 def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, show_progress: bool = True) -> dict:
     """Write the remote-code folder ``out`` for the checkpoint folder ``src``.
 
-    Args:
-        src: local checkpoint folder with a ``glm5_next`` ``config.json`` and safetensors weights.
-        out: destination folder, written atomically (:func:`glm53flash_hf.checkpoint.atomic_save`); must be empty
-            unless ``overwrite``.
-        link: ``"symlink"`` (default), ``"hardlink"`` or ``"copy"`` for the weight files (:func:`link_file`).
-        overwrite: allow a non-empty ``out``.
-        show_progress: tqdm progress bar.
+    ``src``: a local folder with a ``glm5_next`` ``config.json`` and safetensors weights; ``out`` is written atomically
+    and must be empty unless ``overwrite``; ``link``: how weight files are placed (:func:`link_file`).
 
     Returns:
         ``{relative path: "symlink" | "hardlink" | "copy" | "code" | "config"}`` for every file written.
@@ -201,13 +168,18 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     if not os.path.isdir(src):
         raise FileNotFoundError(f"SRC={src!r} is not a local folder")
     check_output_folder(out, src, allow_links=overwrite)
-    config = _read_config(src)
+    config_path = os.path.join(src, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"SRC={src!r} has no config.json; pass a local checkpoint folder")
+    config = read_json(config_path)
+    if config.get("model_type") != "glm5_next":
+        raise ValueError(
+            f"{config_path}: model_type={config.get('model_type')!r}; expected 'glm5_next' (GLM-5.3-Flash)"
+        )
     try:
         Glm53FlashConfig.from_dict(dict(config))
     except Exception as error:  # the message names the field; keep the type visible
-        raise ValueError(
-            f"{os.path.join(src, 'config.json')} does not validate: {type(error).__name__}: {error}"
-        ) from error
+        raise ValueError(f"{config_path} does not validate: {type(error).__name__}: {error}") from error
 
     code = remote_code_files()
     plan, src_code = _plan(src, skip_names={"config.json"})
@@ -238,16 +210,16 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         for path in code:
             shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
             written[os.path.basename(path)] = "code"
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
+        _write_json(config, os.path.join(folder, "config.json"), sort_keys=True)
         written["config.json"] = "config"
 
     atomic_save(out, write)
     kept = _scrub_kept_entries(out, written)
     ours = {os.path.basename(p): p for p in code}
     foreign = [rel for rel in src_code if rel not in ours]
-    outdated = [rel for rel in src_code if rel in ours and not _same_bytes(os.path.join(src, rel), ours[rel])]
+    outdated = [
+        rel for rel in src_code if rel in ours and not filecmp.cmp(os.path.join(src, rel), ours[rel], shallow=False)
+    ]
     replaced = sorted(rel for rel, kind in written.items() if kind == "config" and rel != "config.json")
     if foreign or outdated or dropped_entries or replaced or kept:
         parts = [f"SRC's code files not copied: {', '.join(foreign)}"] if foreign else []

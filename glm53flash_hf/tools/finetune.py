@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -186,6 +185,8 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
     Raises:
         RuntimeError: naming every missing piece.
     """
+    from ..checkpoint import read_json
+
     missing = []
     files = sorted(os.listdir(out))
 
@@ -193,18 +194,15 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
         if not condition:
             missing.append(what)
 
-    def read_json(name):
+    def read(name):
         path = os.path.join(out, name)
-        if not os.path.isfile(path):
-            return {}
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path) if os.path.isfile(path) else {}
 
     def need_module(reference, auto):
         module = reference.split("--")[-1].rsplit(".", 1)[0]
         need(f"{module}.py" in files, f"{module}.py (remote code for {auto})")
 
-    config = read_json("config.json")
+    config = read("config.json")
     need(config, "config.json")
     auto_map = config.get("auto_map", {})
     for auto in ("AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText"):
@@ -212,7 +210,7 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
         if auto in auto_map:
             need_module(auto_map[auto], auto)
     need(any(f.endswith(".safetensors") for f in files), "*.safetensors weights")
-    processor_config = read_json("processor_config.json")
+    processor_config = read("processor_config.json")
     need(processor_config, "processor_config.json")
     processor_map = processor_config.get("auto_map", {})
     need("AutoProcessor" in processor_map, "processor_config.json auto_map['AutoProcessor']")

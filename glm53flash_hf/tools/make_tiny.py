@@ -1,18 +1,15 @@
 """``glm53flash-make-tiny OUT``: write the embedded default checkpoint, a tiny random-init GLM-5.3-Flash.
 
-The folder has the published layout and loads like a release download: text weights by
-``Glm53FlashForCausalLM.save_pretrained`` (with the MTP layer), ``config.json`` with ``auto_map`` and the
-remote-code modules, a small transformers ``Glm5NextVisionModel`` under ``model.visual.*`` in an extra shard, the
-shard index, and a byte-level BPE tokenizer trained on CPython's ``pydoc_data.topics``. Deterministic given
-``--seed``; nothing is downloaded.
+The folder has the published layout and loads like a release download (text weights with the MTP layer, remote
+code, a small vision tower under ``model.visual.*``, a byte-level BPE tokenizer trained on CPython's
+``pydoc_data.topics``). Deterministic given ``--seed``; nothing is downloaded. The BPE vocabulary fills ids
+``0 .. P-1`` (``P`` = the config's ``pad_token_id``), :data:`SPECIAL_TOKENS` follow in order. ``--fp8`` stores the
+tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` and builds ``tiny_fp8_config.json`` (64 routed
+experts, so that the quantized modules hold most of the weight bytes, as in the release).
 
-Token layout: the BPE vocabulary fills ids ``0 .. P-1``, ``P`` being the config's ``pad_token_id``; the special
-tokens follow in the order of :data:`SPECIAL_TOKENS`: ``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``,
-``<|observation|>`` = ``P+9`` (the three EOS ids), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` =
-``P+16``, ``<|video|>`` = ``P+17``. Every id in the config is checked against the tokenizer. ``--fp8`` stores the
-tensors the FP8 release quantizes as block-scaled ``float8_e4m3fn`` plus ``<key>_scale_inv``, and by default builds
-the model of ``tiny_fp8_config.json``: the tiny config with 64 routed experts of intermediate size 128 (instead of 8
-of 32), so that, as in the release, the quantized modules hold most of the weight bytes.
+Token layout: ``<|endoftext|>`` = ``P`` = pad, ``<|user|>`` = ``P+7``, ``<|observation|>`` = ``P+9`` (the three EOS
+ids), image/video begin/end = ``P+10 .. P+13``, ``<|image|>`` = ``P+16``, ``<|video|>`` = ``P+17``; every id in the
+config is checked against the tokenizer.
 """
 
 from __future__ import annotations
@@ -93,18 +90,9 @@ def corpus_texts() -> list[str]:
 
 
 def train_tokenizer(bpe_vocab_size: int):
-    """Train the byte-level BPE tokenizer and append :data:`SPECIAL_TOKENS` (``special=True`` except
-    :data:`TEXT_TAG_TOKENS`).
-
-    Args:
-        bpe_vocab_size: number of ordinary tokens (256 byte symbols + merges); the specials follow.
-
-    Returns:
-        a ``tokenizers.Tokenizer`` (deterministic).
-
-    Raises:
-        ValueError: when ``bpe_vocab_size`` is below the 256-symbol byte alphabet, or the corpus cannot fill it.
-    """
+    """A deterministic ``tokenizers.Tokenizer``: ``bpe_vocab_size`` byte-level BPE tokens, then :data:`SPECIAL_TOKENS`
+    (``special=True`` except :data:`TEXT_TAG_TOKENS`); ``ValueError`` when ``bpe_vocab_size`` is below the 256-byte
+    alphabet or the corpus cannot fill it."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -181,20 +169,6 @@ def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
     hf_tokenizer.save_pretrained(out)
 
 
-def _weight_files(out: str) -> tuple[list[str], dict[str, str]]:
-    """Shard file names and the key → file map of the safetensors checkpoint in ``out``."""
-    index_path = os.path.join(out, SAFETENSORS_INDEX)
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-        return files, dict(weight_map)
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
-        return ["model.safetensors"], {k: "model.safetensors" for k in f.keys()}
-
-
 def _tensor_bytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -216,9 +190,11 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
     """Rewrite the text shards (FP8 when ``fp8``), add ``vision_state`` as the last shard, and write the index."""
     from safetensors.torch import load_file, save_file
 
+    from ..checkpoint import read_weight_map
     from .fp8 import fp8_keys_of
 
-    files, weight_map = _weight_files(out)
+    weight_map = read_weight_map(out)
+    files = sorted(set(weight_map.values()))
     fp8_keys = fp8_keys_of(weight_map) if fp8 else set()
     n = len(files) + 1
     new_map: dict[str, str] = {}
@@ -261,10 +237,7 @@ def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool
         config_path: a GLM-5.3-Flash ``config.json`` (``text_config`` + ``vision_config``); ``None``:
             :data:`DEFAULT_FP8_CONFIG` when ``fp8``, else :data:`DEFAULT_CONFIG`.
         seed: ``torch.manual_seed`` of the text model's initialisation (vision: ``seed + 1``).
-        fp8: store the FP8-release tensors as block-scaled e4m3 with ``_scale_inv``.
         dtype: ``"bfloat16"`` or ``"float32"`` (fp32-kept parameters stay fp32).
-        overwrite: allow a non-empty ``out``.
-        show_progress: tqdm progress bar.
 
     Raises:
         ValueError: bad ``dtype``, a non-empty ``out`` without ``overwrite``, or config token ids that do not

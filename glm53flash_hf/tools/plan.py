@@ -2,33 +2,10 @@
 
 For a checkpoint folder (its ``config.json``) or the release configuration (``--release``) and a setup (GPUs and
 their memory, FSDP2 / EP / SP sizes, sequence length, micro-batch, LoRA rank or full fine-tune, BF16 or FP8 base,
-activation checkpointing), prints the bytes one GPU holds at the peak of a training step, by part, and whether they
-fit in ``--gpu-memory-gib`` less ``--reserve-gib``:
-
-* weights: every parameter and buffer of the text model built on the meta device (real shapes, no memory), sharded
-  as :mod:`glm53flash_hf.train.distributed` / :mod:`glm53flash_hf.train.expert_parallel` shard them: FSDP2 over all
-  ranks (``ceil(dim0 / n)`` rows each), routed experts ``E / ep`` per EP rank and FSDP2 over the ``dp = gpus / ep``
-  ranks holding the same experts. Full fine-tune: fp32 masters. LoRA: the frozen base in its stored dtype (the
-  fp32-kept parameters fp32; with ``--base fp8`` the tensors the FP8 release quantizes,
-  :func:`glm53flash_hf.tools.fp8.fp8_keys_of`, as e4m3 plus one fp32 scale per 128x128 block, the bytes of the
-  FP8 module classes the load builds, :func:`fp8_load_bytes`) and the fp32
-  adapters of :func:`glm53flash_hf.train.trainer.default_lora_config` (``r (in + out)`` per adapted linear,
-  ``r E (in + out)`` per expert weight).
-* gradients: fp32, one per trainable element (sharded like the parameter); optimizer states: AdamW's two fp32
-  moments per trainable element.
-* activations at the peak (``micro_batch * seq_len / sp`` tokens per rank): what the forward saves per token, layer
-  by layer (:func:`saved_elements_per_token`: mHC streams and Sinkhorn iterates, norms, KDA, DSA, dense / MoE MLP,
-  MTP, the torch implementations' saved sets), plus the transients of the loss heads (logits, their fp32 copy and
-  log-softmax per head: main + MTP depths) and of the DSA sparse-attention chunk (gathered latents). With
-  activation checkpointing the forward keeps each layer's input stream and the backward recomputes one layer at a
-  time.
-* communication buffers: FSDP2's all-gathered unit (current and prefetched: twice the largest unit in compute
-  precision), its gradient reduce-scatter input (fp32), the root unit (embeddings, head) kept unsharded between
-  forward and backward; EP's all-to-all send and receive rows; SP's gathered DSA latent and indexer state.
-
-Checked at small scale against the live-tensor high-water of real steps (``scripts/plan_validate.py``, recorded in
-``docs/benchmarks.md``). Not counted: the CUDA context, the allocator's fragmentation and caches (``--reserve-gib``
-stands for them), kernels' workspaces, the fused kernels' own saved sets (the torch implementations' are counted).
+activation checkpointing), prints the bytes one GPU holds at the peak of a training step, by part (weights,
+gradients, optimizer states, activations, communication buffers), and whether they fit in ``--gpu-memory-gib`` less
+``--reserve-gib``. Not counted: the CUDA context, the allocator's caches (``--reserve-gib`` stands for them),
+kernels' workspaces, the fused kernels' own saved sets.
 
 Usage::
 
@@ -415,14 +392,10 @@ RELEASE_GPUS = (("8xH100 80GB", 79.6), ("8xH200 141GB", 140.4))
 def release_setup(config, memory: float, lora_rank: int, base: str, seq_len: int) -> tuple[Setup, MemoryPlan]:
     """The setup of a row of the release table and its plan: 8 GPUs, FSDP2 over all 8, activation checkpointing,
     micro-batch 1, bf16 compute, 4 GiB reserve, and of EP 8 (SP 1) or SP 8 (EP 1) the one needing less memory."""
-    best = None
-    for ep, sp in ((8, 1), (1, 8)):
-        s = Setup(gpus=8, gpu_memory_gib=memory, fsdp=8, ep=ep, sp=sp, seq_len=seq_len, micro_batch=1,
-                  lora_rank=lora_rank, base=base, compute_dtype="bf16", checkpointing=True, reserve_gib=4.0)
-        p = plan_memory(config, s)
-        if best is None or p.total < best[1].total:
-            best = (s, p)
-    return best
+    setups = [Setup(gpus=8, gpu_memory_gib=memory, fsdp=8, ep=ep, sp=sp, seq_len=seq_len, micro_batch=1,
+                    lora_rank=lora_rank, base=base, compute_dtype="bf16", checkpointing=True, reserve_gib=4.0)
+              for ep, sp in ((8, 1), (1, 8))]
+    return min(((s, plan_memory(config, s)) for s in setups), key=lambda pair: pair[1].total)
 
 
 def release_table(config) -> str:

@@ -52,13 +52,9 @@ class _Sample:
 class Glm53FlashPackingCollator(DataCollatorWithFlattening):
     """Pack SFT samples (:func:`glm53flash_hf.train.sft.build_sft_example`) into rows of at most ``max_length`` tokens.
 
-    Args:
-        max_length: the most tokens per row; None: one row, no padding.
-        pad_token_id: id written at padding positions (each padding run is a segment of its own, labels -100).
-        pad_to_multiple_of: round the row length up to a multiple of this (capped at ``max_length``).
-        pad_to_max_length: make every row exactly ``max_length`` tokens long.
-        return_seq_idx: also return ``seq_idx`` (int32 ``[R, L]`` segment index per token).
-        separator_id: label of the first token of every sample (default -100).
+    ``max_length=None``: one row, no padding. Padding (``pad_token_id``, labels -100) is a segment of its own; rows are
+    padded to ``pad_to_multiple_of`` (capped at ``max_length``) or, with ``pad_to_max_length``, to ``max_length``.
+    ``separator_id`` labels the first token of every sample; ``return_seq_idx`` adds the segment index ``seq_idx``.
 
     Call ``collator(features)``: 1-D ``input_ids``, optional ``labels`` / ``mm_token_type_ids`` of the same length, an
     all-ones ``attention_mask``, optional ``pixel_values`` + ``image_grid_thw`` / ``pixel_values_videos`` +

@@ -1,14 +1,7 @@
 """Process-wide heap policy for CPU training: keep freed large blocks for reuse instead of returning them to the OS.
 
-The ``"reuse"`` policy sets three ``mallopt`` parameters (glibc ``malloc.h``; ``mallopt(3)``):
-
-* ``M_MMAP_MAX = 0``: no block is served by ``mmap``; large blocks come from the heap like small ones;
-* ``M_TRIM_THRESHOLD = 2**31 - 1``: freed memory at the top of the heap is kept (up to 2 GiB), not trimmed;
-* ``M_TOP_PAD = 64 MiB``: the heap grows in steps of at least 64 MiB.
-
-The cost is resident memory: the process keeps the high-water mark of its heap (plus fragmentation). The parameters
-only change later allocations. Other C libraries (musl, macOS): nothing is changed and a warning says so once. Why
-(glibc's mmap threshold, measurements): ``docs/design.md``, "FSDP2 and fine-tuning".
+The ``"reuse"`` policy sets the ``mallopt`` parameters of :data:`REUSE_SETTINGS` (glibc only; elsewhere nothing
+changes and a warning says so once); the cost is resident memory. Why: ``docs/design.md``, "FSDP2 and fine-tuning".
 """
 
 from __future__ import annotations
@@ -54,19 +47,11 @@ def _warn_once(message: str) -> None:
 
 
 def set_malloc_policy(policy: str) -> bool:
-    """Apply a heap policy to this process (see the module docstring).
+    """Apply ``policy`` (``"reuse"`` or ``"default"``: change nothing) to this process.
 
-    Args:
-        policy: ``"reuse"`` (the three ``mallopt`` settings of :data:`REUSE_SETTINGS`) or ``"default"`` (change
-            nothing: the opt-out).
-
-    Returns:
-        ``True`` when ``"reuse"`` was applied (now or by an earlier call); ``False`` for ``"default"`` and when it
-        cannot apply (not glibc, or ``mallopt`` refused a setting): then a ``RuntimeWarning`` is issued, once per
-        process.
-
-    Raises:
-        ValueError: ``policy`` not in :data:`MALLOC_POLICIES`.
+    Returns ``True`` when ``"reuse"`` was applied (now or earlier); ``False`` for ``"default"`` and when it cannot
+    apply (then a ``RuntimeWarning``, once per process). Raises ``ValueError`` for a policy not in
+    :data:`MALLOC_POLICIES`.
     """
     if policy not in MALLOC_POLICIES:
         raise ValueError(f"policy must be one of {MALLOC_POLICIES}; got policy={policy!r}")

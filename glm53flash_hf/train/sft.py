@@ -37,16 +37,10 @@ def build_sft_example(
     ``<|endoftext|>``, the ``<|user|>`` / ``<|observation|>`` after a trained turn), except assistant turns with
     ``"loss": False`` or whose reasoning the template clears.
 
-    Args:
-        processor: a :class:`~glm53flash_hf.processing_glm53flash.Glm53FlashProcessor`.
-        messages: chat messages (``role``, ``content`` str or ``{"type": "text"|"image"|"video", ...}`` blocks;
-            assistant ``reasoning_content``, ``tool_calls``, ``loss``).
-        tools: tool schemas. images, videos: the media in order (default: from the content blocks).
-        video_metadata: one ``VideoMetadata``/dict per video.
-        enable_thinking, reasoning_effort, clear_thinking: template variables.
-        max_length: truncate to this many tokens (media wholly after the cut are dropped).
-        sample_id: the sample's name in messages. return_tensors: "pt" or None (lists).
-        **processor_kwargs: passed to the image/video processors.
+    ``messages``: chat messages (``role``, ``content`` str or ``{"type": "text"|"image"|"video", ...}`` blocks;
+    assistant ``reasoning_content``, ``tool_calls``, ``loss``); ``images`` / ``videos`` default to the content blocks'
+    media; ``max_length`` truncates (media wholly after the cut are dropped); ``sample_id`` names the sample in
+    messages; ``processor_kwargs`` go to the image/video processors.
 
     Returns:
         ``BatchFeature`` with 1-D ``input_ids``, ``attention_mask``, ``labels``, ``mm_token_type_ids`` and the kept

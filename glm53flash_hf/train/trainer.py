@@ -47,14 +47,9 @@ def default_lora_config(
 ):
     """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (``task_type="CAUSAL_LM"``, no dropout, no bias, vision excluded).
 
-    Args:
-        r: LoRA rank (per expert for the experts). lora_alpha: default ``2 * r``.
-        target_modules: ``nn.Linear`` leaf names (default :data:`DEFAULT_TARGET_MODULES`); empty: experts only.
-        experts: adapt :data:`EXPERT_TARGET_PARAMETERS` (``target_parameters``).
-        **kwargs: override the ``LoraConfig`` defaults.
-
-    Raises:
-        ValueError: ``r < 1``, or nothing to adapt.
+    ``r`` is per expert for the experts; ``lora_alpha`` defaults to ``2 * r``; empty ``target_modules``: experts only;
+    ``experts``: adapt :data:`EXPERT_TARGET_PARAMETERS`; ``kwargs`` override the ``LoraConfig`` defaults. Raises
+    ``ValueError`` for ``r < 1`` or nothing to adapt.
     """
     from peft import LoraConfig
 
@@ -89,11 +84,8 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
     router, ``bias += speed * sign(load.mean() - load)`` (fp32) from the step's training routing counts (summed over
     ranks).
 
-    Args:
-        speed: update step ``gamma`` (finite, >= 0; 0: no hooks, no updates).
-
-    Attributes:
-        last_loads: ``{router name: float32 [E]}`` loads of the last completed step.
+    ``speed``: the update step ``gamma`` (finite, >= 0; 0: no hooks, no updates); ``last_loads``: ``{router name:
+    float32 [E]}`` loads of the last completed step.
 
     Raises:
         ValueError: negative or non-finite ``speed``; ``speed > 0`` and no MoE router at train begin.
@@ -240,11 +232,8 @@ class Glm53FlashTrainer(Trainer):
     on non-finite losses or gradient norms, atomic checkpoints read back through ``from_pretrained``, and sequence
     parallelism (:func:`sp_micro_batches`).
 
-    Args:
-        pad_token_id: the tokenizer's padding id.
-        mtp: train with the model's MTP loss (else ``mtp=False`` is passed to the model).
-        sp_mesh: optional ``DeviceMesh`` with an ``"sp"`` dimension; sequence_parallel_size: builds it (``1``: off).
-        *args, **kwargs: ``transformers.Trainer``'s.
+    ``mtp=False`` is passed to the model unless ``mtp``; ``sp_mesh``: an optional ``DeviceMesh`` with an ``"sp"``
+    dimension, built from ``sequence_parallel_size`` when absent (``1``: off).
 
     Raises:
         ValueError: ``sequence_parallel_size`` not dividing the world size or without a process group; an SP mesh of
