@@ -318,22 +318,10 @@ def sparse_mla_fused(
     block_w: int | None = None,
     query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused sparse MLA (Triton forward and backward): the contract of :func:`.dsa_ops.sparse_mla_torch`.
-
-    Args:
-        q_abs: ``[B, S, H, Dl]``, fp32/bf16/fp16, ``Dl <= MAX_LATENT_DIM``; latent: ``[B, S_kv, Dl]``, fp32/bf16/fp16.
-        indices: integer ``[B, S, W]`` row-local ids (other than int32/int64: widened); scale: finite.
-        block_h, block_w: heads per program / ids per block (powers of two >= 16; ``None``: automatic).
-        query_chunk: ignored (the kernel's memory is ``O(S * W)``).
-
-    Returns:
-        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] fp32)``; gradients in the inputs' dtypes.
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: the torch path's shape errors, fp64 or another dtype, ``Dl > MAX_LATENT_DIM``, tensors on two
-            devices, CPU tensors outside ``TRITON_INTERPRET=1``, a non-finite ``scale``, bad block sizes.
-    """
+    """Fused sparse MLA: the contract of :func:`.dsa_ops.sparse_mla_torch`, with ``q_abs`` and ``latent`` in
+    fp32/bf16/fp16 and ``Dl <= MAX_LATENT_DIM``. ``block_h``, ``block_w``: heads per program / ids per block (powers
+    of two >= 16; ``None``: automatic); ``query_chunk`` is ignored. ``RuntimeError`` without triton; ``ValueError``
+    also for another dtype, a larger ``Dl``, two devices, CPU outside ``TRITON_INTERPRET=1``, bad block sizes."""
     require_triton("glm53flash_hf.dsa_fused")
     _check_args(q_abs, latent, indices)
     scale = float(scale)
