@@ -211,15 +211,11 @@ if TRITON_AVAILABLE:
 
 
 # ======================================================================================================= custom ops
-def _as_index_tensor(indices: torch.Tensor) -> torch.Tensor:
-    if indices.dtype not in (torch.int32, torch.int64):
-        indices = indices.to(torch.int64)
-    return indices.contiguous()
-
-
 def _kernel_inputs(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor):
     """``(q, latent, indices, lowp)`` as the kernels read them (mixed dtypes: the latent upcast to fp32)."""
-    q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), _as_index_tensor(indices)
+    q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), indices.contiguous()
+    if idx_c.dtype not in (torch.int32, torch.int64):
+        idx_c = idx_c.to(torch.int64)
     lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
     if not lowp and lat_c.dtype != torch.float32:  # mixed dtypes: run the pure fp32 variant (one upcast)
         lat_c = lat_c.float()
