@@ -402,8 +402,8 @@ class Glm53FlashAttention(nn.Module):
         if output_attentions:
             out_lat, weights = sparse_mla_with_weights(q_abs, latent, topk_indices, self.scaling)
         else:
-            op = op_for(sparse_mla_torch, self.backend, q_abs, latent, topk_indices)
-            out_lat, _ = op(q_abs, latent, topk_indices, self.scaling, query_chunk=self.query_chunk)
+            out_lat, _ = sparse_mla(q_abs, latent, topk_indices, self.scaling, backend=self.backend,
+                                    query_chunk=self.query_chunk)
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         attn = self.o_proj(attn)

@@ -211,15 +211,11 @@ if TRITON_AVAILABLE:
 
 
 # ======================================================================================================= custom ops
-def _as_index_tensor(indices: torch.Tensor) -> torch.Tensor:
-    if indices.dtype not in (torch.int32, torch.int64):
-        indices = indices.to(torch.int64)
-    return indices.contiguous()
-
-
 def _kernel_inputs(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor):
     """``(q, latent, indices, lowp)`` as the kernels read them (mixed dtypes: the latent upcast to fp32)."""
-    q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), _as_index_tensor(indices)
+    q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), indices.contiguous()
+    if idx_c.dtype not in (torch.int32, torch.int64):
+        idx_c = idx_c.to(torch.int64)
     lowp = q_c.dtype == lat_c.dtype and q_c.dtype != torch.float32
     if not lowp and lat_c.dtype != torch.float32:  # mixed dtypes: run the pure fp32 variant (one upcast)
         lat_c = lat_c.float()
@@ -318,22 +314,10 @@ def sparse_mla_fused(
     block_w: int | None = None,
     query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused sparse MLA (Triton forward and backward): the contract of :func:`.dsa_ops.sparse_mla_torch`.
-
-    Args:
-        q_abs: ``[B, S, H, Dl]``, fp32/bf16/fp16, ``Dl <= MAX_LATENT_DIM``; latent: ``[B, S_kv, Dl]``, fp32/bf16/fp16.
-        indices: integer ``[B, S, W]`` row-local ids (other than int32/int64: widened); scale: finite.
-        block_h, block_w: heads per program / ids per block (powers of two >= 16; ``None``: automatic).
-        query_chunk: ignored (the kernel's memory is ``O(S * W)``).
-
-    Returns:
-        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H] fp32)``; gradients in the inputs' dtypes.
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: the torch path's shape errors, fp64 or another dtype, ``Dl > MAX_LATENT_DIM``, tensors on two
-            devices, CPU tensors outside ``TRITON_INTERPRET=1``, a non-finite ``scale``, bad block sizes.
-    """
+    """Fused sparse MLA: the contract of :func:`.dsa_ops.sparse_mla_torch`, with ``q_abs`` and ``latent`` in
+    fp32/bf16/fp16 and ``Dl <= MAX_LATENT_DIM``. ``block_h``, ``block_w``: heads per program / ids per block (powers
+    of two >= 16; ``None``: automatic); ``query_chunk`` is ignored. ``RuntimeError`` without triton; ``ValueError``
+    also for another dtype, a larger ``Dl``, two devices, CPU outside ``TRITON_INTERPRET=1``, bad block sizes."""
     require_triton("glm53flash_hf.dsa_fused")
     _check_args(q_abs, latent, indices)
     scale = float(scale)

@@ -198,7 +198,7 @@ def checked(namespace, name: str, **kwargs) -> functools.partial:
             f"**kwargs); calling it would silently ignore them. The installed fla-core is not a version this "
             f"package was checked against ({', '.join(FLA_CHECKED)}); use kernels={{'kda': 'torch'}} or {_INSTALL}"
         )
-    if _PRUNE["pending"] and _on_cuda(kwargs.values()):
+    if _PRUNE["pending"] and any(isinstance(v, Tensor) and v.device.type == "cuda" for v in kwargs.values()):
         install_shared_memory_prune()
     return functools.partial(fn, **kwargs)
 
@@ -207,10 +207,6 @@ def checked(namespace, name: str, **kwargs) -> functools.partial:
 _PRUNE = {"pending": False}  # True after load()/load_cp() imported fla modules not yet walked
 _PRUNED_MARK = "_glm53flash_shared_memory_prune"  # attribute set on an autotuner once its prune is chained
 _LOG = logging.getLogger(__name__)
-
-
-def _on_cuda(values) -> bool:
-    return any(isinstance(v, Tensor) and v.device.type == "cuda" for v in values)
 
 
 def fla_autotuners() -> list:

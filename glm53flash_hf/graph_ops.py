@@ -16,7 +16,8 @@ import torch
 
 NAMESPACE = "glm53flash"
 
-__all__ = ["NAMESPACE", "define_op", "in_graph", "module_op", "module_parameters", "recompute_op", "register_module"]
+__all__ = ["NAMESPACE", "define_op", "in_graph", "module_op", "module_parameters", "no_output", "recompute_op",
+           "register_module"]
 
 
 def define_op(name: str, impl, fake, *, backward=None, setup_context=None):
@@ -38,7 +39,8 @@ def in_graph() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
+def no_output(like: torch.Tensor) -> torch.Tensor:
+    """The placeholder an op returns for an output that does not exist (custom ops return no ``None``)."""
     return like.new_empty(0)
 
 
@@ -87,7 +89,7 @@ def recompute_op(
         tensors, statics = split(args)
         outs = fn(*tensors, **statics)
         like = next(t for t in tensors if t is not None)
-        return tuple(_empty(like) if o is None else o.contiguous() for o in outs)
+        return tuple(no_output(like) if o is None else o.contiguous() for o in outs)
 
     forward = torch.library.custom_op(
         f"{NAMESPACE}::{name}", forward_impl, mutates_args=(), schema=f"({args_schema}) -> {outputs_schema}"
@@ -117,7 +119,7 @@ def recompute_op(
         for t, need in zip(tensors, needs):
             g = next(it) if t is not None and need else None
             if g is None:
-                g = torch.zeros_like(t) if t is not None and need else _empty(like)
+                g = torch.zeros_like(t) if t is not None and need else no_output(like)
             result.append(g.contiguous())
         return result
 
@@ -132,7 +134,7 @@ def recompute_op(
     def _(grads, needs, *args):
         tensors, _ = split(args)
         like = next(t for t in tensors if t is not None)
-        return [torch.empty_like(t) if t is not None and need else _empty(like) for t, need in zip(tensors, needs)]
+        return [torch.empty_like(t) if t is not None and need else no_output(like) for t, need in zip(tensors, needs)]
 
     def setup_context(ctx, inputs, output):
         ctx.statics = inputs[len(tensor_names) :]
@@ -147,7 +149,7 @@ def recompute_op(
         if not any(needs):
             return tuple(None for _ in range(len(tensors) + len(ctx.statics)))
         like = next(t for t in tensors if t is not None)
-        grads = [g if g is not None else _empty(like) for g in grads]
+        grads = [g if g is not None else no_output(like) for g in grads]
         result = backward(grads, needs, *tensors, *ctx.statics)
         return tuple(r if need else None for r, need in zip(result, needs)) + tuple(None for _ in ctx.statics)
 
@@ -211,7 +213,7 @@ def module_op(name: str, call: Callable[..., torch.Tensor], fake: Callable[..., 
         result = []
         for t, need in zip(inputs, needs):
             g = next(found) if need else None
-            result.append((torch.zeros_like(t) if g is None else g).contiguous() if need else _empty(x))
+            result.append((torch.zeros_like(t) if g is None else g).contiguous() if need else no_output(x))
         return result
 
     backward = torch.library.custom_op(
@@ -220,7 +222,7 @@ def module_op(name: str, call: Callable[..., torch.Tensor], fake: Callable[..., 
     )
     backward.register_fake(
         lambda grad, needs, x, aux, params, key: [
-            torch.empty_like(t) if need else _empty(x) for t, need in zip([x, *params], needs)
+            torch.empty_like(t) if need else no_output(x) for t, need in zip([x, *params], needs)
         ]
     )
 

@@ -13,10 +13,6 @@ __all__ = ["check_inputs_embeds", "check_input_ids", "check_integer_tensor", "ch
            "check_not_meta", "check_vision_inputs"]
 
 
-def _is_integer(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
-
-
 def check_integer_tensor(name: str, value) -> None:
     """``ValueError`` (``"<name> must be an integer tensor; got dtype ..."``) unless ``value`` is ``None`` or an integer
     tensor."""
@@ -24,7 +20,7 @@ def check_integer_tensor(name: str, value) -> None:
         return
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be an integer torch.Tensor; got {type(value).__name__}")
-    if not _is_integer(value):
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor; got dtype {value.dtype}")
 
 

@@ -26,7 +26,7 @@ from .fla_compat import (
     norm_forward,
     recurrent_step,
 )
-from .graph_ops import define_op
+from .graph_ops import define_op, no_output
 from .kda_ops import check_conv_inputs, check_core_inputs, check_state
 
 __all__ = [
@@ -126,11 +126,6 @@ def _check_gate_params(A_log: Tensor, dt_bias: Tensor, H: int, K: int, lower_bou
         raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
 
 
-def _empty(like: Tensor) -> Tensor:
-    """The placeholder an op returns for an output that does not exist (custom ops return no ``None``)."""
-    return like.new_empty(0)
-
-
 def _or_none(t: Tensor, exists: bool) -> Tensor | None:
     return t if exists else None
 
@@ -155,13 +150,13 @@ def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
     l2 = use_qk_l2norm_in_kernel
     return (
         q.new_empty((B, T, H, V)),  # o
-        q.new_empty((n, H, K, V), dtype=f32) if output_final_state else _empty(q),  # final state
-        q.new_empty(q.shape) if l2 else _empty(q),  # l2-normalised q
-        q.new_empty((B, T, H), dtype=f32) if l2 else _empty(q),  # its reciprocal norms
-        k.new_empty(k.shape) if l2 else _empty(q),
-        k.new_empty((B, T, H), dtype=f32) if l2 else _empty(q),
-        beta.new_empty(beta.shape, dtype=f32) if use_beta_sigmoid_in_kernel else _empty(q),  # sigmoid(beta)
-        g.new_empty(g.shape, dtype=f32) if not use_gate_in_kernel else _empty(q),  # the gate's chunk-local cumsum
+        q.new_empty((n, H, K, V), dtype=f32) if output_final_state else no_output(q),  # final state
+        q.new_empty(q.shape) if l2 else no_output(q),  # l2-normalised q
+        q.new_empty((B, T, H), dtype=f32) if l2 else no_output(q),  # its reciprocal norms
+        k.new_empty(k.shape) if l2 else no_output(q),
+        k.new_empty((B, T, H), dtype=f32) if l2 else no_output(q),
+        beta.new_empty(beta.shape, dtype=f32) if use_beta_sigmoid_in_kernel else no_output(q),  # sigmoid(beta)
+        g.new_empty(g.shape, dtype=f32) if not use_gate_in_kernel else no_output(q),  # the gate's chunk-local cumsum
         k.new_empty((B, T, H, chunk_size)),  # Aqk
         k.new_empty((B, T, H, chunk_size)),  # Akk
         _indices_fake(q, cu_seqlens),
@@ -170,9 +165,9 @@ def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
 
 def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
-            beta.new_empty(beta.shape), _empty(q) if A_log is None else A_log.new_empty(A_log.shape),
-            _empty(q) if dt_bias is None else dt_bias.new_empty(dt_bias.shape),
-            _empty(q) if initial_state is None else initial_state.new_empty(initial_state.shape))
+            beta.new_empty(beta.shape), no_output(q) if A_log is None else A_log.new_empty(A_log.shape),
+            no_output(q) if dt_bias is None else dt_bias.new_empty(dt_bias.shape),
+            no_output(q) if initial_state is None else initial_state.new_empty(initial_state.shape))
 
 
 _CHUNK_FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate",
@@ -205,13 +200,13 @@ _CHUNK_FWD = define_op("fla_chunk_kda_fwd", chunk_forward, _chunk_fwd_fake, back
 # ----------------------------------------------------------------------------------------------------- causal_conv1d
 def _conv_fwd_fake(x, weight, initial_state, cu_seqlens, activation, output_final_state):
     n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else _empty(x)
+    final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else no_output(x)
     return x.new_empty(x.shape), final, _indices_fake(x, cu_seqlens)
 
 
 def _conv_bwd_fake(dy, dht, x, weight, initial_state, cu_seqlens, chunk_indices, activation):
     return (torch.empty_like(x), weight.new_empty(weight.shape),
-            _empty(x) if initial_state is None else initial_state.new_empty(initial_state.shape))
+            no_output(x) if initial_state is None else initial_state.new_empty(initial_state.shape))
 
 
 def _conv_setup(ctx, inputs, output):

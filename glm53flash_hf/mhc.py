@@ -83,10 +83,8 @@ class Glm53FlashHyperConnection(nn.Module):
             raise ValueError(
                 f"hidden_streams must be [B, S, hc_mult={self.hc_mult}, D]; got shape {tuple(hidden_streams.shape)}"
             )
-        op = op_for(hc_pre_torch, requested_backend(self.config, "mhc"), hidden_streams, self.fn, self.base,
-                    self.scale)
-        return op(hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters,
-                  hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        return hc_pre(hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters,
+                      hc_eps=self.hc_eps, norm_eps=self.norm_eps, backend=requested_backend(self.config, "mhc"))
 
     def extra_repr(self) -> str:
         return f"hc_mult={self.hc_mult}, sinkhorn_iters={self.hc_sinkhorn_iters}, hc_eps={self.hc_eps}"

@@ -488,37 +488,25 @@ class Glm53FlashCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     mtp_inputs_embeds: torch.FloatTensor | None = None
 
 
-def _mtp_depth_for(head_model, labels, kwargs) -> int:
-    """MTP depths the head asks for (pops the ``mtp`` kwarg): ``config.mtp_depth`` with labels, an MTP layer, no cache
-    and ``mtp`` ``True`` (``None``: ``mtp_loss_weight > 0``); else 0."""
-    requested = kwargs.pop("mtp", None)
-    config = head_model.config.get_text_config(decoder=True)
-    cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or kwargs.get("use_cache")
-    on = requested if requested is not None else config.mtp_loss_weight > 0
-    if not on or labels is None or config.num_nextn_predict_layers == 0 or cached:
-        return 0
-    return config.mtp_depth
-
-
-def _check_head_inputs(head_model, input_ids, inputs_embeds, labels, logits_to_keep, kwargs) -> None:
-    """Checks of ``labels`` / ``shift_labels``, ``num_items_in_batch`` and ``logits_to_keep`` (:mod:`.input_checks`)."""
+def _head_forward(head_model, labels, logits_to_keep, use_cache, kwargs, **inputs):
+    """Both heads' forward: the checks of :mod:`.input_checks`, ``head_model.model(**inputs, **kwargs)`` with
+    ``config.mtp_depth`` MTP depths when there are labels, an MTP layer, no cache and the ``mtp`` kwarg ``True``
+    (``None``: ``mtp_loss_weight > 0``), else 0; then :func:`_lm_head_and_loss`."""
     check_not_meta({"labels": labels, "shift_labels": kwargs.get("shift_labels")}, head_model)
     check_loss_arguments(kwargs.get("num_items_in_batch"), logits_to_keep)
-    source = input_ids if input_ids is not None else inputs_embeds
-    if source is None or source.dim() < 2:
-        return  # the model raises, naming the inputs
-    ignore = kwargs.get("ignore_index", -100)
-    for name in ("labels", "shift_labels"):
-        value = labels if name == "labels" else kwargs.get(name)
-        check_labels(value, tuple(source.shape[:2]), head_model.vocab_size, ignore, name=name)
-
-
-def _head_forward(head_model, labels, logits_to_keep, use_cache, kwargs, **inputs):
-    """Both heads' forward: the head checks, ``head_model.model(**inputs, **kwargs)`` with the MTP depth, then
-    :func:`_lm_head_and_loss`."""
-    _check_head_inputs(head_model, inputs["input_ids"], inputs["inputs_embeds"], labels, logits_to_keep, kwargs)
+    source = inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]
+    if source is not None and source.dim() >= 2:  # else the model raises, naming the inputs
+        ignore = kwargs.get("ignore_index", -100)
+        for name in ("labels", "shift_labels"):
+            value = labels if name == "labels" else kwargs.get(name)
+            check_labels(value, tuple(source.shape[:2]), head_model.vocab_size, ignore, name=name)
+    requested = kwargs.pop("mtp", None)
+    config = head_model.config.get_text_config(decoder=True)
+    cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or use_cache
+    on = requested if requested is not None else config.mtp_loss_weight > 0
+    off = not on or labels is None or config.num_nextn_predict_layers == 0 or cached
     kwargs["use_cache"] = use_cache
-    kwargs["mtp_depth"] = _mtp_depth_for(head_model, labels, kwargs)
+    kwargs["mtp_depth"] = 0 if off else config.mtp_depth
     outputs = head_model.model(**inputs, **kwargs)
     return _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs)
 

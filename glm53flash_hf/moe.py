@@ -114,8 +114,7 @@ def grouped_experts_forward(
     drop_out_of_range: bool = False,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """:func:`.moe_ops.experts_forward_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`
-    decides)."""
+    """:func:`.moe_ops.experts_forward_torch` or its fused alternative, as :func:`.dispatch.choose_backend` says."""
     op = op_for(experts_forward_torch, backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
     return op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
               drop_out_of_range=drop_out_of_range)
@@ -144,11 +143,9 @@ class Glm53FlashExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        gate_up, down = self.gate_up_proj, self.down_proj
-        op = op_for(experts_forward_torch, requested_backend(self.config, "moe"), hidden_states, gate_up, down,
-                    top_k_weights)
-        return op(hidden_states, top_k_index, top_k_weights, gate_up, down, self.swiglu_limit,
-                  drop_out_of_range=getattr(self, "_is_expert_parallel", False))
+        return grouped_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                       self.swiglu_limit, backend=requested_backend(self.config, "moe"),
+                                       drop_out_of_range=getattr(self, "_is_expert_parallel", False))
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[S, 2I]`` gate/up projection -> ``[S, I]`` clamped SwiGLU (for transformers' implementations)."""

@@ -313,28 +313,10 @@ if TRITON_AVAILABLE:
 # ====================================================================================================== public API
 def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_rows: torch.Tensor | None = None
                          ) -> torch.Tensor:
-    """Clamped SwiGLU of the grouped gate/up projection, Triton forward and backward (``Glm5NextTextExperts``).
-
-    ``act = silu(min(gate, limit)) * clamp(up, -limit, limit)``, ``gate = gate_up[:, :I]``, ``up = gate_up[:, I:]``;
-    equal to :func:`.moe_ops.clamped_swiglu`, rounding included.
-
-    Args:
-        gate_up: ``[S, 2I]`` fp32/bf16/fp16, unit last stride, CUDA (CPU under ``TRITON_INTERPRET=1``).
-        limit: ``config.swiglu_limit``; ``None``: plain SwiGLU.
-        valid_rows: one-element int32 device tensor ``n``: rows ``>= n`` give 0 and no gradient (``None``: all rows).
-
-    Returns:
-        ``[S, I]`` in ``gate_up.dtype``, differentiable w.r.t. ``gate_up``.
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: ``gate_up`` not 2-D with an even last dim, an unsupported dtype or device, a non-unit last
-            stride, a negative ``limit``, a bad ``valid_rows``.
-    """
-    return _SWIGLU_FWD(*_swiglu_args(gate_up, limit, valid_rows))
-
-
-def _swiglu_args(gate_up, limit, valid_rows):
+    """:func:`.moe_ops.clamped_swiglu` in Triton (rounding included): ``gate_up [S, 2I]`` fp32/bf16/fp16 with unit
+    last stride -> ``[S, I]``. ``valid_rows``: one-element int32 device tensor ``n``, rows ``>= n`` give 0 and no
+    gradient (``None``: all rows). ``RuntimeError`` without triton; ``ValueError`` for a bad shape, dtype, device,
+    stride, negative ``limit`` or ``valid_rows``."""
     require_triton("glm53flash_hf.moe_fused")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [S, 2I] with an even last dim; got shape {tuple(gate_up.shape)}")
@@ -345,7 +327,7 @@ def _swiglu_args(gate_up, limit, valid_rows):
     if limit is not None and not float(limit) >= 0:
         raise ValueError(f"limit must be None or >= 0; got limit={limit}")
     valid_rows = _valid_rows(valid_rows, gate_up.shape[0], gate_up.device)
-    return gate_up, valid_rows, None if limit is None else float(limit)
+    return _SWIGLU_FWD(gate_up, valid_rows, None if limit is None else float(limit))
 
 
 def weighted_combine_fused(
@@ -357,28 +339,11 @@ def weighted_combine_fused(
     out_dtype: torch.dtype,
     valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted sum of each token's expert rows (Triton forward and backward, deterministic: no atomics).
-
-    ``out[t] = sum_j row_weights[r] * rows[r]`` for ``r = token_rows[t, j]``, ``j`` in order, in fp32, rounded once
-    to ``out_dtype``.
-
-    Args:
-        rows: ``[S, H]`` down-projection outputs (fp32/bf16/fp16), unit last stride.
-        row_weights: ``[S]`` float, used in fp32; token_rows: integer ``[T, k]`` (:func:`rows_by_token`);
-            token_of_row: integer ``[S]`` (its inverse, for the backward); out_dtype: fp32/bf16/fp16.
-        valid_rows: as :func:`clamped_swiglu_fused`.
-
-    Returns:
-        ``[T, H]`` in ``out_dtype``, differentiable w.r.t. ``rows`` and ``row_weights``.
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: shapes that do not fit, unsupported dtypes or devices, a non-unit last stride.
-    """
-    return _COMBINE_FWD(*_combine_args(rows, row_weights, token_rows, token_of_row, out_dtype, valid_rows))
-
-
-def _combine_args(rows, row_weights, token_rows, token_of_row, out_dtype, valid_rows):
+    """``out[t] = sum_j row_weights[r] * rows[r]``, ``r = token_rows[t, j]`` in order, in fp32 rounded once to
+    ``out_dtype`` (Triton, no atomics). ``rows [S, H]`` fp32/bf16/fp16 with unit last stride, ``row_weights [S]``,
+    integer ``token_rows [T, k]`` (:func:`rows_by_token`) and its inverse ``token_of_row [S]``; ``valid_rows`` as
+    :func:`clamped_swiglu_fused`. Returns ``[T, H]``. ``RuntimeError`` without triton; ``ValueError`` for shapes
+    that do not fit, unsupported dtypes or devices, a non-unit last stride."""
     require_triton("glm53flash_hf.moe_fused")
     if rows.dim() != 2:
         raise ValueError(f"rows must be [S, H]; got shape {tuple(rows.shape)}")
@@ -403,7 +368,7 @@ def _combine_args(rows, row_weights, token_rows, token_of_row, out_dtype, valid_
     if rows.shape[1] and rows.stride(1) != 1:
         raise ValueError(f"rows must have unit stride in its last dim; got strides {rows.stride()}")
     valid_rows = _valid_rows(valid_rows, num_rows, rows.device)
-    return rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows, out_dtype
+    return _COMBINE_FWD(rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows, out_dtype)
 
 
 def experts_forward_fused(
@@ -440,8 +405,8 @@ def experts_forward_fused(
         # grouped_mm leaves the input gradient of rows past offsets[-1] unwritten: zero it (as the torch path).
         x = x.masked_fill((sorted_ids >= num_experts).unsqueeze(-1), 0.0)
     gate_up = grouped_mm(x, gate_up_proj.transpose(-2, -1), offsets)  # [S, 2I]
-    act = _SWIGLU_FWD(*_swiglu_args(gate_up, swiglu_limit, valid_rows))  # [S, I]
+    act = clamped_swiglu_fused(gate_up, swiglu_limit, valid_rows=valid_rows)  # [S, I]
     out_rows = grouped_mm(act, down_proj.transpose(-2, -1), offsets)  # [S, H]
     token_rows = rows_by_token(token_of_row, top_k_index.shape[1])
-    return _COMBINE_FWD(*_combine_args(out_rows, row_weights, token_rows, token_of_row, hidden_states.dtype,
-                                       valid_rows))
+    return weighted_combine_fused(out_rows, row_weights, token_rows, token_of_row, out_dtype=hidden_states.dtype,
+                                  valid_rows=valid_rows)
