@@ -21,7 +21,7 @@ import torch
 from tiny import randomize_, read_checkpoint_tensors, rel_err
 
 from glm53flash_hf.modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
-from glm53flash_hf.tools.export import export, remote_code_files
+from glm53flash_hf.tools.export import export, link_file, remote_code_files
 from glm53flash_hf.tools.export import main as export_main
 from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG, make_tiny
 
@@ -263,6 +263,13 @@ def test_export_link_fallbacks_warn(folders, tmp_path, monkeypatch, caplog):
         written = export(folders["builtin_dir"], str(tmp_path / "copy"), show_progress=False)
     assert written["model.safetensors"] == "copy" and "could not hard-link" in caplog.text
     assert open(tmp_path / "copy" / "model.safetensors", "rb").read() == open(source, "rb").read()
+
+
+def test_link_file_refuses_an_unknown_mode(tmp_path):
+    (tmp_path / "src").write_bytes(b"x")
+    with pytest.raises(ValueError, match="link mode must be one of .*; got 'move'"):
+        link_file(str(tmp_path / "src"), str(tmp_path / "dst"), mode="move")
+    assert not (tmp_path / "dst").exists()
 
 
 def test_export_errors(folders, tmp_path):

@@ -63,7 +63,10 @@ def remote_code_files() -> list[str]:
 
 def link_file(src: str, dst: str, mode: str = "symlink") -> str:
     """Make ``dst`` refer to ``src`` by ``mode`` (``"symlink"``, then hard link, then copy; ``"hardlink"``; ``"copy"``),
-    warning at every fallback; return the method used. ``OSError`` only when the copy fails too."""
+    warning at every fallback; return the method used. ``ValueError`` for another ``mode``; ``OSError`` only when the
+    copy fails too."""
+    if mode not in LINK_MODES:
+        raise ValueError(f"link mode must be one of {LINK_MODES}; got {mode!r}")
     if mode == "symlink":
         try:
             os.symlink(os.path.abspath(src), dst)
