@@ -50,11 +50,6 @@ def sparse_mla(
     return op(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# KPool indexer
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def _check_layout(layout: DocumentLayout, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
     if layout is None:
         return build_document_layout(batch, seq_len, device)
@@ -236,11 +231,6 @@ class Glm53FlashIndexer(nn.Module):
                 hidden_states, q_resid, pool_keys_t, pool_end, torch.zeros_like(hi), hi, select_pools, offset=past
             )
         return self._finish(out, ctx.positions, local_pos, valid)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Attention
-# --------------------------------------------------------------------------------------------------------------------
 
 
 class Glm53FlashAttention(nn.Module):

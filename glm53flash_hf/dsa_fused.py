@@ -87,7 +87,6 @@ def _blocks(heads: int, dim: int, block_h: int | None, block_w: int | None, budg
 _FWD_TILE, _BWD_TILE = 16384, 8192
 
 
-# ============================================================================================================ kernels
 if TRITON_AVAILABLE:
 
     @triton.jit
@@ -210,7 +209,6 @@ if TRITON_AVAILABLE:
             tl.store(dq_ptr + offs, _cast(dq * scale, DT_Q), mask=qm)
 
 
-# ======================================================================================================= custom ops
 def _kernel_inputs(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor):
     """``(q, latent, indices, lowp)`` as the kernels read them (mixed dtypes: the latent upcast to fp32)."""
     q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), indices.contiguous()
@@ -303,7 +301,6 @@ if TRITON_AVAILABLE:
                                 backward=_sparse_mla_backward, setup_context=_sparse_mla_setup)
 
 
-# ====================================================================================================== public API
 def sparse_mla_fused(
     q_abs: torch.Tensor,
     latent: torch.Tensor,

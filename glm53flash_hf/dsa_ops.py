@@ -21,11 +21,6 @@ DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 24  # [B, chunk, index_n_heads, pools] sco
 DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 24  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Sparse MLA core
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
     """Shape and index-dtype checks of both sparse MLA paths: ``ValueError`` unless ``q_abs`` is ``[B, S, H, Dl]``,
     ``latent`` ``[B, S_kv, Dl]`` and ``indices`` an integer ``[B, S, W]``."""
@@ -258,11 +253,6 @@ def sparse_mla_with_weights(
     weights = weights[..., :kv_len].contiguous().to(q_abs.dtype)
     out = torch.einsum("bhsk,bkl->bshl", weights.to(probs.dtype), latent.to(probs.dtype))
     return out.to(q_abs.dtype), weights
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# KPool indexer
-# --------------------------------------------------------------------------------------------------------------------
 
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

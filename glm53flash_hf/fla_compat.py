@@ -203,7 +203,6 @@ def checked(namespace, name: str, **kwargs) -> functools.partial:
     return functools.partial(fn, **kwargs)
 
 
-# ============================================================================= autotune configurations that cannot load
 _PRUNE = {"pending": False}  # True after load()/load_cp() imported fla modules not yet walked
 _PRUNED_MARK = "_glm53flash_shared_memory_prune"  # attribute set on an autotuner once its prune is chained
 _LOG = logging.getLogger(__name__)
@@ -304,7 +303,6 @@ def install_shared_memory_prune() -> int:
     return sum(prune_by_shared_memory(tuner) for tuner in fla_autotuners())
 
 
-# ============================================================================================== the custom ops' bodies
 # The forward and backward of fla-core's ChunkKDAFunction, CausalConv1dFunction and LayerNormGatedFunction (the fla
 # calls of each, with the arguments those Functions pass), as the bodies of kda_fused's custom ops: tensors in, a
 # tensor or a tuple of new tensors out, an empty tensor for an output that does not exist. The checks that read

@@ -49,7 +49,6 @@ FLA_CHUNK_SIZES = (32, 64)
 SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
 
 
-# ========================================================================================================= fla access
 def fla_cp_refusal(sp, device) -> str | None:
     """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row, fla's CP modules and a
     device they accept), or ``None``."""
@@ -82,7 +81,6 @@ def fla_cp_context(sp, cu_seqlens: Tensor):
     return sp.memo["fla_cp"]
 
 
-# ============================================================================================================== probe
 def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
     """The KDA probe of :mod:`.dispatch`: ``(True, "")`` when fla's kernels can run on ``tensors``, else
     ``(False, reason)``. Floating tensors must be float32/bfloat16/float16 on CUDA (CPU under ``TRITON_INTERPRET=1``),
@@ -106,7 +104,6 @@ def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-# ============================================================================================================ helpers
 def _check_head_dim(k: int, v: int) -> None:
     for name, d in (("K", k), ("V", v)):
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
@@ -136,10 +133,6 @@ def _indices_fake(like: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     return like.new_empty((rows, 2), dtype=torch.long)
 
 
-# ======================================================================================================= custom ops
-# The bodies are fla_compat's chunk_forward, chunk_backward, conv_forward, ... (the fla calls); here their fakes and
-# autograd formulas.
-# ---------------------------------------------------------------------------------------------------------- chunk_kda
 def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
                     chunk_size):
@@ -197,7 +190,6 @@ _CHUNK_FWD = define_op("fla_chunk_kda_fwd", chunk_forward, _chunk_fwd_fake, back
                        setup_context=_chunk_setup)
 
 
-# ----------------------------------------------------------------------------------------------------- causal_conv1d
 def _conv_fwd_fake(x, weight, initial_state, cu_seqlens, activation, output_final_state):
     n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else no_output(x)
@@ -230,7 +222,6 @@ _CONV_FWD = define_op("fla_causal_conv1d_fwd", conv_forward, _conv_fwd_fake, bac
                       setup_context=_conv_setup)
 
 
-# ---------------------------------------------------------------------------------------------------- rms_norm_gated
 def _norm_fwd_fake(x, gate, weight, eps):
     return x.new_empty(x.shape), x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
 
@@ -257,7 +248,6 @@ _NORM_FWD = define_op("fla_rms_norm_gated_fwd", norm_forward, _norm_fwd_fake, ba
                       setup_context=_norm_setup)
 
 
-# ----------------------------------------------------------------------------------------------- fused_recurrent_kda
 def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):
     B, _, H, K = q.shape
     return v.new_empty(v.shape), q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
@@ -271,7 +261,6 @@ def _recurrent_backward(ctx, *grads):
 _RECURRENT = define_op("fla_fused_recurrent_kda", recurrent_step, _recurrent_fake, backward=_recurrent_backward)
 
 
-# ============================================================================================== kernels, one by one
 def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
                     initial_state: Tensor | None = None, output_final_state: bool = False,
                     cu_seqlens: Tensor | None = None, chunk_size: int = 64,

@@ -37,11 +37,6 @@ __all__ = [
 _L2NORM_EPS = 1e-6
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Small helpers and argument checks
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def _l2norm(x: Tensor) -> Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim (fla's and transformers' ``l2norm``)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2NORM_EPS)
@@ -124,11 +119,6 @@ def _prepare_core(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Short convolution
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def causal_conv1d_torch(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None = None, activation: str | None = "silu",
                         initial_state: Tensor | None = None, output_final_state: bool = False
                         ) -> tuple[Tensor, Tensor | None]:
@@ -206,11 +196,6 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None 
         if final is not None:
             final = final.to(x.dtype).contiguous()
         return y, final
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Chunked KDA core
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -648,11 +633,6 @@ def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
             outs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
         o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
         return o.to(out_dtype), (state if output_final_state else None)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The packed regions as custom ops (torch.compile)
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def _conv_fake(x, weight, initial_state, cu_seqlens, *, activation, output_final_state):
