@@ -50,11 +50,6 @@ def sparse_mla(
     return op(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# KPool indexer
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def _check_layout(layout: DocumentLayout, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
     if layout is None:
         return build_document_layout(batch, seq_len, device)
@@ -238,11 +233,6 @@ class Glm53FlashIndexer(nn.Module):
         return self._finish(out, ctx.positions, local_pos, valid)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Attention
-# --------------------------------------------------------------------------------------------------------------------
-
-
 class Glm53FlashAttention(nn.Module):
     """NoPE MLA attention of a DSA layer in the absorbed form, sparse over the indexer's ids.
 
@@ -321,24 +311,17 @@ class Glm53FlashAttention(nn.Module):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
+        """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]`` within ``layout`` (a
+        :class:`~.packing.DocumentLayout`, ``None``: one unpadded document per row; with ``cache``, the one
+        :func:`.packing.build_layout` made for it). ``prev_topk_indices``: int ``[B, S, W]`` ids of the previous
+        "full" layer, required by "shared" layers. ``cache``: a transformers ``Cache`` (latents as ``keys``
+        ``[B, 1, L, kv_lora_rank]``, the indexer state). ``output_attentions``: also return the weights
+        ``[B, H, S, S_kv]`` (zero off the selected ids), from which the output is then computed (dense cost).
 
-        Args:
-            layout: the :class:`~.packing.DocumentLayout` (``None``: one unpadded document per row); with ``cache``,
-                the one :func:`.packing.build_layout` made for it (``layout.cache_context`` set).
-            prev_topk_indices: int ``[B, S, W]`` ids of the previous "full" layer; required by "shared" layers.
-            cache: a transformers ``Cache`` (latents as ``keys`` ``[B, 1, L, kv_lora_rank]``, the indexer state).
-            output_attentions: also return the weights ``[B, H, S, S_kv]`` (zero off the selected ids), from which
-                the output is then computed (dense cost).
-
-        Returns:
-            ``(out [B, S, hidden_size], ids, weights)``: ``ids`` the int32 ``[B, S, W]`` selection when
-            ``next_skip_topk`` else ``None``; ``weights`` with ``output_attentions``, else ``None``.
-
-        Raises:
-            ValueError: bad shapes; a "shared" layer without ``prev_topk_indices``; a cache with a layout without
-                ``cache_context``.
-            NotImplementedError: attention dropout in training; a ``cache`` that is not a transformers ``Cache``.
+        Returns ``(out [B, S, hidden_size], ids, weights)``: ``ids`` the int32 ``[B, S, W]`` selection when
+        ``next_skip_topk`` else ``None``; ``weights`` with ``output_attentions``, else ``None``. ``ValueError`` for
+        bad shapes, a "shared" layer without ``prev_topk_indices``, a cache with a layout without ``cache_context``;
+        ``NotImplementedError`` for attention dropout in training or a ``cache`` that is not a transformers ``Cache``.
         """
         if cache is not None:
             from .generation_cache import check_cache

@@ -34,6 +34,7 @@ from .triton_utils import (
     next_power_of_2,
     probe_tensors,
     require_triton,
+    round_to,
     tl,
     triton,
 )
@@ -87,19 +88,7 @@ def _blocks(heads: int, dim: int, block_h: int | None, block_w: int | None, budg
 _FWD_TILE, _BWD_TILE = 16384, 8192
 
 
-# ============================================================================================================ kernels
 if TRITON_AVAILABLE:
-
-    @triton.jit
-    def _cast(x, DT: tl.constexpr):
-        """fp32 -> ``DT`` rounded to nearest even on GPUs and in the interpreter alike; NaN stays a quiet NaN."""
-        if DT == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            rounded = tl.where(x != x, bits | 0x7FC00000, rounded)
-            return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
-        else:
-            return x.to(DT)
 
     @triton.jit
     def _dot(a, b, acc, LOWP: tl.constexpr, UPCAST: tl.constexpr):
@@ -156,14 +145,14 @@ if TRITON_AVAILABLE:
             p = tl.exp(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if LOWP:  # q, latent and out share DT_OUT
-                acc = _dot(_cast(p, DT_OUT), c, acc * alpha[:, None], LOWP, UPCAST)
+                acc = _dot(round_to(p, DT_OUT).to(DT_OUT), c, acc * alpha[:, None], LOWP, UPCAST)
             else:
                 acc = _dot(p, c, acc * alpha[:, None], LOWP, UPCAST)
             m_i = m_new
         nonempty = l_i > 0.0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(out_ptr + offs, _cast(out, DT_OUT), mask=qm)
+        tl.store(out_ptr + offs, round_to(out, DT_OUT).to(DT_OUT), mask=qm)
         tl.store(lse_ptr + row * H + h, lse, mask=hm)
 
     @triton.jit
@@ -195,8 +184,8 @@ if TRITON_AVAILABLE:
             p = tl.where(keep, tl.exp(tl.where(keep, s * scale - lse[:, None], 0.0)), 0.0)
             ds = p * (dp - delta[:, None])  # d loss / d (scaled score)
             if LOWP:  # q, latent and dO share DT_Q: the weights go to 16 bits for the tensor-core products
-                ds_w = _cast(ds, DT_Q)
-                p_w = _cast(p, DT_Q)
+                ds_w = round_to(ds, DT_Q).to(DT_Q)
+                p_w = round_to(p, DT_Q).to(DT_Q)
             else:
                 ds_w = ds
                 p_w = p
@@ -207,10 +196,9 @@ if TRITON_AVAILABLE:
                 dc = _dot(tl.trans(p_w), do, dc, LOWP, UPCAST)
                 tl.atomic_add(dlat_ptr + lat_offs, dc, mask=cm, sem="relaxed")
         if NEED_DQ:
-            tl.store(dq_ptr + offs, _cast(dq * scale, DT_Q), mask=qm)
+            tl.store(dq_ptr + offs, round_to(dq * scale, DT_Q).to(DT_Q), mask=qm)
 
 
-# ======================================================================================================= custom ops
 def _kernel_inputs(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor):
     """``(q, latent, indices, lowp)`` as the kernels read them (mixed dtypes: the latent upcast to fp32)."""
     q_c, lat_c, idx_c = q_abs.contiguous(), latent.contiguous(), indices.contiguous()
@@ -303,7 +291,6 @@ if TRITON_AVAILABLE:
                                 backward=_sparse_mla_backward, setup_context=_sparse_mla_setup)
 
 
-# ====================================================================================================== public API
 def sparse_mla_fused(
     q_abs: torch.Tensor,
     latent: torch.Tensor,

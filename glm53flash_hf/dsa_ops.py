@@ -21,11 +21,6 @@ DEFAULT_INDEXER_SCORE_ELEMENTS = 1 << 24  # [B, chunk, index_n_heads, pools] sco
 DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS = 1 << 24  # [B, chunk, W, kv_lora_rank] gathered latents + [B, chunk, H, W] scores
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Sparse MLA core
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def check_sparse_mla_args(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor) -> None:
     """Shape and index-dtype checks of both sparse MLA paths: ``ValueError`` unless ``q_abs`` is ``[B, S, H, Dl]``,
     ``latent`` ``[B, S_kv, Dl]`` and ``indices`` an integer ``[B, S, W]``."""
@@ -215,16 +210,11 @@ def sparse_mla_torch(
     Runs in ``promote(dtype, float32)`` over query chunks as the custom op ``glm53flash::sparse_mla_torch``, whose
     backward recomputes each chunk: memory ``O(S * W)`` plus one chunk's ``[B, chunk, W, Dl]``, eager or compiled.
 
-    Args:
-        q_abs: ``[B, S, H, Dl]`` queries times ``W_kc`` (``Dl = kv_lora_rank``), any float dtype.
-        latent: ``[B, S_kv, Dl]``; indices: integer ``[B, S, W]`` row-local ids; scale: ``qk_head_dim ** -0.5``.
-        query_chunk: queries per chunk (``None``: ``B * chunk * W * (Dl + H) <= DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``).
-
-    Returns:
-        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H])``, ``lse`` in the compute dtype (fp32 for 32/16-bit).
-
-    Raises:
-        ValueError: mismatched shapes, non-integer ``indices``, ``query_chunk < 1``.
+    ``q_abs [B, S, H, Dl]`` (queries times ``W_kc``, ``Dl = kv_lora_rank``, any float dtype), ``latent [B, S_kv, Dl]``,
+    ``indices`` integer ``[B, S, W]`` row-local ids, ``scale`` ``qk_head_dim ** -0.5``, ``query_chunk`` queries per
+    chunk (``None``: ``B * chunk * W * (Dl + H) <= DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``). Returns ``(out [B, S, H, Dl]
+    in q_abs.dtype, lse [B, S, H] in the compute dtype (fp32 for 32/16-bit))``; ``ValueError`` for mismatched shapes,
+    non-integer ``indices``, ``query_chunk < 1``.
     """
     check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, heads, _ = q_abs.shape
@@ -258,11 +248,6 @@ def sparse_mla_with_weights(
     weights = weights[..., :kv_len].contiguous().to(q_abs.dtype)
     out = torch.einsum("bhsk,bkl->bshl", weights.to(probs.dtype), latent.to(probs.dtype))
     return out.to(q_abs.dtype), weights
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# KPool indexer
-# --------------------------------------------------------------------------------------------------------------------
 
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -31,11 +31,6 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Modules
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 class Glm53FlashForgetGate(nn.Module):
     """KDA forget gate (transformers' ``Glm5NextTextForgetGate``): fp32 per-channel log decay ``g`` [B, S, H, K].
 
@@ -246,7 +241,6 @@ class Glm53FlashLinearAttention(nn.Module):
         self._store(cache, conv_final, mixed, state, {"per_token_states": torch.stack(states)})
         return self._output(torch.cat(outs, dim=1), x, params)
 
-    # ------------------------------------------------------------------------------------------ shared pieces
     def _kernel_params(self, fused: bool) -> dict:
         if not fused:
             return call_onloaded((self.conv1d,), lambda: {"fused": False, "conv": self.conv1d.weight[:, 0, :]})
@@ -299,10 +293,6 @@ class Glm53FlashLinearAttention(nn.Module):
         normed = rms_norm_gated_fused(o, gate, params["norm"], self.o_norm.variance_epsilon)
         return self.o_proj(normed.reshape(B, S, self.qkv_dim))
 
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Sequence parallelism
-# ----------------------------------------------------------------------------------------------------------------------
 
 _CP_WARNED: set[str] = set()
 

@@ -49,7 +49,6 @@ FLA_CHUNK_SIZES = (32, 64)
 SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
 
 
-# ========================================================================================================= fla access
 def fla_cp_refusal(sp, device) -> str | None:
     """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row, fla's CP modules and a
     device they accept), or ``None``."""
@@ -64,11 +63,8 @@ def fla_cp_refusal(sp, device) -> str | None:
 
 
 def fla_cp_context(sp, cu_seqlens: Tensor):
-    """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``).
-
-    Raises:
-        RuntimeError: fla's local boundaries differ from this rank's ``cu_seqlens``.
-    """
+    """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``);
+    ``RuntimeError`` when fla's local boundaries differ from this rank's ``cu_seqlens``."""
     if "fla_cp" not in sp.memo:
         glob = sp.global_layout.cu_seqlens
         ctx = load_cp().build_cp_context(cu_seqlens=glob, group=sp.group, cu_seqlens_cpu=glob.cpu())
@@ -82,7 +78,6 @@ def fla_cp_context(sp, cu_seqlens: Tensor):
     return sp.memo["fla_cp"]
 
 
-# ============================================================================================================== probe
 def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
     """The KDA probe of :mod:`.dispatch`: ``(True, "")`` when fla's kernels can run on ``tensors``, else
     ``(False, reason)``. Floating tensors must be float32/bfloat16/float16 on CUDA (CPU under ``TRITON_INTERPRET=1``),
@@ -106,7 +101,6 @@ def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-# ============================================================================================================ helpers
 def _check_head_dim(k: int, v: int) -> None:
     for name, d in (("K", k), ("V", v)):
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
@@ -136,10 +130,6 @@ def _indices_fake(like: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     return like.new_empty((rows, 2), dtype=torch.long)
 
 
-# ======================================================================================================= custom ops
-# The bodies are fla_compat's chunk_forward, chunk_backward, conv_forward, ... (the fla calls); here their fakes and
-# autograd formulas.
-# ---------------------------------------------------------------------------------------------------------- chunk_kda
 def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound,
                     chunk_size):
@@ -197,7 +187,6 @@ _CHUNK_FWD = define_op("fla_chunk_kda_fwd", chunk_forward, _chunk_fwd_fake, back
                        setup_context=_chunk_setup)
 
 
-# ----------------------------------------------------------------------------------------------------- causal_conv1d
 def _conv_fwd_fake(x, weight, initial_state, cu_seqlens, activation, output_final_state):
     n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else no_output(x)
@@ -230,7 +219,6 @@ _CONV_FWD = define_op("fla_causal_conv1d_fwd", conv_forward, _conv_fwd_fake, bac
                       setup_context=_conv_setup)
 
 
-# ---------------------------------------------------------------------------------------------------- rms_norm_gated
 def _norm_fwd_fake(x, gate, weight, eps):
     return x.new_empty(x.shape), x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
 
@@ -257,7 +245,6 @@ _NORM_FWD = define_op("fla_rms_norm_gated_fwd", norm_forward, _norm_fwd_fake, ba
                       setup_context=_norm_setup)
 
 
-# ----------------------------------------------------------------------------------------------- fused_recurrent_kda
 def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):
     B, _, H, K = q.shape
     return v.new_empty(v.shape), q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
@@ -271,7 +258,6 @@ def _recurrent_backward(ctx, *grads):
 _RECURRENT = define_op("fla_fused_recurrent_kda", recurrent_step, _recurrent_fake, backward=_recurrent_backward)
 
 
-# ============================================================================================== kernels, one by one
 def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
                     initial_state: Tensor | None = None, output_final_state: bool = False,
                     cu_seqlens: Tensor | None = None, chunk_size: int = 64,
@@ -279,11 +265,8 @@ def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     """Chunked KDA with an activated gate and beta by fla's chunked kernels (fla's ``chunk_kda``).
 
     The contract of :func:`.kda_ops.chunk_kda_torch` (float32/bfloat16/float16 inputs; fla computes the gate and the
-    state in fp32), except ``chunk_size``: 32 or 64 (the maths does not depend on it).
-
-    Raises:
-        ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
-            ``cu_seqlens``.
+    state in fp32), except ``chunk_size``: 32 or 64 (the maths does not depend on it). ``ValueError`` for shape
+    mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad ``cu_seqlens``.
     """
     o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                         chunk_size, None, use_qk_l2norm_in_kernel))[:2]
@@ -321,19 +304,11 @@ def chunk_kda_gate_in_kernel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, bet
 
     Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with ``g`` the gate of
     :class:`.kda.Glm53FlashForgetGate` on ``g_raw``, computed in fp32 inside the kernel; differentiable in every tensor
-    argument.
-
-    Args:
-        q, k: ``[B, T, H, K]`` after the short convolution (not normalised); v: ``[B, T, H, V]``.
-        g_raw: ``[B, T, H, K]`` ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``); beta_logits: ``[B, T, H]``.
-        A_log: fp32 ``[H]``; dt_bias: fp32 ``[H * K]``; lower_bound: negative or None.
-        scale, initial_state, output_final_state, cu_seqlens, chunk_size: as :func:`chunk_kda_fused`.
-
-    Returns:
-        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``.
-
-    Raises:
-        ValueError: as :func:`chunk_kda_fused`; wrong ``A_log`` / ``dt_bias`` shapes, a non-negative ``lower_bound``.
+    argument. ``q, k [B, T, H, K]`` after the short convolution (not normalised), ``v [B, T, H, V]``, ``g_raw
+    [B, T, H, K]`` ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``), ``beta_logits [B, T, H]``, ``A_log`` fp32 ``[H]``,
+    ``dt_bias`` fp32 ``[H * K]``, ``lower_bound`` negative or None; the rest as :func:`chunk_kda_fused`. Returns
+    ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``; ``ValueError`` as
+    :func:`chunk_kda_fused`, for wrong ``A_log`` / ``dt_bias`` shapes or a non-negative ``lower_bound``.
     """
     o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state,
                                         cu_seqlens, chunk_size, (A_log, dt_bias, lower_bound)))[:2]
@@ -347,10 +322,8 @@ def chunk_kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, b
 
     Arguments as :func:`chunk_kda_gate_in_kernel` over the rank's ``[1, T, ...]`` tokens, documents from
     ``cp_context.cu_seqlens`` (:func:`fla_cp_context`), no initial or final state. fla wraps it in
-    ``torch.compiler.disable`` (a graph break). Returns ``o`` ``[1, T, H, V]`` in q's dtype.
-
-    Raises:
-        ValueError: as :func:`chunk_kda_gate_in_kernel`, or ``q.shape[0] != 1``.
+    ``torch.compiler.disable`` (a graph break). Returns ``o`` ``[1, T, H, V]`` in q's dtype; ``ValueError`` as
+    :func:`chunk_kda_gate_in_kernel`, or for ``q.shape[0] != 1``.
     """
     args = _chunk_args(q, k, v, g_raw, beta_logits, scale, None, False, None, chunk_size, (A_log, dt_bias, lower_bound))
     if q.shape[0] != 1:
@@ -363,11 +336,8 @@ def causal_conv1d_fused(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None 
                         initial_state: Tensor | None = None, output_final_state: bool = False
                         ) -> tuple[Tensor, Tensor | None]:
     """Depthwise causal convolution (+SiLU) by fla's convolution kernels: the contract of
-    :func:`.kda_ops.causal_conv1d_torch`, accumulated in fp32 whatever the weight dtype.
-
-    Raises:
-        ValueError: shapes, activation, bad ``cu_seqlens``; a sharded DTensor weight.
-    """
+    :func:`.kda_ops.causal_conv1d_torch`, accumulated in fp32 whatever the weight dtype; ``ValueError`` also for a
+    sharded DTensor weight."""
     weight = local_tensor(weight, "conv1d.weight")
     if cu_seqlens is None:  # with documents, the op runs these checks with the boundaries it reads
         check_conv_inputs(x, weight, activation, initial_state, None)
@@ -377,11 +347,8 @@ def causal_conv1d_fused(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None 
 
 def rms_norm_gated_fused(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` for ``x, gate`` ``[..., K]``, ``weight`` ``[K]``, by
-    fla's ``rms_norm_gated(activation="sigmoid")`` kernels (:class:`.kda.Glm53FlashRMSNormGated`).
-
-    Raises:
-        ValueError: shape mismatch, or a sharded DTensor weight.
-    """
+    fla's ``rms_norm_gated(activation="sigmoid")`` kernels (:class:`.kda.Glm53FlashRMSNormGated`); ``ValueError`` for
+    a shape mismatch or a sharded DTensor weight."""
     weight = local_tensor(weight, "o_norm.weight")
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}; got {tuple(gate.shape)}")
@@ -398,10 +365,8 @@ def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_lo
     Equals :func:`.kda_ops.recurrent_kda_torch` on the gate and beta of :func:`chunk_kda_gate_in_kernel` (same
     arguments, no ``cu_seqlens``); ``initial_state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
     ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V] or None)``, without an autograd graph.
-
-    Raises:
-        RuntimeError: grad mode is on and an input requires grad (the kernel has no backward).
-        ValueError: shape mismatches, head dims outside ``[16, 256]``, a state that is not fp32, a sharded DTensor.
+    ``RuntimeError`` when grad mode is on and an input requires grad (the kernel has no backward); ``ValueError`` for
+    shape mismatches, head dims outside ``[16, 256]``, a state that is not fp32, a sharded DTensor.
     """
     A_log = local_tensor(A_log, "forget_gate.A_log")
     dt_bias = local_tensor(dt_bias, "forget_gate.dt_bias")

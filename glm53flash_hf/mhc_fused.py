@@ -1,6 +1,7 @@
 """Fused path of the mHC family: our Triton kernels for ``hc_post`` (forward and backward fused) and ``hc_pre``
 (the reductions over the ``N*D`` streams fused, the small per-token part in torch via :func:`.mhc_ops.mix_weights`),
-as ``torch.library`` custom ops with fakes and autograd formulas. Same maths as :mod:`.mhc_ops`.
+as ``torch.library`` custom ops with fakes and autograd formulas (``torch.compile(fullgraph=True)`` without a graph
+break). Same maths as :mod:`.mhc_ops`.
 
 CUDA tensors (CPU only under ``TRITON_INTERPRET=1``), activations fp32/bf16/fp16, any ``N`` and ``D``. Without triton
 the module imports; :func:`fused_mhc_available` says why and the fused functions raise ``RuntimeError``.
@@ -45,7 +46,6 @@ def fused_mhc_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-# ============================================================================================================ kernels
 if TRITON_AVAILABLE:
 
     @triton.jit
@@ -215,12 +215,6 @@ if TRITON_AVAILABLE:
         tl.store(dfn_ptr + j[:, None] * K + k[None, :], acc, mask=jm[:, None] & km[None, :])
 
 
-# ======================================================================================================= custom ops
-# Every kernel launch below runs inside a torch.library custom op (namespace glm53flash, registered at import by
-# graph_ops.define_op), each with a fake (the outputs' shapes and dtypes) and, for the forward ops, its autograd
-# formula, so torch.compile(fullgraph=True) traces hc_pre_fused / hc_post_fused without a graph break.
-
-# ------------------------------------------------------------------------------------------------------------ hc_post
 def _post_blocks(dim: int) -> tuple[int, int]:
     return min(next_power_of_2(dim, 16), 1024), min(next_power_of_2(dim, 16), 512)  # forward BD, backward BD
 
@@ -280,7 +274,6 @@ def _hc_post_backward(ctx, grad):
     return dy, dres, dpost.to(post.dtype), dcomb.to(comb.dtype)
 
 
-# ------------------------------------------------------------------------------------------------------------- hc_pre
 def _pre_blocks(t: int, k: int, d: int) -> tuple[int, int, int]:
     """(BT tokens per program, BK columns of N*D, BD features) for the hc_pre kernels."""
     bt = min(32, next_power_of_2(t, 16))
@@ -444,7 +437,6 @@ if TRITON_AVAILABLE:
                             setup_context=_hc_pre_setup)
 
 
-# ====================================================================================================== public API
 def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Fused alternative of :func:`.mhc_ops.hc_post_torch` (its contract; ``y`` and ``residual`` of one dtype,
     fp32/bf16/fp16; ``dpost``/``dcomb`` accumulated in fp32). ``RuntimeError`` without triton; ``ValueError`` also for

@@ -61,7 +61,6 @@ def _valid_rows(valid_rows: torch.Tensor | None, num_rows: int, device: torch.de
     return valid_rows
 
 
-# ============================================================================================================ kernels
 if TRITON_AVAILABLE:
 
     @triton.jit
@@ -170,7 +169,6 @@ if TRITON_AVAILABLE:
         tl.store(dw_ptr + r, tl.sum(acc, axis=0))
 
 
-# ======================================================================================================= launchers
 def _swiglu_blocks(inter: int) -> tuple[int, int]:
     block_c = min(1024, next_power_of_2(inter, 16))
     return max(1, 2048 // block_c), block_c
@@ -183,7 +181,6 @@ def _limits(limit: float | None, dtype: torch.dtype) -> tuple[bool, float, float
     return True, float(limit), float(torch.tensor(float(limit), dtype=torch.float32).to(dtype).item())
 
 
-# ======================================================================================================= custom ops
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has unit stride (what the kernels index), else a contiguous copy."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
@@ -310,7 +307,6 @@ if TRITON_AVAILABLE:
                              backward=_combine_backward, setup_context=_combine_setup)
 
 
-# ====================================================================================================== public API
 def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_rows: torch.Tensor | None = None
                          ) -> torch.Tensor:
     """:func:`.moe_ops.clamped_swiglu` in Triton (rounding included): ``gate_up [S, 2I]`` fp32/bf16/fp16 with unit

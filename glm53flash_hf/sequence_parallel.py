@@ -81,7 +81,6 @@ class SequenceParallelContext:
     last_rest: torch.Tensor
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
-    # ------------------------------------------------------------------------------------------------ generic
     def gather_sequence(self, x: torch.Tensor, grad: bool = True) -> torch.Tensor:
         """All-gather ``x`` ``[B, L, ...]`` along the sequence into ``[B, S, ...]``; with ``grad`` (and ``x`` requiring
         grad) the backward sums every rank's gradient onto its owner."""

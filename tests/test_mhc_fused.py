@@ -138,19 +138,19 @@ def test_hc_post_bf16(tm):
 
 
 def _rounding_probe_kernel():
-    """A kernel storing each bf16 round-on-the-bits helper's rounding of its input: the sparse-MLA kernels' own and
-    the one of ``triton_utils`` that the mHC and MoE kernels share (defined lazily: only interpreter children use it;
-    a jit function looks its callees up in this module's globals)."""
+    """A kernel storing the bf16 round-on-the-bits helper's rounding of its input, as the sparse-MLA kernels use it
+    (cast to bf16) and as the mHC and MoE kernels do (kept in fp32) (defined lazily: only interpreter children use
+    it; a jit function looks its callees up in this module's globals)."""
     import triton.language as tl
 
-    global dsa_fused, triton_utils
-    from glm53flash_hf import dsa_fused, triton_utils
+    global triton_utils
+    from glm53flash_hf import triton_utils
 
     @triton.jit
     def kernel(x_ptr, o_dsa, o_shared, N: tl.constexpr):
         i = tl.arange(0, N)
         x = tl.load(x_ptr + i)
-        tl.store(o_dsa + i, dsa_fused._cast(x, tl.bfloat16).to(tl.float32))
+        tl.store(o_dsa + i, triton_utils.round_to(x, tl.bfloat16).to(tl.bfloat16).to(tl.float32))
         tl.store(o_shared + i, triton_utils.round_to(x, tl.bfloat16))
 
     return kernel
@@ -169,7 +169,7 @@ def test_rounding_helpers_keep_nan(tm):
     outs = [torch.empty(8) for _ in range(2)]
     kernel[(1,)](x, *outs, N=8)
     expect = x.to(torch.bfloat16).float()  # torch rounds to nearest even
-    for name, out in zip(("dsa_fused._cast", "triton_utils.round_to"), outs):
+    for name, out in zip(("round_to(...).to(bf16)", "round_to"), outs):
         assert torch.isnan(out[:4]).all(), (name, out[:4])
         assert torch.equal(out[4:], expect[4:]), (name, out[4:], expect[4:])
 
