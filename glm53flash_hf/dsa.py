@@ -311,17 +311,24 @@ class Glm53FlashAttention(nn.Module):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]`` within ``layout`` (a
-        :class:`~.packing.DocumentLayout`, ``None``: one unpadded document per row; with ``cache``, the one
-        :func:`.packing.build_layout` made for it). ``prev_topk_indices``: int ``[B, S, W]`` ids of the previous
-        "full" layer, required by "shared" layers. ``cache``: a transformers ``Cache`` (latents as ``keys``
-        ``[B, 1, L, kv_lora_rank]``, the indexer state). ``output_attentions``: also return the weights
-        ``[B, H, S, S_kv]`` (zero off the selected ids), from which the output is then computed (dense cost).
+        """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
 
-        Returns ``(out [B, S, hidden_size], ids, weights)``: ``ids`` the int32 ``[B, S, W]`` selection when
-        ``next_skip_topk`` else ``None``; ``weights`` with ``output_attentions``, else ``None``. ``ValueError`` for
-        bad shapes, a "shared" layer without ``prev_topk_indices``, a cache with a layout without ``cache_context``;
-        ``NotImplementedError`` for attention dropout in training or a ``cache`` that is not a transformers ``Cache``.
+        Args:
+            layout: the :class:`~.packing.DocumentLayout` (``None``: one unpadded document per row); with ``cache``,
+                the one :func:`.packing.build_layout` made for it (``layout.cache_context`` set).
+            prev_topk_indices: int ``[B, S, W]`` ids of the previous "full" layer; required by "shared" layers.
+            cache: a transformers ``Cache`` (latents as ``keys`` ``[B, 1, L, kv_lora_rank]``, the indexer state).
+            output_attentions: also return the weights ``[B, H, S, S_kv]`` (zero off the selected ids), from which
+                the output is then computed (dense cost).
+
+        Returns:
+            ``(out [B, S, hidden_size], ids, weights)``: ``ids`` the int32 ``[B, S, W]`` selection when
+            ``next_skip_topk`` else ``None``; ``weights`` with ``output_attentions``, else ``None``.
+
+        Raises:
+            ValueError: bad shapes; a "shared" layer without ``prev_topk_indices``; a cache with a layout without
+                ``cache_context``.
+            NotImplementedError: attention dropout in training; a ``cache`` that is not a transformers ``Cache``.
         """
         if cache is not None:
             from .generation_cache import check_cache

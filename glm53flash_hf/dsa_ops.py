@@ -210,11 +210,16 @@ def sparse_mla_torch(
     Runs in ``promote(dtype, float32)`` over query chunks as the custom op ``glm53flash::sparse_mla_torch``, whose
     backward recomputes each chunk: memory ``O(S * W)`` plus one chunk's ``[B, chunk, W, Dl]``, eager or compiled.
 
-    ``q_abs [B, S, H, Dl]`` (queries times ``W_kc``, ``Dl = kv_lora_rank``, any float dtype), ``latent [B, S_kv, Dl]``,
-    ``indices`` integer ``[B, S, W]`` row-local ids, ``scale`` ``qk_head_dim ** -0.5``, ``query_chunk`` queries per
-    chunk (``None``: ``B * chunk * W * (Dl + H) <= DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``). Returns ``(out [B, S, H, Dl]
-    in q_abs.dtype, lse [B, S, H] in the compute dtype (fp32 for 32/16-bit))``; ``ValueError`` for mismatched shapes,
-    non-integer ``indices``, ``query_chunk < 1``.
+    Args:
+        q_abs: ``[B, S, H, Dl]`` queries times ``W_kc`` (``Dl = kv_lora_rank``), any float dtype.
+        latent: ``[B, S_kv, Dl]``; indices: integer ``[B, S, W]`` row-local ids; scale: ``qk_head_dim ** -0.5``.
+        query_chunk: queries per chunk (``None``: ``B * chunk * W * (Dl + H) <= DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``).
+
+    Returns:
+        ``(out [B, S, H, Dl] in q_abs.dtype, lse [B, S, H])``, ``lse`` in the compute dtype (fp32 for 32/16-bit).
+
+    Raises:
+        ValueError: mismatched shapes, non-integer ``indices``, ``query_chunk < 1``.
     """
     check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, heads, _ = q_abs.shape

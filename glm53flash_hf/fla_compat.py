@@ -77,8 +77,11 @@ _INSTALL = f"pip install 'fla-core{FLA_REQUIREMENT}'"
 @functools.lru_cache(maxsize=1)
 def load() -> SimpleNamespace:
     """Import fla-core's functions once: a namespace with ``version`` (fla's ``__version__``) and the functions listed
-    in the module docstring under their fla names; ``ImportError`` (naming the cause and the required range) when fla
-    cannot be imported."""
+    in the module docstring under their fla names.
+
+    Raises:
+        ImportError: fla cannot be imported (the message names the cause and the required range).
+    """
     try:
         import fla
         from fla.modules.causal_conv1d.ops import causal_conv1d_bwd, causal_conv1d_fwd
@@ -115,8 +118,11 @@ def import_error() -> str | None:
 @functools.lru_cache(maxsize=1)
 def load_cp() -> SimpleNamespace:
     """Import fla-core's context-parallel KDA once: a namespace with ``chunk_kda`` (the entry point that takes
-    ``cp_context``), ``build_cp_context`` and ``context`` (the module ``fla.ops.cp.context``); ``ImportError``
-    (naming the cause) when the CP modules cannot be imported."""
+    ``cp_context``), ``build_cp_context`` and ``context`` (the module ``fla.ops.cp.context``).
+
+    Raises:
+        ImportError: the CP modules cannot be imported (naming the cause).
+    """
     try:
         from fla.ops.cp import build_cp_context
         from fla.ops.cp import context as cp_context_module
@@ -131,8 +137,11 @@ def load_cp() -> SimpleNamespace:
 
 def cp_device_error(device: torch.device) -> str | None:
     """Why fla's context-parallel kernels refuse ``device`` (fla's own device check, looked up at each call:
-    NVIDIA compute capability >= 8.0, or Ascend), or ``None`` when they accept it; ``ImportError`` as
-    :func:`load_cp`."""
+    NVIDIA compute capability >= 8.0, or Ascend), or ``None`` when they accept it.
+
+    Raises:
+        ImportError: as :func:`load_cp`.
+    """
     try:
         load_cp().context._check_cp_device(torch.device(device))
     except RuntimeError as exc:
@@ -143,8 +152,11 @@ def cp_device_error(device: torch.device) -> str | None:
 def accepted_keywords(fn, name: str, kwargs_names: tuple[str, ...] = ()) -> frozenset:
     """The keywords a call of ``fn`` (unwrapped through ``__wrapped__``) may pass without being silently ignored: its
     named parameters, plus each of ``kwargs_names`` that its source reads from its ``**kwargs``
-    (``kwargs.get("x")``, ``kwargs.pop("x", ...)``, ``kwargs["x"]``); ``TypeError`` (naming ``name``) when ``fn``
-    has no inspectable signature."""
+    (``kwargs.get("x")``, ``kwargs.pop("x", ...)``, ``kwargs["x"]``).
+
+    Raises:
+        TypeError: ``fn`` has no inspectable signature (naming ``name``).
+    """
     base = inspect.unwrap(fn)
     try:
         params = inspect.signature(base).parameters.values()
@@ -170,8 +182,10 @@ def checked(namespace, name: str, **kwargs) -> functools.partial:
 
     Every keyword is checked against the function (:func:`accepted_keywords` with ``KWARGS_READ[name]``, computed once
     per function object). The first binding with a CUDA tensor after :func:`load` / :func:`load_cp` imported fla runs
-    :func:`install_shared_memory_prune`. ``TypeError`` (naming the function and the argument(s)) for a keyword that
-    is not accepted.
+    :func:`install_shared_memory_prune`.
+
+    Raises:
+        TypeError: a keyword is not accepted (naming the function and the argument(s)).
     """
     fn = getattr(namespace, name)
     accepted = _ACCEPTED.get(fn)
@@ -249,7 +263,10 @@ def prune_by_shared_memory(tuner, on_drop=None) -> bool:
     whose compiled kernel (:func:`shared_memory_need`) needs more shared memory per block than the current device's
     ``max_shared_mem``; configurations of unknown need are kept, and if none fits the list is returned unchanged.
     ``on_drop(tuner, config, need, limit)`` is called for each dropped one. Returns ``False`` when ``tuner`` already
-    had the prune (idempotent), else ``True``; ``TypeError`` when ``tuner`` is not a triton ``Autotuner``.
+    had the prune (idempotent), else ``True``.
+
+    Raises:
+        TypeError: ``tuner`` is not a triton ``Autotuner``.
     """
     from triton.runtime.autotuner import Autotuner
 
@@ -321,11 +338,15 @@ def chunk_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_lo
                   output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
                   use_beta_sigmoid_in_kernel: bool, safe_gate: bool, lower_bound: float | None,
                   chunk_size: int) -> tuple[(Tensor,) * 11]:
-    """The forward of fla's ``ChunkKDAFunction``, arguments as fla's ``chunk_kda`` (``initial_state`` fp32). Returns
-    ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V])`` and the backward's residuals ``q``, ``q_rstd``,
-    ``k``, ``k_rstd`` (l2-normalised, reciprocal norms), ``beta_act`` (sigmoid), ``g_cumsum``, ``Aqk``, ``Akk``,
-    ``chunk_indices [NT, 2]`` long; empty where absent (``chunk_indices`` ``[0, 2]`` without ``cu_seqlens``).
-    ``ValueError`` for bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
+    """The forward of fla's ``ChunkKDAFunction``, arguments as fla's ``chunk_kda`` (``initial_state`` fp32).
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V])`` and the backward's residuals ``q``, ``q_rstd``,
+        ``k``, ``k_rstd`` (l2-normalised, reciprocal norms), ``beta_act`` (sigmoid), ``g_cumsum``, ``Aqk``, ``Akk``,
+        ``chunk_indices [NT, 2]`` long; empty where absent (``chunk_indices`` ``[0, 2]`` without ``cu_seqlens``).
+
+    Raises:
+        ValueError: bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
     """
     B, T, H, K = q.shape
     cu = cu_cpu = indices = None
@@ -400,8 +421,10 @@ def conv_forward(x: Tensor, weight: Tensor, initial_state: Tensor | None, cu_seq
                  activation: str | None, output_final_state: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The forward of fla's ``CausalConv1dFunction`` without bias or residual: ``x`` ``[B, T, D]``, ``weight``
     ``[D, W]``, ``initial_state`` ``[N, D, W]`` or ``None``, ``activation`` ``"silu"`` or ``None``. Returns
-    ``(y [B, T, D] in x's dtype, final_state [N, D, W] or empty, chunk_indices [NT, 2] long or [0, 2])``;
-    ``ValueError`` for bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
+    ``(y [B, T, D] in x's dtype, final_state [N, D, W] or empty, chunk_indices [NT, 2] long or [0, 2])``.
+
+    Raises:
+        ValueError: bad ``cu_seqlens``, or an ``initial_state`` that does not match them.
     """
     cu = cu_cpu = indices = None
     if cu_seqlens is not None:

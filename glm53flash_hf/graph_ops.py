@@ -64,11 +64,13 @@ def recompute_op(
     num_outputs: int,
     fake: Callable[..., tuple],
 ) -> Callable[..., tuple]:
-    """Register ``fn`` (pure ``fn(*tensors, **statics)`` returning ``num_outputs`` tensors or ``None``, returned empty)
-    as ``glm53flash::<name>`` (and ``<name>_backward``) with a recomputing backward; returns the op. ``tensor_args``:
-    ``(name, optional)`` per positional tensor (floating ones that require grad get gradients); ``static_args``:
-    ``(name, schema type)`` per keyword argument, e.g. ``("scale", "float")``; ``fake(*tensors, **statics)`` gives the
-    outputs' shapes and dtypes.
+    """Register ``fn`` as ``glm53flash::<name>`` (and ``<name>_backward``) with a recomputing backward; returns the op.
+
+    Args:
+        fn: pure ``fn(*tensors, **statics)`` returning ``num_outputs`` tensors or ``None`` (returned empty).
+        tensor_args: ``(name, optional)`` per positional tensor; floating ones that require grad get gradients.
+        static_args: ``(name, schema type)`` per keyword argument, e.g. ``("scale", "float")``.
+        fake: ``fake(*tensors, **statics)`` giving the outputs' shapes and dtypes.
     """
     existing = getattr(torch.ops, NAMESPACE)
     if hasattr(existing, name):  # a second copy of the module (remote code): share the first registration

@@ -63,8 +63,11 @@ def fla_cp_refusal(sp, device) -> str | None:
 
 
 def fla_cp_context(sp, cu_seqlens: Tensor):
-    """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``);
-    ``RuntimeError`` when fla's local boundaries differ from this rank's ``cu_seqlens``."""
+    """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``).
+
+    Raises:
+        RuntimeError: fla's local boundaries differ from this rank's ``cu_seqlens``.
+    """
     if "fla_cp" not in sp.memo:
         glob = sp.global_layout.cu_seqlens
         ctx = load_cp().build_cp_context(cu_seqlens=glob, group=sp.group, cu_seqlens_cpu=glob.cpu())
@@ -265,8 +268,11 @@ def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     """Chunked KDA with an activated gate and beta by fla's chunked kernels (fla's ``chunk_kda``).
 
     The contract of :func:`.kda_ops.chunk_kda_torch` (float32/bfloat16/float16 inputs; fla computes the gate and the
-    state in fp32), except ``chunk_size``: 32 or 64 (the maths does not depend on it). ``ValueError`` for shape
-    mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad ``cu_seqlens``.
+    state in fp32), except ``chunk_size``: 32 or 64 (the maths does not depend on it).
+
+    Raises:
+        ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
+            ``cu_seqlens``.
     """
     o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                         chunk_size, None, use_qk_l2norm_in_kernel))[:2]
@@ -304,11 +310,19 @@ def chunk_kda_gate_in_kernel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, bet
 
     Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with ``g`` the gate of
     :class:`.kda.Glm53FlashForgetGate` on ``g_raw``, computed in fp32 inside the kernel; differentiable in every tensor
-    argument. ``q, k [B, T, H, K]`` after the short convolution (not normalised), ``v [B, T, H, V]``, ``g_raw
-    [B, T, H, K]`` ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``), ``beta_logits [B, T, H]``, ``A_log`` fp32 ``[H]``,
-    ``dt_bias`` fp32 ``[H * K]``, ``lower_bound`` negative or None; the rest as :func:`chunk_kda_fused`. Returns
-    ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``; ``ValueError`` as
-    :func:`chunk_kda_fused`, for wrong ``A_log`` / ``dt_bias`` shapes or a non-negative ``lower_bound``.
+    argument.
+
+    Args:
+        q, k: ``[B, T, H, K]`` after the short convolution (not normalised); v: ``[B, T, H, V]``.
+        g_raw: ``[B, T, H, K]`` ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``); beta_logits: ``[B, T, H]``.
+        A_log: fp32 ``[H]``; dt_bias: fp32 ``[H * K]``; lower_bound: negative or None.
+        scale, initial_state, output_final_state, cu_seqlens, chunk_size: as :func:`chunk_kda_fused`.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``.
+
+    Raises:
+        ValueError: as :func:`chunk_kda_fused`; wrong ``A_log`` / ``dt_bias`` shapes, a non-negative ``lower_bound``.
     """
     o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state,
                                         cu_seqlens, chunk_size, (A_log, dt_bias, lower_bound)))[:2]
@@ -322,8 +336,10 @@ def chunk_kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, b
 
     Arguments as :func:`chunk_kda_gate_in_kernel` over the rank's ``[1, T, ...]`` tokens, documents from
     ``cp_context.cu_seqlens`` (:func:`fla_cp_context`), no initial or final state. fla wraps it in
-    ``torch.compiler.disable`` (a graph break). Returns ``o`` ``[1, T, H, V]`` in q's dtype; ``ValueError`` as
-    :func:`chunk_kda_gate_in_kernel`, or for ``q.shape[0] != 1``.
+    ``torch.compiler.disable`` (a graph break). Returns ``o`` ``[1, T, H, V]`` in q's dtype.
+
+    Raises:
+        ValueError: as :func:`chunk_kda_gate_in_kernel`, or ``q.shape[0] != 1``.
     """
     args = _chunk_args(q, k, v, g_raw, beta_logits, scale, None, False, None, chunk_size, (A_log, dt_bias, lower_bound))
     if q.shape[0] != 1:
@@ -336,8 +352,11 @@ def causal_conv1d_fused(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None 
                         initial_state: Tensor | None = None, output_final_state: bool = False
                         ) -> tuple[Tensor, Tensor | None]:
     """Depthwise causal convolution (+SiLU) by fla's convolution kernels: the contract of
-    :func:`.kda_ops.causal_conv1d_torch`, accumulated in fp32 whatever the weight dtype; ``ValueError`` also for a
-    sharded DTensor weight."""
+    :func:`.kda_ops.causal_conv1d_torch`, accumulated in fp32 whatever the weight dtype.
+
+    Raises:
+        ValueError: shapes, activation, bad ``cu_seqlens``; a sharded DTensor weight.
+    """
     weight = local_tensor(weight, "conv1d.weight")
     if cu_seqlens is None:  # with documents, the op runs these checks with the boundaries it reads
         check_conv_inputs(x, weight, activation, initial_state, None)
@@ -347,8 +366,11 @@ def causal_conv1d_fused(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None 
 
 def rms_norm_gated_fused(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` for ``x, gate`` ``[..., K]``, ``weight`` ``[K]``, by
-    fla's ``rms_norm_gated(activation="sigmoid")`` kernels (:class:`.kda.Glm53FlashRMSNormGated`); ``ValueError`` for
-    a shape mismatch or a sharded DTensor weight."""
+    fla's ``rms_norm_gated(activation="sigmoid")`` kernels (:class:`.kda.Glm53FlashRMSNormGated`).
+
+    Raises:
+        ValueError: shape mismatch, or a sharded DTensor weight.
+    """
     weight = local_tensor(weight, "o_norm.weight")
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}; got {tuple(gate.shape)}")
@@ -365,8 +387,10 @@ def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_lo
     Equals :func:`.kda_ops.recurrent_kda_torch` on the gate and beta of :func:`chunk_kda_gate_in_kernel` (same
     arguments, no ``cu_seqlens``); ``initial_state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
     ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V] or None)``, without an autograd graph.
-    ``RuntimeError`` when grad mode is on and an input requires grad (the kernel has no backward); ``ValueError`` for
-    shape mismatches, head dims outside ``[16, 256]``, a state that is not fp32, a sharded DTensor.
+
+    Raises:
+        RuntimeError: grad mode is on and an input requires grad (the kernel has no backward).
+        ValueError: shape mismatches, head dims outside ``[16, 256]``, a state that is not fp32, a sharded DTensor.
     """
     A_log = local_tensor(A_log, "forget_gate.A_log")
     dt_bias = local_tensor(dt_bias, "forget_gate.dt_bias")

@@ -126,11 +126,20 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None 
 
     ``y[t, d] = act(sum_{w < W} weight[d, w] * x[t - (W - 1) + w, d])``, inputs before the document from
     ``initial_state`` or zero (fla's ``causal_conv1d``; transformers' ``causal_conv1d_fn`` / ``causal_conv1d_update``).
-    ``x [B, T, D]`` any float dtype, ``weight [D, W]`` (computed in its dtype, also under autocast), ``activation``
-    ``"silu"`` / ``"swish"`` (the same) or ``None``, ``initial_state`` optional ``[N, D, W]`` (the last ``W`` inputs
-    before each document, oldest first; ``N = B`` without ``cu_seqlens``). Returns ``(y [B, T, D] in x.dtype (a
-    non-contiguous view), final_state [N, D, W] in x.dtype (the last W inputs of every document) or None)``;
-    ``ValueError`` for a bad shape, ``cu_seqlens`` or activation (:func:`check_conv_inputs`).
+
+    Args:
+        x: ``[B, T, D]``, any float dtype.
+        weight: ``[D, W]``; computed in ``weight.dtype`` (also under autocast), the result cast to ``x.dtype``.
+        cu_seqlens: optional document boundaries (module docstring); without it ``N = B``.
+        activation: ``"silu"`` / ``"swish"`` (the same) or ``None``.
+        initial_state: optional ``[N, D, W]``, the last ``W`` inputs before each document, oldest first.
+        output_final_state: also return the last ``W`` inputs of every document, ``[N, D, W]`` in ``x.dtype``.
+
+    Returns:
+        ``(y [B, T, D] in x.dtype (a non-contiguous view), final_state or None)``.
+
+    Raises:
+        ValueError: a bad shape, ``cu_seqlens`` or activation (:func:`check_conv_inputs`).
     """
     with _autocast_disabled(x):
         if in_graph():
@@ -377,13 +386,23 @@ def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     """Chunked Kimi Delta Attention in torch, fp32 maths (autocast off); memory ``O(T)``, never ``O(T^2)``.
 
     fla's ``chunk_kda`` with an activated gate and beta; transformers' ``chunk_kimi_delta_attention`` (WY form;
-    DeltaNet chunking, arXiv:2406.06484). ``q, k [B, T, H, K]`` any float dtype, ``v [B, T, H, V]``, ``g [B, T, H, K]``
-    per-channel log decay ``<= 0`` (positive values may overflow), ``beta [B, T, H]`` after the sigmoid; ``scale``
-    default ``K ** -0.5``; ``initial_state`` optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else
-    ``B``; cast to fp32); ``chunk_size`` a power of two (a shorter document uses the next power of two >= its length);
-    ``use_qk_l2norm_in_kernel``: ``x / sqrt(sum x^2 + 1e-6)`` on ``q`` and ``k`` before scaling. Returns ``(o [B, T,
-    H, V] in q.dtype, final_state fp32 [N, H, K, V] (after every document) or None)``; ``ValueError`` on shape
-    mismatches, a bad ``chunk_size``, or bad ``cu_seqlens`` (:func:`check_cu_seqlens`).
+    DeltaNet chunking, arXiv:2406.06484).
+
+    Args:
+        q, k: ``[B, T, H, K]``, any float dtype; v: ``[B, T, H, V]``; beta: ``[B, T, H]``, after the sigmoid.
+        g: ``[B, T, H, K]`` per-channel log decay, ``<= 0`` (positive values may overflow).
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else ``B``), cast to fp32.
+        output_final_state: also return the state after every document.
+        cu_seqlens: optional document boundaries (module docstring); the state restarts from ``initial_state[n]``.
+        chunk_size: chunk length ``C``, a power of two; a shorter document uses the next power of two >= its length.
+        use_qk_l2norm_in_kernel: l2-normalise ``q`` and ``k`` (``x / sqrt(sum x^2 + 1e-6)``) before scaling.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``q.dtype``; ``final_state`` fp32 ``[N, H, K, V]`` or ``None``.
+
+    Raises:
+        ValueError: on shape mismatches, a bad ``chunk_size``, or bad ``cu_seqlens`` (see :func:`check_cu_seqlens`).
     """
     with _autocast_disabled(q):
         check_core_inputs(q, k, v, g, beta)
@@ -591,8 +610,10 @@ def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
     """Token-by-token Kimi Delta Attention (a differentiable loop over ``T``; transformers'
     ``recurrent_kimi_delta_attention``), fp32 maths. Arguments as in :func:`chunk_kda_torch` without ``cu_seqlens``;
-    ``initial_state`` ``[B, H, K, V]`` is not modified. Returns ``(o [B, T, H, V] in q.dtype, final fp32 or None)``;
-    ``ValueError`` on shape mismatches.
+    ``initial_state`` ``[B, H, K, V]`` is not modified. Returns ``(o [B, T, H, V] in q.dtype, final fp32 or None)``.
+
+    Raises:
+        ValueError: on shape mismatches.
     """
     with _autocast_disabled(q):
         check_core_inputs(q, k, v, g, beta)

@@ -15,8 +15,11 @@ __all__ = ["check_hc_post_args", "check_hc_pre_args", "hc_expand", "hc_head", "h
 
 
 def check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters: int) -> None:
-    """Validate the arguments of ``hc_pre`` (both paths): ``ValueError`` unless ``hidden_streams`` is
-    ``[B, S, N, D]``, ``fn`` ``[(2+N)*N, N*D]``, ``base`` ``[(2+N)*N]``, ``scale`` ``[3]`` and ``sinkhorn_iters >= 1``.
+    """Validate the arguments of ``hc_pre`` (both paths).
+
+    Raises:
+        ValueError: ``hidden_streams`` not ``[B, S, N, D]``, ``fn`` not ``[(2+N)*N, N*D]``, ``base`` not
+            ``[(2+N)*N]``, ``scale`` not ``[3]``, or ``sinkhorn_iters < 1``.
     """
     if hidden_streams.dim() != 4:
         raise ValueError(f"hidden_streams must be [B, S, N, D]; got shape {tuple(hidden_streams.shape)}")
@@ -31,8 +34,12 @@ def check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters: int) -> N
 
 
 def check_hc_post_args(y, residual, post, comb) -> None:
-    """Validate the arguments of ``hc_post`` (both paths): ``ValueError`` unless ``residual`` is ``[B, S, N, D]``
-    and ``y``, ``post``, ``comb`` are ``[B, S, D]``, ``[B, S, N]``, ``[B, S, N, N]``."""
+    """Validate the arguments of ``hc_post`` (both paths).
+
+    Raises:
+        ValueError: ``residual`` not ``[B, S, N, D]``, or ``y``, ``post``, ``comb`` not ``[B, S, D]``, ``[B, S, N]``,
+            ``[B, S, N, N]``.
+    """
     if residual.dim() != 4:
         raise ValueError(f"residual must be [B, S, N, D]; got shape {tuple(residual.shape)}")
     b, s, n, d = residual.shape
@@ -201,12 +208,18 @@ def hc_pre_torch(
     """Mixing weights of one mHC site and the collapsed sub-block input: per token, the streams ``X [N, D]`` as
     ``x [N*D]`` in fp32, :func:`mix_weights` of ``x @ fn^T`` and ``mean(x^2)``, ``collapsed = sum_n pre_n * X_n``.
 
-    ``hidden_streams`` ``X [B, S, N, D]`` (any float dtype, any strides), ``fn [(2+N)*N, N*D]`` (model dtype; used in
-    fp32), ``base [(2+N)*N]`` fp32, ``scale [3]`` fp32; ``sinkhorn_iters`` (>= 1), ``hc_eps``, ``norm_eps``: the
-    config's ``hc_sinkhorn_iters``, ``hc_eps``, ``rms_norm_eps``. Returns ``(post fp32 [B, S, N], comb
-    fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)`` (fp64 for fp64 streams); ``comb[i, j]`` weighs input stream
-    ``i`` into output stream ``j``. Differentiable in every tensor input. ``ValueError`` for wrong ranks or shapes,
-    ``sinkhorn_iters < 1``.
+    Args:
+        hidden_streams: ``X [B, S, N, D]`` (any float dtype, any strides).
+        fn: ``[(2+N)*N, N*D]`` (model dtype; used in fp32). base: ``[(2+N)*N]`` fp32. scale: ``[3]`` fp32.
+        sinkhorn_iters: ``config.hc_sinkhorn_iters`` (>= 1). hc_eps: ``config.hc_eps``.
+        norm_eps: ``config.rms_norm_eps``.
+
+    Returns:
+        ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)`` (fp64 for fp64 streams);
+        ``comb[i, j]`` weighs input stream ``i`` into output stream ``j``. Differentiable in every tensor input.
+
+    Raises:
+        ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1``.
     """
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_streams, fn, base, scale)):
@@ -218,9 +231,17 @@ def hc_pre_torch(
 
 def hc_post_torch(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``out[..., h, :] = post[..., h] * y + sum_i comb[..., i, h] * residual[..., i, :]`` with the reference's
-    rounding (``post``, ``comb`` cast to ``residual.dtype`` first): ``y [B, S, D]`` sub-block output, ``residual
-    [B, S, N, D]`` streams that entered ``hc_pre``, ``post [B, S, N]`` and ``comb [B, S, N, N]`` fp32 ->
-    ``[B, S, N, D]`` in ``promote(residual.dtype, y.dtype)``; ``ValueError`` for shapes that do not fit.
+    rounding (``post``, ``comb`` cast to ``residual.dtype`` first).
+
+    Args:
+        y: ``[B, S, D]`` sub-block output. residual: ``[B, S, N, D]`` streams that entered ``hc_pre``.
+        post: ``[B, S, N]`` fp32. comb: ``[B, S, N, N]`` fp32.
+
+    Returns:
+        ``[B, S, N, D]`` in ``promote(residual.dtype, y.dtype)``.
+
+    Raises:
+        ValueError: shapes that do not fit.
     """
     check_hc_post_args(y, residual, post, comb)
     dtype = residual.dtype

@@ -183,10 +183,18 @@ def experts_forward_torch(
     Maths and summation order of ``Glm5NextTextExperts`` (a token's rows in increasing expert order), each token's
     sum in fp32 rounded once. Differentiable w.r.t. tokens, routing weights and expert weights.
 
-    ``hidden_states [T, H]`` (cast to the weights' dtype), ``top_k_index`` integer ``[T, k]`` ids in ``[0, E)``,
-    distinct per token (ids ``>= E``, expert-parallel sentinels, only with ``drop_out_of_range``: they contribute
-    zero), ``top_k_weights [T, k]``, ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``. Returns
-    ``[T, H]`` in ``hidden_states.dtype``; ``ValueError`` for shapes that do not fit together.
+    Args:
+        hidden_states: ``[T, H]`` (cast to the weights' dtype); top_k_weights: ``[T, k]``.
+        top_k_index: integer ``[T, k]`` ids in ``[0, E)``, distinct per token; ids ``>= E`` (expert-parallel
+            sentinels) only with ``drop_out_of_range``, then they contribute zero.
+        gate_up_proj: ``[E, 2I, H]``, gate rows first; down_proj: ``[E, H, I]``; swiglu_limit: see
+            :func:`clamped_swiglu`.
+
+    Returns:
+        ``[T, H]`` in ``hidden_states.dtype``.
+
+    Raises:
+        ValueError: shapes that do not fit together.
     """
     check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     num_experts = gate_up_proj.shape[0]

@@ -100,9 +100,11 @@ def build_document_layout(
 ) -> DocumentLayout:
     """The :class:`DocumentLayout` of a ``[B, S]`` batch on ``device``: a segment starts at each row's first token,
     where padding (0 in the bool or 0/1 ``attention_mask``) begins or ends, where ``position_ids`` do not continue by
-    +1, at every ``cu_seqlens`` boundary (``[N + 1]`` over ``B * S``) and where ``seq_idx`` changes. ``ValueError``
-    for a shape other than ``[B, S]`` / ``[1, S]``, non-integer ids or boundaries, a non-2-D or non-0/1
-    ``attention_mask``, ``cu_seqlens`` not from 0 to ``B * S`` or with an empty document.
+    +1, at every ``cu_seqlens`` boundary (``[N + 1]`` over ``B * S``) and where ``seq_idx`` changes.
+
+    Raises:
+        ValueError: a shape other than ``[B, S]`` / ``[1, S]``, non-integer ids or boundaries, a non-2-D or non-0/1
+            ``attention_mask``, ``cu_seqlens`` not from 0 to ``B * S`` or with an empty document.
     """
     for name, value in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens), ("seq_idx", seq_idx)):
         check_integer_tensor(name, value)
@@ -183,8 +185,9 @@ def build_layout(
     * ``sequence_parallel_group``: this rank's shard, ``layout.sequence_parallel`` set
       (``cu_seq_lens_q`` / ``cu_seqlens`` over the global rows, the other tensors local slices).
 
-    ``ValueError`` for ``cache`` together with ``sequence_parallel_group``, ``cu_seq_lens_q`` and ``cu_seqlens`` both
-    given and different, and the errors of the mode's builder.
+    Raises:
+        ValueError: ``cache`` together with ``sequence_parallel_group``; ``cu_seq_lens_q`` and ``cu_seqlens`` both
+            given and different; and the errors of the mode's builder.
     """
     if cache is not None:
         if sequence_parallel_group is not None:
@@ -229,7 +232,9 @@ def _sp_layout(
     """The local :class:`DocumentLayout` of this rank's ``[B, L]`` shard (the global segments cut at the shard start),
     its :class:`~.sequence_parallel.SequenceParallelContext` as ``layout.sequence_parallel``. ``attention_mask``,
     ``position_ids``, ``seq_idx`` are local slices; ``cu_seq_lens_q`` / ``cu_seqlens`` give the global rows.
-    ``ValueError`` when the ranks' shard shapes differ, or for bad layout arguments (:func:`build_document_layout`).
+
+    Raises:
+        ValueError: the ranks' shard shapes differ, or bad layout arguments (:func:`build_document_layout`).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     lengths = _gather_plain(torch.tensor([batch_size, local_len], device=device), group)
