@@ -164,9 +164,6 @@ def own_conversions():
                     register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Checkpoint files
-
 
 def _local_folder(path, subfolder: str = "") -> str | None:
     if not isinstance(path, (str, os.PathLike)):
@@ -231,32 +228,22 @@ def read_weight_map(folder: str) -> dict[str, str] | None:
     return None
 
 
-class open_shard:
+@contextlib.contextmanager
+def open_shard(path: str):
     """``safetensors.safe_open(path, framework="pt")`` raising ``ValueError`` naming a missing or damaged file."""
+    from safetensors import safe_open
 
-    def __init__(self, path: str):
-        self.path = path
-        self._handle = None
-
-    def __enter__(self):
-        from safetensors import safe_open
-
-        if not os.path.isfile(self.path):
-            raise ValueError(f"{self.path}: checkpoint shard not found")
-        try:
-            self._handle = safe_open(self.path, framework="pt")
-            return self._handle.__enter__()
-        except Exception as e:  # safetensors raises SafetensorError (an Exception subclass) or OSError
-            raise ValueError(
-                f"{self.path}: corrupt or truncated safetensors file ({type(e).__name__}: {e}); "
-                "re-download or re-write this shard"
-            ) from e
-
-    def __exit__(self, *exc):
-        if self._handle is not None:
-            self._handle.__exit__(*exc)
-            self._handle = None
-        return False
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: checkpoint shard not found")
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises SafetensorError (an Exception subclass) or OSError
+        raise ValueError(
+            f"{path}: corrupt or truncated safetensors file ({type(e).__name__}: {e}); "
+            "re-download or re-write this shard"
+        ) from e
+    with handle as f:
+        yield f
 
 
 def read_config_json(folder: str) -> dict | None:
@@ -564,9 +551,6 @@ def check_config_matches_checkpoint(
                 )
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Strict key accounting
-
 
 def _listing(keys, limit: int = 20) -> str:
     keys = sorted(keys)
@@ -821,9 +805,6 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
             logger.info(f"{cls.__name__}: skipped {' and '.join(parts)} of the checkpoint (text-only class)")
     return (model, info) if want_info else model
 
-
-# --------------------------------------------------------------------------------------------------------------
-# Atomic saving
 
 # Files a checkpoint save replaces as a whole: weights and their indexes in any layout or variant, the model config
 # and the generation config. A save never carries these over from the folder it replaces.
