@@ -200,6 +200,13 @@ def read_json(path: str, *, unique_keys: bool = False):
         raise ValueError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from e
 
 
+def write_json(data, path: str, sort_keys: bool = False) -> None:
+    """Write ``data`` to ``path`` as JSON indented by 2, with a final newline."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=sort_keys)
+        f.write("\n")
+
+
 def read_weight_map(folder: str) -> dict[str, str] | None:
     """``{tensor name: shard file name}`` of a local folder (index or single ``model.safetensors``), or None;
     ``ValueError`` naming the file for both present, an invalid index (or a tensor listed twice), a corrupt file."""
