@@ -96,12 +96,9 @@ def _filter_layer_list(name: str, values: list[int], layer_types: list[str], wan
 
 
 def rewrite_config(config: dict, layers: int, mtp_layers: int) -> tuple[dict, dict]:
-    """The cropped ``config.json`` dict and ``{field: (old, new)}`` of what changed.
-
-    Raises:
-        ValueError: ``layers`` out of range, a schedule list of the wrong length, a ``shared`` indexer layer
-            without its ``full`` partner among the kept layers, or a config that no longer validates.
-    """
+    """The cropped ``config.json`` dict and ``{field: (old, new)}`` of what changed; ``ValueError`` for ``layers`` out
+    of range, a schedule list of the wrong length, a ``shared`` indexer layer without its ``full`` partner among the
+    kept layers, or a config that no longer validates."""
     from ..configuration_glm53flash import Glm53FlashConfig
 
     out = json.loads(json.dumps(config))
@@ -165,12 +162,9 @@ def _config_kwargs(config: dict) -> dict:
 
 def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> CropPlan:
     """Work out the crop from ``src``'s ``config.json``, index and shard headers (no tensor data is read).
-
-    Raises:
-        ValueError: missing config or weights, what :func:`.checkpoint.inspect_checkpoint` refuses (a corrupt shard,
-            FP8 weights and scales not paired or not tiling), ``layers`` out of range, MTP layer numbering that does
-            not follow the main stack, or an invalid cropped config.
-    """
+    ``ValueError`` for missing config or weights, what :func:`.checkpoint.inspect_checkpoint` refuses (a corrupt shard,
+    FP8 weights and scales not paired or not tiling), ``layers`` out of range, MTP layer numbering that does not follow
+    the main stack, or an invalid cropped config."""
     config = read_config_json(src)
     if config is None:
         raise ValueError(f"{src}: no config.json")
@@ -272,15 +266,9 @@ class _ShardReaders:
 
 def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progress: bool = True) -> dict:
     """Write the crop ``plan`` into ``out`` atomically, flushing output shards at ``max_shard_size`` bytes (default: the
-    largest source shard).
-
-    Returns:
-        ``{"shards": n, "tensors": n, "total_size": bytes}``.
-
-    Raises:
-        ValueError: ``max_shard_size`` not a positive integer; ``out`` not empty or overlapping the source folder; a
-            corrupt shard (named).
-    """
+    largest source shard); returns ``{"shards": n, "tensors": n, "total_size": bytes}``. ``ValueError`` for a
+    ``max_shard_size`` that is not a positive integer, ``out`` not empty or overlapping the source folder, a corrupt
+    shard (named)."""
     if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
                                        or max_shard_size <= 0):
         raise ValueError(f"max_shard_size={max_shard_size!r}; expected a positive number of bytes or None")

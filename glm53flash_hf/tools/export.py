@@ -141,15 +141,12 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     """Write the remote-code folder ``out`` for the checkpoint folder ``src``.
 
     ``src``: a local folder with a ``glm5_next`` ``config.json`` and safetensors weights; ``out`` is written atomically
-    and must be empty unless ``overwrite``; ``link``: how weight files are placed (:func:`link_file`).
+    and must be empty unless ``overwrite``; ``link``: how weight files are placed (:func:`link_file`). Returns
+    ``{relative path: "symlink" | "hardlink" | "copy" | "code" | "config"}`` for every file written.
 
-    Returns:
-        ``{relative path: "symlink" | "hardlink" | "copy" | "code" | "config"}`` for every file written.
-
-    Raises:
-        FileNotFoundError: ``src`` is not a folder, or lacks ``config.json`` / weights.
-        ValueError: ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` overlaps ``src``
-            (:func:`glm53flash_hf.tools.output_conflict`), or ``out`` is not empty without ``overwrite``.
+    ``FileNotFoundError`` when ``src`` is not a folder or lacks ``config.json`` / weights; ``ValueError`` when
+    ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` overlaps ``src``
+    (:func:`glm53flash_hf.tools.output_conflict`), or ``out`` is not empty without ``overwrite``.
     """
     from tqdm.auto import tqdm
 

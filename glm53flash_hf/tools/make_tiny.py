@@ -124,12 +124,9 @@ def train_tokenizer(bpe_vocab_size: int):
 
 
 def check_token_ids(config, tokenizer) -> None:
-    """Check every special-token id field of ``config`` (top level and ``text_config``) against ``tokenizer``.
-
-    Raises:
-        ValueError: naming the field, its value and the id the tokenizer gives the token; or when the
-            tokenizer does not fit in the text config's ``vocab_size``.
-    """
+    """Check every special-token id field of ``config`` (top level and ``text_config``) against ``tokenizer``;
+    ``ValueError`` naming the field, its value and the id the tokenizer gives the token, or when the tokenizer does
+    not fit in the text config's ``vocab_size``."""
     text = config.get_text_config(decoder=True)
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     if n_tokens > text.vocab_size:
