@@ -164,9 +164,6 @@ def own_conversions():
                     register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Checkpoint files
-
 
 def _local_folder(path, subfolder: str = "") -> str | None:
     if not isinstance(path, (str, os.PathLike)):
@@ -203,6 +200,13 @@ def read_json(path: str, *, unique_keys: bool = False):
         raise ValueError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from e
 
 
+def write_json(data, path: str, sort_keys: bool = False) -> None:
+    """Write ``data`` to ``path`` as JSON indented by 2, with a final newline."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=sort_keys)
+        f.write("\n")
+
+
 def read_weight_map(folder: str) -> dict[str, str] | None:
     """``{tensor name: shard file name}`` of a local folder (index or single ``model.safetensors``), or None;
     ``ValueError`` naming the file for both present, an invalid index (or a tensor listed twice), a corrupt file."""
@@ -231,32 +235,22 @@ def read_weight_map(folder: str) -> dict[str, str] | None:
     return None
 
 
-class open_shard:
+@contextlib.contextmanager
+def open_shard(path: str):
     """``safetensors.safe_open(path, framework="pt")`` raising ``ValueError`` naming a missing or damaged file."""
+    from safetensors import safe_open
 
-    def __init__(self, path: str):
-        self.path = path
-        self._handle = None
-
-    def __enter__(self):
-        from safetensors import safe_open
-
-        if not os.path.isfile(self.path):
-            raise ValueError(f"{self.path}: checkpoint shard not found")
-        try:
-            self._handle = safe_open(self.path, framework="pt")
-            return self._handle.__enter__()
-        except Exception as e:  # safetensors raises SafetensorError (an Exception subclass) or OSError
-            raise ValueError(
-                f"{self.path}: corrupt or truncated safetensors file ({type(e).__name__}: {e}); "
-                "re-download or re-write this shard"
-            ) from e
-
-    def __exit__(self, *exc):
-        if self._handle is not None:
-            self._handle.__exit__(*exc)
-            self._handle = None
-        return False
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: checkpoint shard not found")
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises SafetensorError (an Exception subclass) or OSError
+        raise ValueError(
+            f"{path}: corrupt or truncated safetensors file ({type(e).__name__}: {e}); "
+            "re-download or re-write this shard"
+        ) from e
+    with handle as f:
+        yield f
 
 
 def read_config_json(folder: str) -> dict | None:
@@ -297,11 +291,8 @@ def is_fp8_dtype(dtype: str) -> bool:
 
 def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], *, for_transformers: bool) -> None:
     """Check that ``<key>_scale_inv`` tiles ``<key>`` with ``block``-sized blocks (last blocks may be partial; with
-    ``for_transformers`` not, where transformers' ``Fp8Dequantize`` would infer another block).
-
-    Raises:
-        ValueError: naming the key, both shapes and the block size.
-    """
+    ``for_transformers`` not, where transformers' ``Fp8Dequantize`` would infer another block); ``ValueError`` naming
+    the key, both shapes and the block size."""
     if len(weight_shape) != 2 or len(scale_shape) != 2:
         raise ValueError(
             f"{key}: FP8 weight {list(weight_shape)} with scale {key}{SCALE_SUFFIX} {list(scale_shape)}: "
@@ -326,11 +317,8 @@ def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], 
 
 def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = True) -> CheckpointInfo | None:
     """Read and check the safetensors headers of a local checkpoint folder (None for a Hub id or no safetensors):
-    config and index valid, every shard holds its indexed tensors, FP8 tensors and scales paired and tiling.
-
-    Raises:
-        ValueError: naming the file or key.
-    """
+    config and index valid, every shard holds its indexed tensors, FP8 tensors and scales paired and tiling;
+    ``ValueError`` naming the file or key."""
     folder = _local_folder(path, subfolder)
     if folder is None:
         return None
@@ -480,10 +468,7 @@ def check_config_matches_checkpoint(
 ) -> None:
     """Check the text config's sizes (:func:`text_size_fields`) against ``ckpt``'s headers before the model is built:
     layer count, experts per layer, shapes; the ``allow_*`` flags warn instead, as in :func:`strict_load_report`.
-
-    Raises:
-        ValueError: naming the config field, its value and what the checkpoint holds (the key and its file).
-    """
+    ``ValueError`` naming the config field, its value and what the checkpoint holds (the key and its file)."""
     stems = {}
     for key in ckpt.shapes:
         m = _TEXT_KEY.match(key)
@@ -564,9 +549,6 @@ def check_config_matches_checkpoint(
                 )
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Strict key accounting
-
 
 def _listing(keys, limit: int = 20) -> str:
     keys = sorted(keys)
@@ -583,11 +565,8 @@ def strict_load_report(
     allow_mismatched: bool = False,
 ) -> None:
     """Raise on a load (``info`` from ``output_loading_info=True``) that left parameters at their initial values or
-    dropped checkpoint tensors; the ``allow_*`` flags warn instead.
-
-    Raises:
-        ValueError: listing the first 20 keys and the count, for missing, unexpected or shape-mismatched keys.
-    """
+    dropped checkpoint tensors; the ``allow_*`` flags warn instead. ``ValueError`` listing the first 20 keys and the
+    count, for missing, unexpected or shape-mismatched keys."""
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
         rows = []
@@ -757,11 +736,8 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
     Header and config checks before; after, dtypes, strict keys (``allow_missing_keys`` / ``allow_unexpected_keys`` /
     ``ignore_mismatched_sizes`` warn instead, implied by ``output_loading_info=True`` and by ``state_dict=`` without a
     checkpoint) and finiteness (``allow_nonfinite_weights``). FP8 stays FP8 unless ``dequantize_fp8=True``. Returns
-    the model, or ``(model, loading_info)`` with ``output_loading_info=True``.
-
-    Raises:
-        ValueError: naming the file, key or config field; ``dequantize_fp8`` not a bool.
-    """
+    the model, or ``(model, loading_info)`` with ``output_loading_info=True``. ``ValueError`` naming the file, key or
+    config field, or for a ``dequantize_fp8`` that is not a bool."""
     recover_interrupted_save(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
     want_info = kwargs.pop("output_loading_info", False)
     # a caller who asks for the loading info gets the key report there (and a warning), as transformers reports it
@@ -821,9 +797,6 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
             logger.info(f"{cls.__name__}: skipped {' and '.join(parts)} of the checkpoint (text-only class)")
     return (model, info) if want_info else model
 
-
-# --------------------------------------------------------------------------------------------------------------
-# Atomic saving
 
 # Files a checkpoint save replaces as a whole: weights and their indexes in any layout or variant, the model config
 # and the generation config. A save never carries these over from the folder it replaces.
@@ -1022,11 +995,8 @@ def atomic_save(save_directory, write) -> str:
 
     ``save_directory`` (parent created when missing) always holds the complete old or new folder, also across
     ``kill -9`` (not power loss); the old folder's non-checkpoint entries and a link to the folder are kept. Returns
-    the absolute path written.
-
-    Raises:
-        ValueError: ``save_directory`` is an existing file; whatever ``write`` raises (the old folder is kept).
-    """
+    the absolute path written. ``ValueError`` when ``save_directory`` is an existing file; whatever ``write`` raises
+    propagates (the old folder is kept)."""
     import errno
     import tempfile
 

@@ -11,6 +11,7 @@ One source shard is read at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import json
 import os
@@ -24,16 +25,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..checkpoint import (
-    SCALE_SUFFIX,
-    atomic_save,
-    check_fp8_pair,
-    fp8_block_size,
-    is_fp8_dtype,
-    open_shard,
-    read_config_json,
-    read_weight_map,
-)
+from ..checkpoint import SCALE_SUFFIX, atomic_save, fp8_block_size, inspect_checkpoint, open_shard, read_config_json
 from . import check_output_folder
 from .fp8 import dequantize_fp8_blockwise
 
@@ -104,12 +96,9 @@ def _filter_layer_list(name: str, values: list[int], layer_types: list[str], wan
 
 
 def rewrite_config(config: dict, layers: int, mtp_layers: int) -> tuple[dict, dict]:
-    """The cropped ``config.json`` dict and ``{field: (old, new)}`` of what changed.
-
-    Raises:
-        ValueError: ``layers`` out of range, a schedule list of the wrong length, a ``shared`` indexer layer
-            without its ``full`` partner among the kept layers, or a config that no longer validates.
-    """
+    """The cropped ``config.json`` dict and ``{field: (old, new)}`` of what changed; ``ValueError`` for ``layers`` out
+    of range, a schedule list of the wrong length, a ``shared`` indexer layer without its ``full`` partner among the
+    kept layers, or a config that no longer validates."""
     from ..configuration_glm53flash import Glm53FlashConfig
 
     out = json.loads(json.dumps(config))
@@ -173,33 +162,18 @@ def _config_kwargs(config: dict) -> dict:
 
 def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> CropPlan:
     """Work out the crop from ``src``'s ``config.json``, index and shard headers (no tensor data is read).
-
-    Raises:
-        ValueError: missing config or weights, a corrupt shard (named), inconsistent FP8 pairs, ``layers`` out of
-            range, MTP layer numbering that does not follow the main stack, or an invalid cropped config.
-    """
+    ``ValueError`` for missing config or weights, what :func:`.checkpoint.inspect_checkpoint` refuses (a corrupt shard,
+    FP8 weights and scales not paired or not tiling), ``layers`` out of range, MTP layer numbering that does not follow
+    the main stack, or an invalid cropped config."""
     config = read_config_json(src)
     if config is None:
         raise ValueError(f"{src}: no config.json")
-    weight_map = read_weight_map(src)
-    if weight_map is None:
+    ckpt = inspect_checkpoint(src, for_transformers=False)
+    if ckpt is None:
         raise ValueError(f"{src}: no {INDEX_NAME} or model.safetensors")
-    dtypes, shapes = {}, {}
-    by_file: dict[str, list[str]] = {}
-    for k, fname in weight_map.items():
-        by_file.setdefault(fname, []).append(k)
-    for fname, keys in by_file.items():
-        with open_shard(os.path.join(src, fname)) as f:
-            present = set(f.keys())
-            for k in keys:
-                if k not in present:
-                    raise ValueError(f"{os.path.join(src, fname)}: the index assigns {k} to this shard, which lacks it")
-                sl = f.get_slice(k)
-                dtypes[k], shapes[k] = sl.get_dtype(), list(sl.get_shape())
+    weight_map = ckpt.weight_map
     text = _text_config(config)
     n_src = text.get("num_hidden_layers")
-    qc = config.get("quantization_config") or text.get("quantization_config")
-    block = fp8_block_size(qc)
     layer_ids = {int(m["idx"]) for k in weight_map if (m := _LAYER_KEY.match(k))}
     mtp_ids = sorted(i for i in layer_ids if isinstance(n_src, int) and i >= n_src)
     if mtp_ids and mtp_ids != list(range(n_src, n_src + len(mtp_ids))):
@@ -213,41 +187,26 @@ def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> Cro
     config_out, changes = rewrite_config(config, layers, len(mtp_ids))
     actions = []
     for key in weight_map:
-        if key.endswith(SCALE_SUFFIX):
-            weight = key[: -len(SCALE_SUFFIX)]
-            if weight not in weight_map:
-                raise ValueError(f"{key}: FP8 scale without its weight {weight}")
-            if not is_fp8_dtype(dtypes[weight]):
-                raise ValueError(f"{key}: scale of {weight}, which is not FP8 (dtype {dtypes[weight]})")
-            actions.append(KeyAction(key, None, "scale"))
-            continue
-        fp8 = is_fp8_dtype(dtypes[key])
-        if fp8:
-            scale = key + SCALE_SUFFIX
-            if scale not in weight_map:
-                raise ValueError(f"{key}: FP8 tensor without {scale} in any shard")
-            check_fp8_pair(key, shapes[key], shapes[scale], block, for_transformers=False)
         m = _LAYER_KEY.match(key)
-        if m is None:
-            actions.append(KeyAction(key, key, "keep", fp8))
-            continue
-        idx = int(m["idx"])
-        if idx < layers:
+        idx = int(m["idx"]) if m else -1  # -1: not a layer tensor, kept
+        fp8 = key in ckpt.fp8_weights
+        if key.endswith(SCALE_SUFFIX):
+            actions.append(KeyAction(key, None, "scale"))
+        elif idx < layers:
             actions.append(KeyAction(key, key, "keep", fp8))
         elif idx < n_src:
             actions.append(KeyAction(key, None, "drop", fp8))
         else:
-            target = f"{m['prefix']}layers.{layers + idx - n_src}.{m['rest']}"
-            actions.append(KeyAction(key, target, "rename", fp8))
+            actions.append(KeyAction(key, f"{m['prefix']}layers.{layers + idx - n_src}.{m['rest']}", "rename", fp8))
     copy_files = sorted(
         name
         for name in os.listdir(src)
         if os.path.isfile(os.path.join(src, name)) and any(fnmatch.fnmatch(name, p) for p in COPY_PATTERNS)
     )
     return CropPlan(
-        src=src, layers=layers, dtype=dtype, weight_map=weight_map, dtypes=dtypes, shapes=shapes, actions=actions,
-        config_in=config, config_out=config_out, schedule_changes=changes, copy_files=copy_files,
-        mtp_layers=len(mtp_ids), block=block,
+        src=src, layers=layers, dtype=dtype, weight_map=weight_map, dtypes=ckpt.dtypes, shapes=ckpt.shapes,
+        actions=actions, config_in=config, config_out=config_out, schedule_changes=changes, copy_files=copy_files,
+        mtp_layers=len(mtp_ids), block=fp8_block_size(ckpt.quantization_config),
     )  # fmt: skip
 
 
@@ -307,15 +266,9 @@ class _ShardReaders:
 
 def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progress: bool = True) -> dict:
     """Write the crop ``plan`` into ``out`` atomically, flushing output shards at ``max_shard_size`` bytes (default: the
-    largest source shard).
-
-    Returns:
-        ``{"shards": n, "tensors": n, "total_size": bytes}``.
-
-    Raises:
-        ValueError: ``max_shard_size`` not a positive integer; ``out`` not empty or overlapping the source folder; a
-            corrupt shard (named).
-    """
+    largest source shard); returns ``{"shards": n, "tensors": n, "total_size": bytes}``. ``ValueError`` for a
+    ``max_shard_size`` that is not a positive integer, ``out`` not empty or overlapping the source folder, a corrupt
+    shard (named)."""
     if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
                                        or max_shard_size <= 0):
         raise ValueError(f"max_shard_size={max_shard_size!r}; expected a positive number of bytes or None")
@@ -338,7 +291,6 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
             by_file.setdefault(plan.weight_map[a.source], []).append(a)
     by_file = dict(sorted(by_file.items()))
     total_tensors = sum(len(v) for v in by_file.values())
-    scales = _ShardReaders(plan.src)
     parts: list[tuple[str, list[str]]] = []
     buffer: dict[str, torch.Tensor] = {}
     buffer_bytes = 0
@@ -354,7 +306,7 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
         buffer, buffer_bytes = {}, 0
 
     bar = tqdm(total=total_tensors, desc="Cropping", unit="tensor", disable=not progress)
-    try:
+    with bar, contextlib.closing(_ShardReaders(plan.src)) as scales:
         for fname, acts in by_file.items():
             bar.set_postfix_str(fname)
             with open_shard(os.path.join(plan.src, fname)) as f:
@@ -372,9 +324,6 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
                     total_size += nbytes
                     bar.update(1)
         flush()
-    finally:
-        bar.close()
-        scales.close()
     n = len(parts)
     weight_map = {}
     for i, (tmp, keys) in enumerate(parts):

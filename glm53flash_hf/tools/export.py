@@ -18,17 +18,14 @@ import re
 import shutil
 import warnings
 
-from ..checkpoint import atomic_save, read_json
+from transformers.utils import logging
+
+from ..checkpoint import atomic_save, checkpoint_keys, read_json, write_json
 from . import check_output_folder, docstring_parser
 
+logger = logging.get_logger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 LINK_MODES = ("symlink", "hardlink", "copy")
-
-
-def _warn(message: str) -> None:
-    from transformers.utils import logging
-
-    logging.get_logger(__name__).warning(message)
 
 
 def processor_auto_map() -> dict[str, str]:
@@ -72,13 +69,13 @@ def link_file(src: str, dst: str, mode: str = "symlink") -> str:
             os.symlink(os.path.abspath(src), dst)
             return "symlink"
         except OSError as error:
-            _warn(f"could not symlink {dst} -> {src} ({error}); trying a hard link")
+            logger.warning(f"could not symlink {dst} -> {src} ({error}); trying a hard link")
     if mode in ("symlink", "hardlink"):
         try:
             os.link(os.path.realpath(src), dst)
             return "hardlink"
         except OSError as error:
-            _warn(f"could not hard-link {dst} -> {src} ({error}); copying the file")
+            logger.warning(f"could not hard-link {dst} -> {src} ({error}); copying the file")
     shutil.copy2(os.path.realpath(src), dst)
     return "copy"
 
@@ -92,11 +89,10 @@ def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[s
     """``(relative path, "link" | "copy")`` per non-hidden, non-code file of ``src``, and the code files' paths."""
     plan, code = [], []
     for root, dirs, files in os.walk(src, followlinks=True):
-        rel_root = os.path.relpath(root, src)
-        code += [d if rel_root == "." else os.path.join(rel_root, d) for d in sorted(dirs) if d == "__pycache__"]
+        code += [os.path.relpath(os.path.join(root, d), src) for d in sorted(dirs) if d == "__pycache__"]
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
         for name in sorted(files):
-            rel = name if rel_root == "." else os.path.join(rel_root, name)
+            rel = os.path.relpath(os.path.join(root, name), src)
             if name.startswith(".") or rel in skip_names:
                 continue
             if is_code_file(name):
@@ -141,25 +137,16 @@ def _with_our_auto_map(path: str):
     return data if _replace_auto_maps(data, processor_auto_map()) else None
 
 
-def _write_json(data, path: str, sort_keys: bool = False) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=sort_keys)
-        f.write("\n")
-
-
 def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, show_progress: bool = True) -> dict:
     """Write the remote-code folder ``out`` for the checkpoint folder ``src``.
 
     ``src``: a local folder with a ``glm5_next`` ``config.json`` and safetensors weights; ``out`` is written atomically
-    and must be empty unless ``overwrite``; ``link``: how weight files are placed (:func:`link_file`).
+    and must be empty unless ``overwrite``; ``link``: how weight files are placed (:func:`link_file`). Returns
+    ``{relative path: "symlink" | "hardlink" | "copy" | "code" | "config"}`` for every file written.
 
-    Returns:
-        ``{relative path: "symlink" | "hardlink" | "copy" | "code" | "config"}`` for every file written.
-
-    Raises:
-        FileNotFoundError: ``src`` is not a folder, or lacks ``config.json`` / weights.
-        ValueError: ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` overlaps ``src``
-            (:func:`glm53flash_hf.tools.output_conflict`), or ``out`` is not empty without ``overwrite``.
+    ``FileNotFoundError`` when ``src`` is not a folder or lacks ``config.json`` / weights; ``ValueError`` when
+    ``model_type`` is not ``glm5_next``, the config does not validate, ``out`` overlaps ``src``
+    (:func:`glm53flash_hf.tools.output_conflict`), or ``out`` is not empty without ``overwrite``.
     """
     from tqdm.auto import tqdm
 
@@ -208,12 +195,12 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
                 shutil.copy2(os.path.join(src, rel), dst)
                 written[rel] = "copy"
             else:
-                _write_json(data, dst)
+                write_json(data, dst)
                 written[rel] = "config"
         for path in code:
             shutil.copy2(path, os.path.join(folder, os.path.basename(path)))
             written[os.path.basename(path)] = "code"
-        _write_json(config, os.path.join(folder, "config.json"), sort_keys=True)
+        write_json(config, os.path.join(folder, "config.json"), sort_keys=True)
         written["config.json"] = "config"
 
     atomic_save(out, write)
@@ -234,14 +221,12 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
             parts.append(f"auto_map replaced by the package's processor entry in: {', '.join(replaced)}")
         if kept:
             parts.append(f"removed or rewritten among OUT's previous files: {', '.join(kept)}")
-        _warn(f"glm53flash-export {src} -> {out}: OUT carries only this package's code; " + "; ".join(parts))
+        logger.warning(f"glm53flash-export {src} -> {out}: OUT carries only this package's code; " + "; ".join(parts))
     return written
 
 
 def _drop_absent_mtp(src: str, config: dict) -> None:
     """Set ``num_nextn_predict_layers`` to 0, with a warning, when the config declares MTP layers the weights lack."""
-    from ..checkpoint import checkpoint_keys
-
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     n_mtp = int(text.get("num_nextn_predict_layers") or 0)
     n_layers = text.get("num_hidden_layers")
@@ -262,28 +247,23 @@ def _scrub_kept_entries(out: str, written: dict) -> list[str]:
     """
     changed = []
     for root, dirs, files in os.walk(out):
-        rel_root = os.path.relpath(root, out)
-
-        def rel(name, rel_root=rel_root):
-            return name if rel_root == "." else os.path.join(rel_root, name)
-
         for d in [d for d in dirs if d == "__pycache__"]:
             path = os.path.join(root, d)
             os.unlink(path) if os.path.islink(path) else shutil.rmtree(path)
-            changed.append(rel(d))
+            changed.append(os.path.relpath(path, out))
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
         for name in files:
             path = os.path.join(root, name)
-            if rel(name) in written or name.startswith("."):
+            if os.path.relpath(path, out) in written or name.startswith("."):
                 continue
             if is_code_file(name):
                 os.unlink(path)
-                changed.append(rel(name))
+                changed.append(os.path.relpath(path, out))
             elif (data := _with_our_auto_map(path)) is not None:
                 tmp = os.path.join(root, f".{name}.export-tmp")
-                _write_json(data, tmp)
+                write_json(data, tmp)
                 os.replace(tmp, path)  # replaces a link, never writes through it
-                changed.append(rel(name))
+                changed.append(os.path.relpath(path, out))
     return changed
 
 

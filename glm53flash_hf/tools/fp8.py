@@ -85,11 +85,8 @@ def dequantize_fp8_blockwise(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8_blockwise`: ``weight.float() * scale_inv`` (repeated per block, cropped).
 
-    ``block`` is used when the scale grid matches it, else the block is inferred as ``out / scale_rows``.
-
-    Raises:
-        ValueError: when ``scale_inv`` cannot tile ``weight``.
-    """
+    ``block`` is used when the scale grid matches it, else the block is inferred as ``out / scale_rows``;
+    ``ValueError`` when ``scale_inv`` cannot tile ``weight``."""
     if weight.dim() != 2 or scale_inv.dim() != 2:
         raise ValueError(
             f"expected a 2-D FP8 weight and 2-D scale_inv; got {tuple(weight.shape)} and {tuple(scale_inv.shape)}"

@@ -124,20 +124,15 @@ def train_tokenizer(bpe_vocab_size: int):
 
 
 def check_token_ids(config, tokenizer) -> None:
-    """Check every special-token id field of ``config`` (top level and ``text_config``) against ``tokenizer``.
-
-    Raises:
-        ValueError: naming the field, its value and the id the tokenizer gives the token; or when the
-            tokenizer does not fit in the text config's ``vocab_size``.
-    """
+    """Check every special-token id field of ``config`` (top level and ``text_config``) against ``tokenizer``;
+    ``ValueError`` naming the field, its value and the id the tokenizer gives the token, or when the tokenizer does
+    not fit in the text config's ``vocab_size``."""
     text = config.get_text_config(decoder=True)
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     if n_tokens > text.vocab_size:
         raise ValueError(f"the tokenizer has {n_tokens} tokens but text_config.vocab_size={text.vocab_size}")
     for field, token in TOKEN_ID_FIELDS.items():
-        tokens = token if isinstance(token, list) else [token]
-        expected = [tokenizer.token_to_id(t) for t in tokens]
-        expected = expected if isinstance(token, list) else expected[0]
+        expected = list(map(tokenizer.token_to_id, token)) if isinstance(token, list) else tokenizer.token_to_id(token)
         # pad/eos must be in text_config, the media ids at the top level; a copy elsewhere must agree too.
         home = text if field in ("pad_token_id", "eos_token_id") else config
         for owner, name in ((config, "config"), (text, "text_config")):
@@ -173,25 +168,12 @@ def _tensor_bytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _quantize_shard(tensors: dict, fp8_keys: set) -> dict:
-    """Replace each key of ``fp8_keys`` by its block-scaled e4m3 weight plus ``<key>_scale_inv``."""
-    from .fp8 import quantize_fp8_blockwise
-
-    out = {}
-    for key in sorted(tensors):
-        if key in fp8_keys:
-            out[key], out[key + "_scale_inv"] = quantize_fp8_blockwise(tensors[key])
-        else:
-            out[key] = tensors[key]
-    return out
-
-
 def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8: bool) -> None:
     """Rewrite the text shards (FP8 when ``fp8``), add ``vision_state`` as the last shard, and write the index."""
     from safetensors.torch import load_file, save_file
 
-    from ..checkpoint import read_weight_map
-    from .fp8 import fp8_keys_of
+    from ..checkpoint import read_weight_map, write_json
+    from .fp8 import fp8_keys_of, quantize_fp8_blockwise
 
     weight_map = read_weight_map(out)
     files = sorted(set(weight_map.values()))
@@ -201,8 +183,8 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
     total_size = 0
     for i, name in enumerate(files):
         tensors = load_file(os.path.join(out, name))
-        if fp8:
-            tensors = _quantize_shard(tensors, fp8_keys)
+        for key in sorted(fp8_keys & tensors.keys()):  # the weight in e4m3 and its <key>_scale_inv
+            tensors[key], tensors[key + "_scale_inv"] = quantize_fp8_blockwise(tensors[key])
         new_name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.remove(os.path.join(out, name))
         save_file(tensors, os.path.join(out, new_name), metadata={"format": "pt"})
@@ -216,35 +198,25 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
         "metadata": {"total_parameters": total_parameters, "total_size": total_size},
         "weight_map": dict(sorted(new_map.items())),
     }
-    with open(os.path.join(out, SAFETENSORS_INDEX), "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
-def _check_out(out: str, overwrite: bool) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"OUT={out!r} exists and is not a folder")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace the checkpoint files in it")
+    write_json(index, os.path.join(out, SAFETENSORS_INDEX), sort_keys=True)
 
 
 def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool = False,
               dtype: str = "bfloat16", overwrite: bool = False, show_progress: bool = True) -> str:
-    """Write the tiny checkpoint folder atomically (:func:`glm53flash_hf.checkpoint.atomic_save`); return ``out``.
+    """Write the tiny checkpoint folder ``out`` (empty unless ``overwrite``) atomically
+    (:func:`glm53flash_hf.checkpoint.atomic_save`); return ``out``.
 
-    Args:
-        out: destination folder (must be empty unless ``overwrite``).
-        config_path: a GLM-5.3-Flash ``config.json`` (``text_config`` + ``vision_config``); ``None``:
-            :data:`DEFAULT_FP8_CONFIG` when ``fp8``, else :data:`DEFAULT_CONFIG`.
-        seed: ``torch.manual_seed`` of the text model's initialisation (vision: ``seed + 1``).
-        dtype: ``"bfloat16"`` or ``"float32"`` (fp32-kept parameters stay fp32).
-
-    Raises:
-        ValueError: bad ``dtype``, a non-empty ``out`` without ``overwrite``, or config token ids that do not
-            match the tokenizer layout.
+    ``config_path``: a GLM-5.3-Flash ``config.json`` with ``text_config`` and ``vision_config`` (default
+    :data:`DEFAULT_FP8_CONFIG` with ``fp8``, else :data:`DEFAULT_CONFIG`); ``seed``: ``torch.manual_seed`` of the text
+    model's initialisation (vision: ``seed + 1``); ``dtype``: ``"bfloat16"`` or ``"float32"`` (fp32-kept parameters
+    stay fp32). ``ValueError`` for a bad ``dtype``, a non-empty ``out`` without ``overwrite``, or config token ids
+    that do not match the tokenizer layout.
     """
     import torch
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
 
+    from ..checkpoint import atomic_save
     from ..configuration_glm53flash import Glm53FlashConfig
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -262,35 +234,25 @@ def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool
     if not isinstance(text.pad_token_id, int):
         raise ValueError(f"{config_path}: text_config.pad_token_id must be an int (first special token id); got "
                          f"{text.pad_token_id!r}")
-
-    from transformers.utils import logging as hf_logging
-
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     if not show_progress:
         hf_logging.disable_progress_bar()
     try:
-        _write(out, config, text, seed, fp8, dtypes[dtype], overwrite, show_progress)
+        bar = tqdm(total=5, desc="glm53flash-make-tiny", disable=not show_progress)
+        with torch.random.fork_rng(devices=[]), bar:  # the caller's global RNG state is left as it was
+            bar.set_postfix_str("tokenizer")
+            tokenizer = train_tokenizer(text.pad_token_id)
+            check_token_ids(config, tokenizer)
+            if os.path.exists(out) and not os.path.isdir(out):
+                raise ValueError(f"OUT={out!r} exists and is not a folder")
+            if os.path.isdir(out) and os.listdir(out) and not overwrite:
+                raise ValueError(f"OUT={out!r} is not empty; pass --overwrite to replace the checkpoint files in it")
+            bar.update(1)
+            atomic_save(out, lambda tmp: _write_folder(tmp, config, text, tokenizer, seed, fp8, dtypes[dtype], bar))
     finally:
         if bars_were_enabled:
             hf_logging.enable_progress_bar()
     return out
-
-
-def _write(out, config, text, seed, fp8, dtype, overwrite, show_progress) -> None:
-    import torch
-    from tqdm.auto import tqdm
-
-    from ..checkpoint import atomic_save
-
-    # fork_rng: the caller's global RNG state is left as it was.
-    bar = tqdm(total=5, desc="glm53flash-make-tiny", disable=not show_progress)
-    with torch.random.fork_rng(devices=[]), bar:
-        bar.set_postfix_str("tokenizer")
-        tokenizer = train_tokenizer(text.pad_token_id)
-        check_token_ids(config, tokenizer)
-        _check_out(out, overwrite)
-        bar.update(1)
-        atomic_save(out, lambda folder: _write_folder(folder, config, text, tokenizer, seed, fp8, dtype, bar))
 
 
 def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
@@ -298,7 +260,9 @@ def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     import torch
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
+    from ..checkpoint import read_json, write_json
     from ..modeling_glm53flash import Glm53FlashForCausalLM
+    from .fp8 import fp8_quantization_config
 
     bar.set_postfix_str("text model")
     torch.manual_seed(seed)
@@ -315,7 +279,8 @@ def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     total_parameters += vision.num_parameters()
     add_vision_and_fp8(out, vision_state, total_parameters, fp8)
     if fp8:
-        _add_quantization_config(out)
+        path = os.path.join(out, "config.json")
+        write_json(read_json(path) | {"quantization_config": fp8_quantization_config()}, path, sort_keys=True)
     bar.update(2)
 
     bar.set_postfix_str("save tokenizer + processor")
@@ -343,18 +308,6 @@ def save_processor(out: str, config) -> None:
         Glm5NextImageProcessorPil(**sizes), AutoTokenizer.from_pretrained(out), Glm53FlashVideoProcessor(**sizes)
     )
     processor.save_pretrained(out)
-
-
-def _add_quantization_config(out: str) -> None:
-    from .fp8 import fp8_quantization_config
-
-    path = os.path.join(out, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["quantization_config"] = fp8_quantization_config()
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def main(argv=None) -> int:

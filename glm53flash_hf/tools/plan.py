@@ -27,7 +27,7 @@ GIB = 1024**3
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 BASES = ("bf16", "fp8", "fp32")
 FP8_BLOCK = 128
-#: the DSA torch path's chunk budget (``glm53flash_hf.dsa_ops.DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS``)
+#: the chunk length of KDA's chunked scan
 KDA_CHUNK = 64
 
 
@@ -156,9 +156,7 @@ def _lora_targets(name: str, shape) -> int:
 
 def _shard(shape, n: int) -> int:
     """Elements of one ``Shard(0)`` piece over ``n`` ranks (``ceil(dim0 / n)`` rows)."""
-    if not shape:
-        return 1
-    return math.ceil(shape[0] / n) * math.prod(shape[1:])
+    return math.ceil(shape[0] / n) * math.prod(shape[1:]) if shape else 1
 
 
 def saved_elements_per_token(config, kind: str, mlp: str) -> int:
@@ -247,13 +245,10 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
 
     weights = trainable = 0
     units: dict = {}  # FSDP unit -> [unsharded compute bytes, unsharded trainable elements]
-    root_bytes = 0
     total_params = 0
     for name, full_shape in names.items():
-        shape = full_shape
         expert = ".mlp.experts." in name
-        if expert:
-            shape = (shape[0] // setup.ep,) + shape[1:]
+        shape = (full_shape[0] // setup.ep,) + full_shape[1:] if expert else full_shape
         n = n_expert_fsdp if expert else n_dense
         total_params += math.prod(full_shape)
         local = _shard(shape, n)
@@ -281,8 +276,6 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
         u = units.setdefault(unit, [0, 0])
         u[0] += compute
         u[1] += adapter if lora else math.prod(shape)
-        if unit == "root":
-            root_bytes += compute
     weights += 4 * buffer_elements
 
     layer_kinds = [(config.layer_types[i], config.mlp_layer_types[i]) for i in range(config.num_hidden_layers)]
@@ -294,6 +287,7 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
         layer_units = [v for k, v in units.items() if k != "root"]
         largest = max(v[0] for v in layer_units)
         largest_grad = max(v[1] for v in layer_units)
+        root_bytes = units.get("root", [0])[0]
         comm += 2 * largest + 4 * largest_grad + root_bytes - root_bytes // setup.fsdp
     if setup.ep > 1:
         t = setup.micro_batch * setup.seq_len // setup.sp
@@ -315,11 +309,8 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
 
 def load_config(path: str | None):
     """The text config of the checkpoint folder ``path`` (its ``config.json``), or the release configuration
-    (``Glm53FlashConfig()`` defaults plus the release's one MTP layer) when ``path`` is ``None``.
-
-    Raises:
-        ValueError: ``path`` is not a folder with a ``config.json``.
-    """
+    (``Glm53FlashConfig()`` defaults plus the release's one MTP layer) when ``path`` is ``None``; ``ValueError`` when
+    ``path`` is not a folder with a ``config.json``."""
     import os
 
     from ..configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig

@@ -56,11 +56,8 @@ def explain_prompt(name: str) -> str:
 
 def topic_answer(name: str, max_chars: int = 400) -> str:
     """The assistant answer for topic ``name``: the text without its title, whole paragraphs within ``max_chars``
-    (a longer first paragraph cut after its last sentence or word that fits).
-
-    Raises:
-        KeyError: unknown topic. ValueError: ``max_chars < 40``.
-    """
+    (a longer first paragraph cut after its last sentence or word that fits). ``KeyError`` for an unknown topic,
+    ``ValueError`` for ``max_chars < 40``."""
     if max_chars < 40:
         raise ValueError(f"max_chars must be >= 40; got max_chars={max_chars}")
     topic_title(name)  # raises for an unknown name
@@ -81,11 +78,8 @@ def topic_answer(name: str, max_chars: int = 400) -> str:
 
 
 def text_topics(samples: int, held_out: str, seed: int) -> list[str]:
-    """``samples`` distinct topic keys in a seeded random order, never ``held_out`` nor a duplicate text.
-
-    Raises:
-        ValueError: ``samples < 0`` or more than the topics available (the message gives the number).
-    """
+    """``samples`` distinct topic keys in a seeded random order, never ``held_out`` nor a duplicate text;
+    ``ValueError`` for ``samples < 0`` or more than the topics available (the message gives the number)."""
     import random
 
     topics = _topics()
@@ -113,11 +107,8 @@ def _skimage():
 
 
 def load_photo(name: str, size: int = PHOTO_SIZE):
-    """scikit-image's bundled photo ``name`` as RGB uint8 ``[size, size, 3]`` (bicubic resize).
-
-    Raises:
-        ImportError: scikit-image is not installed.
-    """
+    """scikit-image's bundled photo ``name`` as RGB uint8 ``[size, size, 3]`` (bicubic resize); ``ImportError``
+    without scikit-image."""
     import numpy as np
     from PIL import Image
 
@@ -127,13 +118,10 @@ def load_photo(name: str, size: int = PHOTO_SIZE):
 
 
 def load_gif():
-    """scikit-image's animated GIF as ``(video uint8 [T, H, W, 3], VideoMetadata)`` (``fps`` from the frame duration).
-
-    Raises:
-        FileNotFoundError: the GIF is not in the installed scikit-image. ImportError: no scikit-image.
-    """
+    """scikit-image's animated GIF as ``(video uint8 [T, H, W, 3], VideoMetadata)`` (``fps`` from the frame duration);
+    ``FileNotFoundError`` when the installed scikit-image lacks the GIF, ``ImportError`` without scikit-image."""
     import numpy as np
-    from PIL import Image
+    from PIL import Image, ImageSequence
     from transformers.video_utils import VideoMetadata
 
     skimage = _skimage()
@@ -141,10 +129,7 @@ def load_gif():
     if not os.path.isfile(path):
         raise FileNotFoundError(f"scikit-image's {GIF_NAME} is missing at {path}; reinstall scikit-image>=0.24")
     clip = Image.open(path)
-    frames = []
-    for index in range(clip.n_frames):
-        clip.seek(index)
-        frames.append(np.asarray(clip.convert("RGB")))
+    frames = [np.asarray(frame.convert("RGB")) for frame in ImageSequence.Iterator(clip)]
     frame_ms = float(clip.info.get("duration") or 70)
     video = np.stack(frames)
     metadata = VideoMetadata(total_num_frames=len(frames), fps=1000.0 / frame_ms,
@@ -181,15 +166,9 @@ def sft_conversations(samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int 
 
 def build_sft_dataset(processor, samples: int, held_out: str = DEFAULT_HELD_OUT, seed: int = 0,
                       max_length: int = 512, answer_chars: int = 400, media: bool = True) -> list[dict]:
-    """Tokenized SFT examples (:func:`glm53flash_hf.train.sft.build_sft_example`, thinking off, ``max_length``).
-
-    Returns:
-        list of dicts with 1-D long ``input_ids`` / ``labels`` / ``mm_token_type_ids``, the media tensors of media
-        samples, and ``"name"``.
-
-    Raises:
-        ValueError: a sample with no trained token left after truncation.
-    """
+    """Tokenized SFT examples (:func:`glm53flash_hf.train.sft.build_sft_example`, thinking off, ``max_length``): dicts
+    with 1-D long ``input_ids`` / ``labels`` / ``mm_token_type_ids``, the media tensors of media samples, and
+    ``"name"``; ``ValueError`` for a sample with no trained token left after truncation."""
     from glm53flash_hf.train.sft import build_sft_example
 
     examples = []
