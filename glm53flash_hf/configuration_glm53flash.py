@@ -78,12 +78,10 @@ def normalize_kernels(value) -> dict:
     unknown = set(value) - set(KERNEL_FAMILIES)
     if unknown:
         raise ValueError(f"kernels has unknown families {sorted(unknown)}; known: {KERNEL_FAMILIES}")
-    out = {}
-    for family in KERNEL_FAMILIES:
-        choice = value.get(family, "auto")
+    out = {family: value.get(family, "auto") for family in KERNEL_FAMILIES}
+    for family, choice in out.items():
         if choice not in KERNEL_CHOICES:
             raise ValueError(f"kernels[{family!r}] must be one of {KERNEL_CHOICES}; got {choice!r}")
-        out[family] = choice
     return out
 
 
@@ -140,12 +138,8 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
 
     def validate_architecture(self):
         """Check the combination of fields; raise ``ValueError`` naming the field and value."""
+        check_numeric_fields(self, _POSITIVE_INTS, _NON_NEGATIVE_INTS, _POSITIVE_FLOATS, _NON_NEGATIVE_FLOATS)
         n = self.num_hidden_layers
-        for name in ("index_kpool", "index_topk", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
-                     "num_hidden_layers", "linear_num_heads", "linear_head_dim", "index_n_heads", "index_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {name}={value!r}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(
                 f"swiglu_limit must be positive (or None for no clamp); got swiglu_limit={self.swiglu_limit}"
@@ -191,12 +185,6 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
                 f"num_experts_per_tok must be in [1, n_routed_experts={self.n_routed_experts}]; "
                 f"got num_experts_per_tok={self.num_experts_per_tok}"
             )
-        if self.num_nextn_predict_layers < 0:
-            raise ValueError(f"num_nextn_predict_layers must be >= 0; got {self.num_nextn_predict_layers}")
-        if not self.mtp_depth >= 1:
-            raise ValueError(f"mtp_depth must be >= 1; got mtp_depth={self.mtp_depth}")
-        if not self.mtp_loss_weight >= 0:
-            raise ValueError(f"mtp_loss_weight must be >= 0; got mtp_loss_weight={self.mtp_loss_weight}")
         if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
             raise ValueError(f"linear_lower_bound must be negative or None; got {self.linear_lower_bound}")
         if self.hidden_act != "silu":
@@ -229,10 +217,7 @@ class Glm53FlashConfig(Glm5NextConfig):
     (flat text-only configs go to ``text_config``).
     """
 
-    sub_configs_defaults = {
-        "vision_config": Glm53FlashVisionConfig,
-        "text_config": Glm53FlashTextConfig,
-    }
+    sub_configs_defaults = {"vision_config": Glm53FlashVisionConfig, "text_config": Glm53FlashTextConfig}
 
 
 __all__ = ["Glm53FlashConfig", "Glm53FlashTextConfig", "Glm53FlashVisionConfig", "normalize_kernels"]

@@ -91,20 +91,10 @@ def fp8_linear_block_rows(
     block: tuple[int, int] | list[int],
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ (weight * scale_inv).T (+ bias)``, ``weight`` dequantized one tile of block rows at a time.
-
-    Args:
-        x: ``[..., in]`` float (the compute dtype); weight: ``[out, in]`` ``float8_e4m3fn``; bias: optional ``[out]``.
-        scale_inv: fp32 ``[ceil(out/br), ceil(in/bc)]``, or two separately blocked halves (merged gate/up), read
-            as halves only when its row count is not ``ceil(out/br)``.
-        block: ``(br, bc)``.
-
-    Returns:
-        ``[..., out]`` in ``x.dtype``, differentiable in ``x`` only.
-
-    Raises:
-        ValueError: ``weight`` not 2-D FP8, or ``scale_inv`` not tiling it.
-    """
+    """``x @ (weight * scale_inv).T (+ bias)`` ``[..., out]`` in ``x.dtype`` (differentiable in ``x`` only) for
+    ``x [..., in]``, ``weight [out, in]`` ``float8_e4m3fn`` dequantized one tile of block rows at a time,
+    ``scale_inv`` fp32 ``[ceil(out/br), ceil(in/bc)]`` for ``block = (br, bc)`` (else read as two separately blocked
+    halves: merged gate/up). ``ValueError`` when ``weight`` is not 2-D FP8 or ``scale_inv`` does not tile it."""
     if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
         raise ValueError(f"weight: expected a 2-D {FP8_DTYPE} tensor; got {weight.dtype} {tuple(weight.shape)}")
     if scale_inv.dim() != 2 or scale_inv.shape[1] != math.ceil(weight.shape[1] / block[1]):
@@ -118,8 +108,11 @@ def fp8_linear_block_rows(
 _KERNEL_STATE: dict[str, bool] = {}
 
 
-def _transformers_kernel_usable(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> bool:
-    """CUDA weight, whole-block scale grid and the ``finegrained-fp8`` kernel loadable (else one warning, once)."""
+def _transformers_serves(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> bool:
+    """A weight that is not FP8, or a CUDA one with a whole-block scale grid and the ``finegrained-fp8`` kernel
+    loadable (else one warning, once)."""
+    if weight.element_size() > 1:
+        return True
     if not weight.is_cuda or block is None or scale_inv.shape[0] != math.ceil(weight.shape[0] / block[0]):
         return False
     if "cuda" not in _KERNEL_STATE:
@@ -137,9 +130,7 @@ class Glm53FlashFP8Linear(FP8Linear):
     back to :func:`fp8_linear_block_rows` where transformers' kernel does not serve the weight (CPU)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.weight.element_size() > 1 or _transformers_kernel_usable(
-            self.weight, self.weight_scale_inv, self.block_size
-        ):
+        if _transformers_serves(self.weight, self.weight_scale_inv, self.block_size):
             return super().forward(input)
         return fp8_linear_block_rows(input, self.weight, self.weight_scale_inv, self.block_size, self.bias)
 
@@ -151,9 +142,7 @@ class _ExpertsConfigView:
         self._config = config
 
     def __getattr__(self, name):
-        if name == "num_local_experts":
-            return self._config.n_routed_experts
-        return getattr(self._config, name)
+        return getattr(self._config, "n_routed_experts" if name == "num_local_experts" else name)
 
 
 @use_experts_implementation(experts_interface=ALL_FP8_EXPERTS_FUNCTIONS, has_gate=True)
@@ -221,7 +210,7 @@ class Glm53FlashFP8Experts(FP8Experts):
         return out.to(hidden_states.dtype)
 
     def linear(self, input, weight, weight_scale_inv, activation_scale=None):
-        if weight.element_size() > 1 or _transformers_kernel_usable(weight, weight_scale_inv, self.block_size):
+        if _transformers_serves(weight, weight_scale_inv, self.block_size):
             return super().linear(input, weight, weight_scale_inv, activation_scale=activation_scale)
         return fp8_linear_block_rows(input, weight, weight_scale_inv, self.block_size)
 
@@ -237,22 +226,17 @@ def fp8_weight_bytes(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def _fp8_module_name(name: str, fp8_modules: set[str]) -> bool:
-    return any(name == m or name.endswith("." + m) for m in fp8_modules)
-
-
 def replace_with_fp8_modules(model: nn.Module, fp8_modules: set[str], modules_to_not_convert, quantization_config):
     """Swap, on the meta device, each ``nn.Linear`` / routed-experts module of ``model`` whose name ends with one of
     ``fp8_modules`` (relative to the text model, e.g. ``layers.2.self_attn.o_proj``) for :class:`Glm53FlashFP8Linear`
-    / :class:`Glm53FlashFP8Experts`; returns the number swapped. Raises ``ValueError`` naming the modules when
+    / :class:`Glm53FlashFP8Experts`. Raises ``ValueError`` naming the modules when
     ``modules_to_not_convert`` excludes one whose weight is FP8."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     from .moe import Glm53FlashExperts
 
     qc = quantization_config
-    swapped = 0
-    named = [(n, m) for n, m in model.named_modules() if _fp8_module_name(n, fp8_modules)]
+    named = [(n, m) for n, m in model.named_modules() if any(n == f or n.endswith("." + f) for f in fp8_modules)]
     excluded = sorted(n for n, _ in named if not should_convert_module(n, modules_to_not_convert))
     if excluded:
         raise ValueError(
@@ -275,8 +259,6 @@ def replace_with_fp8_modules(model: nn.Module, fp8_modules: set[str], modules_to
                 continue
         new._hf_quantized_needs_local_tp = True
         model.set_submodule(name, new)
-        swapped += 1
-    return swapped
 
 
 _LOAD = threading.local()

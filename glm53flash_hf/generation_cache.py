@@ -43,14 +43,13 @@ def check_cache_layers(cache: Cache, config, who: str) -> None:
     """Raise ``ValueError`` naming the layer count or the first layer of ``cache`` whose kind does not fit
     ``config.layer_types``."""
     kinds = list(config.layer_types[: config.num_hidden_layers])
-    layers = cache.layers
     fix = "build the cache for this model: DynamicCache(config=model.config) or StaticCache(config=model.config, ...)"
-    if len(layers) != len(kinds):
+    if len(cache.layers) != len(kinds):
         raise ValueError(
-            f"{who}: the cache ({type(cache).__name__}) has {len(layers)} layers but the model has "
+            f"{who}: the cache ({type(cache).__name__}) has {len(cache.layers)} layers but the model has "
             f"num_hidden_layers={len(kinds)}; {fix}"
         )
-    for i, (layer, kind) in enumerate(zip(layers, kinds)):
+    for i, (layer, kind) in enumerate(zip(cache.layers, kinds)):
         linear = isinstance(layer, LinearAttentionCacheLayerMixin)
         fits = linear if kind == "linear_attention" else not linear and hasattr(layer, "update_indexer")
         if not fits:
@@ -83,7 +82,7 @@ def check_left_padding(valid: torch.Tensor, name: str = "attention_mask") -> Non
 def check_cache_continuation(cache, input_len: int, mask_len: int | None) -> None:
     """Raise ``ValueError`` unless the mask (``mask_len``, or without one ``input_len``) is longer than the tokens a
     filled ``cache`` holds."""
-    past = cache_seq_length(cache) if isinstance(cache, Cache) else 0
+    past = cache_seq_length(cache)
     width = input_len if mask_len is None else mask_len
     if past > 0 and width <= past:
         raise ValueError(
@@ -123,18 +122,6 @@ def cache_seq_length(cache: Cache) -> int:
     return 0 if layer is None else int(layer.get_seq_length())
 
 
-def _unpadded_context(cache: Cache, batch_size: int, seq_len: int, device: torch.device) -> CacheContext:
-    """The context of a traced cached forward without padding (``past`` a long 0-d tensor)."""
-    layer = _first_attention_layer(cache)
-    past = layer.get_seq_length() if layer is not None else 0
-    past = past.clone() if isinstance(past, torch.Tensor) else torch.tensor(past, device=device)
-    past = past.to(device=device, dtype=torch.long)
-    positions = torch.arange(seq_len, device=device) + past
-    valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
-    first = torch.zeros(batch_size, dtype=torch.long, device=device)
-    return CacheContext(past, seq_len, valid, first, positions, positions.unsqueeze(0).expand(batch_size, seq_len))
-
-
 def build_cache_context(
     cache: Cache,
     batch_size: int,
@@ -159,25 +146,25 @@ def build_cache_context(
                 f"a generation cache cannot be used with packed documents ({key} given): call the model with "
                 "use_cache=False for packed batches, or generate one document per row (left padding)"
             )
-    if torch.compiler.is_compiling():
-        # a traced graph reads no tensor value: past from the mask's width, or the cache's own length tensor
-        if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                raise ValueError(
-                    "under torch.compile a cached forward needs a 2-D attention_mask [B, past + S]; got shape "
-                    f"{tuple(attention_mask.shape)}"
-                )
-            past = attention_mask.shape[1] - seq_len
-        else:
-            return _unpadded_context(cache, batch_size, seq_len, device)
-    else:
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask must be a 2-D [batch, past + seq] padding mask with a cache; got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
+    if not torch.compiler.is_compiling():
         past = cache_seq_length(cache)
+    elif attention_mask is not None:  # a traced graph reads no tensor value: past from the mask's width
+        past = attention_mask.shape[1] - seq_len
+    else:  # or, without padding, the cache's own length tensor (a long 0-d tensor)
+        layer = _first_attention_layer(cache)
+        past = layer.get_seq_length() if layer is not None else 0
+        past = past.clone() if isinstance(past, torch.Tensor) else torch.tensor(past, device=device)
+        past = past.to(device=device, dtype=torch.long)
+        positions = torch.arange(seq_len, device=device) + past
+        valid = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+        first = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return CacheContext(past, seq_len, valid, first, positions, positions.unsqueeze(0).expand(batch_size, seq_len))
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f"attention_mask must be a 2-D [batch, past + seq] padding mask with a cache; got shape "
-                f"{tuple(attention_mask.shape)}"
-            )
         if past == 0 and _first_attention_layer(cache) is None:
             past = attention_mask.shape[1] - seq_len  # all-KDA model: the mask tells the past length
         if attention_mask.shape != (batch_size, past + seq_len):
@@ -217,18 +204,11 @@ def build_cache_context(
     return CacheContext(past, seq_len, valid_full[:, past:], first, positions, positions.unsqueeze(0) - first[:, None])
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Croppable cache layers (assisted / MTP speculative decoding)
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 class Glm53FlashKDACacheLayer(LinearAttentionLayer):
     """transformers' ``LinearAttentionLayer`` that ``crop(-n)`` rolls back exactly while past recording is on: each
     recorded call adds a ``history`` entry (per-token states, or a replay of a first call), and ``crop(-n)`` restores
-    the state ``n`` tokens back among those recorded since the last crop. The layer keeps this history itself (not
-    the base class's per-call list of transformers >= 5.25, which would hold a second copy and restores call
-    boundaries only) and, where the base class counts the tokens seen (``get_seq_length``, 5.25), keeps that count
-    through ``crop``."""
+    the state ``n`` tokens back among those recorded since the last crop (docs/design.md, "Generation cache and
+    MTP")."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -399,8 +379,7 @@ def make_croppable(cache: Cache) -> Cache:
 
 def check_croppable(cache: Cache) -> None:
     """Raise ``ValueError`` unless every KDA layer of ``cache`` is a :class:`Glm53FlashKDACacheLayer` (after
-    :func:`make_croppable`): assisted decoding crops into verification calls, which only those layers roll back
-    (transformers' ``LinearAttentionLayer`` reports itself croppable from 5.25 on but restores call boundaries)."""
+    :func:`make_croppable`): assisted decoding crops into verification calls, which only those layers roll back."""
     plain = [i for i, layer in enumerate(cache.layers)
              if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, Glm53FlashKDACacheLayer)]
     if plain:

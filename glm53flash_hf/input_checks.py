@@ -49,8 +49,7 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input
 
 
 def check_inputs_embeds(inputs_embeds: torch.Tensor, hidden_size: int) -> None:
-    """``ValueError`` unless ``inputs_embeds`` is a floating ``[batch, seq, hidden_size]`` tensor, ``batch, seq >= 1``.
-    """
+    """``ValueError`` unless ``inputs_embeds`` is a floating ``[batch, seq, hidden_size]`` tensor, batch, seq >= 1."""
     if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
         what = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
         raise ValueError(f"inputs_embeds must be a floating-point tensor; got {what}")

@@ -111,14 +111,6 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, topk_indices, weights
 
 
-class Glm53FlashSharedHead(nn.Module):
-    """Holds the MTP layer's ``shared_head.norm`` (the published key); logits go through the main ``lm_head``."""
-
-    def __init__(self, config: Glm53FlashTextConfig):
-        super().__init__()
-        self.norm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class Glm53FlashMTPLayer(GradientCheckpointingLayer):
     """Multi-token-prediction layer (DeepSeek-V3 technical report §2.2) at ``layers.{num_hidden_layers + i}``:
     ``x = eh_proj([enorm(embeds), hnorm(h)])``, then a pre-norm residual block of DSA attention and MoE (no mHC).
@@ -137,7 +129,8 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Glm53FlashAttention(config, layer_idx, indexer_type="full")
         self.mlp = Glm53FlashMoE(config)
-        self.shared_head = Glm53FlashSharedHead(config)
+        # the published key shared_head.norm; logits go through the main lm_head
+        self.shared_head = nn.ModuleDict({"norm": Glm53FlashRMSNorm(config.hidden_size, config.rms_norm_eps)})
 
     def forward(
         self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None
@@ -201,9 +194,7 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """``requested_experts`` when given (checked by ``PreTrainedModel``), else ``"eager"``: this package's experts
         forward (:func:`.moe.grouped_experts_forward`)."""
-        if requested_experts is None:
-            return "eager"
-        return super().get_correct_experts_implementation(requested_experts)
+        return "eager" if requested_experts is None else super().get_correct_experts_implementation(requested_experts)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -227,13 +218,9 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         """``PreTrainedModel.save_pretrained`` in the published layout (``model.language_model.*``, per-expert weights,
         split KDA convolutions, ``hc_*``), with ``model_type: glm5_next``, this package's ``auto_map`` and the
         remote-code modules, written atomically (:func:`.checkpoint.atomic_save`): a failure or a kill leaves the old
-        folder or the new one; the old folder's entries that are not checkpoint files are kept.
-
-        Args:
-            save_directory: target folder; processor: optional, saved into the same folder in the same swap.
-            allow_nonfinite_weights: also save weights holding NaN or Inf (refused by default).
-            *args, **kwargs: ``PreTrainedModel.save_pretrained``'s; ``is_main_process=False`` writes nothing,
-                ``distributed_checkpoint=True`` saves in place, not atomically.
+        folder or the new one; the old folder's entries that are not checkpoint files are kept. ``processor`` is saved
+        into the same folder in the same swap; ``is_main_process=False`` writes nothing; ``distributed_checkpoint=True``
+        saves in place, not atomically.
 
         Raises:
             ValueError: ``save_directory`` is a file; a weight holds NaN or Inf without ``allow_nonfinite_weights``.
@@ -386,9 +373,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache, sequence_parallel_group=self.sequence_parallel_group, **kwargs,
         )
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         output_attentions = kwargs.pop("output_attentions", None)
         if output_attentions is None:
             output_attentions = self.config.output_attentions
@@ -454,7 +440,6 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         ``inputs_embeds`` ``[B,S,D]``. Returns ``depth`` tensors ``[B,S,D]`` normalised by ``shared_head.norm``;
         raises ``ValueError`` without an MTP layer, for ``depth < 1`` or not exactly one input.
         """
-        n = self.config.num_hidden_layers
         if self.config.num_nextn_predict_layers == 0 or depth < 1:
             raise ValueError(
                 f"mtp_forward needs an MTP layer and depth >= 1; got num_nextn_predict_layers="
@@ -462,7 +447,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("mtp_forward needs exactly one of input_ids or inputs_embeds")
-        layer = self.layers[n]
+        layer = self.layers[self.config.num_hidden_layers]
         h, outs = h_pre, []
         for k in range(1, depth + 1):
             if inputs_embeds is not None:
@@ -497,8 +482,7 @@ def _head_forward(head_model, labels, logits_to_keep, use_cache, kwargs, **input
     source = inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]
     if source is not None and source.dim() >= 2:  # else the model raises, naming the inputs
         ignore = kwargs.get("ignore_index", -100)
-        for name in ("labels", "shift_labels"):
-            value = labels if name == "labels" else kwargs.get(name)
+        for name, value in (("labels", labels), ("shift_labels", kwargs.get("shift_labels"))):
             check_labels(value, tuple(source.shape[:2]), head_model.vocab_size, ignore, name=name)
     requested = kwargs.pop("mtp", None)
     config = head_model.config.get_text_config(decoder=True)
@@ -514,12 +498,8 @@ def _head_forward(head_model, labels, logits_to_keep, use_cache, kwargs, **input
 def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Glm53FlashCausalLMOutputWithPast:
     """Logits of the kept positions, transformers' ``ForCausalLMLoss`` (divided by ``num_items_in_batch``, else by the
     supervised-token count, at least 1: all-ignored labels give 0.0), plus the MTP and router losses when they ran."""
-    hidden_states = outputs.last_hidden_state
-    if isinstance(logits_to_keep, int):
-        hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
-    else:
-        hidden_states = hidden_states[:, logits_to_keep, :]
-    logits = head_model.lm_head(hidden_states)
+    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = head_model.lm_head(outputs.last_hidden_state[:, kept, :])
     text_config = head_model.config.get_text_config(decoder=True)
     loss = None
     if labels is not None:
@@ -584,9 +564,7 @@ def router_load_balancing_loss(config, router_logits: tuple[torch.Tensor, ...], 
     from transformers.models.glm5_next.modeling_glm5_next import load_balancing_loss_func
 
     mask = None if layout is None or layout.trivial else layout.valid.to(torch.long)
-    return load_balancing_loss_func(
-        tuple(router_logits), config.n_routed_experts, config.num_experts_per_tok, mask
-    )
+    return load_balancing_loss_func(tuple(router_logits), config.n_routed_experts, config.num_experts_per_tok, mask)
 
 
 class _Glm53FlashGenerationHooks:
@@ -649,8 +627,8 @@ class _Glm53FlashGenerationHooks:
         if cache is not None:
             check_cache(cache, "generate")
             check_cache_layers(cache, self.config.get_text_config(decoder=True), "generate")
-        if cache is not None and prompt_len:
-            check_cache_continuation(cache, prompt_len, mask.shape[1] if isinstance(mask, torch.Tensor) else None)
+            if prompt_len:
+                check_cache_continuation(cache, prompt_len, mask.shape[1] if isinstance(mask, torch.Tensor) else None)
         capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
         if capacity > 0:
             config = generation_config if generation_config is not None else self.generation_config
@@ -801,13 +779,6 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
     def set_input_embeddings(self, value):
         self.language_model.embed_tokens = value
 
-    def _vision_tower(self, pixel_values: torch.Tensor, grid_thw: torch.LongTensor) -> torch.Tensor:
-        """Merged vision features; under ``torch.compile`` the custom op ``glm53flash::vision_tower``."""
-        pixel_values = pixel_values.to(self.visual.dtype)
-        if not in_graph():
-            return self.visual(pixel_values, grid_thw=grid_thw).pooler_output
-        return _VISION_OP(pixel_values, grid_thw, module_parameters(self.visual), self._vision_key)
-
     @staticmethod
     def _frames_grid(video_grid_thw: torch.LongTensor) -> torch.LongTensor:
         """``[t, h, w]`` rows as ``t`` rows ``[1, h, w]``: each temporal slice is its own sequence, as the reference."""
@@ -838,14 +809,6 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         """As :meth:`get_image_features` for videos (``video_grid_thw`` ``[videos, 3]``), as
         ``Glm5NextModel.get_video_features``: one ``pooler_output`` tensor per video."""
         return self._tower_outputs(pixel_values_videos, self._frames_grid(video_grid_thw), video_grid_thw, **kwargs)
-
-    def _tower(self, features_fn, pixel_values, grid_thw, tower_grid_thw, tower_kwargs):
-        """``(outputs, merged features [N, text hidden])``; compiled: one tensor (no split by host sizes)."""
-        if in_graph():
-            features = self._vision_tower(pixel_values, tower_grid_thw)
-            return BaseModelOutputWithPooling(pooler_output=features), features
-        outputs = features_fn(pixel_values, grid_thw, return_dict=True, **tower_kwargs)
-        return outputs, torch.cat(outputs.pooler_output, dim=0)
 
     @staticmethod
     def _splice(inputs_embeds, mask, features, what: str):
@@ -902,10 +865,15 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
             for what, pixels, grid, _, _ in modalities:
                 if pixels is None:
                     continue
-                features_fn, tower_grid = self.get_image_features, grid
-                if what == "video":
-                    features_fn, tower_grid = self.get_video_features, self._frames_grid(grid)
-                tower_outputs[what], features = self._tower(features_fn, pixels, grid, tower_grid, tower_kwargs)
+                if in_graph():  # the custom op glm53flash::vision_tower: one tensor (no split by host sizes)
+                    tower_grid = self._frames_grid(grid) if what == "video" else grid
+                    params = module_parameters(self.visual)
+                    features = _VISION_OP(pixels.to(self.visual.dtype), tower_grid, params, self._vision_key)
+                    tower_outputs[what] = BaseModelOutputWithPooling(pooler_output=features)
+                else:
+                    features_fn = self.get_video_features if what == "video" else self.get_image_features
+                    tower_outputs[what] = features_fn(pixels, grid, return_dict=True, **tower_kwargs)
+                    features = torch.cat(tower_outputs[what].pooler_output, dim=0)
                 inputs_embeds = self._splice(inputs_embeds, masks[what], features, what)
         uncached = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
         if input_ids is not None and uncached and not in_graph():

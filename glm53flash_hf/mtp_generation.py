@@ -72,8 +72,7 @@ class Glm53FlashMTPCandidateGenerator(MTPCandidateGenerator):
 
         mask = model_kwargs.get("attention_mask")
         mask = None if mask is None else mask[:, : input_ids.shape[1] - 1].to(self.device)
-        batch = input_ids.shape[0]
-        layout = build_layout(batch, num, self.device, attention_mask=mask, cache=self.mtp_cache)
+        layout = build_layout(input_ids.shape[0], num, self.device, attention_mask=mask, cache=self.mtp_cache)
         out, _ = self.mtp_layer(embeds, h_pre, layout, cache=self.mtp_cache)
         self.mtp_calls += 1
         self.is_main_model_prefill = False

@@ -71,11 +71,8 @@ DEFAULT_VIDEO_FPS = 24
 
 
 def load_chat_template() -> str:
-    """The GLM-5.3 chat template shipped with this package (``chat_template.jinja``), as a string.
-
-    Raises:
-        FileNotFoundError: when the file is missing next to this module.
-    """
+    """The GLM-5.3 chat template shipped with this package (``chat_template.jinja``), as a string;
+    ``FileNotFoundError`` when the file is missing next to this module."""
     if not os.path.isfile(CHAT_TEMPLATE_FILE):
         raise FileNotFoundError(
             f"the GLM-5.3 chat template {CHAT_TEMPLATE_FILE} is missing; pass chat_template= explicitly or load "
@@ -147,11 +144,6 @@ def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
         raise ValueError(f"{name}: video_metadata.frames_indices starts at {indices[0]}; indices must be >= 0")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Video processor
-# --------------------------------------------------------------------------------------------------------------
-
-
 class Glm53FlashVideoProcessorKwargs(VideosKwargs, total=False):
     """Keyword arguments of :class:`Glm53FlashVideoProcessor` on top of transformers' ``VideosKwargs`` (defaults: its
     class attributes; ``min_image_tokens`` / ``max_image_tokens``: the clip's token budget for ``smart_resize``)."""
@@ -198,16 +190,10 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
     valid_kwargs = Glm53FlashVideoProcessorKwargs
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
-    # ---- frame sampling -------------------------------------------------------------------------------------
-
     def sample_frames(self, metadata: VideoMetadata, fps: int | float | None = None, **kwargs) -> np.ndarray:
         """Indices (int64, even length) of the frames to keep at ``fps`` (default ``self.fps``) frames per second, by
-        the rule of ``Glm5NextVideoProcessor.sample_frames``.
-
-        Raises:
-            ValueError: the metadata has no ``fps``; ``fps`` or the metadata's ``fps`` not a finite number > 0;
-                ``total_num_frames`` < 1.
-        """
+        the rule of ``Glm5NextVideoProcessor.sample_frames``. ``ValueError`` when the metadata has no ``fps``, for
+        ``fps`` or the metadata's ``fps`` not a finite number > 0, or ``total_num_frames`` < 1."""
         if metadata is None or getattr(metadata, "fps", None) is None:
             raise ValueError(
                 "Glm53FlashVideoProcessor samples frames by time and needs video_metadata with an fps; pass "
@@ -233,9 +219,7 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         if total < wanted:
             picked = np.linspace(0, total - 1, wanted, dtype=int).tolist()
         else:
-            picked = []
-            next_time = 0.0
-            step = 1 / target_fps
+            picked, next_time, step = [], 0.0, 1 / target_fps
             for index in range(total):
                 if index / source_fps >= next_time:
                     picked.append(index)
@@ -243,7 +227,7 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
                     if next_time >= whole_seconds:
                         break
         if len(picked) < wanted:
-            first, last = (picked[0], picked[-1]) if picked else (0, max(total - 1, 0))
+            first, last = (picked[0], picked[-1]) if picked else (0, total - 1)
             picked = np.linspace(first, last, wanted, dtype=int).tolist()
         elif len(picked) > wanted:
             picked = np.linspace(0, total - 1, wanted, dtype=int).tolist()
@@ -269,13 +253,9 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
         for i, (video, meta) in enumerate(zip(videos, metadata)):
             _check_video_metadata(i, len(video), meta, sampled=bool(do_sample_frames))
         if do_sample_frames:
-            sampled_videos, sampled_metadata = [], []
-            for video, meta in zip(videos, metadata):
-                indices = sample_indices_fn(metadata=meta)
-                meta.frames_indices = indices
-                sampled_videos.append(video[indices])
-                sampled_metadata.append(meta)
-            videos, metadata = sampled_videos, sampled_metadata
+            for meta in metadata:
+                meta.frames_indices = sample_indices_fn(metadata=meta)
+            videos = [video[meta.frames_indices] for video, meta in zip(videos, metadata)]
         return videos, metadata
 
     def _prepare_input_videos(self, videos, do_convert_rgb=None, input_data_format=None, device=None):
@@ -300,8 +280,6 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
                 )
             prepared.append(np.ascontiguousarray(video))
         return prepared
-
-    # ---- sizes and patches ----------------------------------------------------------------------------------
 
     def _canvas(self, num_frames: int, height: int, width: int, factor: int, temporal_factor: int,
                 min_image_tokens: int, max_image_tokens: int) -> tuple[int, int, int, int]:
@@ -396,9 +374,7 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
                 if do_normalize:
                     frame = self.normalize(frame, image_mean, image_std)
                 clip.append(np.asarray(frame, dtype=np.float32))
-            patches, grid_t, grid_h, grid_w = self.patchify(
-                np.stack(clip), patch_size, merge_size, temporal_patch_size
-            )
+            patches, grid_t, grid_h, grid_w = self.patchify(np.stack(clip), patch_size, merge_size, temporal_patch_size)
             all_patches.append(patches)
             grids.append([grid_t, grid_h, grid_w])
         data = {
@@ -406,11 +382,6 @@ class Glm53FlashVideoProcessor(VideoProcessorMixin, PilBackend):
             "video_grid_thw": np.array(grids, dtype=np.int64),
         }
         return BatchFeature(data=data, tensor_type=return_tensors)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Processor
-# --------------------------------------------------------------------------------------------------------------
 
 
 class Glm53FlashProcessor(ProcessorMixin):
@@ -451,11 +422,8 @@ class Glm53FlashProcessor(ProcessorMixin):
         super().__init__(image_processor, tokenizer, video_processor, chat_template=chat_template, **kwargs)
 
     def check_argument_for_proper_class(self, argument_name, argument):
-        """transformers' class check; the video processor is checked against ``VideoProcessorMixin`` directly.
-
-        Raises:
-            TypeError: when ``argument`` is not of the expected base class.
-        """
+        """transformers' class check (``TypeError`` for another class); the video processor is checked against
+        ``VideoProcessorMixin`` directly."""
         if argument_name == "video_processor":
             if not isinstance(argument, VideoProcessorMixin):
                 raise TypeError(
@@ -488,8 +456,6 @@ class Glm53FlashProcessor(ProcessorMixin):
             )
         return ids
 
-    # ---- placeholder expansion ------------------------------------------------------------------------------
-
     def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
         """Expansion of the ``image_idx``-th ``<|image|>``: ``<|image|>`` x (prod(image_grid_thw) / merge^2)."""
         merge = kwargs.get("merge_size") or self.image_processor.merge_size
@@ -497,11 +463,8 @@ class Glm53FlashProcessor(ProcessorMixin):
         return self.image_token * count
 
     def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
-        """Expansion of the ``video_idx``-th ``<|video|>`` (module docstring).
-
-        Raises:
-            ValueError: the metadata has no ``frames_indices``, or they do not give one timestamp per tubelet.
-        """
+        """Expansion of the ``video_idx``-th ``<|video|>`` (module docstring); ``ValueError`` when the metadata has no
+        ``frames_indices``, or they do not give one timestamp per tubelet."""
         merge = kwargs.get("merge_size") or self.video_processor.merge_size
         temporal = kwargs.get("temporal_patch_size") or self.video_processor.temporal_patch_size
         grid_t, grid_h, grid_w = (int(v) for v in np.asarray(video_inputs["video_grid_thw"][video_idx]))
@@ -536,11 +499,7 @@ class Glm53FlashProcessor(ProcessorMixin):
         for row in input_ids:
             ids = np.asarray(row.tolist() if hasattr(row, "tolist") else list(row), dtype=np.int64)
             inside_video = np.cumsum(ids == self.video_start_id) > np.cumsum(ids == self.video_end_id)
-            types = np.zeros_like(ids)
-            is_image = ids == self.image_token_id
-            types[is_image & ~inside_video] = 1
-            types[is_image & inside_video] = 2
-            result.append(types.tolist())
+            result.append(np.where(ids == self.image_token_id, np.where(inside_video, 2, 1), 0).tolist())
         return result
 
     def _get_num_multimodal_tokens(self, image_sizes=None, video_sizes=None, **kwargs):
@@ -569,8 +528,6 @@ class Glm53FlashProcessor(ProcessorMixin):
         """Decode generated ids ``[B, S]`` to strings (``tokenizer.batch_decode``)."""
         return self.tokenizer.batch_decode(generated_outputs, skip_special_tokens=skip_special_tokens,
                                            clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
-
-    # ---- loading --------------------------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -639,11 +596,8 @@ class Glm53FlashProcessor(ProcessorMixin):
     @classmethod
     def _resolve_subprocessors(cls, pretrained_model_name_or_path, processor_dict, **kwargs):
         """transformers' loading hook from 5.25 on (earlier versions call :meth:`_get_arguments_from_pretrained`):
-        ``(processor_dict with the three sub-processors of _get_arguments_from_pretrained, the kwargs for __init__)``.
-
-        Raises:
-            as :meth:`_get_arguments_from_pretrained`.
-        """
+        ``(processor_dict with the three sub-processors of _get_arguments_from_pretrained, the kwargs for __init__)``;
+        raises as that method."""
         loaded = cls._get_arguments_from_pretrained(pretrained_model_name_or_path, processor_dict, **kwargs)
         processor_dict = dict(processor_dict, **dict(zip(("image_processor", "tokenizer", "video_processor"), loaded)))
         init_args = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs", *cls.get_attributes()}
