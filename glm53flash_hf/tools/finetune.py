@@ -469,7 +469,10 @@ def prepare(job: Job):
     processor = Glm53FlashProcessor.from_pretrained(job.model_path)
     model = load_model(job.model_path, job.dtype)
     if args.ep > 1:
-        job.ep_plan = shard_experts(model, args.ep)
+        from ..train.distributed import process_mesh
+        from ..train.expert_parallel import apply_expert_parallel
+
+        job.ep_plan = apply_expert_parallel(model, process_mesh(args.ep, ("dp", "ep"), "--ep"))
         job.say(f"expert parallelism: mesh (dp={job.ep_plan.dp_size}, ep={job.ep_plan.ep_size}), "
                 f"{len(job.ep_plan.moe_modules)} MoE blocks, rank {job.ep_plan.ep_rank} of the ep group holds experts "
                 f"[{job.ep_plan.ep_rank} * E/{args.ep}, ...)")
@@ -484,29 +487,6 @@ def prepare(job: Job):
             f"image/video samples from scikit-image; {n_tokens} tokens, {n_trained} trained (answers only); "
             f"held out: {explain_prompt(args.held_out)!r}")
     return processor, model, dataset
-
-
-def shard_experts(model, ep: int):
-    """``--ep``: a ``(world / ep, ep)`` mesh ``("dp", "ep")`` and
-    :func:`~glm53flash_hf.train.expert_parallel.apply_expert_parallel`.
-
-    Raises:
-        ValueError: no process group, or a world size not divisible by ``ep`` (naming both).
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ..train.expert_parallel import apply_expert_parallel
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"--ep {ep} needs several processes: run under accelerate launch (or torchrun)")
-    world = dist.get_world_size()
-    if world % ep:
-        raise ValueError(f"--ep must divide the number of processes; got ep={ep}, world size {world}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world // ep, ep), mesh_dim_names=("dp", "ep"))
-    return apply_expert_parallel(model, mesh)
 
 
 def build_trainer(job: Job, processor, model, dataset):

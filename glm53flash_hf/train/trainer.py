@@ -16,6 +16,7 @@ import re
 import torch
 from transformers import Trainer, TrainerCallback
 
+from .distributed import process_mesh
 from .sft import IGNORE_INDEX
 
 ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
@@ -249,7 +250,7 @@ class Glm53FlashTrainer(Trainer):
         self.trained_tokens = 0
         self._mtp_sum, self._mtp_logged_step = 0.0, 0
         if sp_mesh is None and sequence_parallel_size > 1:
-            sp_mesh = sequence_parallel_mesh(sequence_parallel_size)
+            sp_mesh = process_mesh(sequence_parallel_size, ("dp_shard", "sp"), "sequence_parallel_size")
         if sp_mesh is not None and sp_mesh.size() > 1:
             from transformers.training_args import ParallelMode
 
@@ -401,25 +402,6 @@ class Glm53FlashTrainer(Trainer):
             logs["mtp_loss"] = round(self._mtp_sum / steps, 6)
             self._mtp_sum, self._mtp_logged_step = 0.0, self.state.global_step
         return super().log(logs, start_time)
-
-
-def sequence_parallel_mesh(sp: int, device_type: str | None = None):
-    """``init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))`` over the default group.
-
-    Raises:
-        ValueError: no process group is initialised, or ``sp`` does not divide the world size (names both).
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"sequence_parallel_size={sp} needs an initialised process group (accelerate launch / "
-                         "torchrun); none is")
-    world = dist.get_world_size()
-    if sp < 1 or world % sp:
-        raise ValueError(f"sequence_parallel_size={sp} must divide the world size {world}")
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))
 
 
 class ProgressWithLossCallback(TrainerCallback):
