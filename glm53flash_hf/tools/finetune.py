@@ -278,9 +278,6 @@ def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[fl
     return diff, scale
 
 
-# ------------------------------------------------------------------------------------------------ the job
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options of ``glm53flash-finetune``."""
     parser = argparse.ArgumentParser(

@@ -97,7 +97,6 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
         self.pad_to_max_length = pad_to_max_length
         self.return_seq_idx_packed = return_seq_idx
 
-    # ----------------------------------------------------------------------------------------------- planning
     def plan(self, lengths: list[int]) -> list[list[int]]:
         """Rows as lists of sample indices (first fit in sample order; zero lengths skipped).
 
@@ -126,7 +125,6 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
                 room.append(self.max_length - n)
         return rows
 
-    # ----------------------------------------------------------------------------------------------- parsing
     @staticmethod
     def _parse(feature: Any, index: int) -> _Sample:
         ids = _as_list(feature["input_ids"], "input_ids", index)
@@ -159,7 +157,6 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
             visual[pixels_key], visual[grid_key] = pixels, grid
         return _Sample(index, ids, labels, types, visual)
 
-    # ----------------------------------------------------------------------------------------------- collate
     def __call__(self, features, return_tensors=None, separator_id=None):
         if return_tensors not in (None, "pt"):
             raise ValueError(

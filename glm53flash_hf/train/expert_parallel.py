@@ -312,9 +312,6 @@ def clip_grad_norm_ep(model: nn.Module, plan: ExpertParallelPlan, max_norm: floa
     return norm
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
-
-
 def _expert_weight_key(name: str, plan: ExpertParallelPlan) -> bool:
     return plan.is_expert_parameter(name) and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 

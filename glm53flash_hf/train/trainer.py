@@ -101,7 +101,6 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         self._counts: dict[str, torch.Tensor] = {}
         self._handles = []
 
-    # -- hooks -------------------------------------------------------------------------------------------------
     def _make_hook(self, name: str):
         def hook(module, args, output):
             if not module.training:
@@ -150,7 +149,6 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
             self._counts[name].zero_()
         self.last_loads = {name: load.clone() for name, load in loads.items()}
 
-    # -- TrainerCallback events ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None:
             self.attach(model)
