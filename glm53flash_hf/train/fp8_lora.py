@@ -86,24 +86,18 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
                 _merge_one(weight[e], scale[e], delta[e], base.block_size, fp8, errors, ratios)
                 for e in range(len(weight))
             ]
-            if fp8:
-                weight.data.copy_(torch.stack([p[0] for p in pairs]))
-                scale.data.copy_(torch.stack([p[1] for p in pairs]))
-            else:
-                base._dense = getattr(base, "_dense", {})
-                base._dense[name] = torch.stack([p[0] for p in pairs]).to(dtype)
-            merged += 1
+            q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]) if fp8 else None
         elif isinstance(base, Glm53FlashFP8Linear) and base.weight.dtype == FP8_DTYPE:
-            delta = layer.get_delta_weight(adapter)
-            q, s = _merge_one(base.weight, base.weight_scale_inv, delta, base.block_size, fp8, errors, ratios)
-            if fp8:
-                base.weight.data.copy_(q)
-                base.weight_scale_inv.data.copy_(s)
-            else:
-                base._dense = {"weight": q.to(dtype)}
-            merged += 1
+            name, weight, scale = "weight", base.weight, base.weight_scale_inv
+            q, s = _merge_one(weight, scale, layer.get_delta_weight(adapter), base.block_size, fp8, errors, ratios)
         else:
             continue
+        if fp8:
+            weight.data.copy_(q)
+            scale.data.copy_(s)
+        else:
+            base._dense = {**getattr(base, "_dense", {}), name: q.to(dtype)}
+        merged += 1
         layer.lora_A.pop(adapter)
         layer.lora_B.pop(adapter)
     model = peft_model.merge_and_unload()

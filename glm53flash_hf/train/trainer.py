@@ -33,18 +33,8 @@ DEFAULT_TARGET_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_pr
 EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def _module_regex(names) -> str:
-    """Regex full-matching qualified module names that end in one of ``names``, outside the vision tower."""
-    alternatives = "|".join(re.escape(n) for n in names)
-    return rf"(?!(?:.*\.)?visual\.)(?:.*\.)?(?:{alternatives})"
-
-
 def default_lora_config(
-    r: int = 8,
-    lora_alpha: int | None = None,
-    target_modules=DEFAULT_TARGET_MODULES,
-    experts: bool = True,
-    **kwargs,
+    r: int = 8, lora_alpha: int | None = None, target_modules=DEFAULT_TARGET_MODULES, experts: bool = True, **kwargs
 ):
     """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (``task_type="CAUSAL_LM"``, no dropout, no bias, vision excluded).
 
@@ -59,9 +49,11 @@ def default_lora_config(
     modules = list(target_modules or ())
     if not modules and not experts:
         raise ValueError("nothing to adapt: give target_modules or set experts=True")
+    # full-matches the qualified names that end in one of ``modules``, outside the vision tower
+    regex = rf"(?!(?:.*\.)?visual\.)(?:.*\.)?(?:{'|'.join(re.escape(n) for n in modules)})"
     options = dict(
         r=r, lora_alpha=2 * r if lora_alpha is None else lora_alpha, lora_dropout=0.0, bias="none",
-        task_type="CAUSAL_LM", target_modules=_module_regex(modules) if modules else None,
+        task_type="CAUSAL_LM", target_modules=regex if modules else None,
         target_parameters=list(EXPERT_TARGET_PARAMETERS) if experts else None,
     )  # fmt: skip
     options.update(kwargs)
@@ -275,6 +267,7 @@ class Glm53FlashTrainer(Trainer):
         """``Trainer._save_checkpoint`` written under ``.checkpoint-N.partial/`` and swapped in when every process is
         done.
         """
+        import glob
         import shutil
 
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -286,10 +279,8 @@ class Glm53FlashTrainer(Trainer):
         final = os.path.join(run_dir, name)
         staging = os.path.join(run_dir, f".{name}.partial")
         if self.args.should_save:
-            if os.path.isdir(run_dir):
-                for entry in os.listdir(run_dir):  # left by a killed checkpoint save
-                    if entry.startswith(f".{PREFIX_CHECKPOINT_DIR}-") and entry.endswith(".partial"):
-                        shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+            for left in glob.glob(os.path.join(glob.escape(run_dir), f".{PREFIX_CHECKPOINT_DIR}-*.partial")):
+                shutil.rmtree(left, ignore_errors=True)  # left by a killed checkpoint save
             os.makedirs(staging, exist_ok=True)
         self.accelerator.wait_for_everyone()
         self._checkpoint_staging, self._checkpoint_push = staging, False
