@@ -184,15 +184,12 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
             )
             flat_rows.append(flat)
 
-        longest = max(int(f["input_ids"].shape[1]) for f in flat_rows)
+        width = max(int(f["input_ids"].shape[1]) for f in flat_rows)
         if self.pad_to_max_length:
             width = self.max_length
-        else:
-            width = longest
-            if self.pad_to_multiple_of:
-                width = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
-                if self.max_length is not None:
-                    width = min(width, self.max_length)  # longest <= max_length always
+        elif self.pad_to_multiple_of:
+            width = math.ceil(width / self.pad_to_multiple_of) * self.pad_to_multiple_of
+            width = min(width, self.max_length or width)  # the longest row has at most max_length tokens
 
         out = {k: [] for k in ("input_ids", "labels", "position_ids", "mm_token_type_ids")}
         cu, max_seg, seg_idx_rows, seg = [0], 0, [], 0

@@ -118,9 +118,7 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         """Remove the hooks and drop the pending counts."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
-        self._counts = {}
-        self._routers = {}
+        self._handles, self._counts, self._routers = [], {}, {}
 
     @torch.no_grad()
     def update(self) -> None:
