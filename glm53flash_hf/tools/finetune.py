@@ -19,7 +19,6 @@ import contextlib
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 
@@ -64,13 +63,14 @@ def _fsdp_launch() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
-def _resolve_dtype(name: str):
-    """``--dtype`` as a torch dtype (``auto``: float32 on CPU and under FSDP, bfloat16 on a single CUDA device)."""
+def _resolve_dtype(args):
+    """``--dtype`` as a torch dtype (``auto``: bfloat16 on a single CUDA device, float32 on CPU and under FSDP or
+    ``--ep``: fp32 masters, the mixed-precision policy computes in bf16)."""
     import torch
 
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() and not _fsdp_launch() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    if args.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and not _fsdp_launch() and args.ep == 1 else torch.float32
+    return getattr(torch, args.dtype)
 
 
 class OutputBusyError(RuntimeError):
@@ -133,13 +133,11 @@ def check_finite(model, what: str, accelerator=None) -> None:
     Raises:
         FloatingPointError: naming ``what``, the number of tensors holding NaN / inf and the first few names.
     """
-    import itertools
-
     import torch
 
     from ..checkpoint import nonfinite_tensors
 
-    bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
+    bad = nonfinite_tensors([*model.named_parameters(), *model.named_buffers()])
     count = len(bad)
     if accelerator is not None and accelerator.num_processes > 1:
         count = int(accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="sum"))
@@ -344,25 +342,11 @@ def _looks_local(path: str) -> bool:
     return False
 
 
-def _check_model_and_output(parser, args) -> None:
-    """Check ``--model`` (a local folder holds ``config.json``) and ``--output-dir`` (not overlapping it)."""
-    from . import check_output_folder
-
-    if args.model != DEFAULT_MODEL and _looks_local(args.model):
-        if not os.path.isdir(args.model):
-            parser.error(f"--model {args.model!r}: no such folder (a checkpoint folder or a Hub id is expected)")
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            parser.error(f"--model {args.model!r}: the folder holds no config.json, so no checkpoint")
-    try:
-        check_output_folder(args.output_dir, args.model, out_name="--output-dir", source_name="--model")
-    except ValueError as error:
-        parser.error(str(error))
-
-
 def _check_args(parser, args) -> None:
     """``parser.error`` naming the option and value for every out-of-range option and conflicting pair."""
-    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep")
-    for name in positive:
+    from . import check_output_folder
+
+    for name in ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.answer_chars < 40:
@@ -375,7 +359,15 @@ def _check_args(parser, args) -> None:
         parser.error(f"--lr must be > 0 and finite; got {args.lr}")
     if not (math.isfinite(args.balance_speed) and args.balance_speed >= 0):
         parser.error(f"--balance-speed must be >= 0 and finite; got {args.balance_speed}")
-    _check_model_and_output(parser, args)
+    if args.model != DEFAULT_MODEL and _looks_local(args.model):
+        if not os.path.isdir(args.model):
+            parser.error(f"--model {args.model!r}: no such folder (a checkpoint folder or a Hub id is expected)")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            parser.error(f"--model {args.model!r}: the folder holds no config.json, so no checkpoint")
+    try:
+        check_output_folder(args.output_dir, args.model, out_name="--output-dir", source_name="--model")
+    except ValueError as error:
+        parser.error(str(error))
     if args.samples < 0 or (args.samples == 0 and args.no_media):
         parser.error(f"--samples must be >= 1 (or >= 0 with media); got {args.samples}")
     if args.sp > 1:
@@ -475,6 +467,8 @@ def build_trainer(job: Job, processor, model, dataset):
     from transformers import ProgressCallback
 
     from ..train.collator import Glm53FlashPackingCollator
+    from ..train.distributed import shard_fp32_kept_units
+    from ..train.expert_parallel import apply_fsdp2_ep, clip_grad_norm_ep
     from ..train.trainer import (
         AuxLossFreeBalancingCallback,
         Glm53FlashTrainer,
@@ -501,8 +495,6 @@ def build_trainer(job: Job, processor, model, dataset):
             f"{args.max_steps} steps x {args.batch_size} samples packed into rows of <= {args.max_length} tokens, "
             "MTP loss " + (f"on (weight {text_config.mtp_loss_weight:g})" if mtp else "off"))
     if job.ep_plan is not None:
-        from ..train.expert_parallel import apply_fsdp2_ep
-
         # experts on the dp mesh, the rest on all ranks, every reduction group checked; the Trainer then leaves the
         # model as it is (no DDP wrap, no second sharding)
         apply_fsdp2_ep(model, job.ep_plan, param_dtype=torch.bfloat16 if job.training_args.bf16 else None)
@@ -522,18 +514,13 @@ def build_trainer(job: Job, processor, model, dataset):
     if job.ep_plan is not None:
         # the global norm over every rank's experts (transformers' mixed-mesh norm sees only this rank's experts);
         # Trainer._clip_grad_norm / _get_grad_norm are its per-step hooks (transformers 5.24)
-        from ..train.expert_parallel import clip_grad_norm_ep
-
         plan = job.ep_plan
         trainer._clip_grad_norm = lambda model: clip_grad_norm_ep(model, plan, trainer.args.max_grad_norm)
         trainer._get_grad_norm = lambda model, grad_norm=None: float(
             grad_norm if grad_norm is not None else clip_grad_norm_ep(model, plan, float("inf")))
     if trainer.is_fsdp_enabled and job.training_args.bf16:
-        # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC
-        # base/scale, router) for the forward: give them their own fp32 units first
-        # (configuration/accelerate_fsdp2.yaml).
-        from ..train.distributed import shard_fp32_kept_units
-
+        # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC base /
+        # scale, router) for the forward: give them their own fp32 units first (configuration/accelerate_fsdp2.yaml)
         shard_fp32_kept_units(model, param_dtype=torch.bfloat16)
     return trainer
 
@@ -550,8 +537,7 @@ def train(job: Job, trainer) -> dict:
     check_finite(trainer.model, f"the trained model (after step {trainer.state.global_step})", trainer.accelerator)
     tokens = trainer.trained_tokens
     if trainer.accelerator.num_processes > 1:
-        tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device),
-                                                reduction="sum"))
+        tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device), reduction="sum"))
     first, last, n = loss_summary([e["loss"] for e in trainer.state.log_history if "loss" in e])
     return dict(seconds=float(result.metrics["train_runtime"]), tokens=tokens, first=first, last=last, n=n)
 
@@ -561,12 +547,12 @@ def save(job: Job, trainer, processor):
     ``job.staging``, check it and replace ``job.out`` by it. Returns the saved model on the main process when in
     memory, else ``None``.
     """
+    from ..train.expert_parallel import save_adapter_ep, save_pretrained_ep
+
     stage = job.staging
     saved_model = None
     if job.args.full:
         if job.ep_plan is not None:
-            from ..train.expert_parallel import save_pretrained_ep
-
             # a collective; rank 0 writes, atomically (the model's save_pretrained), with the processor
             save_pretrained_ep(trainer.model, job.ep_plan, stage, processor=processor)
         else:
@@ -575,8 +561,6 @@ def save(job: Job, trainer, processor):
     else:
         adapter_dir = os.path.join(stage, ADAPTER_DIR)
         if job.ep_plan is not None:
-            from ..train.expert_parallel import save_adapter_ep
-
             save_adapter_ep(trainer.model, job.ep_plan, adapter_dir)  # every rank's expert slices, 1-process layout
         else:
             _save_trained(trainer, adapter_dir, job.main_process)
@@ -664,7 +648,6 @@ def main(argv=None) -> int:
         SystemExit: bad options, or ``--output-dir`` held by another run (status 2).
         FloatingPointError: the run diverged (names the step); ``--output-dir`` is left as it was.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
@@ -674,9 +657,7 @@ def main(argv=None) -> int:
     from ..train.malloc import set_malloc_policy
 
     heap_reuse = set_malloc_policy(malloc_policy(args.malloc, torch.cuda.is_available()))
-    out, dtype = os.path.abspath(args.output_dir), _resolve_dtype(args.dtype)
-    if args.ep > 1 and args.dtype == "auto":
-        dtype = torch.float32  # fp32 masters: apply_fsdp2_ep's bf16 policy computes in bf16
+    out, dtype = os.path.abspath(args.output_dir), _resolve_dtype(args)
     staging = staging_folder(out)
     training_args = training_arguments(args, staging, dtype)
     job = Job(args=args, out=out, staging=staging, dtype=dtype, training_args=training_args,
