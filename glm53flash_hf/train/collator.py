@@ -136,9 +136,7 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
                 raise ValueError(f"sample {index}: {name} has {len(seq)} entries but input_ids has {len(ids)}")
         mask = feature.get("attention_mask")
         if mask is not None and not all(_as_list(mask, "attention_mask", index)):
-            raise ValueError(
-                f"sample {index}: attention_mask has zeros; the packing collator takes unpadded samples"
-            )
+            raise ValueError(f"sample {index}: attention_mask has zeros; the packing collator takes unpadded samples")
         visual = {}
         for pixels_key, grid_key in _VISUAL:
             pixels, grid = feature.get(pixels_key), feature.get(grid_key)
@@ -179,9 +177,8 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
         for row in rows:
             row_features = [{"input_ids": samples[i].input_ids, "labels": samples[i].labels} for i in row]
             flat = super().__call__(row_features, return_tensors="pt", separator_id=separator_id)
-            flat["mm_token_type_ids"] = torch.tensor(
-                [[t for i in row for t in samples[i].mm_token_type_ids]], dtype=torch.long
-            )
+            types = [t for i in row for t in samples[i].mm_token_type_ids]
+            flat["mm_token_type_ids"] = torch.tensor([types], dtype=torch.long)
             flat_rows.append(flat)
 
         width = max(int(f["input_ids"].shape[1]) for f in flat_rows)

@@ -95,10 +95,8 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
 
     def _make_hook(self, name: str):
         def hook(module, args, output):
-            if not module.training:
-                return
-            indices = output[2]  # int64 [T, k]
-            self._counts[name] += torch.bincount(indices.reshape(-1), minlength=self._counts[name].numel())
+            if module.training:  # output[2]: the int64 [T, k] expert indices
+                self._counts[name] += torch.bincount(output[2].reshape(-1), minlength=self._counts[name].numel())
 
         return hook
 
@@ -127,10 +125,9 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
             return
         loads = {name: count.to(torch.float32) for name, count in self._counts.items()}
         if torch.distributed.is_available() and torch.distributed.is_initialized() and loads:
-            names = list(loads)
-            flat = torch.cat([loads[n] for n in names])
+            flat = torch.cat(list(loads.values()))
             torch.distributed.all_reduce(flat)
-            loads = dict(zip(names, flat.split([loads[n].numel() for n in names])))
+            loads = dict(zip(loads, flat.split([load.numel() for load in loads.values()])))
         for name, load in loads.items():
             if load.sum() == 0:  # no training forward reached this router during the step
                 continue
@@ -150,7 +147,7 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         self.detach()
 
 
-#: row tensors of a text batch that :func:`sp_micro_batches` gathers, with the value their padding takes
+#: the row tensors of a text batch that :func:`sp_micro_batches` pads and gathers, and the keys it drops
 _SP_ROW_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "mm_token_type_ids", "seq_idx")
 _SP_DROPPED = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
 
