@@ -19,7 +19,6 @@ import contextlib
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 
@@ -64,13 +63,14 @@ def _fsdp_launch() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
-def _resolve_dtype(name: str):
-    """``--dtype`` as a torch dtype (``auto``: float32 on CPU and under FSDP, bfloat16 on a single CUDA device)."""
+def _resolve_dtype(args):
+    """``--dtype`` as a torch dtype (``auto``: bfloat16 on a single CUDA device, float32 on CPU and under FSDP or
+    ``--ep``: fp32 masters, the mixed-precision policy computes in bf16)."""
     import torch
 
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() and not _fsdp_launch() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    if args.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and not _fsdp_launch() and args.ep == 1 else torch.float32
+    return getattr(torch, args.dtype)
 
 
 class OutputBusyError(RuntimeError):
@@ -133,13 +133,11 @@ def check_finite(model, what: str, accelerator=None) -> None:
     Raises:
         FloatingPointError: naming ``what``, the number of tensors holding NaN / inf and the first few names.
     """
-    import itertools
-
     import torch
 
     from ..checkpoint import nonfinite_tensors
 
-    bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
+    bad = nonfinite_tensors([*model.named_parameters(), *model.named_buffers()])
     count = len(bad)
     if accelerator is not None and accelerator.num_processes > 1:
         count = int(accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="sum"))
@@ -187,40 +185,26 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
     """
     from ..checkpoint import read_json
 
-    missing = []
     files = sorted(os.listdir(out))
-
-    def need(condition, what):
-        if not condition:
-            missing.append(what)
-
-    def read(name):
-        path = os.path.join(out, name)
-        return read_json(path) if os.path.isfile(path) else {}
-
-    def need_module(reference, auto):
-        module = reference.split("--")[-1].rsplit(".", 1)[0]
-        need(f"{module}.py" in files, f"{module}.py (remote code for {auto})")
-
-    config = read("config.json")
-    need(config, "config.json")
-    auto_map = config.get("auto_map", {})
-    for auto in ("AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText"):
-        need(auto in auto_map, f"config.json auto_map[{auto!r}]")
-        if auto in auto_map:
-            need_module(auto_map[auto], auto)
-    need(any(f.endswith(".safetensors") for f in files), "*.safetensors weights")
-    processor_config = read("processor_config.json")
-    need(processor_config, "processor_config.json")
-    processor_map = processor_config.get("auto_map", {})
-    need("AutoProcessor" in processor_map, "processor_config.json auto_map['AutoProcessor']")
-    if "AutoProcessor" in processor_map:
-        need_module(processor_map["AutoProcessor"], "AutoProcessor")
-    need("tokenizer.json" in files, "tokenizer.json")
-    need("chat_template.jinja" in files, "chat_template.jinja")
-    if adapter:
-        for name in ("adapter_config.json", "adapter_model.safetensors"):
-            need(os.path.isfile(os.path.join(out, ADAPTER_DIR, name)), f"{ADAPTER_DIR}/{name}")
+    missing = []
+    for config_name, autos in (("config.json", ("AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText")),
+                               ("processor_config.json", ("AutoProcessor",))):
+        path = os.path.join(out, config_name)
+        config = read_json(path) if os.path.isfile(path) else {}
+        if not config:
+            missing.append(config_name)
+        auto_map = config.get("auto_map", {})
+        for auto in autos:
+            module = auto_map[auto].split("--")[-1].rsplit(".", 1)[0] if auto in auto_map else None
+            if module is None:
+                missing.append(f"{config_name} auto_map[{auto!r}]")
+            elif f"{module}.py" not in files:
+                missing.append(f"{module}.py (remote code for {auto})")
+    if not any(f.endswith(".safetensors") for f in files):
+        missing.append("*.safetensors weights")
+    adapter_files = ("adapter_config.json", "adapter_model.safetensors") if adapter else ()
+    required = ["tokenizer.json", "chat_template.jinja"] + [f"{ADAPTER_DIR}/{name}" for name in adapter_files]
+    missing += [name for name in required if not os.path.isfile(os.path.join(out, name))]
     if missing:
         raise RuntimeError(f"the saved folder {out} is incomplete; missing: {', '.join(missing)}")
     return files
@@ -251,9 +235,7 @@ def merge_adapter(base_path: str, adapter_dir: str, dtype, merged_format: str = 
 
 
 #: Largest ``max |logit difference| / max(1, max |logit|)`` accepted between the trained LoRA model (adapter applied
-#: on the fly) and the merged model, in float32. Merging changes only the rounding of ``W x + s B (A x)`` vs
-#: ``(W + s B A) x`` (float32 eps 1.2e-7 per operation, compounded over the layers); a lost or misplaced delta
-#: moves trained logits by 1e-1 or more.
+#: on the fly) and the merged model, in float32 (``docs/design.md``, "Tools").
 MERGE_RTOL = 2e-5
 #: Largest ``max |requantized - merged| / max |merged|`` of one weight merged into an FP8 base and re-quantized to
 #: e4m3 (3 mantissa bits: rounding to nearest errs by at most 2**-4 of the value).
@@ -276,9 +258,6 @@ def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[fl
         diff = max(diff, float((a - b).abs().max()))
         scale = max(scale, float(a.abs().max()))
     return diff, scale
-
-
-# ------------------------------------------------------------------------------------------------ the job
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,25 +342,11 @@ def _looks_local(path: str) -> bool:
     return False
 
 
-def _check_model_and_output(parser, args) -> None:
-    """Check ``--model`` (a local folder holds ``config.json``) and ``--output-dir`` (not overlapping it)."""
-    from . import check_output_folder
-
-    if args.model != DEFAULT_MODEL and _looks_local(args.model):
-        if not os.path.isdir(args.model):
-            parser.error(f"--model {args.model!r}: no such folder (a checkpoint folder or a Hub id is expected)")
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            parser.error(f"--model {args.model!r}: the folder holds no config.json, so no checkpoint")
-    try:
-        check_output_folder(args.output_dir, args.model, out_name="--output-dir", source_name="--model")
-    except ValueError as error:
-        parser.error(str(error))
-
-
 def _check_args(parser, args) -> None:
     """``parser.error`` naming the option and value for every out-of-range option and conflicting pair."""
-    positive = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep")
-    for name in positive:
+    from . import check_output_folder
+
+    for name in ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.answer_chars < 40:
@@ -394,7 +359,15 @@ def _check_args(parser, args) -> None:
         parser.error(f"--lr must be > 0 and finite; got {args.lr}")
     if not (math.isfinite(args.balance_speed) and args.balance_speed >= 0):
         parser.error(f"--balance-speed must be >= 0 and finite; got {args.balance_speed}")
-    _check_model_and_output(parser, args)
+    if args.model != DEFAULT_MODEL and _looks_local(args.model):
+        if not os.path.isdir(args.model):
+            parser.error(f"--model {args.model!r}: no such folder (a checkpoint folder or a Hub id is expected)")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            parser.error(f"--model {args.model!r}: the folder holds no config.json, so no checkpoint")
+    try:
+        check_output_folder(args.output_dir, args.model, out_name="--output-dir", source_name="--model")
+    except ValueError as error:
+        parser.error(str(error))
     if args.samples < 0 or (args.samples == 0 and args.no_media):
         parser.error(f"--samples must be >= 1 (or >= 0 with media); got {args.samples}")
     if args.sp > 1:
@@ -455,21 +428,23 @@ def prepare(job: Job):
     ``(processor, model, dataset)``.
     """
     args = job.args
-    model_path = args.model
     with job.training_args.main_process_first(desc="checkpoint"):
-        if args.model == DEFAULT_MODEL and not os.path.exists(os.path.join(model_path, "config.json")):
+        if args.model == DEFAULT_MODEL and not os.path.exists(os.path.join(args.model, "config.json")):
             from .make_tiny import make_tiny
 
-            job.say(f"making the embedded tiny checkpoint in ./{model_path} ...")
+            job.say(f"making the embedded tiny checkpoint in ./{args.model} ...")
             if job.main_process:
-                make_tiny(model_path, show_progress=False)
-    job.model_path = os.path.abspath(model_path) if os.path.isdir(model_path) else model_path
+                make_tiny(args.model, show_progress=False)
+    job.model_path = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
     from ..processing_glm53flash import Glm53FlashProcessor
 
     processor = Glm53FlashProcessor.from_pretrained(job.model_path)
     model = load_model(job.model_path, job.dtype)
     if args.ep > 1:
-        job.ep_plan = shard_experts(model, args.ep)
+        from ..train.distributed import process_mesh
+        from ..train.expert_parallel import apply_expert_parallel
+
+        job.ep_plan = apply_expert_parallel(model, process_mesh(args.ep, ("dp", "ep"), "--ep"))
         job.say(f"expert parallelism: mesh (dp={job.ep_plan.dp_size}, ep={job.ep_plan.ep_size}), "
                 f"{len(job.ep_plan.moe_modules)} MoE blocks, rank {job.ep_plan.ep_rank} of the ep group holds experts "
                 f"[{job.ep_plan.ep_rank} * E/{args.ep}, ...)")
@@ -486,35 +461,14 @@ def prepare(job: Job):
     return processor, model, dataset
 
 
-def shard_experts(model, ep: int):
-    """``--ep``: a ``(world / ep, ep)`` mesh ``("dp", "ep")`` and
-    :func:`~glm53flash_hf.train.expert_parallel.apply_expert_parallel`.
-
-    Raises:
-        ValueError: no process group, or a world size not divisible by ``ep`` (naming both).
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ..train.expert_parallel import apply_expert_parallel
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"--ep {ep} needs several processes: run under accelerate launch (or torchrun)")
-    world = dist.get_world_size()
-    if world % ep:
-        raise ValueError(f"--ep must divide the number of processes; got ep={ep}, world size {world}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world // ep, ep), mesh_dim_names=("dp", "ep"))
-    return apply_expert_parallel(model, mesh)
-
-
 def build_trainer(job: Job, processor, model, dataset):
     """Step 2: LoRA (unless ``--full``) and the :class:`Glm53FlashTrainer` with collator and callbacks."""
     import torch
     from transformers import ProgressCallback
 
     from ..train.collator import Glm53FlashPackingCollator
+    from ..train.distributed import shard_fp32_kept_units
+    from ..train.expert_parallel import apply_fsdp2_ep, clip_grad_norm_ep
     from ..train.trainer import (
         AuxLossFreeBalancingCallback,
         Glm53FlashTrainer,
@@ -541,8 +495,6 @@ def build_trainer(job: Job, processor, model, dataset):
             f"{args.max_steps} steps x {args.batch_size} samples packed into rows of <= {args.max_length} tokens, "
             "MTP loss " + (f"on (weight {text_config.mtp_loss_weight:g})" if mtp else "off"))
     if job.ep_plan is not None:
-        from ..train.expert_parallel import apply_fsdp2_ep
-
         # experts on the dp mesh, the rest on all ranks, every reduction group checked; the Trainer then leaves the
         # model as it is (no DDP wrap, no second sharding)
         apply_fsdp2_ep(model, job.ep_plan, param_dtype=torch.bfloat16 if job.training_args.bf16 else None)
@@ -562,18 +514,13 @@ def build_trainer(job: Job, processor, model, dataset):
     if job.ep_plan is not None:
         # the global norm over every rank's experts (transformers' mixed-mesh norm sees only this rank's experts);
         # Trainer._clip_grad_norm / _get_grad_norm are its per-step hooks (transformers 5.24)
-        from ..train.expert_parallel import clip_grad_norm_ep
-
         plan = job.ep_plan
         trainer._clip_grad_norm = lambda model: clip_grad_norm_ep(model, plan, trainer.args.max_grad_norm)
         trainer._get_grad_norm = lambda model, grad_norm=None: float(
             grad_norm if grad_norm is not None else clip_grad_norm_ep(model, plan, float("inf")))
     if trainer.is_fsdp_enabled and job.training_args.bf16:
-        # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC
-        # base/scale, router) for the forward: give them their own fp32 units first
-        # (configuration/accelerate_fsdp2.yaml).
-        from ..train.distributed import shard_fp32_kept_units
-
+        # accelerate's single bf16 policy would cast the fp32-kept parameters (A_log, dt_bias, KDA conv, mHC base /
+        # scale, router) for the forward: give them their own fp32 units first (configuration/accelerate_fsdp2.yaml)
         shard_fp32_kept_units(model, param_dtype=torch.bfloat16)
     return trainer
 
@@ -590,8 +537,7 @@ def train(job: Job, trainer) -> dict:
     check_finite(trainer.model, f"the trained model (after step {trainer.state.global_step})", trainer.accelerator)
     tokens = trainer.trained_tokens
     if trainer.accelerator.num_processes > 1:
-        tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device),
-                                                reduction="sum"))
+        tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device), reduction="sum"))
     first, last, n = loss_summary([e["loss"] for e in trainer.state.log_history if "loss" in e])
     return dict(seconds=float(result.metrics["train_runtime"]), tokens=tokens, first=first, last=last, n=n)
 
@@ -601,12 +547,12 @@ def save(job: Job, trainer, processor):
     ``job.staging``, check it and replace ``job.out`` by it. Returns the saved model on the main process when in
     memory, else ``None``.
     """
+    from ..train.expert_parallel import save_adapter_ep, save_pretrained_ep
+
     stage = job.staging
     saved_model = None
     if job.args.full:
         if job.ep_plan is not None:
-            from ..train.expert_parallel import save_pretrained_ep
-
             # a collective; rank 0 writes, atomically (the model's save_pretrained), with the processor
             save_pretrained_ep(trainer.model, job.ep_plan, stage, processor=processor)
         else:
@@ -615,8 +561,6 @@ def save(job: Job, trainer, processor):
     else:
         adapter_dir = os.path.join(stage, ADAPTER_DIR)
         if job.ep_plan is not None:
-            from ..train.expert_parallel import save_adapter_ep
-
             save_adapter_ep(trainer.model, job.ep_plan, adapter_dir)  # every rank's expert slices, 1-process layout
         else:
             _save_trained(trainer, adapter_dir, job.main_process)
@@ -650,23 +594,21 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
     single_cpu_fp32 = trainer.accelerator.num_processes == 1 and job.dtype == torch.float32 and \
         next(trainer.model.parameters()).device.type == "cpu"
     report = getattr(saved_model, "fp8_merge_report", None)
-    if not args.full and report is not None and report["fp8"]:
-        # re-quantized to e4m3: the round trip is the only difference, each element within the e4m3 bound
+    fp8 = report is not None and report["fp8"]
+    if not args.full and (fp8 or single_cpu_fp32):
         diff, scale = max_logit_difference(trainer.model, saved_model, processor, question)
-        ok = report["max_roundtrip_bound_ratio"] <= FP8_BOUND_RATIO and (
-            report["max_rel_roundtrip_error"] <= FP8_ROUNDTRIP_RTOL
-        )
-        job.say(f"FP8-merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}; "
-                f"the e4m3 round trip of the merged weights); weight re-quantization error "
-                f"{report['max_rel_roundtrip_error']:.2e} of max |W|, {report['max_roundtrip_bound_ratio']:.3f} of "
-                "the elementwise e4m3 bound " + ("ok" if ok else "ERROR: above the bound"))
-        status = status if ok else 1
-    elif not args.full and single_cpu_fp32:
-        diff, scale = max_logit_difference(trainer.model, saved_model, processor, question)
-        ok = diff <= MERGE_RTOL * max(1.0, scale)
-        job.say(f"merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}) "
-                + ("ok" if ok else f"ERROR: above {MERGE_RTOL:g} relative"))
-        status = status if ok else 1
+        if fp8:  # re-quantized to e4m3: the round trip is the only difference, each element within the e4m3 bound
+            ok = (report["max_roundtrip_bound_ratio"] <= FP8_BOUND_RATIO
+                  and report["max_rel_roundtrip_error"] <= FP8_ROUNDTRIP_RTOL)
+            job.say(f"FP8-merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}; "
+                    f"the e4m3 round trip of the merged weights); weight re-quantization error "
+                    f"{report['max_rel_roundtrip_error']:.2e} of max |W|, {report['max_roundtrip_bound_ratio']:.3f} "
+                    "of the elementwise e4m3 bound " + ("ok" if ok else "ERROR: above the bound"))
+        else:
+            ok = diff <= MERGE_RTOL * max(1.0, scale)
+            job.say(f"merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}) "
+                    + ("ok" if ok else f"ERROR: above {MERGE_RTOL:g} relative"))
+        status = 0 if ok else 1
     if args.no_reload:
         return status
     job.say("reloading in a fresh process (HF_HUB_OFFLINE=1, trust_remote_code=True) ...")
@@ -706,7 +648,6 @@ def main(argv=None) -> int:
         SystemExit: bad options, or ``--output-dir`` held by another run (status 2).
         FloatingPointError: the run diverged (names the step); ``--output-dir`` is left as it was.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
@@ -716,9 +657,7 @@ def main(argv=None) -> int:
     from ..train.malloc import set_malloc_policy
 
     heap_reuse = set_malloc_policy(malloc_policy(args.malloc, torch.cuda.is_available()))
-    out, dtype = os.path.abspath(args.output_dir), _resolve_dtype(args.dtype)
-    if args.ep > 1 and args.dtype == "auto":
-        dtype = torch.float32  # fp32 masters: apply_fsdp2_ep's bf16 policy computes in bf16
+    out, dtype = os.path.abspath(args.output_dir), _resolve_dtype(args)
     staging = staging_folder(out)
     training_args = training_arguments(args, staging, dtype)
     job = Job(args=args, out=out, staging=staging, dtype=dtype, training_args=training_args,

@@ -97,7 +97,6 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
         self.pad_to_max_length = pad_to_max_length
         self.return_seq_idx_packed = return_seq_idx
 
-    # ----------------------------------------------------------------------------------------------- planning
     def plan(self, lengths: list[int]) -> list[list[int]]:
         """Rows as lists of sample indices (first fit in sample order; zero lengths skipped).
 
@@ -126,7 +125,6 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
                 room.append(self.max_length - n)
         return rows
 
-    # ----------------------------------------------------------------------------------------------- parsing
     @staticmethod
     def _parse(feature: Any, index: int) -> _Sample:
         ids = _as_list(feature["input_ids"], "input_ids", index)
@@ -138,9 +136,7 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
                 raise ValueError(f"sample {index}: {name} has {len(seq)} entries but input_ids has {len(ids)}")
         mask = feature.get("attention_mask")
         if mask is not None and not all(_as_list(mask, "attention_mask", index)):
-            raise ValueError(
-                f"sample {index}: attention_mask has zeros; the packing collator takes unpadded samples"
-            )
+            raise ValueError(f"sample {index}: attention_mask has zeros; the packing collator takes unpadded samples")
         visual = {}
         for pixels_key, grid_key in _VISUAL:
             pixels, grid = feature.get(pixels_key), feature.get(grid_key)
@@ -159,7 +155,6 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
             visual[pixels_key], visual[grid_key] = pixels, grid
         return _Sample(index, ids, labels, types, visual)
 
-    # ----------------------------------------------------------------------------------------------- collate
     def __call__(self, features, return_tensors=None, separator_id=None):
         if return_tensors not in (None, "pt"):
             raise ValueError(
@@ -182,20 +177,16 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
         for row in rows:
             row_features = [{"input_ids": samples[i].input_ids, "labels": samples[i].labels} for i in row]
             flat = super().__call__(row_features, return_tensors="pt", separator_id=separator_id)
-            flat["mm_token_type_ids"] = torch.tensor(
-                [[t for i in row for t in samples[i].mm_token_type_ids]], dtype=torch.long
-            )
+            types = [t for i in row for t in samples[i].mm_token_type_ids]
+            flat["mm_token_type_ids"] = torch.tensor([types], dtype=torch.long)
             flat_rows.append(flat)
 
-        longest = max(int(f["input_ids"].shape[1]) for f in flat_rows)
+        width = max(int(f["input_ids"].shape[1]) for f in flat_rows)
         if self.pad_to_max_length:
             width = self.max_length
-        else:
-            width = longest
-            if self.pad_to_multiple_of:
-                width = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
-                if self.max_length is not None:
-                    width = min(width, self.max_length)  # longest <= max_length always
+        elif self.pad_to_multiple_of:
+            width = math.ceil(width / self.pad_to_multiple_of) * self.pad_to_multiple_of
+            width = min(width, self.max_length or width)  # the longest row has at most max_length tokens
 
         out = {k: [] for k in ("input_ids", "labels", "position_ids", "mm_token_type_ids")}
         cu, max_seg, seg_idx_rows, seg = [0], 0, [], 0

@@ -102,6 +102,25 @@ def _default_mesh():
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def process_mesh(size: int, names: tuple[str, str], option: str):
+    """``init_device_mesh`` of shape ``(world // size, size)`` named ``names`` over the default group (CUDA when
+    available, else CPU).
+
+    Raises:
+        ValueError: no process group is initialised, or ``size`` does not divide the world size (naming ``option``,
+            ``size`` and the world size).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{option}={size} needs an initialised process group (accelerate launch / torchrun); none is")
+    world = dist.get_world_size()
+    if size < 1 or world % size:
+        raise ValueError(f"{option}={size} must divide the world size {world}")
+    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world // size, size), mesh_dim_names=names)
+
+
 def _check_masters(model: nn.Module, param_dtype: torch.dtype | None) -> None:
     """Raise unless, with a low-precision ``param_dtype``, every trainable parameter is an fp32 master."""
     if param_dtype is not None and param_dtype not in _LOW_PRECISION + (torch.float32,):

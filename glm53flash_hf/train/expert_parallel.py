@@ -115,15 +115,6 @@ class ExpertParallelPlan:
         return self._groups[key]
 
 
-def _mesh_sizes(mesh) -> tuple[int, int, int, int]:
-    names = tuple(mesh.mesh_dim_names or ())
-    if names != ("dp", "ep"):
-        raise ValueError(
-            f"mesh must have mesh_dim_names ('dp', 'ep') (dp may be 1); got mesh_dim_names={mesh.mesh_dim_names}"
-        )
-    return mesh["dp"].size(), mesh["ep"].size(), mesh["dp"].get_local_rank(), mesh["ep"].get_local_rank()
-
-
 def find_moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """``{qualified name: module}`` of every ``Glm53FlashMoE`` in ``model`` (decoder layers and the MTP layer)."""
     return {name: m for name, m in model.named_modules() if type(m).__name__ == MOE_CLASS_NAME}
@@ -141,7 +132,12 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
         ValueError: a mesh without those dimensions; ``n_routed_experts`` not divisible by the ep size; no MoE block;
             experts already sharded or wrapped.
     """
-    dp_size, ep_size, dp_rank, ep_rank = _mesh_sizes(mesh)
+    if tuple(mesh.mesh_dim_names or ()) != ("dp", "ep"):
+        raise ValueError(
+            f"mesh must have mesh_dim_names ('dp', 'ep') (dp may be 1); got mesh_dim_names={mesh.mesh_dim_names}"
+        )
+    dp_size, ep_size = mesh["dp"].size(), mesh["ep"].size()
+    dp_rank, ep_rank = mesh["dp"].get_local_rank(), mesh["ep"].get_local_rank()
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError(f"model={type(model).__name__} has no {MOE_CLASS_NAME} block to shard")
@@ -255,10 +251,8 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
         param_dtype=fsdp_kwargs.get("param_dtype"), reduce_dtype=fsdp_kwargs.get("reduce_dtype", torch.float32),
         cast_forward_inputs=False,
     )
-    modules = dict(model.named_modules())
     suffixes = tuple(f".{m}.experts" for m in plan.moe_modules)
-    for name in [n for n in modules if f".{n}".endswith(suffixes)]:
-        experts = modules[name]
+    for experts in [m for n, m in model.named_modules() if f".{n}".endswith(suffixes)]:
         # a size-1 dp mesh (ep only) still makes a unit: its parameters then stay out of the dense units
         fully_shard(experts, mesh=plan.mesh["dp"], mp_policy=policy,
                     reshard_after_forward=fsdp_kwargs.get("reshard_after_forward", True))
@@ -269,8 +263,7 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
             # foreach_reduce divides the copied gradient by the factor *and* post-divides it again when sum
             # reductions are forced (gradients scaled by 1/W^2).
             experts.set_force_sum_reduction_for_comms(True)
-    dense_mesh = plan.flat_mesh
-    fsdp_plan = apply_fsdp2(model, mesh=dense_mesh, **fsdp_kwargs)
+    fsdp_plan = apply_fsdp2(model, mesh=plan.flat_mesh, **fsdp_kwargs)
     check_reduction_groups(model, plan)
     return fsdp_plan
 
@@ -312,9 +305,6 @@ def clip_grad_norm_ep(model: nn.Module, plan: ExpertParallelPlan, max_norm: floa
     return norm
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
-
-
 def _expert_weight_key(name: str, plan: ExpertParallelPlan) -> bool:
     return plan.is_expert_parameter(name) and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 
@@ -349,17 +339,6 @@ def gather_full_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[s
     return out
 
 
-def _gather_expert_adapter(name: str, t: torch.Tensor, plan: ExpertParallelPlan) -> torch.Tensor:
-    """All-gather one expert LoRA factor over the ep group into PEFT's one-process layout (``ParamWrapper``)."""
-    parts = _ep_parts(t, plan)
-    if "lora_B" not in name:
-        return torch.cat(parts)
-    n_local = plan.num_experts // plan.ep_size
-    out_f, cols = t.shape
-    r = cols // n_local
-    return torch.cat([q.view(out_f, r, n_local) for q in parts], dim=2).reshape(out_f, r * n_local * plan.ep_size)
-
-
 def gather_adapter_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dict[str, torch.Tensor]:
     """The PEFT model's adapter tensors in the one-process layout, on every rank (collective)."""
     out = {}
@@ -368,7 +347,13 @@ def gather_adapter_state_dict(model: nn.Module, plan: ExpertParallelPlan) -> dic
             continue
         t = _full_local(t).detach()
         if plan.ep_size > 1 and plan.is_expert_parameter(name) and "lora_" in name:
-            t = _gather_expert_adapter(name, t, plan)
+            parts = _ep_parts(t, plan)  # PEFT's one-process layout (ParamWrapper): lora_B [out, r * E], expert-minor
+            if "lora_B" in name:
+                n_local = plan.num_experts // plan.ep_size
+                out_f, r = t.shape[0], t.shape[1] // n_local
+                t = torch.cat([q.view(out_f, r, n_local) for q in parts], dim=2).reshape(out_f, -1)
+            else:
+                t = torch.cat(parts)
         out[name] = t
     return out
 
@@ -381,17 +366,13 @@ def save_adapter_ep(model: nn.Module, plan: ExpertParallelPlan, save_directory) 
     dist.barrier()
 
 
-def _unsharded_class(model: nn.Module) -> type:
-    return next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-
-
 def save_pretrained_ep(model: nn.Module, plan: ExpertParallelPlan, save_directory, **kwargs) -> None:
     """``save_pretrained`` of the full model under EP in the published layout (collective; rank 0 builds the unsharded
     class on meta and writes; load with ``from_pretrained`` and :func:`apply_expert_parallel`).
     """
     full = gather_full_state_dict(model, plan)
     if dist.get_rank() == plan.all_ranks[0]:
-        cls = _unsharded_class(model)
+        cls = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))  # the unsharded class
         with torch.device("meta"):
             fresh = cls(model.config)
         fresh.load_state_dict(full, strict=True, assign=True)

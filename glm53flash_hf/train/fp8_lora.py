@@ -22,21 +22,14 @@ def dequantize_rows(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> tor
     return out
 
 
-def quantize_rows(dense: torch.Tensor, scale_rows: int, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantize fp32 ``[out, in]`` into the grid layout of :func:`fp8_kept._row_groups` with ``scale_rows``
-    rows; returns ``(e4m3 [out, in], scale_inv [scale_rows, ceil(in/bc)])``."""
-    parts = [
-        quantize_fp8_blockwise(dense[r0:r1], tuple(block))
-        for r0, r1, _ in _row_groups(dense.shape[0], scale_rows, block[0])
-    ]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
 def _merge_one(weight, scale, delta, block, fp8: bool, errors: list, bound_ratios: list):
     dense = dequantize_rows(weight, scale, block) + delta.float()
     if not fp8:
         return dense, None
-    q, s = quantize_rows(dense, scale.shape[0], block)
+    # re-quantized on the scale grid of ``scale`` (fp8_kept._row_groups: plain grid or separately blocked halves)
+    groups = _row_groups(dense.shape[0], scale.shape[0], block[0])
+    parts = [quantize_fp8_blockwise(dense[r0:r1], tuple(block)) for r0, r1, _ in groups]
+    q, s = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     back = dequantize_rows(q, s, block)
     err = (back - dense).abs()
     errors.append((err.max() / dense.abs().max().clamp_min(1e-30)).item())
@@ -71,9 +64,7 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
     if len(adapters) != 1:
         raise ValueError(f"merge_lora_fp8 merges one active adapter; got active_adapters={adapters!r}")
     adapter = adapters[0]
-    errors: list[float] = []
-    ratios: list[float] = []
-    merged = 0
+    errors, ratios, merged = [], [], 0
     for _, layer in list(peft_model.named_modules()):
         if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
             continue
@@ -86,24 +77,18 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
                 _merge_one(weight[e], scale[e], delta[e], base.block_size, fp8, errors, ratios)
                 for e in range(len(weight))
             ]
-            if fp8:
-                weight.data.copy_(torch.stack([p[0] for p in pairs]))
-                scale.data.copy_(torch.stack([p[1] for p in pairs]))
-            else:
-                base._dense = getattr(base, "_dense", {})
-                base._dense[name] = torch.stack([p[0] for p in pairs]).to(dtype)
-            merged += 1
+            q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]) if fp8 else None
         elif isinstance(base, Glm53FlashFP8Linear) and base.weight.dtype == FP8_DTYPE:
-            delta = layer.get_delta_weight(adapter)
-            q, s = _merge_one(base.weight, base.weight_scale_inv, delta, base.block_size, fp8, errors, ratios)
-            if fp8:
-                base.weight.data.copy_(q)
-                base.weight_scale_inv.data.copy_(s)
-            else:
-                base._dense = {"weight": q.to(dtype)}
-            merged += 1
+            name, weight, scale = "weight", base.weight, base.weight_scale_inv
+            q, s = _merge_one(weight, scale, layer.get_delta_weight(adapter), base.block_size, fp8, errors, ratios)
         else:
             continue
+        if fp8:
+            weight.data.copy_(q)
+            scale.data.copy_(s)
+        else:
+            base._dense = {**getattr(base, "_dense", {}), name: q.to(dtype)}
+        merged += 1
         layer.lora_A.pop(adapter)
         layer.lora_B.pop(adapter)
     model = peft_model.merge_and_unload()

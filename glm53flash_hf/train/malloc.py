@@ -25,8 +25,7 @@ _state = {"policy": "default", "warned": False}
 
 
 def _glibc():
-    """The C library as a ``ctypes.CDLL`` when it is glibc (has ``gnu_get_libc_version`` and ``mallopt``), else
-    ``None``."""
+    """The C library as a ``ctypes.CDLL`` when it is glibc with ``mallopt``, else ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -77,12 +77,11 @@ def build_sft_example(
         reasoning_effort=reasoning_effort, clear_thinking=clear_thinking, end_of_text_after_assistant=True,
         **processor.tokenizer.special_tokens_map,
     )  # fmt: skip
-    call_kwargs = dict(processor_kwargs)
     if video_metadata is not None:
-        call_kwargs["video_metadata"] = video_metadata
+        processor_kwargs["video_metadata"] = video_metadata
     out = processor(
         text=[rendered[0]], images=_none_if_empty(images), videos=_none_if_empty(videos), add_special_tokens=False,
-        return_offsets_mapping=True, return_text_replacement_offsets=True, **call_kwargs,
+        return_offsets_mapping=True, return_text_replacement_offsets=True, **processor_kwargs,
     )  # fmt: skip
     out = processor._adjust_assistant_masks_indices(out, generation)
     input_ids = list(out["input_ids"][0])

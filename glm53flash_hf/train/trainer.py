@@ -16,6 +16,7 @@ import re
 import torch
 from transformers import Trainer, TrainerCallback
 
+from .distributed import process_mesh
 from .sft import IGNORE_INDEX
 
 ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
@@ -32,18 +33,8 @@ DEFAULT_TARGET_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_pr
 EXPERT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def _module_regex(names) -> str:
-    """Regex full-matching qualified module names that end in one of ``names``, outside the vision tower."""
-    alternatives = "|".join(re.escape(n) for n in names)
-    return rf"(?!(?:.*\.)?visual\.)(?:.*\.)?(?:{alternatives})"
-
-
 def default_lora_config(
-    r: int = 8,
-    lora_alpha: int | None = None,
-    target_modules=DEFAULT_TARGET_MODULES,
-    experts: bool = True,
-    **kwargs,
+    r: int = 8, lora_alpha: int | None = None, target_modules=DEFAULT_TARGET_MODULES, experts: bool = True, **kwargs
 ):
     """Return a ``peft.LoraConfig`` for GLM-5.3-Flash (``task_type="CAUSAL_LM"``, no dropout, no bias, vision excluded).
 
@@ -58,9 +49,11 @@ def default_lora_config(
     modules = list(target_modules or ())
     if not modules and not experts:
         raise ValueError("nothing to adapt: give target_modules or set experts=True")
+    # full-matches the qualified names that end in one of ``modules``, outside the vision tower
+    regex = rf"(?!(?:.*\.)?visual\.)(?:.*\.)?(?:{'|'.join(re.escape(n) for n in modules)})"
     options = dict(
         r=r, lora_alpha=2 * r if lora_alpha is None else lora_alpha, lora_dropout=0.0, bias="none",
-        task_type="CAUSAL_LM", target_modules=_module_regex(modules) if modules else None,
+        task_type="CAUSAL_LM", target_modules=regex if modules else None,
         target_parameters=list(EXPERT_TARGET_PARAMETERS) if experts else None,
     )  # fmt: skip
     options.update(kwargs)
@@ -100,13 +93,10 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         self._counts: dict[str, torch.Tensor] = {}
         self._handles = []
 
-    # -- hooks -------------------------------------------------------------------------------------------------
     def _make_hook(self, name: str):
         def hook(module, args, output):
-            if not module.training:
-                return
-            indices = output[2]  # int64 [T, k]
-            self._counts[name] += torch.bincount(indices.reshape(-1), minlength=self._counts[name].numel())
+            if module.training:  # output[2]: the int64 [T, k] expert indices
+                self._counts[name] += torch.bincount(output[2].reshape(-1), minlength=self._counts[name].numel())
 
         return hook
 
@@ -126,9 +116,7 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         """Remove the hooks and drop the pending counts."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
-        self._counts = {}
-        self._routers = {}
+        self._handles, self._counts, self._routers = [], {}, {}
 
     @torch.no_grad()
     def update(self) -> None:
@@ -137,10 +125,9 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
             return
         loads = {name: count.to(torch.float32) for name, count in self._counts.items()}
         if torch.distributed.is_available() and torch.distributed.is_initialized() and loads:
-            names = list(loads)
-            flat = torch.cat([loads[n] for n in names])
+            flat = torch.cat(list(loads.values()))
             torch.distributed.all_reduce(flat)
-            loads = dict(zip(names, flat.split([loads[n].numel() for n in names])))
+            loads = dict(zip(loads, flat.split([load.numel() for load in loads.values()])))
         for name, load in loads.items():
             if load.sum() == 0:  # no training forward reached this router during the step
                 continue
@@ -149,7 +136,6 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
             self._counts[name].zero_()
         self.last_loads = {name: load.clone() for name, load in loads.items()}
 
-    # -- TrainerCallback events ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None:
             self.attach(model)
@@ -161,7 +147,7 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         self.detach()
 
 
-#: row tensors of a text batch that :func:`sp_micro_batches` gathers, with the value their padding takes
+#: the row tensors of a text batch that :func:`sp_micro_batches` pads and gathers, and the keys it drops
 _SP_ROW_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "mm_token_type_ids", "seq_idx")
 _SP_DROPPED = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
 
@@ -249,7 +235,7 @@ class Glm53FlashTrainer(Trainer):
         self.trained_tokens = 0
         self._mtp_sum, self._mtp_logged_step = 0.0, 0
         if sp_mesh is None and sequence_parallel_size > 1:
-            sp_mesh = sequence_parallel_mesh(sequence_parallel_size)
+            sp_mesh = process_mesh(sequence_parallel_size, ("dp_shard", "sp"), "sequence_parallel_size")
         if sp_mesh is not None and sp_mesh.size() > 1:
             from transformers.training_args import ParallelMode
 
@@ -276,6 +262,7 @@ class Glm53FlashTrainer(Trainer):
         """``Trainer._save_checkpoint`` written under ``.checkpoint-N.partial/`` and swapped in when every process is
         done.
         """
+        import glob
         import shutil
 
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -287,10 +274,8 @@ class Glm53FlashTrainer(Trainer):
         final = os.path.join(run_dir, name)
         staging = os.path.join(run_dir, f".{name}.partial")
         if self.args.should_save:
-            if os.path.isdir(run_dir):
-                for entry in os.listdir(run_dir):  # left by a killed checkpoint save
-                    if entry.startswith(f".{PREFIX_CHECKPOINT_DIR}-") and entry.endswith(".partial"):
-                        shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+            for left in glob.glob(os.path.join(glob.escape(run_dir), f".{PREFIX_CHECKPOINT_DIR}-*.partial")):
+                shutil.rmtree(left, ignore_errors=True)  # left by a killed checkpoint save
             os.makedirs(staging, exist_ok=True)
         self.accelerator.wait_for_everyone()
         self._checkpoint_staging, self._checkpoint_push = staging, False
@@ -401,25 +386,6 @@ class Glm53FlashTrainer(Trainer):
             logs["mtp_loss"] = round(self._mtp_sum / steps, 6)
             self._mtp_sum, self._mtp_logged_step = 0.0, self.state.global_step
         return super().log(logs, start_time)
-
-
-def sequence_parallel_mesh(sp: int, device_type: str | None = None):
-    """``init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))`` over the default group.
-
-    Raises:
-        ValueError: no process group is initialised, or ``sp`` does not divide the world size (names both).
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"sequence_parallel_size={sp} needs an initialised process group (accelerate launch / "
-                         "torchrun); none is")
-    world = dist.get_world_size()
-    if sp < 1 or world % sp:
-        raise ValueError(f"sequence_parallel_size={sp} must divide the world size {world}")
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp_shard", "sp"))
 
 
 class ProgressWithLossCallback(TrainerCallback):
