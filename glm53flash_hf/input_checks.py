@@ -130,6 +130,15 @@ def check_loss_arguments(num_items_in_batch, logits_to_keep) -> None:
         )
 
 
+def patch_width(vision_config) -> int:
+    """Width of one ``pixel_values`` row: ``in_channels * temporal_patch_size * patch_size**2``."""
+    patch = vision_config.patch_size
+    temporal = vision_config.temporal_patch_size
+    patch = patch[0] * patch[1] if isinstance(patch, (list, tuple)) else patch * patch
+    temporal = temporal[0] if isinstance(temporal, (list, tuple)) else temporal
+    return vision_config.in_channels * temporal * patch
+
+
 def check_vision_inputs(pixel_values: torch.Tensor, grid_thw, vision_config, pixels_name: str,
                         grid_name: str) -> None:
     """Check one modality's vision inputs: ``pixel_values`` floating ``[patches, C * T * P * P]`` (the tower's
@@ -142,11 +151,7 @@ def check_vision_inputs(pixel_values: torch.Tensor, grid_thw, vision_config, pix
         what = pixel_values.dtype if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
         raise ValueError(f"{pixels_name} must be a floating-point tensor; got {what}")
     check_integer_tensor(grid_name, grid_thw)
-    patch = vision_config.patch_size
-    temporal = vision_config.temporal_patch_size
-    patch = patch[0] * patch[1] if isinstance(patch, (list, tuple)) else patch * patch
-    temporal = temporal[0] if isinstance(temporal, (list, tuple)) else temporal
-    width = vision_config.in_channels * temporal * patch
+    width = patch_width(vision_config)
     if pixel_values.dim() != 2 or pixel_values.shape[1] != width:
         raise ValueError(
             f"{pixels_name} must be [patches, in_channels*temporal_patch_size*patch_size**2 = {width}]; got shape "

@@ -41,6 +41,7 @@ from .input_checks import (
     check_loss_arguments,
     check_not_meta,
     check_vision_inputs,
+    patch_width,
 )
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
@@ -810,6 +811,14 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         ``Glm5NextModel.get_video_features``: one ``pooler_output`` tensor per video."""
         return self._tower_outputs(pixel_values_videos, self._frames_grid(video_grid_thw), video_grid_thw, **kwargs)
 
+    def _placeholder_tower_call(self, device: torch.device) -> torch.Tensor:
+        """The tower's merged features ``[1, D]`` of one ``[1, m, m]`` grid of zero patches (``m`` the merge size)."""
+        vision_config = self.config.vision_config
+        merge = vision_config.spatial_merge_size
+        pixels = torch.zeros(merge * merge, patch_width(vision_config), dtype=self.visual.dtype, device=device)
+        grid = torch.tensor([[1, merge, merge]], device=device)
+        return self.visual(pixels, grid_thw=grid).pooler_output
+
     @staticmethod
     def _splice(inputs_embeds, mask, features, what: str):
         n_tokens = None if in_graph() else int(mask.sum())  # checked eagerly; a traced graph cannot raise on data
@@ -875,6 +884,12 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
                     tower_outputs[what] = features_fn(pixels, grid, return_dict=True, **tower_kwargs)
                     features = torch.cat(tower_outputs[what].pooler_output, dim=0)
                 inputs_embeds = self._splice(inputs_embeds, masks[what], features, what)
+        if not in_graph() and _has_fsdp_units(self.visual):
+            # FSDP2 all-gathers the tower's units in every call of it, so every rank calls it once per modality: a
+            # modality absent here runs on one merged token of zeros whose features add exactly 0
+            for _, pixels, _, _, _ in modalities:
+                if pixels is None:
+                    inputs_embeds = inputs_embeds + 0.0 * self._placeholder_tower_call(inputs_embeds.device).sum()
         uncached = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
         if input_ids is not None and uncached and not in_graph():
             # A full (uncached) forward must get features for every placeholder it holds (checked eagerly).
@@ -891,6 +906,15 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         return Glm53FlashModelOutputWithPast(
             **outputs, image_outputs=tower_outputs["image"], video_outputs=tower_outputs["video"]
         )
+
+
+def _has_fsdp_units(module: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) made ``module`` or one of its submodules a unit of its own."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):

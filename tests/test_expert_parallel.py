@@ -227,3 +227,26 @@ def test_bad_mesh_raises():
 
     with pytest.raises(ValueError, match="mesh_dim_names"):
         apply_expert_parallel(torch.nn.Linear(2, 2), SimpleNamespace(mesh_dim_names=("dp", "tp")))
+
+
+def test_finetune_ep2_under_accelerate_launch(tmp_path):
+    """``glm53flash-finetune --ep 2`` under ``accelerate launch --config_file configuration/accelerate_ep2.yaml``
+    (2 CPU processes, gloo, fp32) on the default data, text and image/video samples: the ranks' batches differ in
+    their modalities (the FSDP2-sharded vision tower is still called once per modality on every rank), the LoRA model
+    reaches the Trainer unwrapped (no DDP over its DTensors); trains 3 steps, saves, checks the merged model."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [accelerate, "launch", "--config_file", os.path.join(root, "configuration", "accelerate_ep2.yaml"),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
+           "-m", "glm53flash_hf.tools.finetune", "--ep", "2", "--max-steps", "3", "--samples", "6",
+           "--batch-size", "2", "--max-length", "128", "--no-reload", "--output-dir", str(tmp_path / "out")]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=WORKER_DEADLINE_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "expert parallelism: mesh (dp=1, ep=2)" in proc.stdout
+    assert "+ 6 image/video samples" in proc.stdout
+    with open(tmp_path / "out" / "loss_log.jsonl") as f:
+        assert len(f.readlines()) == 3

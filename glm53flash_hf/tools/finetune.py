@@ -498,7 +498,9 @@ def build_trainer(job: Job, processor, model, dataset):
         # experts on the dp mesh, the rest on all ranks, every reduction group checked; the Trainer then leaves the
         # model as it is (no DDP wrap, no second sharding)
         apply_fsdp2_ep(model, job.ep_plan, param_dtype=torch.bfloat16 if job.training_args.bf16 else None)
-        model._is_distributed_loading_by_transformers = True  # transformers reads it through the property
+        # the Trainer reads the property through PEFT's attribute forwarding, which ends at the base model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base._is_distributed_loading_by_transformers = True
     callbacks = [ProgressWithLossCallback(), LossLogCallback(os.path.join(job.staging, LOSS_LOG))]
     if args.balance_speed > 0:
         callbacks.append(AuxLossFreeBalancingCallback(speed=args.balance_speed))
