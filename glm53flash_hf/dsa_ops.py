@@ -311,9 +311,14 @@ def select_top_pools(
     ``head_weights`` fp32 ``[B, S, Hi]``, ``pool_keys_t`` fp32 ``[B, Dk, P]`` (a row's complete pools in order),
     ``pool_end`` long ``[B, P]`` their last tokens, ``lo`` / ``hi`` long ``[B, S]``, ``kp`` tokens per pool,
     ``offset`` the row position of query 0 (the cached length). Queries are scored in chunks of at most
-    ``max_score_elements`` (one chunk when compiled). Returns int32 ``[B, S, select_pools * kp]``: ``kp`` ids per
-    selected pool in increasing pool order, ``-1`` for picks that are not selectable.
+    ``max_score_elements``, also when compiled (the op ``glm53flash::select_top_pools``; one chunk for a traced
+    ``offset``). Returns int32 ``[B, S, select_pools * kp]``: ``kp`` ids per selected pool in increasing pool order,
+    ``-1`` for picks that are not selectable.
     """
+    if torch.compiler.is_compiling() and isinstance(offset, int):
+        # the query chunks run eagerly inside the op: bounded score memory, no chunk loop unrolled in the graph
+        return _SELECT_TOP_POOLS_OP(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset,
+                                    int(max_score_elements))
     batch, seq_len, n_heads, head_dim = q.shape
     num_pools = pool_keys_t.shape[-1]
     device = q.device
@@ -351,6 +356,30 @@ def select_top_pools(
         token_ids = token_ids.masked_fill(~top_ok[..., None], -1).flatten(-2)
         out[:, start:end, : take * kp] = token_ids.to(torch.int32)
     return out
+
+
+def _select_top_pools_impl(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pool_keys_t: torch.Tensor,
+    pool_end: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    select_pools: int,
+    kp: int,
+    offset: int,
+    max_score_elements: int,
+) -> torch.Tensor:
+    return select_top_pools(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset=offset,
+                            max_score_elements=max_score_elements)
+
+
+def _select_top_pools_fake(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset,
+                           max_score_elements):
+    return q.new_empty(q.shape[0], q.shape[1], select_pools * kp, dtype=torch.int32)
+
+
+_SELECT_TOP_POOLS_OP = define_op("select_top_pools", _select_top_pools_impl, _select_top_pools_fake)
 
 
 def tail_token_ids(positions: torch.Tensor, local_pos: torch.Tensor, kp: int) -> torch.Tensor:

@@ -245,6 +245,31 @@ def test_indexer_query_chunking_is_exact():
     assert row_sets(full) == row_sets(one) == row_sets(seven)
 
 
+def test_compiled_indexer_scores_queries_in_chunks():
+    """Under ``torch.compile`` the indexer's query chunks run inside the op ``glm53flash::select_top_pools`` (score
+    memory bounded by ``max_score_elements`` as in eager, no chunk loop unrolled): the traced graph calls the op and
+    holds no score product, and the compiled ids equal eager's with a budget of chunks of 7 queries."""
+    _, _, ours = make_indexers(seed=7)
+    B, S = 2, 61
+    h, qr = indexer_inputs(B, S, seed=8)
+    pos, mask = packed_position_ids([[20, 41], [9, 50]], S)
+    layout = build_document_layout(B, S, "cpu", attention_mask=mask, position_ids=pos)
+    ours.max_score_elements = 7 * 2 * (S // KP) * B  # chunks of 7 queries
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, qr: ours(h, qr, layout), backend=record, fullgraph=True)
+    got = compiled(h, qr)
+    assert torch.equal(got, ours(h, qr, layout))
+    targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert torch.ops.glm53flash.select_top_pools.default in targets
+    assert not any(t in (torch.bmm, torch.ops.aten.bmm.default) for t in targets)
+
+
 def test_indexer_without_tail_and_short_sequences():
     config, hf, ours = make_indexers(seed=9, index_kpool_always_select_tail=False)
     assert ours.output_width == TOPK
