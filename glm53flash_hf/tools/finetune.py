@@ -299,8 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "With LoRA the updated biases reach only the merged model, not the adapter")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="weights dtype for training and saving (auto: float32 on CPU and under FSDP, bfloat16 on "
-                             "one GPU)")
+                        help="weights dtype for training and saving (auto: float32 on CPU and under FSDP or --ep, "
+                             "bfloat16 on one GPU)")
     parser.add_argument("--sp", type=int, default=1,
                         help="sequence parallelism: ranks per SP group, each holding a contiguous 1/N of every row "
                              "(needs a launch of a multiple of N processes; text samples only; default: %(default)s)")
