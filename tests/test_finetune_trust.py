@@ -80,6 +80,8 @@ def _lr_inf(monkeypatch):
     ("--max-new-tokens", "0", "--max-new-tokens must be >= 1; got 0"),
     ("--sp", "0", "--sp must be >= 1; got 0"),
     ("--ep", "-1", "--ep must be >= 1; got -1"),
+    ("--ep", "2", "--ep 2 needs a launch of several processes whose number it divides (accelerate launch / torchrun); "
+                  "got 1 process"),
     ("--answer-chars", "39", "--answer-chars must be >= 40; got 39"),
     ("--seed", "-1", "--seed must be between 0 and 2**32 - 1; got -1"),
     ("--seed", str(2**32), f"--seed must be between 0 and 2**32 - 1; got {2**32}"),
