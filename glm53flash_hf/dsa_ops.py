@@ -317,8 +317,8 @@ def select_top_pools(
     """
     if torch.compiler.is_compiling() and isinstance(offset, int):
         # the query chunks run eagerly inside the op: bounded score memory, no chunk loop unrolled in the graph
-        return _SELECT_TOP_POOLS_OP(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset,
-                                    int(max_score_elements))
+        return _SELECT_TOP_POOLS_OP(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset=offset,
+                                    max_score_elements=int(max_score_elements))
     batch, seq_len, n_heads, head_dim = q.shape
     num_pools = pool_keys_t.shape[-1]
     device = q.device
@@ -358,28 +358,12 @@ def select_top_pools(
     return out
 
 
-def _select_top_pools_impl(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    pool_keys_t: torch.Tensor,
-    pool_end: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    select_pools: int,
-    kp: int,
-    offset: int,
-    max_score_elements: int,
-) -> torch.Tensor:
-    return select_top_pools(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset=offset,
-                            max_score_elements=max_score_elements)
-
-
-def _select_top_pools_fake(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset,
-                           max_score_elements):
+def _select_top_pools_fake(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, *, offset=0,
+                           max_score_elements=DEFAULT_INDEXER_SCORE_ELEMENTS):
     return q.new_empty(q.shape[0], q.shape[1], select_pools * kp, dtype=torch.int32)
 
 
-_SELECT_TOP_POOLS_OP = define_op("select_top_pools", _select_top_pools_impl, _select_top_pools_fake)
+_SELECT_TOP_POOLS_OP = define_op("select_top_pools", select_top_pools, _select_top_pools_fake)
 
 
 def tail_token_ids(positions: torch.Tensor, local_pos: torch.Tensor, kp: int) -> torch.Tensor:
