@@ -134,7 +134,7 @@ def recompute_op(
     def _(grads, needs, *args):
         tensors, _ = split(args)
         like = next(t for t in tensors if t is not None)
-        return [torch.empty_like(t) if t is not None and need else no_output(like) for t, need in zip(tensors, needs)]
+        return [t.new_empty(t.shape) if t is not None and need else no_output(like) for t, need in zip(tensors, needs)]
 
     def setup_context(ctx, inputs, output):
         ctx.statics = inputs[len(tensor_names) :]
@@ -222,7 +222,7 @@ def module_op(name: str, call: Callable[..., torch.Tensor], fake: Callable[..., 
     )
     backward.register_fake(
         lambda grad, needs, x, aux, params, key: [
-            torch.empty_like(t) if need else no_output(x) for t, need in zip([x, *params], needs)
+            t.new_empty(t.shape) if need else no_output(x) for t, need in zip([x, *params], needs)
         ]
     )
 

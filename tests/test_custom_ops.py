@@ -110,3 +110,21 @@ def test_second_module_copy_shares_the_registration():
         op = getattr(copy, f"_{name.upper()}")
         assert op is getattr(torch.ops.glm53flash, name)
         assert torch._library.custom_ops.OPDEFS[f"glm53flash::{name}"] is getattr(mhc_fused, f"_{name.upper()}")
+
+
+def test_recompute_op_gradient_of_a_strided_input_under_compile():
+    """A :func:`~glm53flash_hf.graph_ops.recompute_op` backward returns contiguous gradients and its fake says so,
+    also for an input that is a strided view (inductor checks a custom op's output strides against its fake)."""
+    op = graph_ops.recompute_op(
+        "_recompute_op_strided_input_test", lambda x, w: (x * w, None), tensor_args=[("x", False), ("w", False)],
+        static_args=[], num_outputs=2, fake=lambda x, w: (x.new_empty(x.shape), x.new_empty(0)),
+    )
+
+    def loss(a, w):
+        return (op(a.t(), w)[0] ** 2).sum()
+
+    a, w = torch.randn(3, 5, requires_grad=True), torch.randn(5, 3, requires_grad=True)
+    expected = torch.autograd.grad(((a.t() * w) ** 2).sum(), (a, w))
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(a, w), (a, w))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
