@@ -4,7 +4,8 @@ config, per model family.
 
 The model is ``Glm53FlashForCausalLM`` on ``_common.WIDE_TEXT`` (hidden 256, 3 KDA + 1 DSA layers, 8 routed experts,
 fp32), random weights (``_common.randomize_``), ``labels = input_ids``. One untimed step warms up, one step is timed
-without the profiler (printed beside), then one step runs under ``torch.profiler`` (CPU activity, input shapes, FLOPs).
+without the profiler (printed beside), one under ``torch.profiler`` without input shapes, FLOPs and family hooks (the
+op-kind table below), then one under it with all three (the family table).
 
 Families, attributed from the outside (nothing of this script is in ``glm53flash_hf``):
 
@@ -27,6 +28,18 @@ FLOPs are the profiler's ``with_flops`` formulas (matrix products, convolutions,
 triangular solve counts 0). Bytes are an estimate: the sizes of the op's tensor inputs (recorded shapes) plus one
 output the size of its largest input, at 4 bytes per element (fp32; index tensors are counted at 4 bytes too).
 
+Op kinds (a second table per step, from the step profiled without shapes, FLOPs and hooks, which inflate small ops
+most; a decode step's from its one profile): the wall time of every outermost ``aten::`` op, children included, in
+``products`` (``mm``, ``bmm``, ``baddbmm``, ``addmm``, ``linalg_solve_triangular``, convolutions), ``gather / select``
+(``index_select``, ``gather``, ``scatter_add``, ``index_add``, ``index_copy``, ``topk``, ``sort``, embedding) and ``other
+aten`` (elementwise, copies, reductions, softmax, cumsum); ``outside aten`` is the rest of the phase (Python, the
+autograd engine, and under ``--compiled`` inductor's generated kernels). ``torch.compile`` calls the same product and
+gather kernels as eager, so the step divided by its products and gathers bounds what compiling can gain; the script
+prints that bound (an upper one: fused kernels still take time).
+
+``--compiled``: the model under ``torch.compile(fullgraph=True, dynamic=False)`` (inductor), the first step compiles
+(untimed); no family hooks (a traced graph has no module calls to hook), so only the op-kind table is printed.
+
 Decode (``--decode C [C ...]``): per context length ``C``, the model in eval mode prefills ``C`` tokens with a cache
 (unprofiled), decodes one token (warm-up) and five more timed without the profiler (their median is printed beside
 the profiled time: the profiler's own cost per op is large against a decode step's small ops), then one more token
@@ -37,6 +50,7 @@ Usage::
     python scripts/profile_cpu.py                          # S = 2048 8192 32768
     python scripts/profile_cpu.py --seqlens 2048 8192 --threads 2 --json prof.json
     python scripts/profile_cpu.py --decode 4096 16384      # one decode step after 4k and 16k tokens of context
+    python scripts/profile_cpu.py --seqlens 8192 --compiled  # op kinds of the compiled step
 """
 
 from __future__ import annotations
@@ -58,6 +72,18 @@ from _common import WIDE_TEXT, randomize_  # noqa: E402
 FAMILIES = ("KDA", "DSA indexer", "sparse MLA", "mHC", "MoE", "loss", "other")
 PHASES = ("forward", "backward", "decode")
 _PREFIX = "fam::"
+KINDS = ("products", "gather / select", "other aten", "outside aten")
+_PRODUCTS = {"mm", "bmm", "baddbmm", "baddbmm_", "addmm", "addbmm", "matmul", "linear", "linalg_solve_triangular",
+             "convolution", "convolution_backward", "mkldnn_convolution", "_convolution", "conv1d"}
+_GATHERS = {"index_select", "gather", "scatter_add", "scatter_add_", "index_add", "index_add_", "index_copy",
+            "index_copy_", "index", "index_put_", "_index_put_impl_", "topk", "sort", "embedding",
+            "embedding_dense_backward", "masked_select", "nonzero"}
+
+
+def op_kind(name: str) -> str:
+    """The kind (:data:`KINDS`) of the ``aten::`` op ``name``."""
+    op = name[len("aten::"):]
+    return "products" if op in _PRODUCTS else "gather / select" if op in _GATHERS else "other aten"
 
 
 class _Range:
@@ -243,7 +269,8 @@ def _bytes_estimate(shapes) -> int:
 
 
 def summarise(events) -> dict:
-    """Per phase and family: time (s), op calls, FLOPs, estimated bytes; from the profiler's events."""
+    """Per phase and family: time (s), op calls, FLOPs, estimated bytes; and per phase the time (s) of each op kind
+    (:data:`KINDS`); from the profiler's events. Returns ``(families, kinds)``."""
     phases = {}
     for ev in events:
         if ev.name.startswith("phase::"):
@@ -251,18 +278,20 @@ def summarise(events) -> dict:
     fams = sorted((ev.time_range.start, ev.time_range.end, ev.name[len(_PREFIX):]) for ev in events
                   if ev.name.startswith(_PREFIX))
     starts = [s for s, _, _ in fams]
-    result = {}
+    result, kinds_out = {}, {}
     for phase, (t0, t1) in phases.items():
         inside = [(max(s, t0), min(e, t1), f) for s, e, f in fams if s < t1 and e > t0]
         times = _innermost_partition(inside, t0, t1)
         rows = {f: {"time_s": times[f] / 1e6, "calls": 0, "flops": 0, "bytes": 0} for f in FAMILIES}
         result[phase] = rows
+        kinds = kinds_out[phase] = dict.fromkeys(KINDS, 0.0)
         for ev in events:
             if not ev.name.startswith("aten::") or not t0 <= ev.time_range.start < t1:
                 continue
             parent = ev.cpu_parent
             if parent is not None and parent.name.startswith("aten::"):
                 continue
+            kinds[op_kind(ev.name)] += (min(ev.time_range.end, t1) - ev.time_range.start) / 1e6
             row = rows[_innermost_at(fams, starts, ev.time_range.start)]
             row["calls"] += 1
             row["flops"] += int(ev.flops or 0)
@@ -280,38 +309,57 @@ def summarise(events) -> dict:
                 top = top.cpu_parent
             if not top.flops:
                 rows[_innermost_at(fams, starts, ev.time_range.start)]["flops"] += int(ev.flops)
-    return result
+        kinds["outside aten"] = max(0.0, (t1 - t0) / 1e6 - sum(kinds.values()))
+    return result, kinds_out
 
 
-def profile_step(model, seq_len: int, seed: int = 1) -> dict:
-    """Warm-up step, one step timed without the profiler, then one profiled forward + backward at ``seq_len``; returns
-    :func:`summarise`'s dict plus both steps' wall times (``step_s`` profiled, ``unprofiled_step_s``) and the loss."""
+def _profiled_step(call, ids, loss_bwd, detailed: bool):
+    """One forward + backward of ``call`` under ``torch.profiler`` with phase ranges; ``detailed`` records input
+    shapes and FLOPs (both cost time per op). Returns ``(events, wall seconds, loss)``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=detailed, with_flops=detailed) as prof:
+        t0 = time.perf_counter()
+        with record_function("phase::forward"):
+            loss = call(input_ids=ids, labels=ids, use_cache=False).loss
+        with record_function("phase::backward"):
+            loss_bwd.open()
+            loss.backward()
+            loss_bwd.close()
+        wall = time.perf_counter() - t0
+    return prof.events(), wall, loss.item()
+
+
+def profile_step(model, seq_len: int, seed: int = 1, compiled: bool = False) -> dict:
+    """Warm-up step, one step timed without the profiler, one profiled without shapes, FLOPs and hooks (the op-kind
+    table, less inflated) and one profiled with them (the family table) at ``seq_len``; returns :func:`summarise`'s
+    ``families`` and ``kinds``, the wall times (``step_s`` of the detailed profile, ``kinds_step_s`` of the plain one,
+    ``unprofiled_step_s``) and the loss. ``compiled``: the step of ``torch.compile(model)``, no family hooks and no
+    detailed profile."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, seq_len), generator=gen)
-    undo, loss_bwd = instrument(model)
-    try:
-        for _ in range(2):  # warm-up, then one step timed without the profiler
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            plain = time.perf_counter() - t0
+    call = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
+    for _ in range(2):  # warm-up (compiles), then one step timed without the profiler
         model.zero_grad(set_to_none=True)
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
-            t0 = time.perf_counter()
-            with record_function("phase::forward"):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            with record_function("phase::backward"):
-                loss_bwd.open()
-                loss.backward()
-                loss_bwd.close()
-            wall = time.perf_counter() - t0
-    finally:
-        for h in undo:
-            h.remove()
-    out = summarise(prof.events())
-    return {"seq_len": seq_len, "step_s": wall, "unprofiled_step_s": plain, "loss": loss.item(), "families": out}
+        t0 = time.perf_counter()
+        call(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        plain = time.perf_counter() - t0
+    # the plain profile first: a process's later profiles run slower than its first
+    model.zero_grad(set_to_none=True)
+    events, kinds_wall, loss = _profiled_step(call, ids, _Range("loss"), detailed=False)
+    kinds = summarise(events)[1]
+    families = None
+    if not compiled:
+        undo, loss_bwd = instrument(model)
+        try:
+            model.zero_grad(set_to_none=True)
+            events, wall, loss = _profiled_step(call, ids, loss_bwd, detailed=True)
+        finally:
+            for h in undo:
+                h.remove()
+        families = summarise(events)[0]
+    return {"seq_len": seq_len, "step_s": kinds_wall if compiled else wall, "kinds_step_s": kinds_wall,
+            "unprofiled_step_s": plain, "loss": loss, "compiled": compiled, "families": families, "kinds": kinds}
 
 
 def profile_decode(model, context: int, seed: int = 1) -> dict:
@@ -343,16 +391,41 @@ def profile_decode(model, context: int, seed: int = 1) -> dict:
         for h in undo:
             h.remove()
         model.train()
-    return {"seq_len": context, "step_s": wall, "unprofiled_step_s": sorted(times)[2], "decode": True,
-            "families": summarise(prof.events())}
+    families, kinds = summarise(prof.events())
+    return {"seq_len": context, "step_s": wall, "kinds_step_s": wall, "unprofiled_step_s": sorted(times)[2],
+            "decode": True, "families": families, "kinds": kinds}
+
+
+def kinds_table(kinds: dict) -> str:
+    """The op-kind table of one step (rows: :data:`KINDS`, columns: phases and their sum) and the bound on what
+    compiling can gain (the step over its products and gathers)."""
+    phases = [p for p in PHASES if p in kinds]
+    total = {k: sum(kinds[p][k] for p in phases) for k in KINDS}
+    step = sum(total.values())
+    lines = ["| op kind | " + " | ".join(f"{p} (s)" for p in phases) + " | step (s) | share |",
+             "|---|" + "---|" * (len(phases) + 2)]
+    for k in KINDS:
+        lines.append(f"| {k} | " + " | ".join(f"{kinds[p][k]:.4f}" for p in phases)
+                     + f" | {total[k]:.4f} | {100 * total[k] / step:.1f} % |")
+    fixed = total["products"] + total["gather / select"]
+    if fixed > 0:
+        lines += ["", f"step / (products + gather / select) = {step / fixed:.2f}x: the most compiling could gain if "
+                      "it removed all other time"]
+    return "\n".join(lines)
 
 
 def table(res: dict) -> str:
-    fam = res["families"]
+    fam = res["families"] or {}
     total = sum(r["time_s"] for p in fam.values() for r in p.values())
     what = f"decode step after {res['seq_len']} tokens" if res.get("decode") else f"S={res['seq_len']}: step"
+    what = f"{what} (compiled)" if res.get("compiled") else what
     plain = f", {res['unprofiled_step_s'] * 1e3:.1f} ms without it" + (" (median of 5)" if res.get("decode") else "")
-    lines = [f"{what}: {res['step_s'] * 1e3:.1f} ms under the profiler{plain} (attributed {total * 1e3:.1f} ms)", "",
+    head = f"{what}: {res['step_s'] * 1e3:.1f} ms under the profiler{plain}"
+    kinds = (f"Op kinds (a profile without shapes, FLOPs and hooks: {res['kinds_step_s'] * 1e3:.1f} ms):\n\n"
+             + kinds_table(res["kinds"]))
+    if res.get("compiled"):
+        return "\n".join([head, "", kinds])
+    lines = [f"{head} (attributed {total * 1e3:.1f} ms)", "",
              "| family | phase | time (s) | share | op calls | GFLOP | GB moved (est.) | GFLOP/s |",
              "|---|---|---|---|---|---|---|---|"]
     for f in FAMILIES:
@@ -367,6 +440,7 @@ def table(res: dict) -> str:
     lines.append("")
     lines.append(f"shares by family ({' + '.join(p for p in PHASES if p in fam)}): " + ", ".join(
         f"{f} {100 * t / total:.1f} %" for f, t in per_family.items()))
+    lines += ["", kinds]
     return "\n".join(lines)
 
 
@@ -378,8 +452,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
                         help="heap policy (glm53flash_hf.train.malloc.set_malloc_policy), as bench_cpu.py --malloc")
+    parser.add_argument("--compiled", action="store_true",
+                        help="profile the torch.compile'd training step (op kinds only; not with --decode)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
+    if args.compiled and args.decode:
+        parser.error("--compiled profiles the training step; it does not combine with --decode")
     torch.set_num_threads(args.threads)
     from glm53flash_hf.train.malloc import set_malloc_policy
 
@@ -387,7 +465,7 @@ def main() -> int:
     model = build_model()
     results = []
     for s in args.decode or args.seqlens:
-        res = profile_decode(model, s) if args.decode else profile_step(model, s)
+        res = profile_decode(model, s) if args.decode else profile_step(model, s, compiled=args.compiled)
         results.append(res)
         print(table(res), flush=True)
         print(flush=True)

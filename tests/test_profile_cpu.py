@@ -45,6 +45,40 @@ def test_profile_cpu_smoke(tmp_path):
     shares = [float(x.split()[-2]) for x in stdout.split("shares by family (forward + backward): ")[1]
               .splitlines()[0].split(", ")]
     assert abs(sum(shares) - 100.0) < 0.5, shares
+    _check_kinds(res, ("forward", "backward"))
+    assert "| op kind | forward (s) | backward (s) | step (s) | share |" in stdout
+
+
+def _check_kinds(res, phases):
+    """The op-kind split: every kind present, products and other aten ops timed, the kinds add up to the plain
+    profile's step (``outside aten`` is its remainder, so the sum can only miss by the time between the phases)."""
+    import profile_cpu
+
+    kinds = res["kinds"]
+    assert set(kinds) == set(phases)
+    for phase in phases:
+        assert set(kinds[phase]) == set(profile_cpu.KINDS)
+        assert kinds[phase]["products"] > 0 and kinds[phase]["other aten"] > 0, kinds[phase]
+        assert min(kinds[phase].values()) >= 0
+    total = sum(t for p in kinds.values() for t in p.values())
+    assert 0.9 * res["kinds_step_s"] <= total <= 1.001 * res["kinds_step_s"], (total, res["kinds_step_s"])
+
+
+def test_op_kinds():
+    import profile_cpu
+
+    assert [profile_cpu.op_kind(f"aten::{n}") for n in ("bmm", "linalg_solve_triangular", "index_select", "topk",
+                                                         "mul", "copy_")] == [
+        "products", "products", "gather / select", "gather / select", "other aten", "other aten"]
+
+
+def test_profile_cpu_compiled_smoke(tmp_path, monkeypatch):
+    """``--compiled``: the compiled step's op kinds (no family table; a traced graph has no module calls to hook)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    stdout, (res,) = _run(tmp_path, "--seqlens", "64", "--compiled")
+    assert "S=64: step (compiled)" in stdout and "| family |" not in stdout
+    assert res["compiled"] is True and res["families"] is None
+    _check_kinds(res, ("forward", "backward"))
 
 
 def test_profile_cpu_decode_smoke(tmp_path):
@@ -58,6 +92,7 @@ def test_profile_cpu_decode_smoke(tmp_path):
         assert rows[family]["calls"] > 0 and rows[family]["time_s"] > 0, (family, rows[family])
     attributed = sum(r["time_s"] for r in rows.values())
     assert 0.8 * res["step_s"] <= attributed <= 1.01 * res["step_s"], (attributed, res["step_s"])
+    _check_kinds(res, ("decode",))
 
 
 def test_backward_range_of_a_multi_input_call_closes(monkeypatch):
