@@ -30,12 +30,12 @@ output the size of its largest input, at 4 bytes per element (fp32; index tensor
 
 Op kinds (a second table per step, from the step profiled without shapes, FLOPs and hooks, which inflate small ops
 most; a decode step's from its one profile): the wall time of every outermost ``aten::`` op, children included, in
-``products`` (``mm``, ``bmm``, ``baddbmm``, ``addmm``, ``linalg_solve_triangular``, convolutions), ``gather / select``
-(``index_select``, ``gather``, ``scatter_add``, ``index_add``, ``index_copy``, ``topk``, ``sort``, embedding) and ``other
-aten`` (elementwise, copies, reductions, softmax, cumsum); ``outside aten`` is the rest of the phase (Python, the
-autograd engine, and under ``--compiled`` inductor's generated kernels). ``torch.compile`` calls the same product and
-gather kernels as eager, so the step divided by its products and gathers bounds what compiling can gain; the script
-prints that bound (an upper one: fused kernels still take time).
+``products`` (``mm``, ``bmm``, ``baddbmm``, ``addmm``, ``linalg_solve_triangular``, convolutions), ``gather /
+select`` (``index_select``, ``gather``, ``scatter_add``, ``index_add``, ``index_copy``, ``topk``, ``sort``, embedding)
+and ``other aten`` (elementwise, copies, reductions, softmax, cumsum); ``outside aten`` is the rest of the phase
+(Python, the autograd engine, and under ``--compiled`` inductor's generated kernels). ``torch.compile`` calls the
+same product and gather kernels as eager, so the step divided by its products and gathers bounds what compiling can
+gain; the script prints that bound (an upper one: fused kernels still take time).
 
 ``--compiled``: the model under ``torch.compile(fullgraph=True, dynamic=False)`` (inductor), the first step compiles
 (untimed); no family hooks (a traced graph has no module calls to hook), so only the op-kind table is printed.
