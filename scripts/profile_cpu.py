@@ -268,7 +268,7 @@ def _bytes_estimate(shapes) -> int:
     return 4 * (sum(sizes) + max(sizes)) if sizes else 0
 
 
-def summarise(events) -> dict:
+def summarise(events) -> tuple[dict, dict]:
     """Per phase and family: time (s), op calls, FLOPs, estimated bytes; and per phase the time (s) of each op kind
     (:data:`KINDS`); from the profiler's events. Returns ``(families, kinds)``."""
     phases = {}
