@@ -313,9 +313,10 @@ def summarise(events) -> tuple[dict, dict]:
     return result, kinds_out
 
 
-def _profiled_step(call, ids, loss_bwd, detailed: bool):
+def _profiled_step(call, ids, detailed: bool, loss_bwd: _Range | None = None):
     """One forward + backward of ``call`` under ``torch.profiler`` with phase ranges; ``detailed`` records input
-    shapes and FLOPs (both cost time per op). Returns ``(events, wall seconds, loss)``."""
+    shapes and FLOPs (both cost time per op); ``loss_bwd``, the loss family's backward range, if any. Returns
+    ``(events, wall seconds, loss)``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=detailed, with_flops=detailed) as prof:
@@ -323,9 +324,11 @@ def _profiled_step(call, ids, loss_bwd, detailed: bool):
         with record_function("phase::forward"):
             loss = call(input_ids=ids, labels=ids, use_cache=False).loss
         with record_function("phase::backward"):
-            loss_bwd.open()
+            if loss_bwd is not None:
+                loss_bwd.open()
             loss.backward()
-            loss_bwd.close()
+            if loss_bwd is not None:
+                loss_bwd.close()
         wall = time.perf_counter() - t0
     return prof.events(), wall, loss.item()
 
@@ -346,14 +349,14 @@ def profile_step(model, seq_len: int, seed: int = 1, compiled: bool = False) -> 
         plain = time.perf_counter() - t0
     # the plain profile first: a process's later profiles run slower than its first
     model.zero_grad(set_to_none=True)
-    events, kinds_wall, loss = _profiled_step(call, ids, _Range("loss"), detailed=False)
+    events, kinds_wall, loss = _profiled_step(call, ids, detailed=False)
     kinds = summarise(events)[1]
     families = None
     if not compiled:
         undo, loss_bwd = instrument(model)
         try:
             model.zero_grad(set_to_none=True)
-            events, wall, loss = _profiled_step(call, ids, loss_bwd, detailed=True)
+            events, wall, loss = _profiled_step(call, ids, detailed=True, loss_bwd=loss_bwd)
         finally:
             for h in undo:
                 h.remove()

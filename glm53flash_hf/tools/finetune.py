@@ -375,7 +375,7 @@ def _check_args(parser, args) -> None:
     if args.ep > 1 and args.sp > 1:
         parser.error(f"--ep and --sp cannot be combined yet; got --ep {args.ep} --sp {args.sp}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.ep > 1 and (world < 2 or world % args.ep):
+    if args.ep > 1 and world % args.ep:  # also refuses a single process
         parser.error(f"--ep {args.ep} needs a launch of several processes whose number it divides (accelerate launch "
                      f"/ torchrun); got {world} process{'es' if world > 1 else ''}")
     if args.ep > 1 and _fsdp_launch():
