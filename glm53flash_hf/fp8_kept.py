@@ -233,7 +233,7 @@ def replace_with_fp8_modules(model: nn.Module, fp8_modules: set[str], modules_to
     ``modules_to_not_convert`` excludes one whose weight is FP8."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from .moe import Glm53FlashExperts
+    from .modeling_glm53flash import Glm53FlashExperts
 
     qc = quantization_config
     named = [(n, m) for n, m in model.named_modules() if any(n == f or n.endswith("." + f) for f in fp8_modules)]
