@@ -48,7 +48,7 @@ from .input_checks import (
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
 from .moe import Glm53FlashMLP, Glm53FlashTopkRouter, clamped_swiglu, grouped_experts_forward
-from .mtp import doc_roll, mtp_loss
+from .mtp import doc_roll, mtp_loss, note_trainer_tags, register_fused_head_mtp
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_layout
 from .sequence_parallel import sp_loss_kwargs
@@ -266,6 +266,13 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         "ffn_hc.base",
         "ffn_hc.scale",
     ]
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """``PreTrainedModel.add_model_tags``; on a causal LM, a TRL trainer's tags also tell which loss its fused LM
+        head computes, hence whether the MTP layer is trained (:func:`.mtp.note_trainer_tags`)."""
+        super().add_model_tags(tags)
+        if self.get_output_embeddings() is not None:
+            note_trainer_tags(self, tags)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """``requested_experts`` when given (checked by ``PreTrainedModel``), else ``"eager"``: this package's experts
@@ -737,7 +744,9 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
     divided by ``num_items_in_batch`` when given, else by the supervised-token count); labels all ``ignore_index``
     give ``loss == mtp_loss == 0.0`` with zero gradients. Raises ``ValueError`` for ``labels`` / ``shift_labels``
     on the meta device, not integer, not ``[B, S]`` or with ids outside ``[0, vocab_size)``, for
-    ``num_items_in_batch <= 0`` or ``logits_to_keep < 0``, and the text model's input errors.
+    ``num_items_in_batch <= 0`` or ``logits_to_keep < 0``, and the text model's input errors. Under a trainer's
+    fused LM head (TRL's ``fused_lm_head=True``) the MTP loss joins an SFT trainer's loss
+    (:func:`.mtp.register_fused_head_mtp`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -752,6 +761,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         self.model = Glm53FlashTextModel._from_config(text_config)
         self.vocab_size = text_config.vocab_size
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        register_fused_head_mtp(self)
         self.post_init()
 
     @can_return_tuple
@@ -995,7 +1005,7 @@ def _has_fsdp_units(module: nn.Module) -> bool:
 class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
     """GLM-5.3-Flash image/video-text-to-text model (``AutoModelForImageTextToText``, keys as
     ``Glm5NextForConditionalGeneration``): :class:`Glm53FlashModel`'s inputs plus ``labels``, ``num_items_in_batch``,
-    ``logits_to_keep``; loss and label checks as :class:`Glm53FlashForCausalLM`."""
+    ``logits_to_keep``; loss, label checks and TRL's fused LM head as :class:`Glm53FlashForCausalLM`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -1008,6 +1018,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         text_config = config.get_text_config(decoder=True)
         self.vocab_size = text_config.vocab_size
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        register_fused_head_mtp(self)
         self.post_init()
 
     def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
