@@ -39,6 +39,12 @@ def conversation(i: int) -> list[dict]:
     ]
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """The trainers' ``output_dir="out"`` inside the test's temporary folder."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_tiny(str(tmp_path_factory.mktemp("trl") / "tiny"), show_progress=False)
@@ -110,7 +116,7 @@ def assert_same_grads(got: dict, want: dict, names) -> float:
 def sft_step(model, tokenizer, dataset, peft_config=None, **config):
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir="unused", max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+    args = SFTConfig(output_dir="out", max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                      max_grad_norm=0.0, **CPU, **config)  # fmt: skip
     recorder = _Recorder(model)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -176,7 +182,7 @@ def test_sft_default_config_trains(folder, tokenizer, chats):
     model = load(folder)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     recorder = _Recorder(model)
-    args = SFTConfig(output_dir="unused", max_steps=2, per_device_train_batch_size=2, **CPU)
+    args = SFTConfig(output_dir="out", max_steps=2, per_device_train_batch_size=2, **CPU)
     trainer = SFTTrainer(model=model, args=args, train_dataset=chats, processing_class=tokenizer,
                          callbacks=[recorder])  # fmt: skip
     trainer.train()
@@ -198,7 +204,7 @@ def test_sft_labels_train_every_end_of_turn(folder, tokenizer, assistant_only_lo
 
     messages = conversation(3)
     dataset = datasets.Dataset.from_list([{"messages": messages}] * 2)
-    args = SFTConfig(output_dir="unused", max_steps=1, per_device_train_batch_size=2,
+    args = SFTConfig(output_dir="out", max_steps=1, per_device_train_batch_size=2,
                      assistant_only_loss=assistant_only_loss, **CPU)  # fmt: skip
     trainer = SFTTrainer(model=load(folder), args=args, train_dataset=dataset, processing_class=tokenizer)
     row = trainer.train_dataset[0]
@@ -243,7 +249,7 @@ def test_packed_documents_stay_isolated(folder, tokenizer, chats, mode):
 
     model = load(folder, dtype=torch.float32)
     config = dict(packing=True) if mode == "packing" else dict(padding_free=True, max_length=None)
-    args = SFTConfig(output_dir="unused", per_device_train_batch_size=4, **CPU, **config)
+    args = SFTConfig(output_dir="out", per_device_train_batch_size=4, **CPU, **config)
     trainer = SFTTrainer(model=model, args=args, train_dataset=chats, processing_class=tokenizer)
     batch = next(iter(trainer.get_train_dataloader()))
     assert batch["input_ids"].shape[0] == 1 and "position_ids" in batch and "attention_mask" not in batch
@@ -270,7 +276,7 @@ def test_dpo_default_config(folder, tokenizer):
          "rejected": [{"role": "assistant", "content": "No."}]} for i in range(4)
     ])  # fmt: skip
     model = load(folder)
-    args = DPOConfig(output_dir="unused", max_steps=1, per_device_train_batch_size=2, trust_remote_code=True, **CPU)
+    args = DPOConfig(output_dir="out", max_steps=1, per_device_train_batch_size=2, trust_remote_code=True, **CPU)
     with pytest.warns(UserWarning, match=r"'dpo' trainer .* MTP layer \(layers\.6"):
         trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     assert type(trainer.ref_model).__module__ == type(model).__module__  # not transformers' built-in glm5_next
@@ -292,7 +298,7 @@ def test_grpo_default_config(folder, tokenizer):
     def reward_length(completions, **kwargs):
         return [float(len(c[0]["content"])) for c in completions]
 
-    args = GRPOConfig(output_dir="unused", max_steps=1, per_device_train_batch_size=4, num_generations=4,
+    args = GRPOConfig(output_dir="out", max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, **CPU)  # fmt: skip
     with pytest.warns(UserWarning, match=r"'grpo' trainer .* MTP layer"):
         trainer = GRPOTrainer(model=load(folder), reward_funcs=reward_length, args=args, train_dataset=dataset,
