@@ -65,6 +65,39 @@ def check_numeric_fields(config, positive_ints=(), non_negative_ints=(), positiv
                 raise ValueError(f"{type(config).__name__}.{name} must be {expected}; got {name}={value!r}")
 
 
+# Other transformers MoE configs' names for our fields (Mixtral / DeepSeek ``num_local_experts``, Qwen-MoE
+# ``num_experts``, ``num_shared_experts``, DeepSeek-V3 / GLM-4.5 ``num_mtp_layers``), read by clients such as TRL and
+# transformers' MTP drafting; set through either name.
+MOE_ALIASES = {
+    "num_local_experts": "n_routed_experts",
+    "num_experts": "n_routed_experts",
+    "num_shared_experts": "n_shared_experts",
+    "num_mtp_layers": "num_nextn_predict_layers",
+}
+
+
+def _derived(name: str, fget, doc: str) -> property:
+    """A read-only config attribute computed by ``fget``; setting it (a ``config.json`` that carries it) accepts the
+    computed value and raises ``ValueError`` naming the attribute for another."""
+
+    def fset(config, value):
+        try:
+            computed = fget(config)
+        except AttributeError as err:
+            raise ValueError(f"{name}={value!r} cannot hold: {err}") from None
+        if value != computed:
+            raise ValueError(f"{name}={value!r} contradicts the config: {doc} gives {computed!r}")
+
+    return property(fget, fset, doc=doc)
+
+
+def _dense_prefix(config) -> int:
+    dense = [i for i, t in enumerate(config.mlp_layer_types) if t == "dense"]
+    if dense != list(range(len(dense))):
+        raise AttributeError(f"the dense layers {dense} of mlp_layer_types are not the first ones")
+    return len(dense)
+
+
 def normalize_kernels(value) -> dict:
     """``{family: choice}`` for every family of :data:`KERNEL_FAMILIES`; ``ValueError`` for an unknown one or choice."""
     if value is None:
@@ -100,6 +133,11 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
     mtp_loss_weight (`float`, defaults to 0.1):
         Weight of the MTP loss added to ``loss``; 0 turns it off.
 
+    Other MoE configs' names resolve to these fields: :data:`MOE_ALIASES` (``num_experts``, ``num_local_experts``,
+    ``num_shared_experts``, ``num_mtp_layers``) and the derived ``shared_expert_intermediate_size``,
+    ``mlp_only_layers``, ``decoder_sparse_step`` and ``first_k_dense_replace``. ``head_dim`` keeps transformers'
+    MLA convention (the RoPE part of a head, 0 here; the full query/key head is ``qk_head_dim``).
+
     ``layer_types`` accepts ``"linear_attention"``, ``"indexed_attention"`` and the older
     ``"deepseek_sparse_attention"`` / ``"full_attention"`` (normalised to ``"indexed_attention"``).
     """
@@ -108,6 +146,23 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
     kernels: dict | str | None = None
     mtp_depth: int = 1
     mtp_loss_weight: float = 0.1
+
+    attribute_map = {**Glm5NextTextConfig.attribute_map, **MOE_ALIASES}
+    # other MoE configs' names for quantities derived from these fields (Qwen2-MoE, DeepSeek-V3 / GLM-4.5 layouts)
+    shared_expert_intermediate_size = _derived(
+        "shared_expert_intermediate_size", lambda c: c.moe_intermediate_size * c.n_shared_experts,
+        "moe_intermediate_size * n_shared_experts, the width of the shared expert MLP",
+    )
+    mlp_only_layers = _derived(
+        "mlp_only_layers", lambda c: [i for i, t in enumerate(c.mlp_layer_types) if t == "dense"],
+        "the dense layers of mlp_layer_types",
+    )
+    decoder_sparse_step = _derived(
+        "decoder_sparse_step", lambda c: 1, "1: every layer not in mlp_only_layers is a MoE layer"
+    )
+    first_k_dense_replace = _derived(
+        "first_k_dense_replace", _dense_prefix, "the number of leading dense layers of mlp_layer_types"
+    )
 
     def __post_init__(self, **kwargs):
         if self.layer_types is not None:
@@ -214,10 +269,32 @@ class Glm53FlashVisionConfig(Glm5NextVisionConfig):
 @strict
 class Glm53FlashConfig(Glm5NextConfig):
     """Top-level GLM-5.3-Flash configuration (``model_type = "glm5_next"``): ``text_config`` and ``vision_config``
-    (flat text-only configs go to ``text_config``).
+    (flat text-only configs go to ``text_config``). The MoE / MTP attributes of :data:`VL_TEXT_ATTRIBUTES` read and
+    set ``text_config``'s.
     """
 
     sub_configs_defaults = {"vision_config": Glm53FlashVisionConfig, "text_config": Glm53FlashTextConfig}
 
 
-__all__ = ["Glm53FlashConfig", "Glm53FlashTextConfig", "Glm53FlashVisionConfig", "normalize_kernels"]
+def _from_text_config(name: str) -> property:
+    def fget(config):
+        return getattr(config.text_config, name)
+
+    def fset(config, value):
+        setattr(config.text_config, name, value)
+
+    return property(fget, fset, doc=f"``text_config.{name}``")
+
+
+# the MoE / MTP names clients read from a model's config, on the VL config too (read and set on text_config)
+VL_TEXT_ATTRIBUTES = (
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef",
+    "output_router_logits", "num_nextn_predict_layers", *MOE_ALIASES, "shared_expert_intermediate_size",
+    "mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace",
+)  # fmt: skip
+for _name in VL_TEXT_ATTRIBUTES:
+    setattr(Glm53FlashConfig, _name, _from_text_config(_name))
+
+
+__all__ = ["MOE_ALIASES", "VL_TEXT_ATTRIBUTES", "Glm53FlashConfig", "Glm53FlashTextConfig", "Glm53FlashVisionConfig",
+           "normalize_kernels"]

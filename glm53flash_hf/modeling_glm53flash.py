@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
@@ -45,8 +47,8 @@ from .input_checks import (
 )
 from .kda import Glm53FlashLinearAttention, init_kda_weights
 from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
-from .moe import Glm53FlashMLP, Glm53FlashMoE, Glm53FlashTopkRouter, init_moe_weights
-from .mtp import doc_roll, mtp_loss
+from .moe import Glm53FlashMLP, Glm53FlashTopkRouter, clamped_swiglu, grouped_experts_forward
+from .mtp import doc_roll, mtp_loss, note_trainer_tags, register_fused_head_mtp
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_layout
 from .sequence_parallel import sp_loss_kwargs
@@ -62,6 +64,84 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_glm53flash.Glm53FlashForCausalLM",
     "AutoModelForImageTextToText": "modeling_glm53flash.Glm53FlashForConditionalGeneration",
 }
+
+
+@use_experts_implementation
+class Glm53FlashExperts(nn.Module):
+    """Routed experts in transformers' layout: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``.
+
+    Carries ``@use_experts_implementation``: ``config._experts_implementation`` may pick transformers'
+    ``"grouped_mm"``, ``"batched_mm"`` or hub kernels (all use :meth:`_apply_gate`, the clamped SwiGLU); ``"eager"``
+    or ``None`` run this forward, :func:`.moe.grouped_experts_forward` with ``config.kernels["moe"]``. Forward:
+    ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in ``hidden.dtype``. PEFT's
+    ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` works.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.swiglu_limit = config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return grouped_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                       self.swiglu_limit, backend=requested_backend(self.config, "moe"),
+                                       drop_out_of_range=getattr(self, "_is_expert_parallel", False))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[S, 2I]`` gate/up projection -> ``[S, I]`` clamped SwiGLU (for transformers' implementations)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return clamped_swiglu(gate, up, self.swiglu_limit)
+
+
+class Glm53FlashMoE(nn.Module):
+    """MoE block (``Glm5NextTextMoE``): ``experts`` weighted by ``gate`` plus ``shared_experts``, added unscaled.
+
+    ``h [..., H]`` -> same shape and dtype; with ``return_router_logits`` also ``router_logits`` fp32 ``[T, E]``.
+    ``expert_parallel`` (``None``: every expert local) may be set to ``fn(experts, hidden [T, H], top_k_index,
+    top_k_weights) -> [T, H]`` (:func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel`).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.experts = Glm53FlashExperts(config)
+        self.gate = Glm53FlashTopkRouter(config)
+        self.shared_experts = Glm53FlashMLP(
+            config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts
+        )
+        self.expert_parallel = None
+
+    def forward(self, hidden_states: torch.Tensor, return_router_logits: bool = False):
+        shape = hidden_states.shape
+        router_logits, topk_weights, topk_indices = self.gate(hidden_states)
+        tokens = hidden_states.reshape(-1, shape[-1])
+        if self.expert_parallel is None:
+            routed = self.experts(tokens, topk_indices, topk_weights).view(shape)
+        else:
+            routed = self.expert_parallel(self.experts, tokens, topk_indices, topk_weights).view(shape)
+        out = routed + self.shared_experts(hidden_states)
+        if return_router_logits:
+            return out, router_logits
+        return out
+
+
+
+def init_moe_weights(module: nn.Module, config) -> None:
+    """MoE init as ``Glm5NextPreTrainedModel._init_weights``: expert weights and router ``weight`` ~
+    ``N(0, initializer_range)``, ``e_score_correction_bias`` 0 (loaded tensors are skipped)."""
+    std = config.initializer_range
+    if isinstance(module, Glm53FlashExperts):
+        init.normal_(module.gate_up_proj, mean=0.0, std=std)
+        init.normal_(module.down_proj, mean=0.0, std=std)
+    elif isinstance(module, Glm53FlashTopkRouter):
+        init.normal_(module.weight, mean=0.0, std=std)
+        init.zeros_(module.e_score_correction_bias)
 
 
 class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
@@ -187,10 +267,12 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         "ffn_hc.scale",
     ]
 
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        """``True``: the routed experts carry transformers' experts-implementation decorator."""
-        return True
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """``PreTrainedModel.add_model_tags``; on a causal LM, a TRL trainer's tags also tell which loss its fused LM
+        head computes, hence whether the MTP layer is trained (:func:`.mtp.note_trainer_tags`)."""
+        super().add_model_tags(tags)
+        if self.get_output_embeddings() is not None:
+            note_trainer_tags(self, tags)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """``requested_experts`` when given (checked by ``PreTrainedModel``), else ``"eager"``: this package's experts
@@ -662,7 +744,9 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
     divided by ``num_items_in_batch`` when given, else by the supervised-token count); labels all ``ignore_index``
     give ``loss == mtp_loss == 0.0`` with zero gradients. Raises ``ValueError`` for ``labels`` / ``shift_labels``
     on the meta device, not integer, not ``[B, S]`` or with ids outside ``[0, vocab_size)``, for
-    ``num_items_in_batch <= 0`` or ``logits_to_keep < 0``, and the text model's input errors.
+    ``num_items_in_batch <= 0`` or ``logits_to_keep < 0``, and the text model's input errors. Under a trainer's
+    fused LM head (TRL's ``fused_lm_head=True``) the MTP loss joins an SFT trainer's loss
+    (:func:`.mtp.register_fused_head_mtp`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -677,6 +761,7 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
         self.model = Glm53FlashTextModel._from_config(text_config)
         self.vocab_size = text_config.vocab_size
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        register_fused_head_mtp(self)
         self.post_init()
 
     @can_return_tuple
@@ -920,7 +1005,7 @@ def _has_fsdp_units(module: nn.Module) -> bool:
 class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
     """GLM-5.3-Flash image/video-text-to-text model (``AutoModelForImageTextToText``, keys as
     ``Glm5NextForConditionalGeneration``): :class:`Glm53FlashModel`'s inputs plus ``labels``, ``num_items_in_batch``,
-    ``logits_to_keep``; loss and label checks as :class:`Glm53FlashForCausalLM`."""
+    ``logits_to_keep``; loss, label checks and TRL's fused LM head as :class:`Glm53FlashForCausalLM`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -933,6 +1018,7 @@ class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashP
         text_config = config.get_text_config(decoder=True)
         self.vocab_size = text_config.vocab_size
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        register_fused_head_mtp(self)
         self.post_init()
 
     def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
@@ -976,4 +1062,5 @@ Glm53FlashModel.register_for_auto_class("AutoModel")
 Glm53FlashForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
 
 __all__ = ["Glm53FlashPreTrainedModel", "Glm53FlashTextModel", "Glm53FlashForCausalLM", "Glm53FlashModel",
-           "Glm53FlashForConditionalGeneration", "Glm53FlashDecoderLayer", "Glm53FlashMTPLayer"]
+           "Glm53FlashForConditionalGeneration", "Glm53FlashDecoderLayer", "Glm53FlashMTPLayer", "Glm53FlashExperts",
+           "Glm53FlashMoE", "init_moe_weights"]

@@ -1,18 +1,18 @@
-"""Feed-forward modules of GLM-5.3-Flash: dense MLP, sigmoid top-k router, routed experts and the MoE block.
+"""Feed-forward modules of GLM-5.3-Flash: dense MLP, sigmoid top-k router and the routed experts' forward (the
+experts module and the MoE block are in :mod:`.modeling_glm53flash`, where transformers looks for the experts
+decorator).
 
-Source: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextMLP``, ``Glm5NextTextTopkRouter``,
-``Glm5NextTextExperts``, ``Glm5NextTextMoE``); parameter names, shapes and dtypes as there, so state dicts are
-interchangeable. The maths is in :mod:`.moe_ops`, the fused kernels in :mod:`.moe_fused`.
+Source: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextMLP``, ``Glm5NextTextTopkRouter``);
+parameter names, shapes and dtypes as there, so state dicts are interchangeable. The maths is in :mod:`.moe_ops`,
+the fused kernels in :mod:`.moe_fused`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import initialization as init
-from transformers.integrations import use_experts_implementation
 
-from .dispatch import op_for, register_fused, requested_backend
+from .dispatch import op_for, register_fused
 from .moe_ops import clamped_swiglu, experts_forward_torch, topk_routing
 
 
@@ -120,82 +120,4 @@ def grouped_experts_forward(
               drop_out_of_range=drop_out_of_range)
 
 
-@use_experts_implementation
-class Glm53FlashExperts(nn.Module):
-    """Routed experts in transformers' layout: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``.
-
-    Carries ``@use_experts_implementation``: ``config._experts_implementation`` may pick transformers'
-    ``"grouped_mm"``, ``"batched_mm"`` or hub kernels (all use :meth:`_apply_gate`, the clamped SwiGLU); ``"eager"``
-    or ``None`` run this forward, :func:`grouped_experts_forward` with ``config.kernels["moe"]``. Forward:
-    ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in ``hidden.dtype``. PEFT's
-    ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` works.
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.n_routed_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.swiglu_limit = config.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        return grouped_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                       self.swiglu_limit, backend=requested_backend(self.config, "moe"),
-                                       drop_out_of_range=getattr(self, "_is_expert_parallel", False))
-
-    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``[S, 2I]`` gate/up projection -> ``[S, I]`` clamped SwiGLU (for transformers' implementations)."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return clamped_swiglu(gate, up, self.swiglu_limit)
-
-
-class Glm53FlashMoE(nn.Module):
-    """MoE block (``Glm5NextTextMoE``): ``experts`` weighted by ``gate`` plus ``shared_experts``, added unscaled.
-
-    ``h [..., H]`` -> same shape and dtype; with ``return_router_logits`` also ``router_logits`` fp32 ``[T, E]``.
-    ``expert_parallel`` (``None``: every expert local) may be set to ``fn(experts, hidden [T, H], top_k_index,
-    top_k_weights) -> [T, H]`` (:func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel`).
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.experts = Glm53FlashExperts(config)
-        self.gate = Glm53FlashTopkRouter(config)
-        self.shared_experts = Glm53FlashMLP(
-            config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts
-        )
-        self.expert_parallel = None
-
-    def forward(self, hidden_states: torch.Tensor, return_router_logits: bool = False):
-        shape = hidden_states.shape
-        router_logits, topk_weights, topk_indices = self.gate(hidden_states)
-        tokens = hidden_states.reshape(-1, shape[-1])
-        if self.expert_parallel is None:
-            routed = self.experts(tokens, topk_indices, topk_weights).view(shape)
-        else:
-            routed = self.expert_parallel(self.experts, tokens, topk_indices, topk_weights).view(shape)
-        out = routed + self.shared_experts(hidden_states)
-        if return_router_logits:
-            return out, router_logits
-        return out
-
-
-def init_moe_weights(module: nn.Module, config) -> None:
-    """MoE init as ``Glm5NextPreTrainedModel._init_weights``: expert weights and router ``weight`` ~
-    ``N(0, initializer_range)``, ``e_score_correction_bias`` 0 (loaded tensors are skipped)."""
-    std = config.initializer_range
-    if isinstance(module, Glm53FlashExperts):
-        init.normal_(module.gate_up_proj, mean=0.0, std=std)
-        init.normal_(module.down_proj, mean=0.0, std=std)
-    elif isinstance(module, Glm53FlashTopkRouter):
-        init.normal_(module.weight, mean=0.0, std=std)
-        init.zeros_(module.e_score_correction_bias)
-
-
-__all__ = ["Glm53FlashExperts", "Glm53FlashMLP", "Glm53FlashMoE", "Glm53FlashTopkRouter", "clamped_swiglu",
-           "grouped_experts_forward", "init_moe_weights"]
+__all__ = ["Glm53FlashMLP", "Glm53FlashTopkRouter", "clamped_swiglu", "grouped_experts_forward"]

@@ -8,6 +8,8 @@ with token 0 / zero embedding / -100.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -67,9 +69,7 @@ def mtp_loss(
     for k, hidden in enumerate(mtp_hidden_states, start=1):
         logits = lm_head(hidden)
         target = mtp_targets(labels, layout, k, ignore_index, shifted).to(logits.device)
-        ce = nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), target.flatten(), ignore_index=ignore_index, reduction="sum"
-        )
+        ce = _token_nll(logits, target, ignore_index).sum()
         if num_items_in_batch is not None:
             denom = num_items_in_batch.to(ce.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
         else:
@@ -78,3 +78,132 @@ def mtp_loss(
         losses.append(ce / denom)
         all_logits.append(logits)
     return torch.stack(losses).mean(), tuple(all_logits)
+
+
+def _token_nll(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """fp32 cross-entropy of each row of ``logits`` ``[..., V]`` against ``target`` ``[...]``, flat; 0 where ignored."""
+    return nn.functional.cross_entropy(
+        logits.float().flatten(0, -2), target.flatten(), ignore_index=ignore_index, reduction="none"
+    )
+
+
+def mtp_token_nll(lm_head: nn.Module, mtp_hidden_states, labels, layout, ignore_index: int = -100,
+                  shifted: bool = False) -> torch.Tensor:
+    """Sum over depths of each position's MTP cross-entropy ``[B, S]`` fp32 (the terms :func:`mtp_loss` sums per
+    depth; 0 where a depth has no target), with logits only at the targeted positions."""
+    total = None
+    for k, hidden in enumerate(mtp_hidden_states, start=1):
+        target = mtp_targets(labels, layout, k, ignore_index, shifted).to(hidden.device)
+        keep = target != ignore_index
+        nll = _token_nll(lm_head(hidden[keep]), target[keep], ignore_index)
+        # masked_scatter keeps a depth without targets connected to the graph (a zero with zero gradients)
+        per_token = torch.zeros(target.shape, dtype=torch.float32, device=hidden.device).masked_scatter(keep, nll)
+        total = per_token if total is None else total + per_token
+    return total
+
+
+# ------------------------------------------------------------------- MTP under a trainer's fused LM head (TRL)
+#
+# TRL's trainers replace the model's forward by a fused LM head (trl.trainer.utils.add_fused_lm_head):
+# model(..., labels=labels, fused_lm_head=True) runs the backbone without labels and returns per-token
+# log-probabilities, from which the trainer computes its loss outside the model. The hooks below let the MTP layer's
+# loss join that loss: the MTP layer runs inside the backbone call, and its per-token log-probabilities, weighted by
+# mtp_loss_weight / mtp_depth, are added to the returned log_probs with value zero (x - x.detach()). The gradient
+# the trainer's loss sends to log_probs then reaches the MTP terms with every factor the trainer applies
+# (num_items_in_batch, gradient accumulation, the DDP world size, a loss scaler). For SFT's loss, -sum(log_probs) / N,
+# that is exactly mtp_loss_weight * mtp_loss as our own forward adds it with num_items_in_batch=N. Other trainers'
+# losses (DPO, GRPO, KTO, ...) are not the LM loss on labels; the MTP layer is then left out, with a warning.
+
+_TRL_LM_LOSS = "sft"  # the TRL trainer tag whose fused-head loss is the LM loss on labels
+
+
+def _mtp_on(model) -> bool:
+    config = model.config.get_text_config(decoder=True)
+    return config.num_nextn_predict_layers > 0 and config.mtp_loss_weight > 0
+
+
+def note_trainer_tags(model, tags) -> None:
+    """Record the TRL trainer that tags ``model`` (every TRL trainer calls ``model.add_model_tags(["trl", kind])``);
+    a kind other than SFT, whose loss is not the LM loss on labels, warns that the MTP layer is not trained."""
+    tags = [tags] if isinstance(tags, str) else list(tags)
+    if "trl" not in tags:
+        return
+    kind = next((t for t in tags if t != "trl"), "trl")
+    model._trl_trainer = kind
+    if kind != _TRL_LM_LOSS and _mtp_on(model):
+        config = model.config.get_text_config(decoder=True)
+        warnings.warn(
+            f"TRL's {kind!r} trainer computes its loss from the main head's log-probabilities, not the LM loss on "
+            f"labels, so the MTP layer (layers.{config.num_hidden_layers}, the drafter of generate(use_mtp=True)) "
+            "is not trained and keeps its weights. Train it with an SFT pass on the same data (TRL's SFTTrainer or "
+            "glm53flash-finetune), or generate without use_mtp.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _warn_once(model, message: str) -> None:
+    warned = model.__dict__.setdefault("_mtp_warned", set())
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _fused_head_start(model, args, kwargs):
+    if not kwargs.get("fused_lm_head"):
+        return None
+    requested = kwargs.pop("mtp", None)  # our forward's switch; the fused forward would hand it to the backbone
+    if requested is False or not _mtp_on(model) or not model.training:
+        return args, kwargs
+    if kwargs.get("labels") is None and kwargs.get("shift_labels") is None:
+        return args, kwargs
+    if getattr(model, "_trl_trainer", None) != _TRL_LM_LOSS:
+        if getattr(model, "_trl_trainer", None) is None:  # other TRL trainers were warned at their start
+            _warn_once(model, "fused_lm_head=True outside TRL's SFTTrainer: the loss made of the returned log_probs "
+                              "is not known to be the LM loss, so the MTP layer is not trained by it")
+        return args, kwargs
+    if not torch.is_grad_enabled():
+        _warn_once(model, "SFTTrainer called the fused LM head without gradients while training (its loss came from "
+                          "the full logits: compute_loss_func or label smoothing), so the MTP layer is not trained")
+        return args, kwargs
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return args, kwargs
+    captured = {}  # the backbone's output in this call (TRL keeps only last_hidden_state)
+    handle = model.base_model.register_forward_hook(lambda _m, _a, out: captured.setdefault("output", out))
+    model._fused_head_call = handle, captured
+    kwargs["mtp_depth"] = model.config.get_text_config(decoder=True).mtp_depth
+    return args, kwargs
+
+
+def _fused_head_end(model, args, kwargs, output):
+    handle, captured = model.__dict__.pop("_fused_head_call", (None, {}))
+    if handle is None:
+        return None
+    handle.remove()
+    backbone = captured.get("output")
+    hidden = getattr(backbone, "mtp_hidden_states", None)
+    log_probs = getattr(output, "log_probs", None)
+    if not hidden or log_probs is None:
+        return None
+    shifted = kwargs.get("shift_labels") is not None
+    labels = kwargs["shift_labels"] if shifted else kwargs["labels"]
+    nll = mtp_token_nll(model.get_output_embeddings(), hidden, labels, backbone.document_layout, shifted=shifted)
+    config = model.config.get_text_config(decoder=True)
+    weighted = -(config.mtp_loss_weight / len(hidden)) * nll  # [B, S]: position t's MTP log-likelihood terms
+    weighted = weighted if shifted else weighted[:, :-1]  # log_probs[:, t] scores position t (t < S - 1)
+    zero = (weighted - weighted.detach()).to(log_probs.dtype)  # value 0, gradient of the weighted MTP terms
+    output.log_probs = log_probs + zero
+    given = kwargs.get("num_items_in_batch")
+    count = output.label_mask.sum().clamp(min=1) if given is None else given
+    if getattr(output, "loss", None) is not None:  # the fused head's own loss, -sum(log_probs) / count
+        output.loss = output.loss - zero.sum() / count
+    output["mtp_loss"] = (nll.sum() / (len(hidden) * count)).detach()
+    return output
+
+
+def register_fused_head_mtp(model: nn.Module) -> None:
+    """Make a trainer's fused LM head (TRL's ``fused_lm_head=True`` calls) train ``model``'s MTP layer with the LM
+    loss: forward hooks on the causal LM (see the comment above). The returned ``log_probs`` and ``loss`` keep their
+    values; the output gains ``mtp_loss`` (detached, per depth mean as :func:`mtp_loss` with the same count)."""
+    model.register_forward_pre_hook(_fused_head_start, with_kwargs=True)
+    model.register_forward_hook(_fused_head_end, with_kwargs=True, always_call=True)

@@ -77,7 +77,7 @@ def _cpu_worker(rank: int, world: int, port: int, tokens: int, repeats: int, out
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
-    from glm53flash_hf.moe import Glm53FlashMoE, init_moe_weights
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashMoE, init_moe_weights
     from glm53flash_hf.train.expert_parallel import apply_expert_parallel
 
     with open(os.path.join(ROOT, "configuration", "tiny.json")) as f:

@@ -75,7 +75,7 @@ import gpu_cost  # noqa: E402
 from gpu_modules import RELEASE_TEXT, TINY_TEXT, randomize_, to_model_dtypes_  # noqa: E402
 from transformers.models.glm5_next import modeling_glm5_next as hf  # noqa: E402
 
-from glm53flash_hf import dispatch, dsa, kda, mhc, moe  # noqa: E402
+from glm53flash_hf import dispatch, dsa, kda, mhc, modeling_glm53flash, moe  # noqa: E402
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig  # noqa: E402
 from glm53flash_hf.packing import build_document_layout  # noqa: E402
 
@@ -234,8 +234,8 @@ def case_mhc(sizes, seq, device, dtype, with_torch):
 
 def case_moe(sizes, seq, device, dtype, with_torch):
     c = Case()
-    ours, ours_t, hf_mod = build_pair(moe.Glm53FlashMoE, hf.Glm5NextTextMoE, sizes, "moe", device, dtype, seed=4,
-                                      hf_config_kw=dict(experts="grouped_mm"))
+    ours, ours_t, hf_mod = build_pair(modeling_glm53flash.Glm53FlashMoE, hf.Glm5NextTextMoE, sizes, "moe", device,
+                                      dtype, seed=4, hf_config_kw=dict(experts="grouped_mm"))
     gen = torch.Generator(device=device).manual_seed(24)
     hidden = sizes["hidden_size"]
     x, go = leaf(rand((1, seq, hidden), device, dtype, gen)), rand((1, seq, hidden), device, dtype, gen)

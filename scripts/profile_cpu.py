@@ -172,7 +172,8 @@ def instrument(model) -> tuple[list, _Range]:
     from glm53flash_hf.dsa import Glm53FlashAttention, Glm53FlashIndexer
     from glm53flash_hf.kda import Glm53FlashLinearAttention
     from glm53flash_hf.mhc import Glm53FlashHyperConnection
-    from glm53flash_hf.moe import Glm53FlashMLP, Glm53FlashMoE
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashMoE
+    from glm53flash_hf.moe import Glm53FlashMLP
 
     classes = {Glm53FlashLinearAttention: "KDA", Glm53FlashIndexer: "DSA indexer", Glm53FlashAttention: "sparse MLA",
                Glm53FlashHyperConnection: "mHC", Glm53FlashMoE: "MoE", Glm53FlashMLP: "MoE"}

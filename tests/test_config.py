@@ -74,3 +74,42 @@ def test_kernels_setting():
 def test_validation_names_field_and_value(kwargs, match):
     with pytest.raises(Exception, match=match):
         Glm53FlashTextConfig(**kwargs)
+
+
+def test_moe_names_of_other_configs_resolve(tmp_path):
+    """The MoE / MTP names of other transformers MoE configs that clients read (TRL's aux loss reads ``num_experts``,
+    transformers' FP8 experts ``num_local_experts``, its MTP drafting ``num_mtp_layers``, TRL's FLOP count
+    ``decoder_sparse_step``) give this config's values, on the text config and on the VL config; the aliases set
+    their field; derived values reject a contradicting one; nothing extra is saved."""
+    config = Glm53FlashConfig.from_json_file("configuration/tiny.json")
+    text = config.text_config
+    # configuration/tiny.json: 8 routed experts of width 32, 1 shared, top-2, one MTP layer, layer 0 dense
+    expected = {
+        "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "num_shared_experts": 1,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "num_mtp_layers": 1, "num_nextn_predict_layers": 1,
+        "mlp_only_layers": [0], "decoder_sparse_step": 1, "first_k_dense_replace": 1,
+        "router_aux_loss_coef": 0.001, "output_router_logits": False,
+    }  # fmt: skip
+    for owner in (text, config):
+        assert {name: getattr(owner, name) for name in expected} == expected, type(owner).__name__
+    config.output_router_logits = True  # what TRL and users set on model.config
+    assert text.output_router_logits is True
+    text.num_experts = 16
+    assert text.n_routed_experts == 16 and config.num_local_experts == 16
+    text.num_experts = 8
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not {"num_experts", "num_local_experts", "first_k_dense_replace"} & (set(saved) | set(saved["text_config"]))
+    assert Glm53FlashConfig.from_pretrained(tmp_path).text_config.num_experts == 8
+
+    # released configs carry first_k_dense_replace next to mlp_layer_types: accepted when they agree
+    released = Glm53FlashTextConfig(index_kpool=4, num_hidden_layers=5, first_k_dense_replace=3)
+    assert released.mlp_only_layers == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"first_k_dense_replace=2 contradicts the config: .* gives 3"):
+        Glm53FlashTextConfig(index_kpool=4, num_hidden_layers=5, first_k_dense_replace=2)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=7"):
+        Glm53FlashTextConfig(index_kpool=4, num_hidden_layers=5, shared_expert_intermediate_size=7)
+    # no leading-dense layout, no first_k_dense_replace
+    mixed = Glm53FlashTextConfig(index_kpool=4, num_hidden_layers=3, mlp_layer_types=["sparse", "dense", "sparse"])
+    assert getattr(mixed, "first_k_dense_replace", None) is None and mixed.mlp_only_layers == [1]

@@ -286,7 +286,7 @@ def check_mhc(sizes: dict, seq_len: int, device, expect_fused: bool) -> None:
 def check_moe(sizes: dict, seq_len: int, device, expect_fused: bool) -> None:
     """The router (fp32 in every path, from the same bf16 input) runs once: its routing from the fused bf16 run is
     given to the other two (forward hook); the router weight still gets its gradient through the routing weights."""
-    from glm53flash_hf.moe import Glm53FlashMoE
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashMoE
 
     modules = three_modules(Glm53FlashMoE, sizes, "moe", device, seed=4)
     routing = []

@@ -152,7 +152,32 @@ CALL = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value
 
 
 def render(processor, messages, **kwargs):
+    """The plain GLM rendering (``end_of_text_after_assistant=False``) unless the caller says otherwise."""
+    kwargs.setdefault("end_of_text_after_assistant", False)
     return processor.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def test_template_default_closes_a_final_answer(processor, tokenizer):
+    """Rendered whole (no generation prompt, as SFT trainers render a conversation), an assistant turn that no user
+    or tool turn follows ends with <|endoftext|>, a trained stop target; a generation prompt, a closing tool call or
+    end_of_text_after_assistant=False leave the plain rendering."""
+    default = processor.apply_chat_template(MULTI_TURN, tokenize=False)
+    assert default == render(processor, MULTI_TURN) + "<|endoftext|>"
+    assert tokenizer.apply_chat_template(MULTI_TURN, chat_template=load_chat_template(), tokenize=False) == default
+    masked = processor.apply_chat_template(MULTI_TURN, tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+    ids, mask = masked["input_ids"][0], masked["assistant_masks"][0]
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>") and mask[-1] == 1
+    prompt = MULTI_TURN[:3]
+    assert processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) == (
+        render(processor, prompt) + "<|assistant|><think>"
+    )
+    call = TOOL_CHAT[:2]
+    assert call[-1]["tool_calls"] and processor.apply_chat_template(call, tools=TOOLS, tokenize=False) == (
+        render(processor, call, tools=TOOLS)
+    )
+    # explicitly asked for, a closing tool call ends with it too (build_sft_example's rule)
+    assert render(processor, call, tools=TOOLS, end_of_text_after_assistant=True).endswith(CALL + "<|endoftext|>")
 
 
 def test_template_system_user_assistant(processor, tokenizer):
@@ -162,7 +187,9 @@ def test_template_system_user_assistant(processor, tokenizer):
     )
     assert render(processor, SYSTEM_EXAMPLE) == expected
     # The tokenizer renders the same template the same way.
-    assert tokenizer.apply_chat_template(SYSTEM_EXAMPLE, chat_template=load_chat_template(), tokenize=False) == expected
+    assert tokenizer.apply_chat_template(
+        SYSTEM_EXAMPLE, chat_template=load_chat_template(), tokenize=False, end_of_text_after_assistant=False
+    ) == expected
 
 
 def test_template_multi_turn_thinking(processor):
@@ -685,7 +712,7 @@ def test_save_and_auto_processor_round_trip(tmp_path, processor, photos, gif):
 
 def test_hf_apply_chat_template_assistant_masks_agree(processor, photos):
     # transformers' own route (processor.apply_chat_template with return_assistant_tokens_mask) reads the same
-    # {% generation %} spans: its mask equals our trained positions, the SFT-only <|endoftext|> aside.
+    # {% generation %} spans: its mask equals our trained positions, the closing <|endoftext|> included.
     messages = [
         {"role": "user", "content": [{"type": "image", "image": photos["astronaut"]}, {"type": "text", "text": "Q"}]},
         {"role": "assistant", "reasoning_content": "R1", "content": "A1"},
@@ -697,7 +724,7 @@ def test_hf_apply_chat_template_assistant_masks_agree(processor, photos):
         return_tensors="pt",
     )
     ours = build_sft_example(processor, messages)
-    assert ours["input_ids"][:-1].tolist() == hf["input_ids"][0].tolist()
-    assert ours["mm_token_type_ids"][:-1].tolist() == hf["mm_token_type_ids"][0].tolist()
-    assert (ours["labels"][:-1] != -100).long().tolist() == hf["assistant_masks"][0].tolist()
+    assert ours["input_ids"].tolist() == hf["input_ids"][0].tolist()
+    assert ours["mm_token_type_ids"].tolist() == hf["mm_token_type_ids"][0].tolist()
+    assert (ours["labels"] != -100).long().tolist() == hf["assistant_masks"][0].tolist()
     assert ours["labels"][-1].item() == processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")

@@ -58,7 +58,7 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
     from ..fp8_kept import FP8_DTYPE, Glm53FlashFP8Experts, Glm53FlashFP8Linear
-    from ..moe import Glm53FlashExperts
+    from ..modeling_glm53flash import Glm53FlashExperts
 
     adapters = peft_model.active_adapters
     if len(adapters) != 1:
