@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from .graph_ops import define_op
+from .graph_ops import autocast_off, define_op
 
 __all__ = ["DEFAULT_INDEXER_SCORE_ELEMENTS", "DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS", "check_sparse_mla_args",
            "kpool_pool_keys", "select_top_pools", "sparse_mla_torch", "sparse_mla_with_weights", "stable_topk_indices",
@@ -313,8 +313,17 @@ def select_top_pools(
     ``offset`` the row position of query 0 (the cached length). Queries are scored in chunks of at most
     ``max_score_elements``, also when compiled (the op ``glm53flash::select_top_pools``; one chunk for a traced
     ``offset``). Returns int32 ``[B, S, select_pools * kp]``: ``kp`` ids per selected pool in increasing pool order,
-    ``-1`` for picks that are not selectable.
+    ``-1`` for picks that are not selectable. Under autocast the same: the scores stay fp32 (autocast off), as the
+    reference's ``.float()`` casts declare (autocast would round them to bf16 and make ties of the top-k).
     """
+    with autocast_off(q):
+        return _select_top_pools(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset=offset,
+                                 max_score_elements=max_score_elements)
+
+
+def _select_top_pools(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools: int, kp: int, *, offset,
+                      max_score_elements) -> torch.Tensor:
+    """:func:`select_top_pools`' body (autocast off)."""
     if torch.compiler.is_compiling() and isinstance(offset, int):
         # the query chunks run eagerly inside the op: bounded score memory, no chunk loop unrolled in the graph
         return _SELECT_TOP_POOLS_OP(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset=offset,

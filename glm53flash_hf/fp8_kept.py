@@ -24,6 +24,7 @@ from transformers.integrations.moe import use_experts_implementation
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 from transformers.utils import logging
 
+from .graph_ops import no_autocast, to_autocast_dtype
 from .moe_ops import clamped_swiglu
 
 logger = logging.get_logger(__name__)
@@ -65,6 +66,7 @@ class _BlockRowsLinear(torch.autograd.Function):
     """``x @ dequantize(W).T`` tile by tile, with the input gradient computed tile by tile (frozen ``W``)."""
 
     @staticmethod
+    @no_autocast
     def forward(ctx, x, weight, scale_inv, block):
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
         for r0, r1, w, s in _tiles(weight, scale_inv, block):
@@ -74,6 +76,7 @@ class _BlockRowsLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast
     def backward(ctx, grad_out):
         weight, scale_inv = ctx.saved_tensors
         grad_x = None
@@ -94,13 +97,16 @@ def fp8_linear_block_rows(
     """``x @ (weight * scale_inv).T (+ bias)`` ``[..., out]`` in ``x.dtype`` (differentiable in ``x`` only) for
     ``x [..., in]``, ``weight [out, in]`` ``float8_e4m3fn`` dequantized one tile of block rows at a time,
     ``scale_inv`` fp32 ``[ceil(out/br), ceil(in/bc)]`` for ``block = (br, bc)`` (else read as two separately blocked
-    halves: merged gate/up). ``ValueError`` when ``weight`` is not 2-D FP8 or ``scale_inv`` does not tile it."""
+    halves: merged gate/up). Under autocast ``x`` is cast to the autocast dtype first (as autocast treats
+    ``F.linear``), the tiles computed in it, forward and backward. ``ValueError`` when ``weight`` is not 2-D FP8 or
+    ``scale_inv`` does not tile it."""
     if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
         raise ValueError(f"weight: expected a 2-D {FP8_DTYPE} tensor; got {weight.dtype} {tuple(weight.shape)}")
     if scale_inv.dim() != 2 or scale_inv.shape[1] != math.ceil(weight.shape[1] / block[1]):
         raise ValueError(
             f"scale_inv {tuple(scale_inv.shape)} does not tile weight {tuple(weight.shape)} in blocks {tuple(block)}"
         )
+    (x,) = to_autocast_dtype(x)
     out = _BlockRowsLinear.apply(x, weight, scale_inv, tuple(block))
     return out if bias is None else out + bias.to(out.dtype)
 

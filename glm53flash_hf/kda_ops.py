@@ -15,14 +15,13 @@ convolution and the chunked core run as custom ops (:func:`.graph_ops.recompute_
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph_ops import in_graph, recompute_op
+from .graph_ops import autocast_off, in_graph, no_autocast, recompute_op
 
 __all__ = [
     "check_conv_inputs",
@@ -40,14 +39,6 @@ _L2NORM_EPS = 1e-6
 def _l2norm(x: Tensor) -> Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim (fla's and transformers' ``l2norm``)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2NORM_EPS)
-
-
-def _autocast_disabled(x: Tensor):
-    """Autocast off on ``x``'s device while the torch KDA ops run (they compute in their own dtypes)."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, total: int, batch: int, name_batch: str) -> list[int]:
@@ -141,7 +132,7 @@ def causal_conv1d_torch(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None 
     Raises:
         ValueError: a bad shape, ``cu_seqlens`` or activation (:func:`check_conv_inputs`).
     """
-    with _autocast_disabled(x):
+    with autocast_off(x):
         if in_graph():
             y, final = _CONV_OP(x, weight, initial_state, cu_seqlens, activation=activation,
                                 output_final_state=output_final_state)
@@ -328,6 +319,7 @@ class _IntraChunkProducts(torch.autograd.Function):
     """:func:`_intra_chunk_products`; the backward recomputes the level factors."""
 
     @staticmethod
+    @no_autocast
     def forward(ctx, q, k, g):
         M, C, K = k.shape
         akk, aqk = k.new_zeros(M, C, C), k.new_zeros(M, C, C)
@@ -343,6 +335,7 @@ class _IntraChunkProducts(torch.autograd.Function):
         return akk, aqk, decay_in, decay_out
 
     @staticmethod
+    @no_autocast
     def backward(ctx, d_akk, d_aqk, d_in, d_out):
         q, k, g, decay_in, decay_out = ctx.saved_tensors
         M, C, K = k.shape
@@ -404,7 +397,7 @@ def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
     Raises:
         ValueError: on shape mismatches, a bad ``chunk_size``, or bad ``cu_seqlens`` (see :func:`check_cu_seqlens`).
     """
-    with _autocast_disabled(q):
+    with autocast_off(q):
         check_core_inputs(q, k, v, g, beta)
         if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"chunk_size must be a positive power of two; got chunk_size={chunk_size!r}")
@@ -509,6 +502,7 @@ class _StateRecurrence(torch.autograd.Function):
     """
 
     @staticmethod
+    @no_autocast
     def forward(ctx, w_v, w_k, kg_t, decay, h0, plan, output_final_state):
         L, R, H, C, V = w_v.shape
         K = w_k.shape[-1]
@@ -556,6 +550,7 @@ class _StateRecurrence(torch.autograd.Function):
         return states.view(L, R, H, K, V), u.view(L, R, H, C, V), final
 
     @staticmethod
+    @no_autocast
     def backward(ctx, d_states, d_u, d_final):
         wk3, kg3, dec3, states, u = ctx.saved_tensors
         plan, output_final_state, has_h0 = ctx.plan, ctx.output_final_state, ctx.has_h0
@@ -615,7 +610,7 @@ def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     Raises:
         ValueError: on shape mismatches.
     """
-    with _autocast_disabled(q):
+    with autocast_off(q):
         check_core_inputs(q, k, v, g, beta)
         B, T, H, K = q.shape
         V = v.shape[-1]

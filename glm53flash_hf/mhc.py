@@ -52,7 +52,13 @@ def hc_post(
     *,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """:func:`.mhc_ops.hc_post_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`)."""
+    """:func:`.mhc_ops.hc_post_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`).
+
+    A ``y`` of a narrower dtype than ``residual`` (a bf16 sub-block output beside fp32 streams: autocast with fp32
+    weights) is upcast first, exactly (the torch path's promotion gives the same values), so the fused kernel, which
+    takes one dtype, serves it too."""
+    if y.dtype != residual.dtype and torch.promote_types(y.dtype, residual.dtype) == residual.dtype:
+        y = y.to(residual.dtype)
     return op_for(hc_post_torch, backend, y, residual, post, comb)(y, residual, post, comb)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .graph_ops import autocast_off, no_autocast
+
 __all__ = ["check_hc_post_args", "check_hc_pre_args", "hc_expand", "hc_head", "hc_post_torch", "hc_pre_torch",
            "mix_weights", "sinkhorn_normalize"]
 
@@ -159,6 +161,7 @@ class _HcPre(torch.autograd.Function):
     ``dfn = dproj^T x``; the per-token part by :func:`_mix_weights_backward`."""
 
     @staticmethod
+    @no_autocast
     def forward(ctx, hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
         post, comb, collapsed, (proj, pre, kept) = _hc_pre_forward(
             hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, keep=True)
@@ -168,6 +171,7 @@ class _HcPre(torch.autograd.Function):
         return post, comb, collapsed
 
     @staticmethod
+    @no_autocast
     def backward(ctx, d_post, d_comb, d_collapsed):
         hidden_streams, fn, scale, proj, pre, *kept = ctx.saved_tensors
         steps = list(zip(kept[5::2], kept[6::2]))
@@ -217,6 +221,8 @@ def hc_pre_torch(
     Returns:
         ``(post fp32 [B, S, N], comb fp32 [B, S, N, N], collapsed [B, S, D] in X.dtype)`` (fp64 for fp64 streams);
         ``comb[i, j]`` weighs input stream ``i`` into output stream ``j``. Differentiable in every tensor input.
+        Under autocast the same: the projection, gates, softmax and Sinkhorn stay fp32 (autocast off, forward and
+        backward), as the reference's ``.float()`` casts declare.
 
     Raises:
         ValueError: wrong ranks or shapes, ``sinkhorn_iters < 1``.
@@ -224,8 +230,9 @@ def hc_pre_torch(
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_streams, fn, base, scale)):
         return _HcPre.apply(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    post, comb, collapsed, _ = _hc_pre_forward(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
-                                               keep=False)
+    with autocast_off(hidden_streams):
+        post, comb, collapsed, _ = _hc_pre_forward(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
+                                                   keep=False)
     return post, comb, collapsed
 
 
@@ -238,14 +245,16 @@ def hc_post_torch(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
         post: ``[B, S, N]`` fp32. comb: ``[B, S, N, N]`` fp32.
 
     Returns:
-        ``[B, S, N, D]`` in ``promote(residual.dtype, y.dtype)``.
+        ``[B, S, N, D]`` in ``promote(residual.dtype, y.dtype)``; under autocast the same (the mix runs with autocast
+        off: fp32 streams are not rounded to the autocast dtype).
 
     Raises:
         ValueError: shapes that do not fit.
     """
     check_hc_post_args(y, residual, post, comb)
     dtype = residual.dtype
-    out = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+    with autocast_off(residual):  # the residual streams' mix in their dtype, also under autocast
+        out = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
     expanded = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2)
     if expanded.dtype == out.dtype:
         return out.add_(expanded)  # the matmul output is not saved for backward; a + b == b + a bitwise

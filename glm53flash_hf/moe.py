@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .dispatch import op_for, register_fused
+from .graph_ops import to_autocast_dtype
 from .moe_ops import clamped_swiglu, experts_forward_torch, topk_routing
 
 
@@ -114,7 +115,12 @@ def grouped_experts_forward(
     drop_out_of_range: bool = False,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """:func:`.moe_ops.experts_forward_torch` or its fused alternative, as :func:`.dispatch.choose_backend` says."""
+    """:func:`.moe_ops.experts_forward_torch` or its fused alternative, as :func:`.dispatch.choose_backend` says.
+
+    Under autocast the expert weights are cast to the autocast dtype first (both paths: the grouped GEMMs then run
+    in it, as autocast runs the reference's per-expert ``F.linear``; torch's ``grouped_mm`` is not autocast on CPU);
+    the output stays in ``hidden_states.dtype``."""
+    gate_up_proj, down_proj = to_autocast_dtype(gate_up_proj, down_proj)
     op = op_for(experts_forward_torch, backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
     return op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
               drop_out_of_range=drop_out_of_range)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 import transformers.integrations.moe  # noqa: F401  registers torch.ops.transformers.grouped_mm_fallback
 
+from .graph_ops import autocast_off
+
 __all__ = ["check_experts_args", "clamped_swiglu", "experts_forward_torch", "grouped_mm", "PermuteRows", "combine_rows",
            "routing_metadata", "rows_by_token", "sort_rows", "topk_routing"]
 
@@ -39,11 +41,13 @@ def topk_routing(
     ``topk(scores + correction_bias, top_k)`` among the ``topk_group`` best of ``n_group`` groups (a group scores
     the sum of its two largest biased scores); ``weights = scores[ids]``, over ``their sum + 1e-20`` when
     ``norm_topk_prob``, times ``routed_scaling_factor``. Returns ``(router_logits fp32 [T, E], topk_weights fp32
-    [T, k], topk_indices int64 [T, k])``.
+    [T, k], topk_indices int64 [T, k])``. Under autocast the same: the logits stay fp32 (autocast off), as the
+    reference's fp32 casts and fp32 router weight declare (autocast would compute its ``F.linear`` in bf16).
     """
     num_experts, hidden = weight.shape
     h = hidden_states.reshape(-1, hidden).to(torch.float32)
-    router_logits = F.linear(h, weight.to(torch.float32))
+    with autocast_off(h):
+        router_logits = F.linear(h, weight.to(torch.float32))
     scores = router_logits.sigmoid()
     choice = scores + correction_bias
     if n_group > 1:

@@ -744,7 +744,7 @@ def test_layer_core_stays_fp32_under_autocast():
         o_rec, _ = recurrent_kda_torch(q[:, :5], k[:, :5], v[:, :5], g[:, :5], beta[:, :5])
         y, _ = causal_conv1d_torch(x, w)
     assert o.dtype == torch.float32 and y.dtype == torch.float32
-    # autocast is switched off inside (kda_ops._autocast_disabled): the same fp32 ops on the same inputs, bit-equal
+    # autocast is switched off inside (graph_ops.autocast_off): the same fp32 ops on the same inputs, bit-equal
     assert torch.equal(o, ref) and torch.equal(o_rec, ref_rec) and torch.equal(y, ref_conv)
 
 

@@ -260,6 +260,43 @@ def test_entry_points_route_to_fused(tm, monkeypatch):
     assert calls == ["hc_pre_fused", "hc_post_fused"]
 
 
+@pytest.mark.interpreter
+def test_fused_under_autocast(tm, monkeypatch):
+    """Under CPU autocast (bf16) the fused ops run as without it (custom ops with autocast off, forward and backward,
+    also for a backward called inside autocast) and agree with the torch path under the same autocast; ``mhc.hc_post``
+    upcasts the bf16 sub-block output autocast leaves beside fp32 streams, so the fused kernel (one dtype) takes
+    it."""
+    (x, fn, base, scale), grads = pre_inputs(2, 5, 4, 48, torch.float32, seed=12)
+    ref, ref_g = run(tm.hc_pre_fused, (x, fn, base, scale), grads, **KW)
+    for inside in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = tm.hc_pre_fused(x, fn, base, scale, **KW)
+            torch_outs = mhc_ops.hc_pre_torch(x, fn, base, scale, **KW)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=inside):
+            got_g = torch.autograd.grad(outs, (x, fn, base, scale), grads)
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref))
+        assert all(torch.equal(a, b) for a, b in zip(got_g, ref_g)), f"backward inside autocast: {inside}"
+        for name, a, b in zip(("post", "comb", "collapsed"), outs, torch_outs):
+            assert_rel(a.detach(), b.detach(), 1e-5, f"{name} vs torch under autocast")
+    post, comb, col = (t.detach() for t in ref)
+    y = torch.randn(col.shape, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).requires_grad_()
+    # the probe's hc_post dtype rule (one dtype for y and residual) without its CUDA check
+    monkeypatch.setattr(dispatch, "choose_backend", lambda family, requested, *t: "fused" if t[0].dtype == t[1].dtype
+                        else "torch")
+    called = []
+    original = tm.hc_post_fused
+    monkeypatch.setattr(tm, "hc_post_fused", lambda *a: called.append(a[0].dtype) or original(*a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mhc.hc_post(y, x, post, comb, backend="auto")
+        want = mhc_ops.hc_post_torch(y, x, post, comb)
+    assert called == [torch.float32] and out.dtype == torch.float32
+    assert_rel(out.detach(), want.detach(), 1e-5, "hc_post fused vs torch under autocast")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(14))
+    dy, dy_ref = torch.autograd.grad(out, y, g)[0], torch.autograd.grad(want, y, g)[0]
+    assert dy.dtype == torch.bfloat16
+    assert_ulps(dy, dy_ref, "dy of the upcast bf16 y")
+
+
 # ---------------------------------------------------------------------------------------------- custom ops, compile
 OPCHECK_PASSED = {name: "SUCCESS" for name in ("test_schema", "test_autograd_registration", "test_faketensor",
                                                 "test_aot_dispatch_dynamic")}

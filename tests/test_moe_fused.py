@@ -336,6 +336,26 @@ def test_entry_point_routes_to_fused(tm, monkeypatch):
 
 
 @pytest.mark.interpreter
+def test_entry_point_under_autocast(tm, monkeypatch):
+    """fp32 expert weights under CPU autocast (bf16): ``grouped_experts_forward`` casts them to bf16 before either
+    path, so the fused path runs its bf16 GEMMs (bit-equal to it on bf16 copies of the weights without autocast) and
+    agrees with the torch path under the same autocast as in :func:`test_experts_bf16` (one bf16 ulp: the same fp32
+    GEMM results rounded once to bf16); output and every gradient in their inputs' fp32."""
+    x, idx, w, gate_up, down, grad = experts_inputs(13, 32, 16, 6, 3, torch.float32, seed=12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, ref_grads = run_experts(moe.grouped_experts_forward, x, idx, w, gate_up, down, grad, 1.5)
+    monkeypatch.setattr(dispatch, "choose_backend", lambda *a, **k: "fused")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = run_experts(moe.grouped_experts_forward, x, idx, w, gate_up, down, grad, 1.5, backend="fused")
+    bf16_weights = tm.experts_forward_fused(x, idx, w, gate_up.bfloat16(), down.bfloat16(), 1.5)
+    assert torch.equal(out, bf16_weights.detach())
+    assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    assert_ulps(out, ref, "out vs torch under autocast")
+    for name, a, b in zip(("dx", "dweights", "dgate_up", "ddown"), grads, ref_grads):
+        assert_ulps(a, b, f"{name} vs torch under autocast")
+
+
+@pytest.mark.interpreter
 def test_errors(tm):
     gu = torch.randn(4, 8)
     with pytest.raises(ValueError, match="even last dim"):
