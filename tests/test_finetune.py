@@ -279,7 +279,8 @@ def test_full_finetune_saves_full_weights(tiny, tmp_path):
                           "--warmup-steps", "0", "--no-mtp", "--no-reload"], tmp_path, script=True)
     assert "training: full fine-tuning" in stdout and "MTP loss off" in stdout
     files = finetune.check_saved_folder(out, adapter=False)
-    assert not os.path.exists(os.path.join(out, "adapter")) and "model.safetensors" in files
+    assert not any(os.path.exists(os.path.join(out, d)) for d in (finetune.ADAPTER_DIR, finetune.ADAPTER_VL_DIR))
+    assert "model.safetensors" in files
     log = [json.loads(line) for line in open(os.path.join(out, finetune.LOSS_LOG))]
     assert len(log) == 2 and not any("mtp_loss" in r for r in log)
 
