@@ -20,6 +20,8 @@ import torch
 peft = pytest.importorskip("peft")
 pytest.importorskip("skimage")
 
+from tiny import no_warnings  # noqa: E402
+
 from glm53flash_hf.tools import finetune, sft_data  # noqa: E402
 from glm53flash_hf.tools.make_tiny import make_tiny  # noqa: E402
 
@@ -215,11 +217,56 @@ def test_lora_adapter_reproduces_merged_folder(lora_run, tiny):
     base = Glm53FlashForConditionalGeneration.from_pretrained(tiny, dtype=torch.float32).eval()
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
-        adapted = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter")).eval()
+        adapted = peft.PeftModel.from_pretrained(base, os.path.join(out, finetune.ADAPTER_VL_DIR)).eval()
         adapted_logits = adapted(input_ids=ids).logits
         merged_logits = merged(input_ids=ids).logits
     torch.testing.assert_close(merged_logits, adapted_logits, rtol=0, atol=1e-4)
     assert (merged_logits - base_logits).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("folder, auto_peft, task_type, base_auto, base_class", [
+    (finetune.ADAPTER_DIR, "AutoPeftModelForCausalLM", "CAUSAL_LM", "AutoModelForCausalLM", "Glm53FlashForCausalLM"),
+    (finetune.ADAPTER_VL_DIR, "AutoPeftModel", None, "AutoModelForImageTextToText",
+     "Glm53FlashForConditionalGeneration"),
+])
+def test_adapters_load_through_peft_auto_classes(lora_run, tiny, processor, monkeypatch, folder, auto_peft, task_type,
+                                                 base_auto, base_class):
+    """Each adapter the job saves loads, offline, through the PEFT Auto class its config names (the causal LM's
+    ``adapter/``: ``CAUSAL_LM``, ``AutoPeftModelForCausalLM``; the VL model's ``adapter-vl/``: no task type,
+    ``auto_mapping`` ``AutoModelForImageTextToText``, ``AutoPeftModel``) from the base folder the config records (an
+    absolute path), with no warning (no missing / unexpected adapter keys), and gives the merged folder's float32
+    logits loaded through the same transformers Auto class (text prompt; the VL model also on an image prompt)."""
+    import transformers
+
+    from glm53flash_hf.tools.sft_data import IMAGE_PROMPT, PROBE_PHOTO, chat_inputs, explain_prompt, load_photo
+
+    out, _, _ = lora_run
+    adapter = os.path.join(out, folder)
+    config = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    assert config["task_type"] == task_type
+    assert config["auto_mapping"] == (None if task_type else {"base_model_class": base_auto,
+                                                              "parent_library": "transformers"})
+    assert config["base_model_name_or_path"] == os.path.abspath(tiny)  # where the job read the base: no network
+    assert config["modules_to_save"] == ["lm_head"]
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with no_warnings():
+        adapted = getattr(peft, auto_peft).from_pretrained(adapter, trust_remote_code=True, dtype=torch.float32)
+    adapted.eval()
+    assert type(adapted.get_base_model()).__name__ == base_class
+    assert type(adapted.get_base_model()).__module__.startswith("transformers_modules.")
+    merged = getattr(transformers, base_auto).from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(merged).__name__ == base_class
+    prompts = [chat_inputs(processor, explain_prompt("pass"))]
+    if task_type is None:
+        prompts.append(chat_inputs(processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO)))
+    for inputs in prompts:
+        with torch.no_grad():
+            got, expected = adapted(**inputs).logits, merged(**inputs).logits
+            with adapted.disable_adapter():
+                base_logits = adapted(**inputs).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        assert (expected - base_logits).abs().max() > 0.05  # the adapter matters: 6 steps moved the logits by more
 
 
 def test_full_finetune_saves_full_weights(tiny, tmp_path):
@@ -232,7 +279,8 @@ def test_full_finetune_saves_full_weights(tiny, tmp_path):
                           "--warmup-steps", "0", "--no-mtp", "--no-reload"], tmp_path, script=True)
     assert "training: full fine-tuning" in stdout and "MTP loss off" in stdout
     files = finetune.check_saved_folder(out, adapter=False)
-    assert not os.path.exists(os.path.join(out, "adapter")) and "model.safetensors" in files
+    assert not any(os.path.exists(os.path.join(out, d)) for d in (finetune.ADAPTER_DIR, finetune.ADAPTER_VL_DIR))
+    assert "model.safetensors" in files
     log = [json.loads(line) for line in open(os.path.join(out, finetune.LOSS_LOG))]
     assert len(log) == 2 and not any("mtp_loss" in r for r in log)
 

@@ -12,7 +12,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from tiny import fp64_error_tol, rel_err  # noqa: E402
+from tiny import fp64_error_tol, no_warnings, rel_err  # noqa: E402
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig  # noqa: E402
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM  # noqa: E402
@@ -192,6 +192,86 @@ def test_auto_peft_remote_code(tmp_path, monkeypatch):
         got = loaded(ids).logits
     # same fp32 weights read back, the same remote code, same inputs: bit-equal
     assert torch.equal(got, expected)
+
+
+def test_vl_adapter_loads_through_auto_peft_model_and_as_causal_lm(tmp_path, monkeypatch):
+    """An adapter trained on the VL model (LoRA + ``modules_to_save=["lm_head"]``, as the finetune job trains it),
+    relabelled by ``mark_vl_adapter`` and copied by ``write_causal_lm_adapter``: ``AutoPeftModel`` (VL) and
+    ``AutoPeftModelForCausalLM`` (causal LM) load every tensor (no warning) and give the in-process adapter model's
+    logits and its ``merge_and_unload()``'s (float32). PEFT's own save labels the VL adapter ``CAUSAL_LM``:
+    ``AutoPeftModelForCausalLM`` then builds the causal LM and warns about missing adapter keys."""
+    from peft import AutoPeftModel, AutoPeftModelForCausalLM
+    from transformers import AutoModelForImageTextToText
+
+    from glm53flash_hf.train.adapters import mark_vl_adapter, write_causal_lm_adapter
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny = str(tmp_path / "tiny")
+    make_tiny(tiny, dtype="float32", show_progress=False)
+    base = AutoModelForImageTextToText.from_pretrained(tiny, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = _ids(seed=10, shape=(1, 9))
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+    model = peft.get_peft_model(base, default_lora_config(r=2, modules_to_save=["lm_head"]))
+    _perturb_lora_b(model, seed=9)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    vl_dir, text_dir = str(tmp_path / "adapter-vl"), str(tmp_path / "adapter")
+    model.save_pretrained(vl_dir)
+    with torch.no_grad():
+        merged = copy.deepcopy(model).merge_and_unload()(input_ids=ids).logits
+    assert (merged - base_logits).abs().max() > 0.05  # the adapter changes the logits
+
+    with pytest.warns(UserWarning, match="missing adapter keys"):  # PEFT's save as it is: the causal LM is built
+        AutoPeftModelForCausalLM.from_pretrained(vl_dir, trust_remote_code=True, dtype=torch.float32)
+
+    mark_vl_adapter(vl_dir)
+    assert write_causal_lm_adapter(vl_dir, text_dir) == len(peft.get_peft_model_state_dict(model))
+    for cls, folder, base_class in ((AutoPeftModel, vl_dir, "Glm53FlashForConditionalGeneration"),
+                                    (AutoPeftModelForCausalLM, text_dir, "Glm53FlashForCausalLM")):
+        saved = json.loads(open(os.path.join(folder, "adapter_config.json")).read())
+        assert saved["base_model_name_or_path"] == tiny
+        with no_warnings():
+            loaded = cls.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+        assert type(loaded.get_base_model()).__name__ == base_class
+        with torch.no_grad():
+            got = loaded.eval()(input_ids=ids).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, merged, rtol=0, atol=1e-5)
+
+
+def test_adapter_conversion_refuses_what_it_cannot_place(tmp_path):
+    """Keys outside the language model and the LM head (the vision tower's) have no place in the causal LM; a
+    causal-LM adapter is not relabelled as the VL model's; a folder without its safetensors file is named."""
+    from safetensors.torch import save_file
+
+    from glm53flash_hf.train.adapters import causal_lm_adapter_key, mark_vl_adapter, write_causal_lm_adapter
+
+    assert causal_lm_adapter_key("base_model.model.model.language_model.layers.0.mlp.up_proj.lora_A.weight") == \
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+    assert causal_lm_adapter_key("base_model.model.lm_head.weight") == "base_model.model.lm_head.weight"
+    with pytest.raises(ValueError, match="visual.blocks.0.attn.qkv.lora_A.weight.* has no module"):
+        causal_lm_adapter_key("base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight")
+
+    config = default_lora_config(r=2)
+    config.base_model_name_or_path = "base"
+    for name, key in (("vl", "base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight"),
+                      ("text", "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight")):
+        folder = str(tmp_path / name)
+        config.save_pretrained(folder)
+        save_file({key: torch.zeros(2, 3)}, os.path.join(folder, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="has no module"):
+        write_causal_lm_adapter(str(tmp_path / "vl"), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(ValueError, match="not an adapter of the VL model"):
+        mark_vl_adapter(str(tmp_path / "text"))
+    assert json.loads((tmp_path / "text" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    os.remove(tmp_path / "text" / "adapter_model.safetensors")
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors is missing"):
+        write_causal_lm_adapter(str(tmp_path / "text"), str(tmp_path / "out"))
 
 
 def test_kv_b_proj_lora_reaches_the_absorbed_attention():

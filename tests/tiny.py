@@ -1,4 +1,4 @@
-"""Shared tiny configurations and the transformers oracle for the tests.
+"""Shared tiny configurations, the transformers oracle and warning checks for the tests.
 
 Every config here contains each layer kind the tests exercise: KDA, DSA with a ``full`` and a
 ``shared`` indexer layer, dense and MoE MLP, ``hc_mult=4``, ``index_kpool>1`` with a tail,
@@ -7,8 +7,12 @@ Every config here contains each layer kind the tests exercise: KDA, DSA with a `
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import sys
+import warnings
 
 import torch
 
@@ -158,3 +162,35 @@ def read_checkpoint_tensors(folder) -> dict:
                 assert key not in out, f"{key} stored twice"
                 out[key] = f.get_tensor(key)
     return out
+
+
+#: Warnings a load through PEFT's Auto classes may give that say nothing about the adapter: transformers'
+#: deprecation of ``is_gradient_checkpointing`` (read by PEFT) and fla-core's CPU notice at its first import.
+HARMLESS_WARNINGS = (r"`is_gradient_checkpointing` is deprecated", r"Triton is not supported on current platform")
+
+
+@contextlib.contextmanager
+def no_warnings():
+    """Fail the test on any warning (``warnings.warn``, or a log record at WARNING or above of transformers, the
+    remote code, PEFT or this package) raised in the block, except :data:`HARMLESS_WARNINGS`; PEFT reports missing /
+    unexpected adapter keys only as a warning."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(f"{record.name}: {record.getMessage()}")
+
+    handler = Collect(level=logging.WARNING)
+    loggers = [logging.getLogger(name) for name in ("transformers", "transformers_modules", "peft", "glm53flash_hf")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    records += [f"{w.category.__name__}: {w.message}" for w in caught]
+    unexpected = [r for r in records if not any(re.search(pattern, r) for pattern in HARMLESS_WARNINGS)]
+    assert not unexpected, "\n".join(r[:2000] for r in unexpected)

@@ -3,9 +3,10 @@
 With no arguments it runs the embedded default on CPU in a few minutes: it makes the tiny checkpoint
 ``./glm53flash-tiny`` when absent, builds an SFT set from CPython's ``pydoc_data.topics`` and scikit-image's photos
 and GIF, trains with ``transformers.Trainer`` (packed rows, MTP loss, LoRA on the projections and the routed experts,
-or ``--full``), saves a Hub-style folder (merged weights, remote code, processor; with LoRA the adapter in
-``<output-dir>/adapter``) that replaces ``--output-dir`` as a unit, and reloads it in a fresh process to answer a
-held-out question and an image prompt. A NaN / inf loss, gradient norm or weight stops the job naming the step.
+or ``--full``), saves a Hub-style folder (merged weights, remote code, processor; with LoRA the adapters in
+``<output-dir>/adapter`` for the causal LM and ``<output-dir>/adapter-vl`` for the VL model) that replaces
+``--output-dir`` as a unit, and reloads it in a fresh process to answer a held-out question and an image prompt.
+A NaN / inf loss, gradient norm or weight stops the job naming the step.
 
 ``--model PATH`` fine-tunes another checkpoint. Under ``accelerate launch`` (``configuration/accelerate_*.yaml``)
 the Trainer shards the model (FSDP2); ``--ep N`` adds expert parallelism and ``--sp N`` sequence parallelism (text
@@ -39,7 +40,11 @@ from .sft_data import (
 DEFAULT_MODEL = "glm53flash-tiny"
 DEFAULT_OUTPUT_DIR = "glm53flash-finetune-out"
 LOSS_LOG = "loss_log.jsonl"
+#: The LoRA adapters: for ``Glm53FlashForCausalLM`` (task type ``CAUSAL_LM``, ``peft.AutoPeftModelForCausalLM``) and
+#: for ``Glm53FlashForConditionalGeneration`` (no task type, ``auto_mapping`` ``AutoModelForImageTextToText``,
+#: ``peft.AutoPeftModel``); the same tensors under each class's names (``glm53flash_hf.train.adapters``).
 ADAPTER_DIR = "adapter"
+ADAPTER_VL_DIR = "adapter-vl"
 
 
 def loss_summary(losses: list[float], k: int = 3) -> tuple[float, float, int]:
@@ -178,7 +183,7 @@ def load_model(path: str, dtype):
 
 def check_saved_folder(out: str, adapter: bool) -> list[str]:
     """Check that ``out`` is a self-contained Hub-style folder (configs with their ``auto_map`` modules, weights,
-    tokenizer, chat template; with ``adapter``, the adapter's files); return the list of files found.
+    tokenizer, chat template; with ``adapter``, both adapters' files); return the list of files found.
 
     Raises:
         RuntimeError: naming every missing piece.
@@ -203,11 +208,25 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
     if not any(f.endswith(".safetensors") for f in files):
         missing.append("*.safetensors weights")
     adapter_files = ("adapter_config.json", "adapter_model.safetensors") if adapter else ()
-    required = ["tokenizer.json", "chat_template.jinja"] + [f"{ADAPTER_DIR}/{name}" for name in adapter_files]
+    adapters = [f"{folder}/{name}" for folder in (ADAPTER_DIR, ADAPTER_VL_DIR) for name in adapter_files]
+    required = ["tokenizer.json", "chat_template.jinja"] + adapters
     missing += [name for name in required if not os.path.isfile(os.path.join(out, name))]
     if missing:
         raise RuntimeError(f"the saved folder {out} is incomplete; missing: {', '.join(missing)}")
     return files
+
+
+def save_auto_peft_adapters(vl_adapter_dir: str, causal_lm_adapter_dir: str) -> None:
+    """Make the job's adapter (saved by PEFT from the VL model in ``vl_adapter_dir``, labelled ``CAUSAL_LM``) load
+    through PEFT's Auto classes: relabel it for ``peft.AutoPeftModel`` (no task type, ``auto_mapping``
+    ``AutoModelForImageTextToText``) and write its causal-LM copy (keys ``model.*``, ``CAUSAL_LM``) into
+    ``causal_lm_adapter_dir`` for ``peft.AutoPeftModelForCausalLM``. Both keep ``base_model_name_or_path`` (the
+    trained checkpoint: an absolute path for a local folder, else the Hub id).
+    """
+    from ..train.adapters import mark_vl_adapter, write_causal_lm_adapter
+
+    mark_vl_adapter(vl_adapter_dir)
+    write_causal_lm_adapter(vl_adapter_dir, causal_lm_adapter_dir)
 
 
 def merge_adapter(base_path: str, adapter_dir: str, dtype, merged_format: str = "fp8"):
@@ -565,12 +584,13 @@ def save(job: Job, trainer, processor):
             _save_trained(trainer, stage, job.main_process, processor=processor)
         saved_model = trainer.model if trainer.accelerator.num_processes == 1 else None
     else:
-        adapter_dir = os.path.join(stage, ADAPTER_DIR)
+        adapter_dir = os.path.join(stage, ADAPTER_VL_DIR)  # trained on the VL model: its names
         if job.ep_plan is not None:
             save_adapter_ep(trainer.model, job.ep_plan, adapter_dir)  # every rank's expert slices, 1-process layout
         else:
             _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
+            save_auto_peft_adapters(adapter_dir, os.path.join(stage, ADAPTER_DIR))
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype, job.args.merged_format)
             report = getattr(saved_model, "fp8_merge_report", None)
             if report is not None:
@@ -581,10 +601,11 @@ def save(job: Job, trainer, processor):
     if job.main_process:
         check_saved_folder(stage, adapter=not job.args.full)
         _publish(stage, job.out)
-        stale = os.path.join(job.out, ADAPTER_DIR)
-        if job.args.full and os.path.isfile(os.path.join(stale, "adapter_config.json")):
-            job.say(f"removing the adapter of an earlier LoRA run: {stale}")
-            shutil.rmtree(stale)
+        for name in (ADAPTER_DIR, ADAPTER_VL_DIR) if job.args.full else ():
+            stale = os.path.join(job.out, name)
+            if os.path.isfile(os.path.join(stale, "adapter_config.json")):
+                job.say(f"removing the adapter of an earlier LoRA run: {stale}")
+                shutil.rmtree(stale)
     trainer.accelerator.wait_for_everyone()
     return saved_model
 
@@ -707,7 +728,8 @@ def _run(parser, job: Job, start: float) -> int:
             f"{result['tokens'] / result['seconds']:.0f} tokens/s")
     job.say(f"saved: {out} ({'merged LoRA weights' if not args.full else 'fully fine-tuned weights'}, {dtype}; "
             "remote code, auto_map, processor, chat template)"
-            + ("" if args.full else f"; adapter: {os.path.join(out, ADAPTER_DIR)}")
+            + ("" if args.full else f"; adapters: {os.path.join(out, ADAPTER_DIR)} (AutoPeftModelForCausalLM), "
+                                    f"{os.path.join(out, ADAPTER_VL_DIR)} (AutoPeftModel, the VL model)")
             + f"; loss log: {os.path.join(out, LOSS_LOG)}")
     status = verify(job, trainer, saved_model, processor)
     job.say(f"wall time {time.perf_counter() - start:.0f} s; output: {out}")
