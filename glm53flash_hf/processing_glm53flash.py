@@ -441,7 +441,8 @@ class Glm53FlashProcessor(ProcessorMixin):
 
     @staticmethod
     def _lookup_token_ids(tokenizer) -> dict[str, int]:
-        """``{token: id}`` for :data:`REQUIRED_TOKENS`; raises ``ValueError`` naming the missing ones."""
+        """``{token: id}`` for :data:`REQUIRED_TOKENS`; ``ValueError`` naming the tokens missing from the vocabulary,
+        or those that tokenizing the token's own text does not give back as its one id (not an added token)."""
         ids, missing = {}, []
         for token in REQUIRED_TOKENS:
             token_id = tokenizer.convert_tokens_to_ids(token)
@@ -453,6 +454,24 @@ class Glm53FlashProcessor(ProcessorMixin):
             raise ValueError(
                 f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) lacks the GLM special tokens "
                 f"{missing}; GLM-5.3-Flash needs each of {list(REQUIRED_TOKENS)} as a single token"
+            )
+        # In the vocabulary is not enough: the processor and the chat template write these tokens into the text, so
+        # the tokenizer must read each of them back as its one id (an added token), not split it into pieces.
+        split = {}
+        for token, token_id in ids.items():
+            encoded = list(tokenizer.encode(token, add_special_tokens=False))
+            if encoded != [token_id]:
+                split[token] = encoded
+        if split:
+            token, encoded = next(iter(split.items()))
+            also = f" (also split: {list(split)[1:]})" if len(split) > 1 else ""
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) holds {token!r} (id "
+                f"{ids[token]}) in its vocabulary but does not read it as one token: tokenizing {token!r} gives ids "
+                f"{encoded} ({tokenizer.convert_ids_to_tokens(encoded)}), expected [{ids[token]}]{also}. The "
+                "processor writes these tokens into the text (image and video placeholders, chat turns), so each "
+                "must be an added token of the tokenizer: "
+                f"tokenizer.add_tokens({list(split)}, special_tokens=True)"
             )
         return ids
 

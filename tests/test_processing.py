@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -515,6 +516,39 @@ def test_missing_special_tokens_raise():
     bare = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
     with pytest.raises(ValueError, match=r"lacks the GLM special tokens \['<\|video\|>', '<\|begin_of_image\|>'"):
         Glm53FlashProcessor(Glm5NextImageProcessorPil(), bare, Glm53FlashVideoProcessor())
+
+
+def test_image_token_in_the_vocabulary_but_not_added_names_the_tokenizer(tokenizer, photos):
+    """``<|image|>`` as a plain vocabulary entry (no added token): the id lookup finds it, but tokenizing the text
+    splits it into pieces, so a prompt holds no image token. The processor refuses the tokenizer when it is built,
+    naming the token, what tokenizing gives and what was expected (before: an error on mm_token_type_ids counts at
+    the first call)."""
+    from tokenizers import Tokenizer
+
+    raw = json.loads(tokenizer.backend_tokenizer.to_str())
+    for added in raw["added_tokens"]:
+        if added["content"] == "<|image|>":
+            added["content"] = "<|unused|>"
+    vocab = raw["model"]["vocab"]
+    last = max(vocab, key=vocab.get)  # the last merge's result: the entry that becomes <|image|>
+    image_id = vocab.pop(last)
+    vocab["<|image|>"] = image_id
+    raw["model"]["merges"] = [m for m in raw["model"]["merges"] if "".join(m) != last]
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(raw)), eos_token="<|endoftext|>")
+    assert plain.convert_tokens_to_ids("<|image|>") == image_id and plain.convert_ids_to_tokens(image_id) == "<|image|>"
+    pieces = plain.encode("<|image|>", add_special_tokens=False)
+    assert len(pieces) > 1
+    match = (
+        rf"the tokenizer \(TokenizersBackend, {len(plain)} tokens\) holds '<\|image\|>' \(id {image_id}\) in its "
+        rf"vocabulary but does not read it as one token: tokenizing '<\|image\|>' gives ids "
+        rf"{re.escape(str(pieces))} .*, expected \[{image_id}\]\..* must be an added token of the tokenizer: "
+        rf"tokenizer\.add_tokens\(\['<\|image\|>'\], special_tokens=True\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        make_processor(plain)
+    plain.add_tokens(["<|image|>"], special_tokens=True)  # the remedy the error gives
+    out = make_processor(plain)(text="<|begin_of_image|><|image|><|end_of_image|>", images=[photos["coffee"]])
+    assert 1 in out["mm_token_type_ids"][0]
 
 
 # ------------------------------------------------------------------------------------------------ references
