@@ -744,6 +744,74 @@ def test_save_and_auto_processor_round_trip(tmp_path, processor, photos, gif):
         assert np.array_equal(loaded[key], value), key
 
 
+def _folder_without_tokenizer_config(processor, folder) -> str:
+    """The processor and the tiny model's ``config.json`` saved into ``folder``, then ``tokenizer_config.json``
+    deleted (the folder keeps ``tokenizer.json``)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from ckpt_fixtures import tiny_config
+
+    processor.save_pretrained(folder)
+    tiny_config().save_pretrained(folder)
+    os.remove(os.path.join(folder, "tokenizer_config.json"))
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    return str(folder)
+
+
+def test_folder_without_tokenizer_config_restores_pad_eos_and_left_padding(tmp_path, processor):
+    """Without tokenizer_config.json transformers gives pad None, eos None, right padding, no warning. Our processor,
+    and AutoProcessor through the folder's remote code, restore what every GLM-5.3 processor saves (pad / EOS from
+    config.json, left padding, the length limit, the special tokens) and warn, naming the folder and the values."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    folder = _folder_without_tokenizer_config(processor, tmp_path / "no_tokenizer_config")
+    bare = AutoTokenizer.from_pretrained(folder)  # transformers' own reading of the folder
+    assert (bare.pad_token, bare.eos_token, bare.padding_side) == (None, None, "right")
+    config = json.loads(open(os.path.join(folder, "config.json")).read())["text_config"]
+    assert config["pad_token_id"] == config["eos_token_id"][0] == processor.tokenizer.pad_token_id
+    warning = (
+        rf"{re.escape(folder)} has no tokenizer_config\.json: transformers would leave the tokenizer without pad and "
+        rf"EOS tokens, padding on the right\. Restored as every GLM-5\.3 processor saves it: "
+        rf"pad_token='<\|endoftext\|>' \(id {config['pad_token_id']}, pad_token_id of config\.json\), "
+        rf"eos_token='<\|endoftext\|>' .*padding_side='left'.*model_max_length={config['max_position_embeddings']}"
+    )
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning_content": "R", "content": "A"}]
+    texts = ["<|user|>a longer prompt<|assistant|>", "<|user|>hi"]
+    expected = processor(text=texts, padding=True, return_tensors="np")
+    for load in (Glm53FlashProcessor.from_pretrained, lambda f: AutoProcessor.from_pretrained(f, trust_remote_code=True)):
+        with pytest.warns(UserWarning, match=warning):
+            loaded = load(folder)
+        tok = loaded.tokenizer
+        assert (tok.pad_token, tok.eos_token, tok.padding_side) == ("<|endoftext|>", "<|endoftext|>", "left")
+        assert tok.model_max_length == config["max_position_embeddings"]
+        special = {t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special}
+        assert set(tok.all_special_tokens) == special and len(special) > 10  # as make_tiny saves them
+        out = loaded(text=texts, padding=True, return_tensors="np")
+        assert out["input_ids"][1, 0] == tok.pad_token_id and out["attention_mask"][1, 0] == 0  # left padding
+        for key in expected:
+            assert np.array_equal(out[key], expected[key]), key
+        sft, ref = build_sft_example(loaded, messages), build_sft_example(processor, messages)
+        assert all(torch.equal(torch.as_tensor(sft[k]), torch.as_tensor(ref[k])) for k in ref)
+
+
+def test_folder_without_tokenizer_config_or_token_ids_is_refused(tmp_path, processor):
+    """Nothing in the folder says which token pads: a clear error, not a tokenizer with pad None."""
+    folder = _folder_without_tokenizer_config(processor, tmp_path / "no_ids")
+    path = os.path.join(folder, "config.json")
+    config = json.loads(open(path).read())
+    for section in (config, config["text_config"]):
+        section.pop("pad_token_id", None)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    match = (
+        rf"{re.escape(folder)} has no tokenizer_config\.json, so the tokenizer has no pad_token .* neither "
+        rf"{re.escape(path)} nor {re.escape(os.path.join(folder, 'generation_config.json'))} gives an pad_token_id"
+    )
+    with pytest.raises(ValueError, match=match):
+        Glm53FlashProcessor.from_pretrained(folder)
+
+
 def test_hf_apply_chat_template_assistant_masks_agree(processor, photos):
     # transformers' own route (processor.apply_chat_template with return_assistant_tokens_mask) reads the same
     # {% generation %} spans: its mask equals our trained positions, the closing <|endoftext|> included.
