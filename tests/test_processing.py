@@ -810,6 +810,12 @@ def test_folder_without_tokenizer_config_or_token_ids_is_refused(tmp_path, proce
     )
     with pytest.raises(ValueError, match=match):
         Glm53FlashProcessor.from_pretrained(folder)
+    # generation_config.json is read next; what the caller passes is kept
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"pad_token_id": 2001}, f)
+    with pytest.warns(UserWarning, match=r"pad_token='\[MASK\]' \(id 2001, pad_token_id of generation_config\.json\)"):
+        loaded = Glm53FlashProcessor.from_pretrained(folder, padding_side="right")
+    assert (loaded.tokenizer.pad_token_id, loaded.tokenizer.padding_side) == (2001, "right")
 
 
 def test_hf_apply_chat_template_assistant_masks_agree(processor, photos):
