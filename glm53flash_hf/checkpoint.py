@@ -315,10 +315,34 @@ def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], 
                 )
 
 
+def check_shard_holds_only_its_keys(folder: str, fname: str, present, weight_map: dict[str, str]) -> None:
+    """``ValueError`` when shard ``fname`` of ``folder`` holds a tensor that ``model.safetensors.index.json`` does not
+    assign to it: a copy of a tensor the index places in another shard (naming the key and both files), or a tensor
+    the index does not list. transformers' loader reads every tensor of every shard the index names, so such a copy
+    would be loaded (the last shard read wins) without being the tensor these checks read."""
+    stray = sorted(k for k in present if weight_map.get(k, fname) != fname)
+    if stray:
+        key = stray[0]
+        named = os.path.join(folder, weight_map[key])
+        raise ValueError(
+            f"{key!r} is stored twice: in {named} (the shard {_SAFETENSORS_INDEX} names) and in "
+            f"{os.path.join(folder, fname)}; transformers would read both and keep the copy of the shard it reads "
+            f"last, not necessarily the one the index names ({len(stray)} such tensors in this shard: "
+            f"{_listing(stray)}). Delete the extra copies, or correct the index"
+        )
+    unlisted = sorted(k for k in present if k not in weight_map)
+    if unlisted:
+        raise ValueError(
+            f"{os.path.join(folder, fname)} holds {len(unlisted)} tensors that {_SAFETENSORS_INDEX} does not list: "
+            f"{_listing(unlisted)}; transformers would load them without the checks the index is read for. List "
+            "them in the index, or delete them from the shard"
+        )
+
+
 def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = True) -> CheckpointInfo | None:
     """Read and check the safetensors headers of a local checkpoint folder (None for a Hub id or no safetensors):
-    config and index valid, every shard holds its indexed tensors, FP8 tensors and scales paired and tiling;
-    ``ValueError`` naming the file or key."""
+    config and index valid, every shard holds its indexed tensors and no other, FP8 tensors and scales paired and
+    tiling; ``ValueError`` naming the file or key."""
     folder = _local_folder(path, subfolder)
     if folder is None:
         return None
@@ -341,6 +365,7 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
                     f"{fpath}: the index assigns {len(missing)} tensors to this shard that it does not contain: "
                     f"{_listing(missing)}"
                 )
+            check_shard_holds_only_its_keys(folder, fname, present, weight_map)
             for key in by_file[fname]:
                 sl = f.get_slice(key)
                 info.dtypes[key] = sl.get_dtype()

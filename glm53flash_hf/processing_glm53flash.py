@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import os
 import warnings
@@ -142,6 +143,115 @@ def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
             )
     if indices and indices[0] < 0:
         raise ValueError(f"{name}: video_metadata.frames_indices starts at {indices[0]}; indices must be >= 0")
+
+
+# Arguments of transformers' file lookup that locate a folder's files (passed on to ``cached_file``).
+_DOWNLOAD_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision")
+
+
+def _folder_file(path_or_repo, name: str, subfolder: str, kwargs: dict) -> str | None:
+    """The local path of file ``name`` of a folder or Hub repo (``kwargs``: transformers' download arguments), or
+    None when it has none."""
+    from transformers.utils import cached_file
+
+    location = {k: kwargs[k] for k in _DOWNLOAD_KWARGS if k in kwargs}
+    return cached_file(
+        path_or_repo, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False, **location,
+    )  # fmt: skip
+
+
+def _read_folder_json(path_or_repo, name: str, subfolder: str, kwargs: dict) -> tuple[dict | None, str]:
+    """``(parsed JSON object or None when absent, path shown in messages)`` of ``name`` in a folder or Hub repo;
+    ``ValueError`` naming the file when it is not a JSON object."""
+    resolved = _folder_file(path_or_repo, name, subfolder, kwargs)
+    shown = os.path.join(os.fspath(path_or_repo), subfolder, name) if subfolder else os.path.join(
+        os.fspath(path_or_repo), name
+    )
+    if resolved is None:
+        return None, shown
+    try:
+        with open(resolved, encoding="utf-8") as f:
+            content = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{shown}: not a readable JSON file ({type(e).__name__}: {e})") from e
+    if not isinstance(content, dict):
+        raise ValueError(f"{shown}: expected a JSON object; got {type(content).__name__}")
+    return content, shown
+
+
+def restore_missing_tokenizer_config(tokenizer, path_or_repo, subfolder: str = "", **kwargs) -> None:
+    """Give ``tokenizer``, loaded from a folder (or Hub repo) without ``tokenizer_config.json``, the settings that
+    file holds in every GLM-5.3 processor, with a warning naming what was restored: pad and EOS tokens from the
+    folder's ``pad_token_id`` and first ``eos_token_id``, ``model_max_length`` from ``max_position_embeddings``
+    (``config.json``'s ``text_config``, then its top level, then ``generation_config.json``), left padding, and the
+    tokenizer's special added tokens as ``extra_special_tokens``. Without the file transformers leaves pad and EOS
+    unset and pads on the right, which ``generate`` refuses. What ``kwargs`` sets (``pad_token=``, ``eos_token=``,
+    ``padding_side=``, ``model_max_length=``, ``extra_special_tokens=``) is kept. Does nothing when the folder has
+    ``tokenizer_config.json``.
+
+    Raises:
+        ValueError: neither file gives a ``pad_token_id`` / ``eos_token_id`` (names the folder and the files read),
+            or an id is outside the tokenizer's ``[0, len(tokenizer))`` (names the file, field and value).
+    """
+    if _folder_file(path_or_repo, "tokenizer_config.json", subfolder, kwargs) is not None:
+        return
+    config, config_path = _read_folder_json(path_or_repo, "config.json", subfolder, kwargs)
+    generation, generation_path = _read_folder_json(path_or_repo, "generation_config.json", subfolder, kwargs)
+    folder = os.path.dirname(config_path)
+    sources = [(c, p) for c, p in (((config or {}).get("text_config"), config_path), (config, config_path),
+                                   (generation, generation_path)) if isinstance(c, dict)]  # fmt: skip
+
+    def lookup(field):
+        for content, path in sources:
+            value = content.get(field)
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if value is not None:
+                return value, path
+        return None, None
+
+    restored = []
+    for token_field, id_field in (("pad_token", "pad_token_id"), ("eos_token", "eos_token_id")):
+        if kwargs.get(token_field) is not None:
+            continue
+        token_id, path = lookup(id_field)
+        if token_id is None:
+            raise ValueError(
+                f"{folder} has no tokenizer_config.json, so the tokenizer has no {token_field} (transformers leaves "
+                f"it None and pads on the right), and neither {config_path} nor {generation_path} gives an "
+                f"{id_field} to restore it from. Save the tokenizer config into the folder "
+                "(processor.save_pretrained(folder)), or pass "
+                f"{token_field}=... to from_pretrained"
+            )
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < len(tokenizer):
+            raise ValueError(
+                f"{path}: {id_field}={token_id!r} is not a token id of the tokenizer (expected an int in "
+                f"[0, {len(tokenizer)})); it cannot restore the {token_field} missing with tokenizer_config.json"
+            )
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        setattr(tokenizer, token_field, token)
+        restored.append(f"{token_field}={token!r} (id {token_id}, {id_field} of {os.path.basename(path)})")
+    extra = [t.content for _, t in sorted(tokenizer.added_tokens_decoder.items())
+             if t.special and t.content not in tokenizer.all_special_tokens]  # fmt: skip
+    if extra and kwargs.get("extra_special_tokens") is None:
+        # tokens of the vocabulary already: flagged special, nothing added
+        tokenizer.add_special_tokens({"extra_special_tokens": extra}, replace_extra_special_tokens=False)
+        restored.append(f"extra_special_tokens: the {len(extra)} other special tokens of the tokenizer")
+    if kwargs.get("padding_side") is None:
+        tokenizer.padding_side = "left"
+        restored.append("padding_side='left' (generate takes left padding only)")
+    max_length, path = lookup("max_position_embeddings")
+    if kwargs.get("model_max_length") is None and isinstance(max_length, int) and max_length > 0:
+        tokenizer.model_max_length = max_length
+        restored.append(f"model_max_length={max_length} (max_position_embeddings of {os.path.basename(path)})")
+    warnings.warn(
+        f"{folder} has no tokenizer_config.json: transformers would leave the tokenizer without pad and EOS tokens, "
+        f"padding on the right. Restored as every GLM-5.3 processor saves it: {', '.join(restored)}. Write the file "
+        f"with processor.save_pretrained({folder!r}) to silence this warning.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 class Glm53FlashVideoProcessorKwargs(VideosKwargs, total=False):
@@ -441,7 +551,8 @@ class Glm53FlashProcessor(ProcessorMixin):
 
     @staticmethod
     def _lookup_token_ids(tokenizer) -> dict[str, int]:
-        """``{token: id}`` for :data:`REQUIRED_TOKENS`; raises ``ValueError`` naming the missing ones."""
+        """``{token: id}`` for :data:`REQUIRED_TOKENS`; ``ValueError`` naming the tokens missing from the vocabulary,
+        or those that tokenizing the token's own text does not give back as its one id (not an added token)."""
         ids, missing = {}, []
         for token in REQUIRED_TOKENS:
             token_id = tokenizer.convert_tokens_to_ids(token)
@@ -453,6 +564,24 @@ class Glm53FlashProcessor(ProcessorMixin):
             raise ValueError(
                 f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) lacks the GLM special tokens "
                 f"{missing}; GLM-5.3-Flash needs each of {list(REQUIRED_TOKENS)} as a single token"
+            )
+        # In the vocabulary is not enough: the processor and the chat template write these tokens into the text, so
+        # the tokenizer must read each of them back as its one id (an added token), not split it into pieces.
+        split = {}
+        for token, token_id in ids.items():
+            encoded = list(tokenizer.encode(token, add_special_tokens=False))
+            if encoded != [token_id]:
+                split[token] = encoded
+        if split:
+            token, encoded = next(iter(split.items()))
+            also = f" (also split: {list(split)[1:]})" if len(split) > 1 else ""
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) holds {token!r} (id "
+                f"{ids[token]}) in its vocabulary but does not read it as one token: tokenizing {token!r} gives ids "
+                f"{encoded} ({tokenizer.convert_ids_to_tokens(encoded)}), expected [{ids[token]}]{also}. The "
+                "processor writes these tokens into the text (image and video placeholders, chat turns), so each "
+                "must be an added token of the tokenizer: "
+                f"tokenizer.add_tokens({list(split)}, special_tokens=True)"
             )
         return ids
 
@@ -547,9 +676,12 @@ class Glm53FlashProcessor(ProcessorMixin):
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         """Load the tokenizer, the image processor (PIL backend) and the video processor of a saved processor.
 
+        A folder without ``tokenizer_config.json`` gets its pad / EOS tokens, left padding and length limit from
+        ``config.json`` (:func:`restore_missing_tokenizer_config`, with a warning).
+
         Raises:
             ValueError: the saved video processor is not a ``Glm53FlashVideoProcessor``; a local folder's tokenizer
-                does not load (names the folder).
+                does not load (names the folder); no ``tokenizer_config.json`` and no pad / EOS id to restore.
             FileNotFoundError: a local folder without tokenizer files.
         """
         from transformers import AutoImageProcessor, AutoTokenizer
@@ -573,6 +705,7 @@ class Glm53FlashProcessor(ProcessorMixin):
             raise ValueError(
                 f"{folder}: the tokenizer does not load ({type(error).__name__}: {str(error).splitlines()[0]})"
             ) from error
+        restore_missing_tokenizer_config(tokenizer, pretrained_model_name_or_path, subfolder, **kwargs)
         image_processor = AutoImageProcessor.from_pretrained(
             pretrained_model_name_or_path, subfolder=subfolder, backend="pil", **kwargs
         )

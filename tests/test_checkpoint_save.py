@@ -358,6 +358,72 @@ def test_missing_folder_is_restored_from_its_old_copy(models, old_folder, tmp_pa
     _no_leftovers(folder)
 
 
+# A save without renameat2(RENAME_EXCHANGE), SIGKILLed right before its second rename (the new folder into place), in a
+# fresh interpreter (never fork pytest).
+_KILL_BETWEEN_RENAMES = """
+import os, signal, sys
+sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+import test_checkpoint_save as t
+from glm53flash_hf import checkpoint
+folder = sys.argv[2]
+checkpoint.exchange_paths = lambda a, b: False  # the fallback, as where the exchange is unavailable
+def die(kind):
+    if kind == "rename" and not os.path.lexists(folder):  # the old folder is aside, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+t._hook_file_operations(die)
+t._model(2).save_pretrained(folder)
+"""
+
+# README, Limits: what a user runs when a reader other than the package's classes finds the folder gone.
+RECOVER_BY_HAND = "mv {parent}/.{name}.old-* {parent}/{name}"
+
+
+def _killed_between_renames(old_folder, tmp_path) -> str:
+    """A copy of ``old_folder`` whose fallback save was killed between the two renames; returns the folder path."""
+    import subprocess
+
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(old_folder, folder)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_RENAMES, tests, folder], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert not os.path.lexists(folder)
+    left = sorted(os.listdir(tmp_path))
+    assert [n.split("-")[0] for n in left] == [".ckpt.old", ".ckpt.tmp"], left
+    return folder
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_fallback_killed_between_renames_transformers_reader_and_recovery(models, old_folder, tmp_path):
+    """Without RENAME_EXCHANGE a kill between the two renames leaves no folder (a directory cannot be renamed over a
+    non-empty one, so the path is vacated before the new folder takes it). transformers' Auto class, which runs none
+    of the package's code before it finds the folder, fails with huggingface_hub's "Repo id must be in the form";
+    the README's recovery command (or any load or save by the package's classes) brings the old checkpoint back, and
+    the Auto class then loads it."""
+    from transformers import AutoModelForCausalLM
+
+    old, _ = models
+    folder = _killed_between_renames(old_folder, tmp_path / "by_hand")
+    with pytest.raises(OSError, match=r"Repo id must be in the form"):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    parent, name = os.path.split(folder)
+    import subprocess
+
+    subprocess.run(RECOVER_BY_HAND.format(parent=parent, name=name), shell=True, check=True)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert torch.equal(reloaded.state_dict()[PROBE], old.state_dict()[PROBE])
+    assert _names(folder) == _names(old_folder)
+    Glm53FlashForCausalLM.from_pretrained(folder)  # removes the unfinished new folder left beside it
+    _no_leftovers(folder)
+
+    folder = _killed_between_renames(old_folder, tmp_path / "by_the_package")
+    assert torch.equal(_probe(folder), old.state_dict()[PROBE])  # the package's class restores it first
+    _no_leftovers(folder)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert torch.equal(reloaded.state_dict()[PROBE], old.state_dict()[PROBE])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_weights_are_refused(models, tmp_path, bad):
     model = _model(3)

@@ -199,6 +199,55 @@ def test_index_listing_a_key_twice_is_refused(folder):
         Glm53FlashForCausalLM.from_pretrained(folder)
 
 
+def _add_to_shard(folder, shard, tensors) -> None:
+    """Write ``tensors`` into ``shard`` beside its own, leaving the index as it is."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = os.path.join(folder, shard)
+    with safe_open(path, framework="pt") as f:
+        content = {k: f.get_tensor(k) for k in f.keys()}
+    save_file({**content, **tensors}, path, metadata={"format": "pt"})
+
+
+def test_key_in_two_shards_is_refused_naming_both_files(folder):
+    """The index names one shard for a tensor, another indexed shard holds a different copy: transformers reads every
+    tensor of every indexed shard (the later shard's copy would be loaded, silently); every loader path refuses."""
+    from transformers import AutoModelForCausalLM
+
+    key = f"{P}embed_tokens.weight"
+    weight_map = read_index(folder)["weight_map"]
+    named = weight_map[key]
+    later = [s for s in sorted(set(weight_map.values())) if s > named]
+    assert later, "the test needs an indexed shard read after the named one"
+    copy = read_all(folder)[key] + 1
+    _add_to_shard(folder, later[-1], {key: copy})
+    match = (
+        rf"'{re.escape(key)}' is stored twice: in {re.escape(os.path.join(folder, named))} \(the shard "
+        rf"model\.safetensors\.index\.json names\) and in {re.escape(os.path.join(folder, later[-1]))}"
+    )
+    with pytest.raises(ValueError, match=match):
+        Glm53FlashForCausalLM.from_pretrained(folder)
+    with pytest.raises(ValueError, match=match):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+
+def test_tensor_the_index_does_not_list_is_refused(folder):
+    """A shard holding a tensor the index does not list: transformers would load it without the checks that read the
+    index (config against headers, dtypes)."""
+    index = read_index(folder)
+    key = next(k for k in sorted(index["weight_map"]) if k.endswith(".post_attention_layernorm.weight"))
+    shard = index["weight_map"].pop(key)
+    with open(os.path.join(folder, INDEX), "w") as f:
+        json.dump(index, f)
+    match = (
+        rf"{re.escape(os.path.join(folder, shard))} holds 1 tensors that model\.safetensors\.index\.json does not "
+        rf"list: {re.escape(key)}"
+    )
+    with pytest.raises(ValueError, match=match):
+        Glm53FlashForCausalLM.from_pretrained(folder)
+
+
 def test_single_file_beside_an_index_is_refused_naming_both(folder, saved):
     """transformers loads model.safetensors when both exist and ignores the index: the folder is ambiguous."""
     shutil.copy(os.path.join(saved["single"], "model.safetensors"), folder)

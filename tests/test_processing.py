@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -517,6 +518,39 @@ def test_missing_special_tokens_raise():
         Glm53FlashProcessor(Glm5NextImageProcessorPil(), bare, Glm53FlashVideoProcessor())
 
 
+def test_image_token_in_the_vocabulary_but_not_added_names_the_tokenizer(tokenizer, photos):
+    """``<|image|>`` as a plain vocabulary entry (no added token): the id lookup finds it, but tokenizing the text
+    splits it into pieces, so a prompt holds no image token. The processor refuses the tokenizer when it is built,
+    naming the token, what tokenizing gives and what was expected (before: an error on mm_token_type_ids counts at
+    the first call)."""
+    from tokenizers import Tokenizer
+
+    raw = json.loads(tokenizer.backend_tokenizer.to_str())
+    for added in raw["added_tokens"]:
+        if added["content"] == "<|image|>":
+            added["content"] = "<|unused|>"
+    vocab = raw["model"]["vocab"]
+    last = max(vocab, key=vocab.get)  # the last merge's result: the entry that becomes <|image|>
+    image_id = vocab.pop(last)
+    vocab["<|image|>"] = image_id
+    raw["model"]["merges"] = [m for m in raw["model"]["merges"] if "".join(m) != last]
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(raw)), eos_token="<|endoftext|>")
+    assert plain.convert_tokens_to_ids("<|image|>") == image_id and plain.convert_ids_to_tokens(image_id) == "<|image|>"
+    pieces = plain.encode("<|image|>", add_special_tokens=False)
+    assert len(pieces) > 1
+    match = (
+        rf"the tokenizer \(TokenizersBackend, {len(plain)} tokens\) holds '<\|image\|>' \(id {image_id}\) in its "
+        rf"vocabulary but does not read it as one token: tokenizing '<\|image\|>' gives ids "
+        rf"{re.escape(str(pieces))} .*, expected \[{image_id}\]\..* must be an added token of the tokenizer: "
+        rf"tokenizer\.add_tokens\(\['<\|image\|>'\], special_tokens=True\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        make_processor(plain)
+    plain.add_tokens(["<|image|>"], special_tokens=True)  # the remedy the error gives
+    out = make_processor(plain)(text="<|begin_of_image|><|image|><|end_of_image|>", images=[photos["coffee"]])
+    assert 1 in out["mm_token_type_ids"][0]
+
+
 # ------------------------------------------------------------------------------------------------ references
 
 
@@ -708,6 +742,80 @@ def test_save_and_auto_processor_round_trip(tmp_path, processor, photos, gif):
     assert sorted(loaded.files) == sorted(expected)
     for key, value in expected.items():
         assert np.array_equal(loaded[key], value), key
+
+
+def _folder_without_tokenizer_config(processor, folder) -> str:
+    """The processor and the tiny model's ``config.json`` saved into ``folder``, then ``tokenizer_config.json``
+    deleted (the folder keeps ``tokenizer.json``)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from ckpt_fixtures import tiny_config
+
+    processor.save_pretrained(folder)
+    tiny_config().save_pretrained(folder)
+    os.remove(os.path.join(folder, "tokenizer_config.json"))
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    return str(folder)
+
+
+def test_folder_without_tokenizer_config_restores_pad_eos_and_left_padding(tmp_path, processor):
+    """Without tokenizer_config.json transformers gives pad None, eos None, right padding, no warning. Our processor,
+    and AutoProcessor through the folder's remote code, restore what every GLM-5.3 processor saves (pad / EOS from
+    config.json, left padding, the length limit, the special tokens) and warn, naming the folder and the values."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    folder = _folder_without_tokenizer_config(processor, tmp_path / "no_tokenizer_config")
+    bare = AutoTokenizer.from_pretrained(folder)  # transformers' own reading of the folder
+    assert (bare.pad_token, bare.eos_token, bare.padding_side) == (None, None, "right")
+    config = json.loads(open(os.path.join(folder, "config.json")).read())["text_config"]
+    assert config["pad_token_id"] == config["eos_token_id"][0] == processor.tokenizer.pad_token_id
+    warning = (
+        rf"{re.escape(folder)} has no tokenizer_config\.json: transformers would leave the tokenizer without pad and "
+        rf"EOS tokens, padding on the right\. Restored as every GLM-5\.3 processor saves it: "
+        rf"pad_token='<\|endoftext\|>' \(id {config['pad_token_id']}, pad_token_id of config\.json\), "
+        rf"eos_token='<\|endoftext\|>' .*padding_side='left'.*model_max_length={config['max_position_embeddings']}"
+    )
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning_content": "R", "content": "A"}]
+    texts = ["<|user|>a longer prompt<|assistant|>", "<|user|>hi"]
+    expected = processor(text=texts, padding=True, return_tensors="np")
+    for load in (Glm53FlashProcessor.from_pretrained, lambda f: AutoProcessor.from_pretrained(f, trust_remote_code=True)):
+        with pytest.warns(UserWarning, match=warning):
+            loaded = load(folder)
+        tok = loaded.tokenizer
+        assert (tok.pad_token, tok.eos_token, tok.padding_side) == ("<|endoftext|>", "<|endoftext|>", "left")
+        assert tok.model_max_length == config["max_position_embeddings"]
+        special = {t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special}
+        assert set(tok.all_special_tokens) == special and len(special) > 10  # as make_tiny saves them
+        out = loaded(text=texts, padding=True, return_tensors="np")
+        assert out["input_ids"][1, 0] == tok.pad_token_id and out["attention_mask"][1, 0] == 0  # left padding
+        for key in expected:
+            assert np.array_equal(out[key], expected[key]), key
+        sft, ref = build_sft_example(loaded, messages), build_sft_example(processor, messages)
+        assert all(torch.equal(torch.as_tensor(sft[k]), torch.as_tensor(ref[k])) for k in ref)
+
+
+def test_folder_without_tokenizer_config_or_token_ids_is_refused(tmp_path, processor):
+    """Nothing in the folder says which token pads: a clear error, not a tokenizer with pad None."""
+    folder = _folder_without_tokenizer_config(processor, tmp_path / "no_ids")
+    path = os.path.join(folder, "config.json")
+    config = json.loads(open(path).read())
+    for section in (config, config["text_config"]):
+        section.pop("pad_token_id", None)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    match = (
+        rf"{re.escape(folder)} has no tokenizer_config\.json, so the tokenizer has no pad_token .* neither "
+        rf"{re.escape(path)} nor {re.escape(os.path.join(folder, 'generation_config.json'))} gives an pad_token_id"
+    )
+    with pytest.raises(ValueError, match=match):
+        Glm53FlashProcessor.from_pretrained(folder)
+    # generation_config.json is read next; what the caller passes is kept
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"pad_token_id": 2001}, f)
+    with pytest.warns(UserWarning, match=r"pad_token='\[MASK\]' \(id 2001, pad_token_id of generation_config\.json\)"):
+        loaded = Glm53FlashProcessor.from_pretrained(folder, padding_side="right")
+    assert (loaded.tokenizer.pad_token_id, loaded.tokenizer.padding_side) == (2001, "right")
 
 
 def test_hf_apply_chat_template_assistant_masks_agree(processor, photos):
