@@ -506,7 +506,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             mtp_inputs["pre_norm_hidden_state"] = h_pre
         keep_layout = mtp_depth or output_router_logits or layout.sequence_parallel is not None
         return Glm53FlashTextModelOutput(
-            last_hidden_state=hidden_states, hidden_states=all_hidden, router_logits=router_logits, **{CACHE_FIELD: cache},
+            last_hidden_state=hidden_states, hidden_states=all_hidden, router_logits=router_logits,
+            **{CACHE_FIELD: cache},
             document_layout=layout if keep_layout else None, attentions=attentions, mtp_hidden_states=mtp_hidden,
             **mtp_inputs,
         )
@@ -634,7 +635,8 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
         if loss is not None:
             loss = loss + text_config.router_aux_loss_coef * aux_loss
     return Glm53FlashCausalLMOutputWithPast(
-        loss=loss, logits=logits, hidden_states=outputs.hidden_states, **{CACHE_FIELD: getattr(outputs, CACHE_FIELD, None)},
+        loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+        **{CACHE_FIELD: getattr(outputs, CACHE_FIELD, None)},
         attentions=getattr(outputs, "attentions", None),
         mtp_loss=mtp_value, mtp_logits=mtp_logits, aux_loss=aux_loss, router_logits=router_logits,
         image_outputs=getattr(outputs, "image_outputs", None), video_outputs=getattr(outputs, "video_outputs", None),
