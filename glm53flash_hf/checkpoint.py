@@ -27,7 +27,14 @@ from transformers.conversion_mapping import (
     get_model_conversion_mapping,
     register_checkpoint_conversion_mapping,
 )
-from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter, WeightRenaming
+from transformers.core_model_loading import (
+    Concatenate,
+    ConversionOps,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    build_glob_alternation,
+)
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -755,6 +762,31 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, d
     kwargs["config"] = config
 
 
+def cast_to_dtype_plan(model) -> list[str]:
+    """Cast, in place, every floating parameter of ``model`` to the dtype its loader allocated: ``model.config.dtype``,
+    or fp32 where ``model._get_dtype_plan`` (``_keep_in_fp32_modules_strict``) names it. Returns the names cast.
+
+    transformers 5.23 and 5.24 leave the tensors of an FP8 checkpoint loaded with ``dequantize=True`` in the file's
+    dtype (the loader casts only where no quantizer is active; 5.25 casts every source), so a model asked for in fp32
+    would hold bf16 embeddings and a bf16 model would lose the fp32 router bias and mHC parameters. FP8 parameters
+    (the FP8-kept load) are left as they are."""
+    main = getattr(model.config, "dtype", None)
+    if not isinstance(main, torch.dtype) or not main.is_floating_point:
+        return []
+    plan = model._get_dtype_plan(main)
+    alternation, group_names, _ = build_glob_alternation(list(plan)) if plan else (None, None, None)
+    cast = []
+    for name, param in model.named_parameters():
+        if not param.is_floating_point() or param.element_size() == 1:
+            continue
+        match = alternation.search(name) if alternation is not None else None
+        want = plan[group_names[match.lastgroup]] if match is not None else main
+        if param.dtype != want:
+            param.data = param.data.to(want)
+            cast.append(name)
+    return cast
+
+
 def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
     """Body of ``Glm53FlashPreTrainedModel.from_pretrained``: transformers' loader inside our checks.
 
@@ -798,6 +830,8 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
         )
     if ckpt is not None:
         check_loaded_dtypes(ckpt, info.get("unexpected_keys"))
+    if getattr(kwargs.get("quantization_config"), "dequantize", False):
+        cast_to_dtype_plan(model)
     strict_load_report(
         model, info, allow_missing=allow_missing, allow_unexpected=allow_unexpected, allow_mismatched=allow_mismatched
     )

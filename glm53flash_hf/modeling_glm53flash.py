@@ -57,6 +57,10 @@ logger = logging.get_logger(__name__)
 
 register_conversions()
 
+# The outputs' cache field: ``cache`` from transformers 5.25 on, ``past_key_values`` before (5.23, 5.24); generation
+# reads the field of that name, and forward accepts both keywords.
+CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 # Auto classes served by the remote code; written into config.json by save_pretrained.
 AUTO_MAP = {
     "AutoConfig": "configuration_glm53flash.Glm53FlashConfig",
@@ -502,7 +506,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             mtp_inputs["pre_norm_hidden_state"] = h_pre
         keep_layout = mtp_depth or output_router_logits or layout.sequence_parallel is not None
         return Glm53FlashTextModelOutput(
-            last_hidden_state=hidden_states, hidden_states=all_hidden, cache=cache, router_logits=router_logits,
+            last_hidden_state=hidden_states, hidden_states=all_hidden, router_logits=router_logits,
+            **{CACHE_FIELD: cache},
             document_layout=layout if keep_layout else None, attentions=attentions, mtp_hidden_states=mtp_hidden,
             **mtp_inputs,
         )
@@ -630,7 +635,8 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
         if loss is not None:
             loss = loss + text_config.router_aux_loss_coef * aux_loss
     return Glm53FlashCausalLMOutputWithPast(
-        loss=loss, logits=logits, hidden_states=outputs.hidden_states, cache=getattr(outputs, "cache", None),
+        loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+        **{CACHE_FIELD: getattr(outputs, CACHE_FIELD, None)},
         attentions=getattr(outputs, "attentions", None),
         mtp_loss=mtp_value, mtp_logits=mtp_logits, aux_loss=aux_loss, router_logits=router_logits,
         image_outputs=getattr(outputs, "image_outputs", None), video_outputs=getattr(outputs, "video_outputs", None),
@@ -667,8 +673,8 @@ class _Glm53FlashGenerationHooks:
         out = super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
         # generation_config.is_assistant: this model drafts for another, and transformers crops its cache
         assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
-        if assisted and model_kwargs.get("cache") is not None:
-            check_croppable(make_croppable(model_kwargs["cache"]))
+        if assisted and model_kwargs.get(CACHE_FIELD) is not None:
+            check_croppable(make_croppable(model_kwargs[CACHE_FIELD]))
         return out
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

@@ -21,6 +21,8 @@ import torch
 from tiny import fp64_error_tol, randomize_, rel_err
 from transformers import DynamicCache, GenerationConfig, StaticCache
 
+from glm53flash_hf.modeling_glm53flash import CACHE_FIELD
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
 PAD = 2000
@@ -160,8 +162,9 @@ def test_left_padded_batch_equals_each_prompt_alone(models):
     n = 11
     batch = _greedy(lm, ids, n, attention_mask=mask)
     static = _greedy(lm, ids, n, attention_mask=mask, cache_implementation="static")
-    assert isinstance(static.cache, StaticCache) and isinstance(batch.cache, DynamicCache)
-    assert [type(layer).__name__ for layer in static.cache.layers[:3]] == [
+    static_cache, batch_cache = getattr(static, CACHE_FIELD), getattr(batch, CACHE_FIELD)
+    assert isinstance(static_cache, StaticCache) and isinstance(batch_cache, DynamicCache)
+    assert [type(layer).__name__ for layer in static_cache.layers[:3]] == [
         "LinearAttentionLayer", "LinearAttentionLayer", "StaticIndexedLayer"
     ]
     assert torch.equal(static.sequences, batch.sequences)
@@ -337,4 +340,4 @@ def test_cache_rejects_packed_documents_and_bad_masks(models):
         lm(input_ids=ids, cache=object())
     # use_cache=False keeps the packed path
     out = lm(input_ids=ids, use_cache=False, cu_seq_lens_q=torch.tensor([0, 5, 12]))
-    assert out.cache is None
+    assert getattr(out, CACHE_FIELD) is None
