@@ -80,7 +80,7 @@ from glm53flash_hf.train.malloc import set_malloc_policy
 
 applied = set_malloc_policy(sys.argv[1])
 faults = []
-for _ in range(12):
+for _ in range(48):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.empty(64 << 20, dtype=torch.uint8)
     block.fill_(1)  # touch every page
@@ -101,7 +101,8 @@ def test_freed_pages_are_reused_only_under_reuse(policy):
     assert first >= 16, res  # the first 64 MiB block is new memory either way
     if policy == "reuse":
         # glibc 2.36: the first repeats may still grow the heap (posix_memalign's split-off tail sits in the tcache
-        # next to the freed block, measured for 7 repeats); from then on the freed block is reused: 0 faults
+        # next to the freed block): 5-8 repeats here, depending on what the process allocated before; at least 11 on
+        # CI's machine (stop 44 failed with 12 repeats). From then on the freed block is reused: 0 faults
         assert res["applied"] is True
         assert all(f <= 0.05 * first for f in later), res
     else:
