@@ -61,12 +61,15 @@ register_conversions()
 # reads the field of that name, and forward accepts both keywords.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
-# Auto classes served by the remote code; written into config.json by save_pretrained.
+# Auto classes served by the remote code; written into config.json by save_pretrained. Every Auto class whose
+# mapping names ``glm5_next`` (AutoModel, AutoModelForImageTextToText and AutoModelForMultimodalLM, which
+# ``transformers serve`` loads this model type with), plus AutoModelForCausalLM for the text-only model.
 AUTO_MAP = {
     "AutoConfig": "configuration_glm53flash.Glm53FlashConfig",
     "AutoModel": "modeling_glm53flash.Glm53FlashModel",
     "AutoModelForCausalLM": "modeling_glm53flash.Glm53FlashForCausalLM",
     "AutoModelForImageTextToText": "modeling_glm53flash.Glm53FlashForConditionalGeneration",
+    "AutoModelForMultimodalLM": "modeling_glm53flash.Glm53FlashForConditionalGeneration",
 }
 
 

@@ -22,8 +22,9 @@ pytest.importorskip("skimage")
 
 from tiny import no_warnings  # noqa: E402
 
+from glm53flash_hf.modeling_glm53flash import AUTO_MAP  # noqa: E402
 from glm53flash_hf.tools import finetune, sft_data  # noqa: E402
-from glm53flash_hf.tools.make_tiny import make_tiny  # noqa: E402
+from glm53flash_hf.tools.make_tiny import SAMPLING_DEFAULTS, make_tiny  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORE = -100
@@ -182,7 +183,9 @@ def test_lora_job_trains_saves_and_reloads(lora_run):
     files = finetune.check_saved_folder(out, adapter=True)
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["model_type"] == "glm5_next"
-    assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_glm53flash.Glm53FlashForConditionalGeneration"
+    assert config["auto_map"] == AUTO_MAP  # every Auto class (tests/test_auto_classes.py derives the list)
+    generation = json.load(open(os.path.join(out, "generation_config.json")))
+    assert {k: generation.get(k) for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS  # the base folder's, kept
     for name in ("modeling_glm53flash.py", "configuration_glm53flash.py", "processing_glm53flash.py", "kda.py",
                  "dsa.py", "moe.py", "mhc.py", "tokenizer.json", "chat_template.jinja", "processor_config.json",
                  "generation_config.json"):

@@ -26,6 +26,7 @@ from glm53flash_hf.tools.fp8 import (
 from glm53flash_hf.tools.make_tiny import (
     DEFAULT_CONFIG,
     DEFAULT_FP8_CONFIG,
+    SAMPLING_DEFAULTS,
     SPECIAL_TOKENS,
     TEXT_TAG_TOKENS,
     main,
@@ -143,6 +144,9 @@ def test_tokenizer_special_ids_match_config(tiny):
     assert config["video_end_token_id"] == ids["<|end_of_video|>"]
     generation = json.load(open(os.path.join(tiny, "generation_config.json")))
     assert generation["eos_token_id"] == text["eos_token_id"] and generation["pad_token_id"] == pad
+    # sampling defaults, so that a server's or pipeline's temperature / top_p are not ignored (do_sample off)
+    assert {k: generation.get(k) for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS == {
+        "do_sample": True, "temperature": 1.0, "top_p": 0.95}
     # Byte-level BPE trained on pydoc_data.topics: lossless, compresses the training text, specials atomic.
     from pydoc_data.topics import topics
 

@@ -61,6 +61,10 @@ SPECIAL_TOKENS = (
 # parsers see them; they are still never split. The others are special tokens.
 TEXT_TAG_TOKENS = frozenset(SPECIAL_TOKENS[SPECIAL_TOKENS.index("<think>") :])
 
+# The sampling defaults of the checkpoint's generation_config.json: those GLM's model cards recommend (temperature 1.0,
+# top-p 0.95). With ``do_sample`` off, ``transformers serve`` and pipelines ignore a request's temperature and top_p.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 1.0, "top_p": 0.95}
+
 # Config fields holding special-token ids → the token each must name (``eos_token_id`` is a list).
 TOKEN_ID_FIELDS = {
     "pad_token_id": "<|endoftext|>",
@@ -267,6 +271,7 @@ def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     bar.set_postfix_str("text model")
     torch.manual_seed(seed)
     model = Glm53FlashForCausalLM._from_config(config, dtype=dtype)
+    model.generation_config.update(**SAMPLING_DEFAULTS)
     model.save_pretrained(out)
     total_parameters = model.num_parameters()
     del model
