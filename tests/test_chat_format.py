@@ -96,7 +96,7 @@ def test_json_string_arguments_of_every_kind_render_as_the_mapping(rendered, dum
 @pytest.mark.parametrize("number", ["1.50", "1E5", "2.5e-3", "-0", "1e400", "-1e400", "0e0", "NaN", "-Infinity"])
 def test_json_string_numbers_render_as_parsed(rendered, number):
     """A number renders as tojson writes the value json.loads reads from it (1.50 -> 1.5, 1E5 -> 100000.0)."""
-    text = '{"x": %s, "y": [%s]}' % (number, number)
+    text = f'{{"x": {number}, "y": [{number}]}}'
     assert rendered(tool_chat(text)) == rendered(tool_chat(json.loads(text)))
 
 
