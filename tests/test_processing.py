@@ -255,9 +255,13 @@ def test_template_rejects_bad_input(processor):
         render(processor, [{"role": "narrator", "content": "x"}])
     bad_call = [
         {"role": "user", "content": "x"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": ["a", 1]}}]},
     ]
     with pytest.raises(Exception, match="tool call arguments must be a mapping"):
+        render(processor, bad_call)
+    # a JSON string (the OpenAI form, tests/test_chat_format.py) must hold one object
+    bad_call[1]["tool_calls"][0]["function"]["arguments"] = '{"a": 1'
+    with pytest.raises(Exception, match=r'tool call 0 \("f"\): arguments given as a string must be one JSON object'):
         render(processor, bad_call)
 
 
