@@ -231,3 +231,69 @@ def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
         holder.wait()
     with finetune.output_lock(str(out)):
         assert open(lock_path).read() == f"{os.getpid()}\n"
+
+
+# ------------------------------------------------------------------------------------------------ publishing
+
+
+def _cross_device(monkeypatch, staging):
+    """Renames and hard links from inside ``staging`` to outside it fail as they do when the output folder is on
+    another file system."""
+    import errno
+
+    for name in ("rename", "replace", "link"):
+        original = getattr(os, name)
+
+        def crossing(src, dst, *args, _original=original, _name=name, **kwargs):
+            inside = [os.path.abspath(os.fspath(p)).startswith(staging + os.sep) for p in (src, dst)]
+            if inside == [True, False]:
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src, None, dst)
+            return _original(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, crossing)
+
+
+@pytest.mark.parametrize("mount_point", [False, True], ids=["other-fs", "mount-point"])
+def test_publish_across_file_systems(tiny, old_output, monkeypatch, mount_point):
+    """``--output-dir`` on another file system than its staging folder (every rename or link out of staging fails
+    with EXDEV); ``mount_point``: the output folder is a mount point, so the save goes through its journal inside
+    it. The run publishes a complete folder (the user's README kept) and leaves no staging folder."""
+    out, snapshot = old_output
+    staging = finetune.staging_folder(str(out))
+    _cross_device(monkeypatch, staging)
+    if mount_point:
+        ismount = os.path.ismount
+        monkeypatch.setattr(os.path, "ismount", lambda p: os.path.realpath(p) == os.path.realpath(out) or ismount(p))
+    assert finetune.main(_argv(tiny, out, "--seed", "1")) == 0
+    finetune.check_saved_folder(str(out), adapter=True)
+    assert (out / "README.md").read_text() == "user notes\n"
+    assert _snapshot(out)[finetune.LOSS_LOG] != snapshot[finetune.LOSS_LOG]  # the new run's
+    assert sorted(os.listdir(out.parent)) == [".out.lock", "out"]
+    assert not [name for name in os.listdir(out) if name.startswith(".glm53flash-save")]
+
+
+def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch):
+    """The swap into ``--output-dir`` fails (EIO): the old output stays as it was, and the staging folder, the run's
+    only complete copy, is kept and named in the error."""
+    import errno
+
+    from glm53flash_hf import checkpoint
+
+    out, snapshot = old_output
+    staging = finetune.staging_folder(str(out))
+
+    exchange_paths = checkpoint.exchange_paths
+
+    def failing_exchange(a, b):
+        if os.path.realpath(b) != os.path.realpath(out):  # the saves inside staging
+            return exchange_paths(a, b)
+        raise OSError(errno.EIO, os.strerror(errno.EIO), a, None, b)
+
+    monkeypatch.setattr(checkpoint, "exchange_paths", failing_exchange)
+    with pytest.raises(RuntimeError, match=rf"kept in {staging}: ") as error_info:  # finetune.PublishError
+        finetune.main(_argv(tiny, out, "--seed", "1"))
+    assert "Input/output error" in str(error_info.value)
+    assert _snapshot(out) == snapshot
+    assert sorted(os.listdir(out.parent)) == [".out.lock", ".out.staging", "out"]
+    finetune.check_saved_folder(staging, adapter=True)
+    assert os.path.isfile(os.path.join(staging, finetune.LOSS_LOG))

@@ -120,16 +120,31 @@ def output_lock(out: str):
         os.close(fd)
 
 
+class PublishError(RuntimeError):
+    """Replacing ``--output-dir`` by the run's staging folder failed; the staging folder is kept, complete, and named
+    in the message (see :func:`_publish`)."""
+
+
 def _publish(staging: str, out: str) -> None:
-    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`)."""
-    from ..checkpoint import atomic_save
+    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`): every entry of
+    ``staging`` is hard-linked, or copied where ``out`` lies on another file system (``EXDEV``, e.g. a mount point),
+    into the save's temporary folder on ``out``'s file system, which is then swapped in; ``staging`` is removed once
+    ``out`` holds the new folder.
 
-    def write(folder: str) -> None:
-        for entry in os.listdir(staging):
-            os.rename(os.path.join(staging, entry), os.path.join(folder, entry))
+    Raises:
+        PublishError: anything failed; ``out`` holds its old or new content as a whole and ``staging`` (the run's only
+            complete copy) is left in place, its path in the message.
+    """
+    from ..checkpoint import atomic_save, link_or_copy_entries
 
-    atomic_save(out, write)
-    os.rmdir(staging)
+    try:
+        atomic_save(out, lambda folder: link_or_copy_entries(staging, folder))
+    except Exception as error:
+        raise PublishError(
+            f"could not publish the run's output into {out} ({type(error).__name__}: {error}); the complete output "
+            f"(loss log, adapters, model) is kept in {staging}: copy it from there (the next run into this "
+            "--output-dir clears it)") from error
+    shutil.rmtree(staging)
 
 
 def check_finite(model, what: str, accelerator=None) -> None:
@@ -674,6 +689,7 @@ def main(argv=None) -> int:
     Raises:
         SystemExit: bad options, or ``--output-dir`` held by another run (status 2).
         FloatingPointError: the run diverged (names the step); ``--output-dir`` is left as it was.
+        PublishError: the output could not replace ``--output-dir`` (left as it was); the staging folder is kept.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -699,11 +715,15 @@ def main(argv=None) -> int:
                 parser.error(f"--output-dir {error}")
             shutil.rmtree(staging, ignore_errors=True)  # left by a killed run (the lock is ours)
             os.makedirs(staging)
+        keep_staging = False
         try:
             return _run(parser, job, start)
+        except PublishError:
+            keep_staging = True  # the run's only complete copy
+            raise
         finally:
-            if job.main_process:
-                shutil.rmtree(staging, ignore_errors=True)  # emptied and removed by a complete run
+            if job.main_process and not keep_staging:
+                shutil.rmtree(staging, ignore_errors=True)  # removed by a complete run
 
 
 def _run(parser, job: Job, start: float) -> int:
