@@ -204,6 +204,67 @@ def test_failed_merge_keeps_the_old_adapter_weights_and_loss_log(tiny, old_outpu
     _assert_untouched(out, snapshot)
 
 
+def test_huge_learning_rate_dead_model_is_not_published(tiny, old_output):
+    """``--lr 1e30``, one step without warm-up: every weight stays finite (LoRA factors near 1e30), but the squares
+    inside the RMS norms overflow to inf, so every norm outputs 0 and every logit is 0.0 (the merge check would
+    compare 0 with 0). The job stops naming what happened; the old output is untouched."""
+    out, snapshot = old_output
+    with pytest.raises(FloatingPointError) as error_info:  # finetune.DeadModelError
+        finetune.main(_argv(tiny, out, "--lr", "1e30", "--warmup-steps", "0"))
+    message = str(error_info.value)
+    assert isinstance(error_info.value, finetune.DeadModelError)
+    assert message.startswith("the trained model (after step 1) no longer predicts: "), message
+    assert "its logits are constant across the vocabulary (every logit 0.0)" in message
+    assert "divides by a mean square of inf" in message and "the learning rate 1e+30 may be too large" in message
+    _assert_untouched(out, snapshot)
+
+
+def test_check_predicts_sees_the_dead_model(tiny):
+    """The dead model by hand (the embeddings scaled by 1e30): every weight finite, every logit exactly 0.0;
+    :func:`check_predicts` names it, the untouched model passes."""
+    from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
+
+    processor = Glm53FlashProcessor.from_pretrained(tiny)
+    model = finetune.load_model(tiny, torch.float32)
+    question = "Explain the pass statement."
+    finetune.check_predicts(model, processor, question, "the fresh model", 1e-3)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1e30)
+    finetune.check_finite(model, "the broken model")  # finite: the NaN / inf checks see nothing
+    with torch.no_grad():
+        assert bool((model.eval()(**finetune.chat_inputs(processor, question)).logits == 0).all())
+    with pytest.raises(finetune.DeadModelError, match=r"the broken model no longer predicts: .*every logit 0\.0.*"
+                                                      r"mean square of inf"):
+        finetune.check_predicts(model, processor, question, "the broken model", 1e30)
+
+
+def test_constant_logits_fail_the_merge_comparison(tiny):
+    """Two models with the same constant logits differ by 0: :func:`max_logit_difference` names them degenerate."""
+    from types import SimpleNamespace
+
+    from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
+
+    class Constant(torch.nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return SimpleNamespace(logits=torch.full((*input_ids.shape, 7), 0.5))
+
+    processor = Glm53FlashProcessor.from_pretrained(tiny)
+    diff, scale, degenerate = finetune.max_logit_difference(Constant(), Constant(), processor, "Explain pass.")
+    assert (diff, scale) == (0.0, 0.5)
+    assert degenerate == ("the first model's logits on the text prompt are constant across the vocabulary (every "
+                          "logit 0.5)")
+    same = finetune.logit_degeneracy(torch.tensor([[[1.0, 2.0], [1.0, 2.0]]]))
+    assert same == "the same at every one of the 2 positions"
+    assert finetune.logit_degeneracy(torch.tensor([[[1.0, 2.0], [2.0, 1.0]]])) is None
+
+
+def test_loss_that_never_moved_is_refused():
+    with pytest.raises(finetune.DeadModelError, match=r"all 3 logged losses are 7\.5; the learning rate 1e\+30"):
+        finetune.check_loss_moved([7.5, 7.5, 7.5], 1e30)
+    finetune.check_loss_moved([7.5], 1e-3)
+    finetune.check_loss_moved([7.5, 7.5, 7.25], 1e-3)
+
+
 def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
     """Another process holds the folder: a run is refused naming the folder and that process's pid; once the holder
     is killed (SIGKILL, no clean-up), its lock file no longer blocks."""
