@@ -358,3 +358,64 @@ def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch
     assert sorted(os.listdir(out.parent)) == [".out.lock", ".out.staging", "out"]
     finetune.check_saved_folder(staging, adapter=True)
     assert os.path.isfile(os.path.join(staging, finetune.LOSS_LOG))
+
+
+# ------------------------------------------------------------------------------------------------ router biases
+
+
+def test_balanced_router_biases_reach_both_adapters_and_the_merged_model(tiny, tmp_path, monkeypatch, capsys):
+    """``--balance-speed`` with LoRA: the router biases the balancing moved are in the VL adapter, the causal-LM
+    adapter (under its names) and the merged model, equal to the trained ones; both adapters load them back through
+    PEFT's Auto classes (no warning) and the merge check passes (exit status 0)."""
+    import peft
+    import transformers
+    from safetensors import safe_open
+
+    from glm53flash_hf.train.trainer import find_routers
+
+    trained = {}
+    original = finetune.save
+
+    def save(job, trainer, processor):
+        for name, router in find_routers(trainer.model).items():
+            trained[name.removeprefix("base_model.model.model.language_model.")] = (
+                router.e_score_correction_bias.detach().clone())
+        return original(job, trainer, processor)
+
+    monkeypatch.setattr(finetune, "save", save)
+    out = tmp_path / "out"
+    assert finetune.main(_argv(tiny, out, "--balance-speed", "0.01")) == 0
+    assert "merged model vs the trained adapter" in capsys.readouterr().out
+    assert trained and all(bool(bias.abs().max() > 0) for bias in trained.values())  # balancing moved them
+
+    def biases(folder, prefix):
+        found = {}
+        for fname in sorted(os.listdir(folder)):
+            if fname.endswith(".safetensors"):
+                with safe_open(os.path.join(folder, fname), "pt") as f:
+                    found.update({k[len(prefix):-len(".e_score_correction_bias")]: f.get_tensor(k) for k in f.keys()
+                                  if k.endswith(".e_score_correction_bias") and k.startswith(prefix)})
+        return found
+
+    for folder, prefix in ((out / finetune.ADAPTER_VL_DIR, "base_model.model.model.language_model."),
+                           (out / finetune.ADAPTER_DIR, "base_model.model.model."),
+                           (out, "model.language_model.")):
+        found = biases(folder, prefix)
+        assert sorted(found) == sorted(trained), folder
+        for name, bias in trained.items():
+            assert torch.equal(found[name], bias), (folder, name)
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for folder, auto_peft, prefix in ((finetune.ADAPTER_DIR, "AutoPeftModelForCausalLM", "model."),
+                                      (finetune.ADAPTER_VL_DIR, "AutoPeftModel", "model.language_model.")):
+        with test_finetune.no_warnings():
+            adapted = getattr(peft, auto_peft).from_pretrained(str(out / folder), trust_remote_code=True,
+                                                               dtype=torch.float32)
+        loaded = {name.removeprefix("base_model.model." + prefix): router.e_score_correction_bias
+                  for name, router in find_routers(adapted).items()}
+        assert sorted(loaded) == sorted(trained)
+        for name, bias in trained.items():
+            assert torch.equal(loaded[name], bias), (folder, name)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
+    for name, router in find_routers(merged).items():
+        assert torch.equal(router.e_score_correction_bias, trained[name.removeprefix("model.")])

@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-mtp", action="store_true", help="train without the MTP loss")
     parser.add_argument("--balance-speed", type=float, default=0.0,
                         help="aux-loss-free expert balancing bias update speed (DeepSeek-V3 used 1e-3; default off). "
-                             "With LoRA the updated biases reach only the merged model, not the adapter")
+                             "With LoRA the updated router biases are saved in both adapters and the merged model")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="weights dtype for training and saving (auto: float32 on CPU and under FSDP or --ep, "
@@ -714,6 +714,10 @@ def save(job: Job, trainer, processor):
         else:
             _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
+            if job.args.balance_speed > 0:  # the balanced router biases: buffers, which PEFT does not save
+                from ..train.adapters import add_router_biases
+
+                add_router_biases(adapter_dir, trainer.accelerator.unwrap_model(trainer.model))
             save_auto_peft_adapters(adapter_dir, os.path.join(stage, ADAPTER_DIR))
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype, job.args.merged_format)
             report = getattr(saved_model, "fp8_merge_report", None)
