@@ -961,6 +961,20 @@ def _link_copy(src: str, dst: str) -> None:
         link(src, dst)
 
 
+def link_or_copy_entries(src: str, dst: str) -> list[str]:
+    """Put every entry of the folder ``src`` into the existing folder ``dst`` as hard links, copied where a link
+    fails (``dst`` on another file system, ``EXDEV``, or no hard links there); folders recursively, symbolic links as
+    links. ``src`` is left as it was, so a failure part-way loses nothing of it. Returns the entry names.
+
+    Raises:
+        OSError: an entry could be neither linked nor copied (e.g. ``dst`` full); ``dst`` may hold part of ``src``.
+    """
+    names = sorted(os.listdir(src))
+    for name in names:
+        _link_copy(os.path.join(src, name), os.path.join(dst, name))
+    return names
+
+
 def _roll_forward(target: str, journal: str) -> None:
     """Finish the committed journal ``journal`` inside ``target`` (idempotent)."""
     manifest = os.path.join(journal, _JOURNAL_MANIFEST)

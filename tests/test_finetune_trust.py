@@ -204,6 +204,67 @@ def test_failed_merge_keeps_the_old_adapter_weights_and_loss_log(tiny, old_outpu
     _assert_untouched(out, snapshot)
 
 
+def test_huge_learning_rate_dead_model_is_not_published(tiny, old_output):
+    """``--lr 1e30``, one step without warm-up: every weight stays finite (LoRA factors near 1e30), but the squares
+    inside the RMS norms overflow to inf, so every norm outputs 0 and every logit is 0.0 (the merge check would
+    compare 0 with 0). The job stops naming what happened; the old output is untouched."""
+    out, snapshot = old_output
+    with pytest.raises(FloatingPointError) as error_info:  # finetune.DeadModelError
+        finetune.main(_argv(tiny, out, "--lr", "1e30", "--warmup-steps", "0"))
+    message = str(error_info.value)
+    assert isinstance(error_info.value, finetune.DeadModelError)
+    assert message.startswith("the trained model (after step 1) no longer predicts: "), message
+    assert "its logits are constant across the vocabulary (every logit 0.0)" in message
+    assert "divides by a mean square of inf" in message and "the learning rate 1e+30 may be too large" in message
+    _assert_untouched(out, snapshot)
+
+
+def test_check_predicts_sees_the_dead_model(tiny):
+    """The dead model by hand (the embeddings scaled by 1e30): every weight finite, every logit exactly 0.0;
+    :func:`check_predicts` names it, the untouched model passes."""
+    from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
+
+    processor = Glm53FlashProcessor.from_pretrained(tiny)
+    model = finetune.load_model(tiny, torch.float32)
+    question = "Explain the pass statement."
+    finetune.check_predicts(model, processor, question, "the fresh model", 1e-3)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1e30)
+    finetune.check_finite(model, "the broken model")  # finite: the NaN / inf checks see nothing
+    with torch.no_grad():
+        assert bool((model.eval()(**finetune.chat_inputs(processor, question)).logits == 0).all())
+    with pytest.raises(finetune.DeadModelError, match=r"the broken model no longer predicts: .*every logit 0\.0.*"
+                                                      r"mean square of inf"):
+        finetune.check_predicts(model, processor, question, "the broken model", 1e30)
+
+
+def test_constant_logits_fail_the_merge_comparison(tiny):
+    """Two models with the same constant logits differ by 0: :func:`max_logit_difference` names them degenerate."""
+    from types import SimpleNamespace
+
+    from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
+
+    class Constant(torch.nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return SimpleNamespace(logits=torch.full((*input_ids.shape, 7), 0.5))
+
+    processor = Glm53FlashProcessor.from_pretrained(tiny)
+    diff, scale, degenerate = finetune.max_logit_difference(Constant(), Constant(), processor, "Explain pass.")
+    assert (diff, scale) == (0.0, 0.5)
+    assert degenerate == ("the first model's logits on the text prompt are constant across the vocabulary (every "
+                          "logit 0.5)")
+    same = finetune.logit_degeneracy(torch.tensor([[[1.0, 2.0], [1.0, 2.0]]]))
+    assert same == "the same at every one of the 2 positions"
+    assert finetune.logit_degeneracy(torch.tensor([[[1.0, 2.0], [2.0, 1.0]]])) is None
+
+
+def test_loss_that_never_moved_is_refused():
+    with pytest.raises(finetune.DeadModelError, match=r"all 3 logged losses are 7\.5; the learning rate 1e\+30"):
+        finetune.check_loss_moved([7.5, 7.5, 7.5], 1e30)
+    finetune.check_loss_moved([7.5], 1e-3)
+    finetune.check_loss_moved([7.5, 7.5, 7.25], 1e-3)
+
+
 def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
     """Another process holds the folder: a run is refused naming the folder and that process's pid; once the holder
     is killed (SIGKILL, no clean-up), its lock file no longer blocks."""
@@ -231,3 +292,130 @@ def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
         holder.wait()
     with finetune.output_lock(str(out)):
         assert open(lock_path).read() == f"{os.getpid()}\n"
+
+
+# ------------------------------------------------------------------------------------------------ publishing
+
+
+def _cross_device(monkeypatch, staging):
+    """Renames and hard links from inside ``staging`` to outside it fail as they do when the output folder is on
+    another file system."""
+    import errno
+
+    for name in ("rename", "replace", "link"):
+        original = getattr(os, name)
+
+        def crossing(src, dst, *args, _original=original, _name=name, **kwargs):
+            inside = [os.path.abspath(os.fspath(p)).startswith(staging + os.sep) for p in (src, dst)]
+            if inside == [True, False]:
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src, None, dst)
+            return _original(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, crossing)
+
+
+@pytest.mark.parametrize("mount_point", [False, True], ids=["other-fs", "mount-point"])
+def test_publish_across_file_systems(tiny, old_output, monkeypatch, mount_point):
+    """``--output-dir`` on another file system than its staging folder (every rename or link out of staging fails
+    with EXDEV); ``mount_point``: the output folder is a mount point, so the save goes through its journal inside
+    it. The run publishes a complete folder (the user's README kept) and leaves no staging folder."""
+    out, snapshot = old_output
+    staging = finetune.staging_folder(str(out))
+    _cross_device(monkeypatch, staging)
+    if mount_point:
+        ismount = os.path.ismount
+        monkeypatch.setattr(os.path, "ismount", lambda p: os.path.realpath(p) == os.path.realpath(out) or ismount(p))
+    assert finetune.main(_argv(tiny, out, "--seed", "1")) == 0
+    finetune.check_saved_folder(str(out), adapter=True)
+    assert (out / "README.md").read_text() == "user notes\n"
+    assert _snapshot(out)[finetune.LOSS_LOG] != snapshot[finetune.LOSS_LOG]  # the new run's
+    assert sorted(os.listdir(out.parent)) == [".out.lock", "out"]
+    assert not [name for name in os.listdir(out) if name.startswith(".glm53flash-save")]
+
+
+def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch):
+    """The swap into ``--output-dir`` fails (EIO): the old output stays as it was, and the staging folder, the run's
+    only complete copy, is kept and named in the error."""
+    import errno
+
+    from glm53flash_hf import checkpoint
+
+    out, snapshot = old_output
+    staging = finetune.staging_folder(str(out))
+
+    exchange_paths = checkpoint.exchange_paths
+
+    def failing_exchange(a, b):
+        if os.path.realpath(b) != os.path.realpath(out):  # the saves inside staging
+            return exchange_paths(a, b)
+        raise OSError(errno.EIO, os.strerror(errno.EIO), a, None, b)
+
+    monkeypatch.setattr(checkpoint, "exchange_paths", failing_exchange)
+    with pytest.raises(RuntimeError, match=rf"kept in {staging}: ") as error_info:  # finetune.PublishError
+        finetune.main(_argv(tiny, out, "--seed", "1"))
+    assert "Input/output error" in str(error_info.value)
+    assert _snapshot(out) == snapshot
+    assert sorted(os.listdir(out.parent)) == [".out.lock", ".out.staging", "out"]
+    finetune.check_saved_folder(staging, adapter=True)
+    assert os.path.isfile(os.path.join(staging, finetune.LOSS_LOG))
+
+
+# ------------------------------------------------------------------------------------------------ router biases
+
+
+def test_balanced_router_biases_reach_both_adapters_and_the_merged_model(tiny, tmp_path, monkeypatch, capsys):
+    """``--balance-speed`` with LoRA: the router biases the balancing moved are in the VL adapter, the causal-LM
+    adapter (under its names) and the merged model, equal to the trained ones; both adapters load them back through
+    PEFT's Auto classes (no warning) and the merge check passes (exit status 0)."""
+    import peft
+    import transformers
+    from safetensors import safe_open
+
+    from glm53flash_hf.train.trainer import find_routers
+
+    trained = {}
+    original = finetune.save
+
+    def save(job, trainer, processor):
+        for name, router in find_routers(trainer.model).items():
+            trained[name.removeprefix("base_model.model.model.language_model.")] = (
+                router.e_score_correction_bias.detach().clone())
+        return original(job, trainer, processor)
+
+    monkeypatch.setattr(finetune, "save", save)
+    out = tmp_path / "out"
+    assert finetune.main(_argv(tiny, out, "--balance-speed", "0.01")) == 0
+    assert "merged model vs the trained adapter" in capsys.readouterr().out
+    assert trained and all(bool(bias.abs().max() > 0) for bias in trained.values())  # balancing moved them
+
+    def biases(folder, prefix):
+        found = {}
+        for fname in sorted(os.listdir(folder)):
+            if fname.endswith(".safetensors"):
+                with safe_open(os.path.join(folder, fname), "pt") as f:
+                    found.update({k[len(prefix):-len(".e_score_correction_bias")]: f.get_tensor(k) for k in f.keys()
+                                  if k.endswith(".e_score_correction_bias") and k.startswith(prefix)})
+        return found
+
+    for folder, prefix in ((out / finetune.ADAPTER_VL_DIR, "base_model.model.model.language_model."),
+                           (out / finetune.ADAPTER_DIR, "base_model.model.model."),
+                           (out, "model.language_model.")):
+        found = biases(folder, prefix)
+        assert sorted(found) == sorted(trained), folder
+        for name, bias in trained.items():
+            assert torch.equal(found[name], bias), (folder, name)
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for folder, auto_peft, prefix in ((finetune.ADAPTER_DIR, "AutoPeftModelForCausalLM", "model."),
+                                      (finetune.ADAPTER_VL_DIR, "AutoPeftModel", "model.language_model.")):
+        with test_finetune.no_warnings():
+            adapted = getattr(peft, auto_peft).from_pretrained(str(out / folder), trust_remote_code=True,
+                                                               dtype=torch.float32)
+        loaded = {name.removeprefix("base_model.model." + prefix): router.e_score_correction_bias
+                  for name, router in find_routers(adapted).items()}
+        assert sorted(loaded) == sorted(trained)
+        for name, bias in trained.items():
+            assert torch.equal(loaded[name], bias), (folder, name)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
+    for name, router in find_routers(merged).items():
+        assert torch.equal(router.e_score_correction_bias, trained[name.removeprefix("model.")])

@@ -120,16 +120,31 @@ def output_lock(out: str):
         os.close(fd)
 
 
+class PublishError(RuntimeError):
+    """Replacing ``--output-dir`` by the run's staging folder failed; the staging folder is kept, complete, and named
+    in the message (see :func:`_publish`)."""
+
+
 def _publish(staging: str, out: str) -> None:
-    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`)."""
-    from ..checkpoint import atomic_save
+    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`): every entry of
+    ``staging`` is hard-linked, or copied where ``out`` lies on another file system (``EXDEV``, e.g. a mount point),
+    into the save's temporary folder on ``out``'s file system, which is then swapped in; ``staging`` is removed once
+    ``out`` holds the new folder.
 
-    def write(folder: str) -> None:
-        for entry in os.listdir(staging):
-            os.rename(os.path.join(staging, entry), os.path.join(folder, entry))
+    Raises:
+        PublishError: anything failed; ``out`` holds its old or new content as a whole and ``staging`` (the run's only
+            complete copy) is left in place, its path in the message.
+    """
+    from ..checkpoint import atomic_save, link_or_copy_entries
 
-    atomic_save(out, write)
-    os.rmdir(staging)
+    try:
+        atomic_save(out, lambda folder: link_or_copy_entries(staging, folder))
+    except Exception as error:
+        raise PublishError(
+            f"could not publish the run's output into {out} ({type(error).__name__}: {error}); the complete output "
+            f"(loss log, adapters, model) is kept in {staging}: copy it from there (the next run into this "
+            "--output-dir clears it)") from error
+    shutil.rmtree(staging)
 
 
 def check_finite(model, what: str, accelerator=None) -> None:
@@ -150,6 +165,97 @@ def check_finite(model, what: str, accelerator=None) -> None:
         names = f": {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else " (on other processes)"
         raise FloatingPointError(f"{what} holds non-finite values (NaN / inf) in {count} tensors{names}; nothing "
                                  "was saved")
+
+
+class DeadModelError(FloatingPointError):
+    """The trained (or merged) model no longer predicts, though every weight is finite (see
+    :func:`check_predicts`)."""
+
+
+def logit_degeneracy(logits) -> str | None:
+    """Why the logits ``[..., positions, vocab]`` carry no prediction, or None: the same value for every token of the
+    vocabulary at every position (e.g. every logit 0.0, what RMS norms whose squares overflow to inf leave), or the
+    same vector at every position (``positions > 1``)."""
+    lg = logits.detach().float()
+    if bool((lg.amax(-1) == lg.amin(-1)).all()):
+        values = lg[..., 0].unique()
+        return "constant across the vocabulary (" + (
+            f"every logit {float(values[0])}" if values.numel() == 1 else "each position's logits all equal") + ")"
+    if lg.shape[-2] > 1 and bool((lg == lg[..., :1, :]).all()):
+        return f"the same at every one of the {lg.shape[-2]} positions"
+    return None
+
+
+def _rms_norm_hooks(model, found: list):
+    """Forward hooks on every RMS norm of ``model`` appending ``(name, value)`` to ``found`` for the first one whose
+    input's float32 mean square (the statistic it divides by) is NaN / inf; returns the handles."""
+    import torch
+
+    def hook(name):
+        def record(module, args, output):
+            if found or not args or not torch.is_tensor(args[0]):
+                return
+            stat = args[0].detach().float().pow(2).mean(-1)
+            bad = ~torch.isfinite(stat)
+            if bool(bad.any()):
+                found.append((name, float(stat[bad].flatten()[0])))
+
+        return record
+
+    return [module.register_forward_hook(hook(name)) for name, module in model.named_modules()
+            if "RMSNorm" in type(module).__name__]
+
+
+def check_predicts(model, processor, question: str, what: str, learning_rate: float, accelerator=None) -> None:
+    """Raise unless ``model`` still predicts on the chat prompt for ``question`` (eval mode, no grad; a collective
+    forward on every process under FSDP / ``--ep``): its logits must not be constant (:func:`logit_degeneracy`) and
+    no RMS norm may see a NaN / inf mean square (weights near 1e30 are finite, their squares are not).
+
+    Raises:
+        DeadModelError: naming ``what``, the logits' state, the first such norm and ``learning_rate``.
+    """
+    import torch
+
+    found: list = []
+    handles = _rms_norm_hooks(model, found)
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in chat_inputs(processor, question).items()}
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(training)
+    degenerate = logit_degeneracy(logits)
+    dead = int(degenerate is not None or bool(found))
+    if accelerator is not None and accelerator.num_processes > 1:
+        dead = int(accelerator.reduce(torch.tensor(dead, device=accelerator.device), reduction="max"))
+    if not dead:
+        return
+    reasons = [f"its logits are {degenerate}" if degenerate else "its logits on other processes are degenerate"]
+    if found:
+        name, value = found[0]
+        reasons.append(f"the RMS norm {name} divides by a mean square of {value} (its input's squares overflow "
+                       "float32)")
+    elif degenerate is None:
+        reasons = ["another process found degenerate logits or a non-finite RMS norm statistic"]
+    raise DeadModelError(f"{what} no longer predicts: on the prompt {question!r} {'; '.join(reasons)}; the learning "
+                         f"rate {learning_rate:g} may be too large; nothing was saved")
+
+
+def check_loss_moved(losses: list[float], learning_rate: float) -> None:
+    """Raise when two or more logged losses are all exactly equal (a model that stopped predicting gives the same
+    loss on every batch).
+
+    Raises:
+        DeadModelError: naming the number of losses, their value and ``learning_rate``.
+    """
+    if len(losses) >= 2 and all(loss == losses[0] for loss in losses):
+        raise DeadModelError(f"the training loss never moved: all {len(losses)} logged losses are {losses[0]}; the "
+                             f"learning rate {learning_rate:g} may be too large (or too small); nothing was saved")
 
 
 def _save_trained(trainer, path: str, main_process: bool, processor=None) -> None:
@@ -263,20 +369,29 @@ FP8_ROUNDTRIP_RTOL = 2.0**-4
 FP8_BOUND_RATIO = 1.0
 
 
-def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[float, float]:
-    """``(max |logits_a - logits_b|, max |logits_a|)`` of two models on the chat prompt for ``question`` and on the
-    :data:`PROBE_PHOTO` image prompt (eval mode, no grad).
+def max_logit_difference(model_a, model_b, processor, question: str) -> tuple[float, float, str | None]:
+    """``(max |logits_a - logits_b|, max |logits_a|, degenerate)`` of two models on the chat prompt for ``question``
+    and on the :data:`PROBE_PHOTO` image prompt (eval mode, no grad); ``degenerate`` names the first model and prompt
+    whose logits carry no prediction (:func:`logit_degeneracy`: two constant models agree without proving anything),
+    else None.
     """
     import torch
 
     diff = scale = 0.0
-    for inputs in (chat_inputs(processor, question), chat_inputs(processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO))):
+    degenerate = None
+    prompts = (("text", chat_inputs(processor, question)),
+               ("image", chat_inputs(processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO))))
+    for prompt, inputs in prompts:
         with torch.no_grad():
             a = model_a.eval()(**inputs).logits.float()
             b = model_b.eval()(**inputs).logits.float()
         diff = max(diff, float((a - b).abs().max()))
         scale = max(scale, float(a.abs().max()))
-    return diff, scale
+        for which, logits in (("first", a), ("second", b)):
+            why = logit_degeneracy(logits)
+            if degenerate is None and why is not None:
+                degenerate = f"the {which} model's logits on the {prompt} prompt are {why}"
+    return diff, scale, degenerate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-mtp", action="store_true", help="train without the MTP loss")
     parser.add_argument("--balance-speed", type=float, default=0.0,
                         help="aux-loss-free expert balancing bias update speed (DeepSeek-V3 used 1e-3; default off). "
-                             "With LoRA the updated biases reach only the merged model, not the adapter")
+                             "With LoRA the updated router biases are saved in both adapters and the merged model")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="weights dtype for training and saving (auto: float32 on CPU and under FSDP or --ep, "
@@ -420,6 +535,7 @@ class Job:
     main_process: bool  # process 0: it alone prints, saves and verifies
     model_path: str = ""  # the checkpoint trained; set by prepare()
     ep_plan: object = None  # the ExpertParallelPlan under --ep N > 1
+    processor: object = None  # the checkpoint's processor; set by prepare()
 
     def say(self, *parts) -> None:
         """Print on the main process only."""
@@ -461,7 +577,7 @@ def prepare(job: Job):
     job.model_path = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
     from ..processing_glm53flash import Glm53FlashProcessor
 
-    processor = Glm53FlashProcessor.from_pretrained(job.model_path)
+    processor = job.processor = Glm53FlashProcessor.from_pretrained(job.model_path)
     model = load_model(job.model_path, job.dtype)
     if args.ep > 1:
         from ..train.distributed import process_mesh
@@ -554,16 +670,24 @@ def train(job: Job, trainer) -> dict:
     """Step 3: ``trainer.train()``. Returns ``{"seconds", "tokens", "first", "last", "n"}``.
 
     Raises:
-        FloatingPointError: a non-finite loss or gradient norm (naming the step), or non-finite weights.
+        FloatingPointError: a non-finite loss or gradient norm (naming the step), or non-finite weights;
+            :class:`DeadModelError`: the trained model no longer predicts (constant logits, a non-finite RMS norm
+            statistic: :func:`check_predicts`) or the loss never moved (:func:`check_loss_moved`).
     """
     import torch
 
     result = trainer.train()
-    check_finite(trainer.model, f"the trained model (after step {trainer.state.global_step})", trainer.accelerator)
+    what = f"the trained model (after step {trainer.state.global_step})"
+    check_finite(trainer.model, what, trainer.accelerator)
+    lr = job.training_args.learning_rate
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    check_loss_moved(losses, lr)
+    if trainer.sp_group is None:  # under --sp the text model expects its shard of each row
+        check_predicts(trainer.model, job.processor, explain_prompt(job.args.held_out), what, lr, trainer.accelerator)
     tokens = trainer.trained_tokens
     if trainer.accelerator.num_processes > 1:
         tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device), reduction="sum"))
-    first, last, n = loss_summary([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    first, last, n = loss_summary(losses)
     return dict(seconds=float(result.metrics["train_runtime"]), tokens=tokens, first=first, last=last, n=n)
 
 
@@ -590,6 +714,10 @@ def save(job: Job, trainer, processor):
         else:
             _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
+            if job.args.balance_speed > 0:  # the balanced router biases: buffers, which PEFT does not save
+                from ..train.adapters import add_router_biases
+
+                add_router_biases(adapter_dir, trainer.accelerator.unwrap_model(trainer.model))
             save_auto_peft_adapters(adapter_dir, os.path.join(stage, ADAPTER_DIR))
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype, job.args.merged_format)
             report = getattr(saved_model, "fp8_merge_report", None)
@@ -597,6 +725,8 @@ def save(job: Job, trainer, processor):
                 job.say(f"merged into the FP8 base as {job.args.merged_format}: {report['merged_fp8_weights']} FP8 "
                         f"weights, max relative re-quantization error {report['max_rel_roundtrip_error']:.2e}")
             check_finite(saved_model, "the merged model")
+            check_predicts(saved_model, processor, explain_prompt(job.args.held_out), "the merged model",
+                           job.training_args.learning_rate)
             saved_model.save_pretrained(stage, processor=processor)
     if job.main_process:
         check_saved_folder(stage, adapter=not job.args.full)
@@ -623,7 +753,7 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
     report = getattr(saved_model, "fp8_merge_report", None)
     fp8 = report is not None and report["fp8"]
     if not args.full and (fp8 or single_cpu_fp32):
-        diff, scale = max_logit_difference(trainer.model, saved_model, processor, question)
+        diff, scale, degenerate = max_logit_difference(trainer.model, saved_model, processor, question)
         if fp8:  # re-quantized to e4m3: the round trip is the only difference, each element within the e4m3 bound
             ok = (report["max_roundtrip_bound_ratio"] <= FP8_BOUND_RATIO
                   and report["max_rel_roundtrip_error"] <= FP8_ROUNDTRIP_RTOL)
@@ -635,6 +765,9 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
             ok = diff <= MERGE_RTOL * max(1.0, scale)
             job.say(f"merged model vs the trained adapter: max |dlogit| = {diff:.2e} (max |logit| {scale:.1f}) "
                     + ("ok" if ok else f"ERROR: above {MERGE_RTOL:g} relative"))
+        if degenerate is not None:  # (the adapter's model is the first)
+            job.say(f"  ERROR: {degenerate}: the comparison proves nothing")
+            ok = False
         status = 0 if ok else 1
     if args.no_reload:
         return status
@@ -674,6 +807,7 @@ def main(argv=None) -> int:
     Raises:
         SystemExit: bad options, or ``--output-dir`` held by another run (status 2).
         FloatingPointError: the run diverged (names the step); ``--output-dir`` is left as it was.
+        PublishError: the output could not replace ``--output-dir`` (left as it was); the staging folder is kept.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -699,11 +833,15 @@ def main(argv=None) -> int:
                 parser.error(f"--output-dir {error}")
             shutil.rmtree(staging, ignore_errors=True)  # left by a killed run (the lock is ours)
             os.makedirs(staging)
+        keep_staging = False
         try:
             return _run(parser, job, start)
+        except PublishError:
+            keep_staging = True  # the run's only complete copy
+            raise
         finally:
-            if job.main_process:
-                shutil.rmtree(staging, ignore_errors=True)  # emptied and removed by a complete run
+            if job.main_process and not keep_staging:
+                shutil.rmtree(staging, ignore_errors=True)  # removed by a complete run
 
 
 def _run(parser, job: Job, start: float) -> int:

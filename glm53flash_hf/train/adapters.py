@@ -107,4 +107,39 @@ def write_causal_lm_adapter(vl_adapter_dir, save_directory) -> int:
     return len(tensors)
 
 
-__all__ = ["VL_AUTO_MAPPING", "causal_lm_adapter_key", "mark_vl_adapter", "write_causal_lm_adapter"]
+def add_router_biases(adapter_dir, peft_model) -> int:
+    """Add the router biases of ``peft_model`` (each router's ``e_score_correction_bias``, fp32 ``[E]``, a buffer the
+    aux-loss-free balancing updates and PEFT does not save) to ``adapter_dir/adapter_model.safetensors`` under their
+    PEFT-serialized names (``base_model.model.<module>.e_score_correction_bias``). PEFT passes tensors that are no
+    adapter parameter through to ``load_state_dict``, so ``PeftModel.from_pretrained`` (and the Auto classes, and a
+    merge) loads them into the base model's buffers. Returns the number of biases added.
+
+    Raises:
+        FileNotFoundError: the config or ``adapter_model.safetensors`` is missing.
+        ValueError: ``peft_model`` has no router.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .trainer import find_routers
+
+    _check_folder(adapter_dir)
+    routers = find_routers(peft_model)
+    if not routers:
+        raise ValueError(f"{type(peft_model).__name__} has no MoE router: no biases to add")
+    path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata() or {}
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    for name, router in routers.items():
+        bias = router.e_score_correction_bias.detach()
+        bias = bias.full_tensor() if hasattr(bias, "full_tensor") else bias  # a DTensor under FSDP2
+        name = name.removeprefix("_fsdp_wrapped_module.").replace("._fsdp_wrapped_module", "")
+        tensors[f"{name}.e_score_correction_bias"] = bias.to("cpu", copy=True).contiguous()
+    save_file(tensors, path, metadata={**metadata, "format": "pt"})
+    return len(routers)
+
+
+__all__ = [
+    "VL_AUTO_MAPPING", "add_router_biases", "causal_lm_adapter_key", "mark_vl_adapter", "write_causal_lm_adapter",
+]
