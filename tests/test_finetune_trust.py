@@ -338,19 +338,19 @@ def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch
     only complete copy, is kept and named in the error."""
     import errno
 
-    from glm53flash_hf import checkpoint
+    from glm53flash_hf import checkpoint_io
 
     out, snapshot = old_output
     staging = finetune.staging_folder(str(out))
 
-    exchange_paths = checkpoint.exchange_paths
+    exchange_paths = checkpoint_io.exchange_paths
 
     def failing_exchange(a, b):
         if os.path.realpath(b) != os.path.realpath(out):  # the saves inside staging
             return exchange_paths(a, b)
         raise OSError(errno.EIO, os.strerror(errno.EIO), a, None, b)
 
-    monkeypatch.setattr(checkpoint, "exchange_paths", failing_exchange)
+    monkeypatch.setattr(checkpoint_io, "exchange_paths", failing_exchange)
     with pytest.raises(RuntimeError, match=rf"kept in {staging}: ") as error_info:  # finetune.PublishError
         finetune.main(_argv(tiny, out, "--seed", "1"))
     assert "Input/output error" in str(error_info.value)

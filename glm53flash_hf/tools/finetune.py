@@ -101,23 +101,23 @@ def output_lock(out: str):
     Raises:
         OutputBusyError: another process holds ``out`` (names the folder, the holder's pid and the lock file).
     """
-    import fcntl
+    from ..checkpoint_io import FileLock
 
     path = _sibling(out, "lock")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(path, create=True)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        if not lock.acquire(wait=False):
+            with open(path, errors="replace") as f:
+                holder = f.read(64).strip() or "unknown"
             raise OutputBusyError(f"{out!r} is in use by another glm53flash-finetune run (pid {holder}, lock file "
-                                  f"{path}); wait for it to end or choose another --output-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                                  f"{path}); wait for it to end or choose another --output-dir")
+        if lock.fd is not None:
+            os.ftruncate(lock.fd, 0)
+            os.pwrite(lock.fd, f"{os.getpid()}\n".encode(), 0)
         yield path
     finally:
-        os.close(fd)
+        lock.release()
 
 
 class PublishError(RuntimeError):
@@ -126,8 +126,8 @@ class PublishError(RuntimeError):
 
 
 def _publish(staging: str, out: str) -> None:
-    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`): every entry of
-    ``staging`` is hard-linked, or copied where ``out`` lies on another file system (``EXDEV``, e.g. a mount point),
+    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint_io.atomic_save`): every entry
+    of ``staging`` is hard-linked, or copied where ``out`` lies on another file system (``EXDEV``, e.g. a mount point),
     into the save's temporary folder on ``out``'s file system, which is then swapped in; ``staging`` is removed once
     ``out`` holds the new folder.
 
@@ -135,7 +135,7 @@ def _publish(staging: str, out: str) -> None:
         PublishError: anything failed; ``out`` holds its old or new content as a whole and ``staging`` (the run's only
             complete copy) is left in place, its path in the message.
     """
-    from ..checkpoint import atomic_save, link_or_copy_entries
+    from ..checkpoint_io import atomic_save, link_or_copy_entries
 
     try:
         atomic_save(out, lambda folder: link_or_copy_entries(staging, folder))
@@ -155,7 +155,7 @@ def check_finite(model, what: str, accelerator=None) -> None:
     """
     import torch
 
-    from ..checkpoint import nonfinite_tensors
+    from ..checkpoint_checks import nonfinite_tensors
 
     bad = nonfinite_tensors([*model.named_parameters(), *model.named_buffers()])
     count = len(bad)
@@ -261,7 +261,7 @@ def check_loss_moved(losses: list[float], learning_rate: float) -> None:
 def _save_trained(trainer, path: str, main_process: bool, processor=None) -> None:
     """Save the trained model (PEFT: the adapter) and ``processor`` to ``path`` atomically (FSDP: gathered, collective).
     """
-    from ..checkpoint import atomic_save
+    from ..checkpoint_io import atomic_save
 
     state_dict = trainer.accelerator.get_state_dict(trainer.model) if trainer.is_fsdp_enabled else None
     if not main_process:
@@ -294,7 +294,7 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
     Raises:
         RuntimeError: naming every missing piece.
     """
-    from ..checkpoint import read_json
+    from ..checkpoint_io import read_json
 
     files = sorted(os.listdir(out))
     missing = []
@@ -365,7 +365,7 @@ MERGE_RTOL = 2e-5
 #: Largest ``max |requantized - merged| / max |merged|`` of one weight merged into an FP8 base and re-quantized to
 #: e4m3 (3 mantissa bits: rounding to nearest errs by at most 2**-4 of the value).
 FP8_ROUNDTRIP_RTOL = 2.0**-4
-#: Largest elementwise ``|requantized - merged| / glm53flash_hf.tools.fp8.roundtrip_error_bound`` of an FP8 merge.
+#: Largest elementwise ``|requantized - merged| / glm53flash_hf.fp8_blockwise.roundtrip_error_bound`` of an FP8 merge.
 FP8_BOUND_RATIO = 1.0
 
 
