@@ -335,7 +335,7 @@ def test_publish_across_file_systems(tiny, old_output, monkeypatch, mount_point)
 
 def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch):
     """The swap into ``--output-dir`` fails (EIO): the old output stays as it was, and the staging folder, the run's
-    only complete copy, is kept and named in the error."""
+    only complete copy, is kept and named in the error; the next run's cleanup moves it aside instead of deleting it."""
     import errno
 
     from glm53flash_hf import checkpoint_io
@@ -358,6 +358,19 @@ def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch
     assert sorted(os.listdir(out.parent)) == [".out.lock", ".out.staging", "out"]
     finetune.check_saved_folder(staging, adapter=True)
     assert os.path.isfile(os.path.join(staging, finetune.LOSS_LOG))
+    assert "Input/output error" in open(os.path.join(staging, finetune.UNPUBLISHED_MARK)).read()
+
+    # the next run neither deletes that copy nor publishes it: it is moved aside, kept whole, and named
+    monkeypatch.setattr(checkpoint_io, "exchange_paths", exchange_paths)
+    unpublished = finetune._sibling(str(out), "unpublished")
+    kept = finetune.clear_staging(staging, str(out))
+    assert kept.startswith(unpublished + "-") and os.listdir(staging) == []
+    finetune.check_saved_folder(kept, adapter=True)
+    assert os.path.isfile(os.path.join(kept, finetune.LOSS_LOG))
+    assert _snapshot(out) == snapshot
+    # a killed run's staging folder (no mark) is removed
+    open(os.path.join(staging, "partial.bin"), "w").close()
+    assert finetune.clear_staging(staging, str(out)) is None and os.listdir(staging) == []
 
 
 # ------------------------------------------------------------------------------------------------ router biases

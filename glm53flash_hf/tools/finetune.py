@@ -140,11 +140,33 @@ def _publish(staging: str, out: str) -> None:
     try:
         atomic_save(out, lambda folder: link_or_copy_entries(staging, folder))
     except Exception as error:
+        with contextlib.suppress(OSError):  # the mark keeps the folder from the next run's cleanup
+            with open(os.path.join(staging, UNPUBLISHED_MARK), "w") as f:
+                f.write(f"{type(error).__name__}: {error}\n")
         raise PublishError(
             f"could not publish the run's output into {out} ({type(error).__name__}: {error}); the complete output "
             f"(loss log, adapters, model) is kept in {staging}: copy it from there (the next run into this "
-            "--output-dir clears it)") from error
+            f"--output-dir moves it to a sibling {_sibling(out, 'unpublished')}-<time> and keeps it)") from error
     shutil.rmtree(staging)
+
+
+#: File that a failed publish writes into the staging folder it keeps (holds the error).
+UNPUBLISHED_MARK = ".glm53flash-unpublished"
+
+
+def clear_staging(staging: str, out: str) -> str | None:
+    """Empty ``staging`` for a new run into ``out``: the leftover of a killed run is removed; a folder kept by a
+    failed publish (:data:`UNPUBLISHED_MARK`) is renamed to the sibling ``.<name>.unpublished-<UTC time>`` and kept.
+    Returns that folder's path, or None."""
+    kept = None
+    if os.path.isfile(os.path.join(staging, UNPUBLISHED_MARK)):
+        kept = f"{_sibling(out, 'unpublished')}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        while os.path.lexists(kept):
+            kept += "x"
+        os.rename(staging, kept)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return kept
 
 
 def check_finite(model, what: str, accelerator=None) -> None:
@@ -831,8 +853,10 @@ def main(argv=None) -> int:
                 stack.enter_context(output_lock(out))
             except OutputBusyError as error:
                 parser.error(f"--output-dir {error}")
-            shutil.rmtree(staging, ignore_errors=True)  # left by a killed run (the lock is ours)
-            os.makedirs(staging)
+            kept = clear_staging(staging, out)  # the lock is ours: a staging folder is a previous run's
+            if kept is not None:
+                job.say(f"kept the output of an earlier run that could not be published (see its "
+                        f"{UNPUBLISHED_MARK}) in {kept}")
         keep_staging = False
         try:
             return _run(parser, job, start)
