@@ -307,7 +307,7 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, processor=None, allow_nonfinite_weights: bool = False, **kwargs):
         """``PreTrainedModel.save_pretrained`` in the published layout (``model.language_model.*``, per-expert weights,
         split KDA convolutions, ``hc_*``), with ``model_type: glm5_next``, this package's ``auto_map`` and the
-        remote-code modules, written atomically (:func:`.checkpoint.atomic_save`): a failure or a kill leaves the old
+        remote-code modules, written atomically (:func:`.checkpoint_io.atomic_save`): a failure or a kill leaves the old
         folder or the new one; the old folder's entries that are not checkpoint files are kept. ``processor`` is saved
         into the same folder in the same swap; ``is_main_process=False`` writes nothing; ``distributed_checkpoint=True``
         saves in place, not atomically.
@@ -317,7 +317,9 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         """
         import tempfile
 
-        from .checkpoint import atomic_save, check_finite_for_save, own_conversions
+        from .checkpoint import own_conversions
+        from .checkpoint_checks import check_finite_for_save
+        from .checkpoint_io import atomic_save
 
         if not allow_nonfinite_weights:
             state_dict = kwargs.get("state_dict")
@@ -348,7 +350,7 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``; ``ValueError`` naming integer or bool tensors given for float weights."""
-        from .checkpoint import check_state_dict_dtypes
+        from .checkpoint_checks import check_state_dict_dtypes
 
         check_state_dict_dtypes(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

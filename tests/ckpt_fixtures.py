@@ -2,7 +2,7 @@
 
 A canonical checkpoint is written by our own ``save_pretrained`` (published layout, several shards); variants are
 derived from it by rewriting the keys of each shard with safetensors, quantizing the keys of
-:func:`glm53flash_hf.tools.fp8.fp8_keys_of` (``<name>_scale_inv`` placed in *another* shard than the weight, which
+:func:`glm53flash_hf.fp8_blockwise.fp8_keys_of` (``<name>_scale_inv`` placed in *another* shard than the weight, which
 the release can do) and adding a few fake vision tensors under the variant's vision prefix.
 """
 
@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from tiny import randomize_
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
+from glm53flash_hf.fp8_blockwise import fp8_keys_of, fp8_quantization_config, quantize_fp8_blockwise
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
-from glm53flash_hf.tools.fp8 import fp8_keys_of, fp8_quantization_config, quantize_fp8_blockwise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(ROOT, "configuration", "tiny.json")

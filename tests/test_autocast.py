@@ -168,8 +168,8 @@ def test_routed_experts_follow_autocast():
 def test_fp8_fallback_follows_autocast():
     """The FP8 layers' CPU fallback under autocast: the input cast to bf16 as autocast does for ``F.linear``,
     forward and backward equal to the explicit bf16 call without autocast."""
+    from glm53flash_hf.fp8_blockwise import quantize_fp8_blockwise
     from glm53flash_hf.fp8_kept import fp8_linear_block_rows
-    from glm53flash_hf.tools.fp8 import quantize_fp8_blockwise
 
     gen = torch.Generator().manual_seed(4)
     w, s = quantize_fp8_blockwise(torch.randn(24, 32, generator=gen), (8, 8))

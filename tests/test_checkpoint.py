@@ -34,8 +34,8 @@ from ckpt_fixtures import (
     write_variant,
 )
 
+from glm53flash_hf.fp8_blockwise import dequantize_fp8_blockwise
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM, Glm53FlashTextModel
-from glm53flash_hf.tools.fp8 import dequantize_fp8_blockwise
 
 MTP = 6  # tiny.json: num_hidden_layers 6, one MTP layer at layers.6
 

@@ -1,4 +1,4 @@
-"""Saves that a kill cannot destroy (:func:`glm53flash_hf.checkpoint.atomic_save`): kill points, mount points
+"""Saves that a kill cannot destroy (:func:`glm53flash_hf.checkpoint_io.atomic_save`): kill points, mount points
 (journal), non-finite weights, and the Trainer's checkpoints.
 
 Kill-point oracle: a forked child saves a new checkpoint (one ``model.safetensors``) over an old one (several shards
@@ -25,7 +25,7 @@ import torch
 from ckpt_fixtures import tiny_config
 from tiny import randomize_
 
-from glm53flash_hf import checkpoint
+from glm53flash_hf import checkpoint_io
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 
 TEXT = dict(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["dense"], indexer_types=["full"],
@@ -73,7 +73,7 @@ def _no_leftovers(folder) -> None:
 
 def _mount_point(monkeypatch, target: str) -> None:
     """Make ``target`` behave as a mount point: renaming or exchanging the folder itself fails with EBUSY."""
-    real_rename, real_exchange = os.rename, checkpoint.exchange_paths
+    real_rename, real_exchange = os.rename, checkpoint_io.exchange_paths
     target = os.path.realpath(target)
 
     def busy(a, b):
@@ -89,7 +89,7 @@ def _mount_point(monkeypatch, target: str) -> None:
         return real_exchange(a, b)
 
     monkeypatch.setattr(os, "rename", rename)
-    monkeypatch.setattr(checkpoint, "exchange_paths", exchange)
+    monkeypatch.setattr(checkpoint_io, "exchange_paths", exchange)
 
 
 def _hook_file_operations(on_op) -> None:
@@ -107,7 +107,7 @@ def _hook_file_operations(on_op) -> None:
 
     for name in OS_OPS:
         setattr(os, name, wrap(name, getattr(os, name)))
-    checkpoint.exchange_paths = wrap("exchange", checkpoint.exchange_paths)
+    checkpoint_io.exchange_paths = wrap("exchange", checkpoint_io.exchange_paths)
     builtins.open = wrap("open", builtins.open, writes_only=True)
 
 
@@ -123,7 +123,7 @@ def _fork_save(model, folder: str, mode: str, on_op) -> str:
             if mode == "mount":
                 _mount_point(pytest.MonkeyPatch(), folder)
             elif mode == "no-exchange":
-                checkpoint.exchange_paths = lambda a, b: False
+                checkpoint_io.exchange_paths = lambda a, b: False
             _hook_file_operations(on_op)
             model.save_pretrained(folder)
             code = 0
@@ -164,7 +164,7 @@ def _kill_points_server(old_folder: str, root: str, modes: list[str]) -> dict:
 
     hf_logging.disable_progress_bar()
     new = _model(2)
-    out = {"exchange": checkpoint.exchange_paths(old_folder, old_folder)}
+    out = {"exchange": checkpoint_io.exchange_paths(old_folder, old_folder)}
     for mode in modes:
         folder = os.path.join(root, mode, "dry", "ckpt")
         shutil.copytree(old_folder, folder)
@@ -307,7 +307,7 @@ def test_load_finishes_a_committed_journal_and_drops_an_uncommitted_one(models, 
         raise KeyboardInterrupt("cut off (test)")
 
     if committed:
-        monkeypatch.setattr(checkpoint, "_roll_forward", cut)
+        monkeypatch.setattr(checkpoint_io, "_roll_forward", cut)
     else:
         rename = os.rename
 
@@ -337,12 +337,12 @@ def test_leftovers_of_a_running_save_are_left_alone(old_folder, tmp_path):
     shutil.copytree(old_folder, folder)
     busy = tmp_path / ".ckpt.tmp-running"
     busy.mkdir()
-    lock = checkpoint._FolderLock(str(busy))
+    lock = checkpoint_io.FileLock(str(busy))
     assert lock.acquire()
-    checkpoint.recover_interrupted_save(folder)
+    checkpoint_io.recover_interrupted_save(folder)
     assert busy.is_dir()
     lock.release()
-    checkpoint.recover_interrupted_save(folder)
+    checkpoint_io.recover_interrupted_save(folder)
     assert not busy.exists()
 
 
@@ -364,9 +364,9 @@ _KILL_BETWEEN_RENAMES = """
 import os, signal, sys
 sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
 import test_checkpoint_save as t
-from glm53flash_hf import checkpoint
+from glm53flash_hf import checkpoint_io
 folder = sys.argv[2]
-checkpoint.exchange_paths = lambda a, b: False  # the fallback, as where the exchange is unavailable
+checkpoint_io.exchange_paths = lambda a, b: False  # the fallback, as where the exchange is unavailable
 def die(kind):
     if kind == "rename" and not os.path.lexists(folder):  # the old folder is aside, the new one not yet in place
         os.kill(os.getpid(), signal.SIGKILL)

@@ -31,9 +31,9 @@ from ckpt_fixtures import (
     write_variant,
 )
 
+from glm53flash_hf.fp8_blockwise import dequantize_fp8_blockwise
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 from glm53flash_hf.tools import crop
-from glm53flash_hf.tools.fp8 import dequantize_fp8_blockwise
 
 H, N = 6, 3  # tiny.json: 6 main layers (+ MTP at layers.6); crops keep 3
 EXTRA_FILES = {

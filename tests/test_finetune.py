@@ -306,10 +306,10 @@ def test_full_finetune_saves_full_weights(tiny, tmp_path):
 
 def test_lora_job_on_fp8_checkpoint(tmp_path):
     """``glm53flash-finetune --model <tiny FP8 folder>`` with the smallest settings (3 steps of one 64-token text
-    row, LoRA r=2, no MTP, no fresh-process reload): exit 0, a finite loss that falls (seeded), the merge into the
-    FP8 base reported within the e4m3 round-trip bound; the output reloads here kept in FP8 (transformers' FP8
-    module classes, e4m3 weights that differ from the base's: the deltas are in) with finite logits; the base
-    folder is untouched."""
+    row, LoRA r=2, no MTP, no fresh-process reload, ``--balance-speed``): exit 0, a finite loss that falls (seeded),
+    the merge into the FP8 base reported within the e4m3 round-trip bound; the output reloads here kept in FP8
+    (transformers' FP8 module classes, e4m3 weights that differ from the base's: the deltas are in) with finite
+    logits and the balanced router biases; the base folder is untouched."""
     import hashlib
 
     from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
@@ -326,7 +326,7 @@ def test_lora_job_on_fp8_checkpoint(tmp_path):
     out = str(tmp_path / "out")
     stdout, _ = _run_job(["--model", base, "--output-dir", out, "--max-steps", "3", "--samples", "2", "--no-media",
                           "--batch-size", "1", "--max-length", "64", "--warmup-steps", "0", "--lora-r", "2",
-                          "--no-mtp", "--no-reload"], tmp_path)
+                          "--no-mtp", "--no-reload", "--balance-speed", "0.01"], tmp_path)
     first, last = map(float, re.search(r"loss: first ([0-9.]+) .* last ([0-9.]+) ", stdout).groups())
     assert 0 < last < first, stdout
     assert re.search(r"merged into the FP8 base as fp8: 49 FP8 weights", stdout), stdout
@@ -340,5 +340,18 @@ def test_lora_job_on_fp8_checkpoint(tmp_path):
     moved = [n for n, p in merged.named_parameters() if p.dtype == torch.float8_e4m3fn
              and not torch.equal(p.view(torch.uint8), original.get_parameter(n).view(torch.uint8))]
     assert any(".experts." in n for n in moved) and any("q_b_proj" in n for n in moved), moved
+    # --balance-speed: the router biases are in the merged FP8 model (fp32) as the adapter has them (the balancing
+    # moved those of the main layers; --no-mtp leaves the MTP layer's router without tokens)
+    from safetensors import safe_open
+
+    from glm53flash_hf.train.trainer import find_routers
+
+    with safe_open(os.path.join(out, finetune.ADAPTER_VL_DIR, "adapter_model.safetensors"), "pt") as f:
+        stored = {k.removeprefix("base_model.model.model.language_model.").removesuffix(".e_score_correction_bias"):
+                  f.get_tensor(k) for k in f.keys() if k.endswith(".e_score_correction_bias")}
+    routers = {n.removeprefix("model."): r.e_score_correction_bias for n, r in find_routers(merged).items()}
+    assert stored and sorted(stored) == sorted(routers) and any(bool(b.abs().max() > 0) for b in stored.values())
+    for name, bias in stored.items():
+        assert routers[name].dtype == torch.float32 and torch.equal(routers[name], bias), name
     with torch.no_grad():
         assert torch.isfinite(merged(input_ids=torch.tensor([[2002, 2004, 300, 41, 977]])).logits).all()

@@ -335,22 +335,22 @@ def test_publish_across_file_systems(tiny, old_output, monkeypatch, mount_point)
 
 def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch):
     """The swap into ``--output-dir`` fails (EIO): the old output stays as it was, and the staging folder, the run's
-    only complete copy, is kept and named in the error."""
+    only complete copy, is kept and named in the error; the next run's cleanup moves it aside instead of deleting it."""
     import errno
 
-    from glm53flash_hf import checkpoint
+    from glm53flash_hf import checkpoint_io
 
     out, snapshot = old_output
     staging = finetune.staging_folder(str(out))
 
-    exchange_paths = checkpoint.exchange_paths
+    exchange_paths = checkpoint_io.exchange_paths
 
     def failing_exchange(a, b):
         if os.path.realpath(b) != os.path.realpath(out):  # the saves inside staging
             return exchange_paths(a, b)
         raise OSError(errno.EIO, os.strerror(errno.EIO), a, None, b)
 
-    monkeypatch.setattr(checkpoint, "exchange_paths", failing_exchange)
+    monkeypatch.setattr(checkpoint_io, "exchange_paths", failing_exchange)
     with pytest.raises(RuntimeError, match=rf"kept in {staging}: ") as error_info:  # finetune.PublishError
         finetune.main(_argv(tiny, out, "--seed", "1"))
     assert "Input/output error" in str(error_info.value)
@@ -358,6 +358,19 @@ def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch
     assert sorted(os.listdir(out.parent)) == [".out.lock", ".out.staging", "out"]
     finetune.check_saved_folder(staging, adapter=True)
     assert os.path.isfile(os.path.join(staging, finetune.LOSS_LOG))
+    assert "Input/output error" in open(os.path.join(staging, finetune.UNPUBLISHED_MARK)).read()
+
+    # the next run neither deletes that copy nor publishes it: it is moved aside, kept whole, and named
+    monkeypatch.setattr(checkpoint_io, "exchange_paths", exchange_paths)
+    unpublished = finetune._sibling(str(out), "unpublished")
+    kept = finetune.clear_staging(staging, str(out))
+    assert kept.startswith(unpublished + "-") and os.listdir(staging) == []
+    finetune.check_saved_folder(kept, adapter=True)
+    assert os.path.isfile(os.path.join(kept, finetune.LOSS_LOG))
+    assert _snapshot(out) == snapshot
+    # a killed run's staging folder (no mark) is removed
+    open(os.path.join(staging, "partial.bin"), "w").close()
+    assert finetune.clear_staging(staging, str(out)) is None and os.listdir(staging) == []
 
 
 # ------------------------------------------------------------------------------------------------ router biases

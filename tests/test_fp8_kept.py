@@ -1,7 +1,7 @@
 """FP8 checkpoints loaded with their block-scaled e4m3 weights kept (``glm53flash_hf.fp8_kept``).
 
 Oracle: the same checkpoint loaded with ``dequantize_fp8=True`` (transformers' ``Fp8Dequantize`` on load, today's
-behaviour), and :func:`glm53flash_hf.tools.fp8.dequantize_fp8_blockwise` for the tensors.
+behaviour), and :func:`glm53flash_hf.fp8_blockwise.dequantize_fp8_blockwise` for the tensors.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from torch import nn
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
 from glm53flash_hf import fp8_kept
-from glm53flash_hf.checkpoint import fp8_module_names, inspect_checkpoint
+from glm53flash_hf.checkpoint import fp8_module_names
+from glm53flash_hf.checkpoint_checks import inspect_checkpoint
+from glm53flash_hf.fp8_blockwise import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from glm53flash_hf.fp8_kept import Glm53FlashFP8Experts, Glm53FlashFP8Linear, fp8_linear_block_rows, fp8_weight_bytes
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM, Glm53FlashForConditionalGeneration
-from glm53flash_hf.tools.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from glm53flash_hf.tools.make_tiny import make_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,7 +369,7 @@ def _fp8_weights(model, names):
 
 def _roundtrip(x, halves):
     """(rt(x), elementwise bound) of one 2-D weight with fresh block scales, gate/up halves blocked separately."""
-    from glm53flash_hf.tools.fp8 import roundtrip_error_bound
+    from glm53flash_hf.fp8_blockwise import roundtrip_error_bound
 
     rts, bounds = [], []
     for part in x.chunk(2) if halves else [x]:

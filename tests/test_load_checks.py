@@ -110,6 +110,14 @@ def test_config_object_is_checked_and_mismatch_opt_out_warns(folder, caplog):
     assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (8, 96, 64)
 
 
+def test_every_size_field_has_a_config_rule():
+    """Each text-config size field the loader reads before building the model is checked by a rule of the table."""
+    from glm53flash_hf.checkpoint_checks import _SIZE_FIELDS, CONFIG_RULES
+
+    checked = {name for fields, _ in CONFIG_RULES for name in fields}
+    assert set(_SIZE_FIELDS) <= checked, sorted(set(_SIZE_FIELDS) - checked)
+
+
 def test_shared_expert_width_names_both_fields(folder):
     _edit_config(folder, n_shared_experts=2)
     match = (

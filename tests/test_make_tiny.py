@@ -15,14 +15,14 @@ import pytest
 import torch
 from tiny import read_checkpoint_tensors
 
-from glm53flash_hf.modeling_glm53flash import AUTO_MAP
-from glm53flash_hf.tools.fp8 import (
+from glm53flash_hf.fp8_blockwise import (
     FP8_DTYPE,
     dequantize_fp8_blockwise,
     fp8_keys_of,
     fp8_quantization_config,
     roundtrip_error_bound,
 )
+from glm53flash_hf.modeling_glm53flash import AUTO_MAP
 from glm53flash_hf.tools.make_tiny import (
     DEFAULT_CONFIG,
     DEFAULT_FP8_CONFIG,
@@ -203,7 +203,7 @@ def test_fp8_variant(tiny_fp8_unquantized, tiny_fp8):
         w, s = q[key], q[key + "_scale_inv"]
         assert w.dtype == FP8_DTYPE and w.shape == ref[key].shape
         assert s.dtype == torch.float32 and s.shape == (math.ceil(w.shape[0] / 128), math.ceil(w.shape[1] / 128))
-        # e4m3 bound (tools.fp8.roundtrip_error_bound, docs/design.md FP8): half an ulp (3 mantissa bits → 2^-4
+        # e4m3 bound (fp8_blockwise.roundtrip_error_bound, docs/design.md FP8): half an ulp (3 mantissa bits → 2^-4
         # relative) for normals, 2^-10·scale for subnormals, plus 2^-22 relative for the fp32 x / scale, which can
         # round a value just below a rounding tie onto it (seen: 3.4999999 subnormal spacings, stored as 4).
         source = ref[key].float()

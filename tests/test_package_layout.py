@@ -3,6 +3,7 @@
 * No import cycle among ``glm53flash_hf``'s modules, counting every import (module level and inside functions).
 * The flat modules (the remote code a checkpoint carries) never import the sub-packages ``train`` / ``tools``, and
   use only the ``from .module import name`` form that transformers' remote-code loader follows.
+* Checkpoint I/O below the checks below the loader; no ``train`` module imports a ``tools`` one for FP8.
 * Per operator family, the ops module (the torch oracle and argument checks) is a leaf below both the module file
   and the fused file.
 * The package top exports the public classes.
@@ -162,6 +163,19 @@ def test_family_ops_module_is_a_leaf_below_module_and_fused_file(family):
     assert {ops, mod, fused} <= set(graph), f"missing module among {ops}, {mod}, {fused}"
     assert ops in graph[mod] and ops in graph[fused]
     assert not graph[ops] & {mod, fused}, f"{ops} imports {sorted(graph[ops] & {mod, fused})}"
+
+
+def test_checkpoint_layers():
+    """Checkpoint I/O is a leaf, the checks import it (and the config), and neither imports the conversions and
+    loader above them; the FP8 quantizer is a flat module that the tools and ``train`` import, not a tool that
+    ``train`` reaches up to."""
+    graph = import_graph()
+    io, checks, loader = (f"{PACKAGE}.checkpoint_io", f"{PACKAGE}.checkpoint_checks", f"{PACKAGE}.checkpoint")
+    assert graph[io] == set(), sorted(graph[io])
+    assert io in graph[checks] and loader not in graph[checks], sorted(graph[checks])
+    assert {io, checks} <= graph[loader]
+    assert f"{PACKAGE}.fp8_blockwise" in graph[f"{PACKAGE}.train.fp8_lora"]
+    assert not {m for m in graph[f"{PACKAGE}.train.fp8_lora"] if m.startswith(f"{PACKAGE}.tools")}
 
 
 def test_package_top_exports_public_classes():

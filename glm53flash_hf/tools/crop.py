@@ -2,10 +2,10 @@
 
 Written to OUT: embeddings, final norm, ``lm_head``, vision tower and main layers ``0..N-1`` bit for bit (key
 prefixes as found); MTP layers ``layers.{H+i}`` renamed to ``layers.{N+i}``; FP8 weights dequantized to
-``--dtype`` (:func:`.fp8.dequantize_fp8_blockwise`), scales dropped; ``config.json`` with the schedule fields cut to
-N and ``quantization_config`` removed (it must validate as :class:`.configuration_glm53flash.Glm53FlashConfig`);
-sharded safetensors with an index; the non-weight files (tokenizer, templates, processor configs, ``*.py``).
-One source shard is read at a time.
+``--dtype`` (:func:`glm53flash_hf.fp8_blockwise.dequantize_fp8_blockwise`), scales dropped; ``config.json`` with the
+schedule fields cut to N and ``quantization_config`` removed (it must validate as
+:class:`.configuration_glm53flash.Glm53FlashConfig`); sharded safetensors with an index; the non-weight files
+(tokenizer, templates, processor configs, ``*.py``). One source shard is read at a time.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..checkpoint import SCALE_SUFFIX, atomic_save, fp8_block_size, inspect_checkpoint, open_shard, read_config_json
+from ..checkpoint_checks import SCALE_SUFFIX, fp8_block_size, inspect_checkpoint
+from ..checkpoint_io import atomic_save, open_shard, read_config_json
+from ..fp8_blockwise import dequantize_fp8_blockwise
 from . import check_output_folder
-from .fp8 import dequantize_fp8_blockwise
 
 INDEX_NAME = "model.safetensors.index.json"
 COPY_PATTERNS = ("tokenizer*", "*.jinja", "*processor*config.json", "generation_config.json", "special_tokens_map.json",
@@ -162,9 +163,9 @@ def _config_kwargs(config: dict) -> dict:
 
 def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> CropPlan:
     """Work out the crop from ``src``'s ``config.json``, index and shard headers (no tensor data is read).
-    ``ValueError`` for missing config or weights, what :func:`.checkpoint.inspect_checkpoint` refuses (a corrupt shard,
-    FP8 weights and scales not paired or not tiling), ``layers`` out of range, MTP layer numbering that does not follow
-    the main stack, or an invalid cropped config."""
+    ``ValueError`` for missing config or weights, what :func:`.checkpoint_checks.inspect_checkpoint` refuses (a
+    corrupt shard, FP8 weights and scales not paired or not tiling), ``layers`` out of range, MTP layer numbering that
+    does not follow the main stack, or an invalid cropped config."""
     config = read_config_json(src)
     if config is None:
         raise ValueError(f"{src}: no config.json")

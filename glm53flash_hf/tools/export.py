@@ -20,7 +20,7 @@ import warnings
 
 from transformers.utils import logging
 
-from ..checkpoint import atomic_save, checkpoint_keys, read_json, write_json
+from ..checkpoint_io import atomic_save, checkpoint_keys, read_json, write_json
 from . import check_output_folder, docstring_parser
 
 logger = logging.get_logger(__name__)

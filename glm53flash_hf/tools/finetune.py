@@ -101,23 +101,23 @@ def output_lock(out: str):
     Raises:
         OutputBusyError: another process holds ``out`` (names the folder, the holder's pid and the lock file).
     """
-    import fcntl
+    from ..checkpoint_io import FileLock
 
     path = _sibling(out, "lock")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(path, create=True)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        if not lock.acquire(wait=False):
+            with open(path, errors="replace") as f:
+                holder = f.read(64).strip() or "unknown"
             raise OutputBusyError(f"{out!r} is in use by another glm53flash-finetune run (pid {holder}, lock file "
-                                  f"{path}); wait for it to end or choose another --output-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                                  f"{path}); wait for it to end or choose another --output-dir")
+        if lock.fd is not None:
+            os.ftruncate(lock.fd, 0)
+            os.pwrite(lock.fd, f"{os.getpid()}\n".encode(), 0)
         yield path
     finally:
-        os.close(fd)
+        lock.release()
 
 
 class PublishError(RuntimeError):
@@ -126,8 +126,8 @@ class PublishError(RuntimeError):
 
 
 def _publish(staging: str, out: str) -> None:
-    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint.atomic_save`): every entry of
-    ``staging`` is hard-linked, or copied where ``out`` lies on another file system (``EXDEV``, e.g. a mount point),
+    """Replace ``out`` by the complete folder ``staging`` (:func:`glm53flash_hf.checkpoint_io.atomic_save`): every entry
+    of ``staging`` is hard-linked, or copied where ``out`` lies on another file system (``EXDEV``, e.g. a mount point),
     into the save's temporary folder on ``out``'s file system, which is then swapped in; ``staging`` is removed once
     ``out`` holds the new folder.
 
@@ -135,16 +135,38 @@ def _publish(staging: str, out: str) -> None:
         PublishError: anything failed; ``out`` holds its old or new content as a whole and ``staging`` (the run's only
             complete copy) is left in place, its path in the message.
     """
-    from ..checkpoint import atomic_save, link_or_copy_entries
+    from ..checkpoint_io import atomic_save, link_or_copy_entries
 
     try:
         atomic_save(out, lambda folder: link_or_copy_entries(staging, folder))
     except Exception as error:
+        with contextlib.suppress(OSError):  # the mark keeps the folder from the next run's cleanup
+            with open(os.path.join(staging, UNPUBLISHED_MARK), "w") as f:
+                f.write(f"{type(error).__name__}: {error}\n")
         raise PublishError(
             f"could not publish the run's output into {out} ({type(error).__name__}: {error}); the complete output "
             f"(loss log, adapters, model) is kept in {staging}: copy it from there (the next run into this "
-            "--output-dir clears it)") from error
+            f"--output-dir moves it to a sibling {_sibling(out, 'unpublished')}-<time> and keeps it)") from error
     shutil.rmtree(staging)
+
+
+#: File that a failed publish writes into the staging folder it keeps (holds the error).
+UNPUBLISHED_MARK = ".glm53flash-unpublished"
+
+
+def clear_staging(staging: str, out: str) -> str | None:
+    """Empty ``staging`` for a new run into ``out``: the leftover of a killed run is removed; a folder kept by a
+    failed publish (:data:`UNPUBLISHED_MARK`) is renamed to the sibling ``.<name>.unpublished-<UTC time>`` and kept.
+    Returns that folder's path, or None."""
+    kept = None
+    if os.path.isfile(os.path.join(staging, UNPUBLISHED_MARK)):
+        kept = f"{_sibling(out, 'unpublished')}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        while os.path.lexists(kept):
+            kept += "x"
+        os.rename(staging, kept)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return kept
 
 
 def check_finite(model, what: str, accelerator=None) -> None:
@@ -155,7 +177,7 @@ def check_finite(model, what: str, accelerator=None) -> None:
     """
     import torch
 
-    from ..checkpoint import nonfinite_tensors
+    from ..checkpoint_checks import nonfinite_tensors
 
     bad = nonfinite_tensors([*model.named_parameters(), *model.named_buffers()])
     count = len(bad)
@@ -261,7 +283,7 @@ def check_loss_moved(losses: list[float], learning_rate: float) -> None:
 def _save_trained(trainer, path: str, main_process: bool, processor=None) -> None:
     """Save the trained model (PEFT: the adapter) and ``processor`` to ``path`` atomically (FSDP: gathered, collective).
     """
-    from ..checkpoint import atomic_save
+    from ..checkpoint_io import atomic_save
 
     state_dict = trainer.accelerator.get_state_dict(trainer.model) if trainer.is_fsdp_enabled else None
     if not main_process:
@@ -294,7 +316,7 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
     Raises:
         RuntimeError: naming every missing piece.
     """
-    from ..checkpoint import read_json
+    from ..checkpoint_io import read_json
 
     files = sorted(os.listdir(out))
     missing = []
@@ -365,7 +387,7 @@ MERGE_RTOL = 2e-5
 #: Largest ``max |requantized - merged| / max |merged|`` of one weight merged into an FP8 base and re-quantized to
 #: e4m3 (3 mantissa bits: rounding to nearest errs by at most 2**-4 of the value).
 FP8_ROUNDTRIP_RTOL = 2.0**-4
-#: Largest elementwise ``|requantized - merged| / glm53flash_hf.tools.fp8.roundtrip_error_bound`` of an FP8 merge.
+#: Largest elementwise ``|requantized - merged| / glm53flash_hf.fp8_blockwise.roundtrip_error_bound`` of an FP8 merge.
 FP8_BOUND_RATIO = 1.0
 
 
@@ -831,8 +853,10 @@ def main(argv=None) -> int:
                 stack.enter_context(output_lock(out))
             except OutputBusyError as error:
                 parser.error(f"--output-dir {error}")
-            shutil.rmtree(staging, ignore_errors=True)  # left by a killed run (the lock is ours)
-            os.makedirs(staging)
+            kept = clear_staging(staging, out)  # the lock is ours: a staging folder is a previous run's
+            if kept is not None:
+                job.say(f"kept the output of an earlier run that could not be published (see its "
+                        f"{UNPUBLISHED_MARK}) in {kept}")
         keep_staging = False
         try:
             return _run(parser, job, start)

@@ -176,8 +176,8 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
     """Rewrite the text shards (FP8 when ``fp8``), add ``vision_state`` as the last shard, and write the index."""
     from safetensors.torch import load_file, save_file
 
-    from ..checkpoint import read_weight_map, write_json
-    from .fp8 import fp8_keys_of, quantize_fp8_blockwise
+    from ..checkpoint_io import read_weight_map, write_json
+    from ..fp8_blockwise import fp8_keys_of, quantize_fp8_blockwise
 
     weight_map = read_weight_map(out)
     files = sorted(set(weight_map.values()))
@@ -208,7 +208,7 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
 def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool = False,
               dtype: str = "bfloat16", overwrite: bool = False, show_progress: bool = True) -> str:
     """Write the tiny checkpoint folder ``out`` (empty unless ``overwrite``) atomically
-    (:func:`glm53flash_hf.checkpoint.atomic_save`); return ``out``.
+    (:func:`glm53flash_hf.checkpoint_io.atomic_save`); return ``out``.
 
     ``config_path``: a GLM-5.3-Flash ``config.json`` with ``text_config`` and ``vision_config`` (default
     :data:`DEFAULT_FP8_CONFIG` with ``fp8``, else :data:`DEFAULT_CONFIG`); ``seed``: ``torch.manual_seed`` of the text
@@ -220,7 +220,7 @@ def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
-    from ..checkpoint import atomic_save
+    from ..checkpoint_io import atomic_save
     from ..configuration_glm53flash import Glm53FlashConfig
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -264,9 +264,9 @@ def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     import torch
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-    from ..checkpoint import read_json, write_json
+    from ..checkpoint_io import read_json, write_json
+    from ..fp8_blockwise import fp8_quantization_config
     from ..modeling_glm53flash import Glm53FlashForCausalLM
-    from .fp8 import fp8_quantization_config
 
     bar.set_postfix_str("text model")
     torch.manual_seed(seed)

@@ -21,7 +21,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from .fp8 import FP8_KEY_PATTERNS
+from ..fp8_blockwise import FP8_KEY_PATTERNS
 
 GIB = 1024**3
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -338,9 +338,9 @@ def fp8_load_bytes(config, dtype=None) -> dict[str, int]:
     from transformers.core_model_loading import revert_weight_conversion
 
     from ..checkpoint import fp8_module_names_of_keys
+    from ..fp8_blockwise import MODULES_TO_NOT_CONVERT, fp8_keys_of
     from ..fp8_kept import FP8_DTYPE, Glm53FlashFP8Quantizer, fp8_quantizer_for_load, fp8_weight_bytes
     from ..modeling_glm53flash import Glm53FlashForCausalLM
-    from .fp8 import MODULES_TO_NOT_CONVERT, fp8_keys_of
 
     dtype = torch.bfloat16 if dtype is None else dtype
     with torch.device("meta"):

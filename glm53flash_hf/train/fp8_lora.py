@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..fp8_blockwise import quantize_fp8_blockwise, roundtrip_error_bound
 from ..fp8_kept import _row_groups, _tiles
-from ..tools.fp8 import quantize_fp8_blockwise, roundtrip_error_bound
 
 
 def dequantize_rows(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
@@ -45,7 +45,7 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
     ``peft_model``: a ``peft.PeftModel`` over FP8-kept modules (LoRA through ``target_modules`` /
     ``target_parameters``). With ``x = dequantize(W) + delta`` in fp32 per FP8 weight: ``fp8=False`` stores ``x`` in
     ``dtype`` (plain modules, no quantizer); ``fp8=True`` stores ``quantize(x)`` with fresh ``amax / 448`` block scales,
-    each element within :func:`.tools.fp8.roundtrip_error_bound` of ``x``.
+    each element within :func:`.fp8_blockwise.roundtrip_error_bound` of ``x``.
 
     Returns:
         the merged base model and ``{"fp8", "merged_fp8_weights", "max_rel_roundtrip_error",

@@ -267,7 +267,7 @@ class Glm53FlashTrainer(Trainer):
 
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-        from ..checkpoint import exchange_paths
+        from ..checkpoint_io import exchange_paths
 
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
