@@ -1,7 +1,7 @@
 """Kimi Delta Attention (KDA), the linear-attention layer of GLM-5.3-Flash (Kimi Linear, arXiv:2510.26692 §3).
 
 Parameters as transformers' ``Glm5NextTextLinearAttention`` (names, shapes, dtypes); ops from :mod:`.kda_ops` or
-:mod:`.kda_fused`, chosen per call by :func:`.dispatch.choose_backend`."""
+their fused alternatives in :mod:`.kda_fused`, chosen per call by :func:`.dispatch.op_for`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .dispatch import choose_backend, requested_backend
+from .dispatch import op_for, register_fused, requested_backend
 from .generation_cache import check_cache
-from .kda_ops import causal_conv1d_torch, chunk_kda_torch, recurrent_kda_torch
+from .kda_ops import causal_conv1d_torch, chunk_kda_torch, kda_gate, recurrent_kda_torch, rms_norm_gated_torch
 from .offload import call_onloaded
 from .packing import DocumentLayout
 
@@ -31,12 +31,23 @@ __all__ = [
 ]
 
 
-class Glm53FlashForgetGate(nn.Module):
-    """KDA forget gate (transformers' ``Glm5NextTextForgetGate``): fp32 per-channel log decay ``g`` [B, S, H, K].
+def _fused_ops() -> tuple:
+    """The fused alternatives of the four KDA torch ops, imported on the first fused call."""
+    from .kda_fused import causal_conv1d_fused, chunk_kda_fused, recurrent_kda_fused, rms_norm_gated_fused
 
-    With ``f = f_b_proj(f_a_proj(x))``, per head ``h``: ``g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` for
-    ``lb = config.linear_lower_bound`` (in ``(lb, 0)``), or ``-exp(A_log[h]) * softplus(f + dt_bias)`` when it is None.
-    """
+    return chunk_kda_fused, recurrent_kda_fused, causal_conv1d_fused, rms_norm_gated_fused
+
+
+register_fused("kda", chunk_kda_torch, lambda: _fused_ops()[0])
+register_fused("kda", recurrent_kda_torch, lambda: _fused_ops()[1])
+register_fused("kda", causal_conv1d_torch, lambda: _fused_ops()[2])
+register_fused("kda", rms_norm_gated_torch, lambda: _fused_ops()[3])
+
+
+class Glm53FlashForgetGate(nn.Module):
+    """KDA forget gate (transformers' ``Glm5NextTextForgetGate``): fp32 per-channel log decay ``g`` [B, S, H, K],
+    :func:`.kda_ops.kda_gate` of ``f_b_proj(f_a_proj(x))`` with ``A_log``, ``dt_bias`` and
+    ``config.linear_lower_bound``."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -51,34 +62,30 @@ class Glm53FlashForgetGate(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` [B, S, hidden] -> ``g`` fp32 [B, S, H, K]."""
-        B, S = hidden_states.shape[:2]
-        f = self.f_b_proj(self.f_a_proj(hidden_states)).float() + self.dt_bias.float()
-        f = f.view(B, S, self.num_heads, self.head_dim)
-        rate = torch.exp(self.A_log.float()).view(self.num_heads, 1)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * f)
-        return -rate * F.softplus(f, beta=1.0, threshold=20.0)
+        return kda_gate(self.gate_input(hidden_states), self.A_log, self.dt_bias, self.lower_bound)
+
+    def gate_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``f_b_proj(f_a_proj(hidden_states))`` as ``[B, S, H, K]``, the gate's input (``g`` of the KDA ops)."""
+        return self.f_b_proj(self.f_a_proj(hidden_states)).unflatten(-1, (self.num_heads, self.head_dim))
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, lower_bound={self.lower_bound}"
 
 
 class Glm53FlashRMSNormGated(nn.Module):
-    """``forward(x, gate)`` on ``[..., hidden_size]``: ``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)``
-    (transformers' ``Glm5NextTextRMSNormGated``); raises ``ValueError`` when the shapes differ."""
+    """``forward(x, gate, backend="torch")`` on ``[..., hidden_size]``: :func:`.kda_ops.rms_norm_gated_torch` or its
+    fused alternative, as :func:`.dispatch.op_for` decides for ``backend`` (transformers' ``Glm5NextTextRMSNormGated``);
+    raises ``ValueError`` when the shapes differ. Called as a module so that hooks that gather its weight (FSDP2
+    units, accelerate offload) run."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if gate.shape != hidden_states.shape:
-            raise ValueError(f"gate must have the shape of x {tuple(hidden_states.shape)}; got {tuple(gate.shape)}")
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        x = self.weight.float() * x * torch.sigmoid(gate.float())
-        return x.to(hidden_states.dtype)
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        op = op_for(rms_norm_gated_torch, backend, hidden_states, gate)
+        return op(hidden_states, gate, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -89,7 +96,9 @@ class Glm53FlashLinearAttention(nn.Module):
 
     ``q, k, v = silu(causal_conv([q_proj x | k_proj x | v_proj x]))`` (fp32 ``conv1d.weight`` ``[3*H*K, 1, W]``),
     ``o = KDA(q, k, v, forget_gate(x), sigmoid(b_proj x))`` (l2-normalised q, k, scale ``K^-0.5``),
-    ``out = o_proj(o_norm(o, g_b_proj(g_a_proj x)))``. Raises ``ValueError`` unless ``config.hidden_act`` is silu.
+    ``out = o_proj(o_norm(o, g_b_proj(g_a_proj x)))``. Each op (:mod:`.kda_ops`) or its fused alternative
+    (:mod:`.kda_fused`) is chosen per call by :func:`.dispatch.op_for`, the gate and beta activated inside the op.
+    Raises ``ValueError`` unless ``config.hidden_act`` is silu.
     """
 
     def __init__(self, config, layer_idx: int) -> None:
@@ -134,6 +143,11 @@ class Glm53FlashLinearAttention(nn.Module):
     ) -> tuple[torch.Tensor, None, None]:
         """Mix the tokens of ``hidden_states`` ``[B, S, D]`` within the documents of ``layout`` (padding zeroed).
 
+        Uncached or a cache without history: the chunked core over the documents. With a cache: a first call or a
+        continuation that does not record its past runs the chunked core from the cached states; one token per row,
+        or several while the cache records its past (speculative verification), runs the recurrence token by token,
+        every state to the cache.
+
         ``cache``: optional transformers ``Cache`` whose layer ``layer_idx`` is a ``LinearAttentionLayer`` (conv state
         ``[B, 3*H*K, W]``, oldest first; fp32 recurrent state ``[B, H, K, V]``), read as the initial states and
         replaced by the final ones. Other kwargs (the DSA mixer's) are ignored. Returns ``(out, None, None)``, the
@@ -146,15 +160,17 @@ class Glm53FlashLinearAttention(nn.Module):
                 is not linear attention; on the fused path, a sharded DTensor parameter.
         """
         B, S, _ = hidden_states.shape
+        H, K = self.num_heads, self.head_dim
         if layout.batch_size != B or layout.seq_len != S:
             raise ValueError(
                 f"layout is for [{layout.batch_size}, {layout.seq_len}] but hidden_states is [{B}, {S}, ...]"
             )
+        sp = getattr(layout, "sequence_parallel", None)
         conv_state = recurrent_state = None
         recording = False
         if cache is not None:
             check_cache(cache, "Glm53FlashLinearAttention")
-            if getattr(layout, "sequence_parallel", None) is not None:
+            if sp is not None:
                 raise ValueError("sequence parallelism runs uncached forwards only; got a cache")
             conv_state = cache.get_conv_state(self.layer_idx)
             recurrent_state = cache.get_recurrent_state(self.layer_idx)
@@ -163,116 +179,60 @@ class Glm53FlashLinearAttention(nn.Module):
                 conv_state = conv_state[..., -self.conv_kernel_size :]
                 if conv_state.shape[-1] < self.conv_kernel_size:  # fewer inputs than W so far: zeros before them
                     conv_state = F.pad(conv_state, (self.conv_kernel_size - conv_state.shape[-1], 0))
-        # one choice per call, from the tensors only (never from self.training: a checkpoint recompute replays it)
-        fused = choose_backend("kda", requested_backend(self.config, "kda"), hidden_states,
-                               self.o_norm.weight.view(1, 1, 1, -1)) == "fused"
-        params = self._kernel_params(fused)
-        if not layout.trivial:
-            hidden_states = hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
-        if conv_state is not None and recurrent_state is not None:
-            if S == 1:
-                return self.decode(hidden_states, params, conv_state, recurrent_state, cache, recording), None, None
-            if recording:
-                return self.verify(hidden_states, params, conv_state, recurrent_state, cache), None, None
-        return self.prefill(hidden_states, layout, params, conv_state, recurrent_state, cache, recording), None, None
-
-    def prefill(self, x, layout, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
-        """The chunked form: uncached, a first cached call, or a continuation that does not record its past."""
-        B, S, _ = x.shape
-        H, K = self.num_heads, self.head_dim
-        mixed, g, beta = self._projections(x, params)
+        continuing = conv_state is not None and recurrent_state is not None
+        # parameters read without their module's forward (accelerate offload hooks onload them here)
+        fg = self.forget_gate
+        conv_weight, gate = call_onloaded((self.conv1d, fg), lambda: (
+            self.conv1d.weight[:, 0, :], dict(A_log=fg.A_log, dt_bias=fg.dt_bias, lower_bound=fg.lower_bound)))
+        # one choice per op, from the tensors only (never from self.training: a checkpoint recompute replays it); the
+        # head dim reaches the probe through dt_bias viewed [1, 1, H, K]
+        backend, probe = requested_backend(self.config, "kda"), (hidden_states, gate["dt_bias"].view(1, 1, H, K))
+        x = hidden_states if layout.trivial else hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
+        mixed, g, beta = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), fg.gate_input(x), \
+            self.b_proj(x)
         varlen = {}
         if cache is None and not layout.trivial:
-            mixed, g, beta = mixed.reshape(1, B * S, -1), g.reshape(1, B * S, H, K), beta.reshape(1, B * S, H)
+            mixed, g, beta = (t.flatten(0, 1)[None] for t in (mixed, g, beta))
             varlen = {"cu_seqlens": layout.cu_seqlens}
-        sp = getattr(layout, "sequence_parallel", None)
         if sp is not None:
             conv_state = sp_conv_initial_state(sp, mixed.view(B, S, self.conv_dim), self.conv_kernel_size,
                                                layout.num_segments)
-        (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state,
-                                           output_final_state=cache is not None, **varlen)
-        core, cp_core = chunk_kda_torch, None
-        if params["fused"]:
-            from .kda_fused import chunk_kda_context_parallel, chunk_kda_gate_in_kernel
+        y, conv_final = op_for(causal_conv1d_torch, backend, *probe)(
+            mixed, conv_weight, activation=self.activation, initial_state=conv_state,
+            output_final_state=cache is not None, **varlen)
+        q, k, v = (z.reshape(*z.shape[:2], H, K) for z in y.split(self.qkv_dim, dim=-1))
+        if continuing and (S == 1 or recording):  # token by token, every state to the cache while recording
+            step = functools.partial(op_for(recurrent_kda_torch, backend, *probe), **gate)
+            outs, states, state = [], [], recurrent_state
+            for i in range(S):
+                o_i, state = step(*(t[:, i : i + 1] for t in (q, k, v, g, beta)), initial_state=state,
+                                  output_final_state=True)
+                outs.append(o_i)
+                states.append(state.float())
+            o, history = torch.cat(outs, dim=1), ({"per_token_states": torch.stack(states)} if recording else {})
+            self._store(cache, conv_final, mixed, state, history)
+        elif sp is not None:
+            chunk = op_for(chunk_kda_torch, backend, *probe)
+            o = sp_chunk_kda(sp, functools.partial(chunk, **gate), q, k, v, g, beta, cu_seqlens=layout.cu_seqlens,
+                             fla_cp=gate if chunk is not chunk_kda_torch else None)
+        else:
+            core = functools.partial(op_for(chunk_kda_torch, backend, *probe), **gate)
+            o, final = core(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
+                            **varlen)
+            if cache is not None:
+                history = {}
+                if recording and S == 1:
+                    history = {"per_token_states": final.float()[None]}
+                elif recording:
 
-            core = functools.partial(chunk_kda_gate_in_kernel, **params["gate"])
-            cp_core = functools.partial(chunk_kda_context_parallel, **params["gate"])
-        if sp is not None:
-            o = sp_chunk_kda(sp, core, q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, cp_core=cp_core)
-            return self._output(o, x, params)
-        o, final = core(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
-                        **varlen)
-        continuing = conv_state is not None and recurrent_state is not None
-        if cache is not None:
-            history = {}
-            if recording and S == 1:
-                history = {"per_token_states": final.float()[None]}
-            elif recording and not continuing:
+                    def replay(j, core=core, inputs=(q, k, v, g, beta)):
+                        prefix = (t[:, :j].contiguous() for t in inputs)
+                        return core(*prefix, initial_state=None, output_final_state=True)[1].float()
 
-                def replay(j, core=core, inputs=(q, k, v, g, beta)):
-                    prefix = (t[:, :j].contiguous() for t in inputs)
-                    return core(*prefix, initial_state=None, output_final_state=True)[1].float()
-
-                history = {"replay": (S, replay)}
-            self._store(cache, conv_final, mixed, final, history)
-        return self._output(o, x, params)
-
-    def decode(self, x, params, conv_state, recurrent_state, cache, recording) -> torch.Tensor:
-        """One cached token per row (``x [B, 1, D]``): one recurrence step."""
-        mixed, g, beta = self._projections(x, params)
-        (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state, output_final_state=True)
-        o, final = self._step_core(x, params)(q, k, v, g, beta, initial_state=recurrent_state,
-                                               output_final_state=True)
-        history = {"per_token_states": final.float()[None]} if recording else {}
-        self._store(cache, conv_final, mixed, final, history)
-        return self._output(o, x, params)
-
-    def verify(self, x, params, conv_state, recurrent_state, cache) -> torch.Tensor:
-        """``S > 1`` cached tokens while the cache records its past: token by token, every state to the cache."""
-        mixed, g, beta = self._projections(x, params)
-        (q, k, v), conv_final = self._conv(mixed, params, initial_state=conv_state, output_final_state=True)
-        step = self._step_core(x, params)
-        outs, states, state = [], [], recurrent_state
-        for i in range(x.shape[1]):
-            o_i, state = step(*(t[:, i : i + 1] for t in (q, k, v, g, beta)), initial_state=state,
-                              output_final_state=True)
-            outs.append(o_i)
-            states.append(state.float())
-        self._store(cache, conv_final, mixed, state, {"per_token_states": torch.stack(states)})
-        return self._output(torch.cat(outs, dim=1), x, params)
-
-    def _kernel_params(self, fused: bool) -> dict:
-        if not fused:
-            return call_onloaded((self.conv1d,), lambda: {"fused": False, "conv": self.conv1d.weight[:, 0, :]})
-        from .kda_fused import kernel_params
-
-        return call_onloaded((self.conv1d, self.forget_gate, self.o_norm),
-                             lambda: dict(kernel_params(self), fused=True))
-
-    def _projections(self, x, params):
-        """``(mixed [B, S, 3*H*K], g, beta)``: activated for the torch core, pre-activations for the fused one."""
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        if not params["fused"]:
-            return mixed, self.forget_gate(x), torch.sigmoid(self.b_proj(x).float())
-        fg = self.forget_gate
-        return mixed, fg.f_b_proj(fg.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim)), self.b_proj(x)
-
-    def _conv(self, mixed, params, **kwargs):
-        conv = causal_conv1d_torch
-        if params["fused"]:
-            from .kda_fused import causal_conv1d_fused as conv
-        y, final = conv(mixed, weight=params["conv"], activation=self.activation, **kwargs)
-        b, t = y.shape[:2]
-        return tuple(z.reshape(b, t, self.num_heads, self.head_dim) for z in y.split(self.qkv_dim, dim=-1)), final
-
-    def _step_core(self, x, params):
-        """The core of cached steps (fused: the chunked kernel when a gradient is needed)."""
-        if not params["fused"]:
-            return recurrent_kda_torch
-        from .kda_fused import chunk_kda_gate_in_kernel, fused_recurrent_step
-
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        return functools.partial(chunk_kda_gate_in_kernel if needs_grad else fused_recurrent_step, **params["gate"])
+                    history = {"replay": (S, replay)}
+                self._store(cache, conv_final, mixed, final, history)
+        normed = self.o_norm(o.reshape(B, S, H, K), self.g_b_proj(self.g_a_proj(x)).view(B, S, H, K), backend)
+        return self.o_proj(normed.reshape(B, S, self.qkv_dim)), None, None
 
     def _store(self, cache, conv_final, conv_inputs, recurrent_final, history) -> None:
         # the call's conv inputs [B, D, S]: the cache layer keeps the last W (all of them while recording) and counts
@@ -280,18 +240,6 @@ class Glm53FlashLinearAttention(nn.Module):
         conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
         cache.update_conv_state(conv_update, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
         cache.update_recurrent_state(recurrent_final.float(), self.layer_idx, **history)
-
-    def _output(self, o, x, params) -> torch.Tensor:
-        B, S = x.shape[:2]
-        shape = (B, S, self.num_heads, self.head_dim)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(shape)
-        o = o.reshape(shape)
-        if not params["fused"]:
-            return self.o_proj(self.o_norm(o, gate).reshape(B, S, self.qkv_dim))
-        from .kda_fused import rms_norm_gated_fused
-
-        normed = rms_norm_gated_fused(o, gate, params["norm"], self.o_norm.variance_epsilon)
-        return self.o_proj(normed.reshape(B, S, self.qkv_dim))
 
 
 _CP_WARNED: set[str] = set()
@@ -312,21 +260,23 @@ def sp_conv_initial_state(sp, mixed: torch.Tensor, kernel: int, num_segments: in
     return mixed.new_zeros(num_segments, D, kernel).index_copy(0, sp.first_seg, first)
 
 
-def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, cp_core=None) -> torch.Tensor:
+def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, fla_cp: dict | None = None) -> torch.Tensor:
     """The chunked KDA of a shard, the recurrent state passed between ranks (docs/design.md, sequence parallelism).
 
-    ``core``: a chunk op with the contract of :func:`.kda_ops.chunk_kda_torch`; ``q, k, v, g, beta``: the flattened
-    local rows ``[1, B*L, ...]`` with ``cu_seqlens``; ``cp_core``: optional fla context-parallel op, used when
-    :func:`.kda_fused.fla_cp_refusal` allows it (else a warning, once per reason). Returns ``o`` ``[1, B*L, H, V]``.
+    ``core``: a chunk op with the contract of :func:`.kda_ops.chunk_kda_torch` (the gate parameters bound);
+    ``q, k, v, g, beta``: the flattened local rows ``[1, B*L, ...]`` with ``cu_seqlens``; ``fla_cp``: the gate
+    parameters (``A_log``, ``dt_bias``, ``lower_bound``) for fla's context-parallel op
+    (:func:`.kda_fused.chunk_kda_context_parallel`), used when :func:`.kda_fused.fla_cp_refusal` allows it (else a
+    warning, once per reason). Returns ``o`` ``[1, B*L, H, V]``.
     """
     from torch.utils.checkpoint import checkpoint
 
-    if cp_core is not None:
-        from .kda_fused import fla_cp_context, fla_cp_refusal
+    if fla_cp is not None:
+        from .kda_fused import chunk_kda_context_parallel, fla_cp_context, fla_cp_refusal
 
         refusal = fla_cp_refusal(sp, q.device)
         if refusal is None:
-            return cp_core(q, k, v, g, beta, cp_context=fla_cp_context(sp, cu_seqlens))
+            return chunk_kda_context_parallel(q, k, v, g, beta, **fla_cp, cp_context=fla_cp_context(sp, cu_seqlens))
         if refusal not in _CP_WARNED:
             _CP_WARNED.add(refusal)
             warnings.warn(

@@ -27,19 +27,17 @@ from .fla_compat import (
     recurrent_step,
 )
 from .graph_ops import define_op, no_output
-from .kda_ops import check_conv_inputs, check_core_inputs, check_state
+from .kda_ops import check_conv_inputs, check_core_inputs, check_gate_params, check_state
 
 __all__ = [
     "fused_kda_available",
     "chunk_kda_fused",
-    "chunk_kda_gate_in_kernel",
     "chunk_kda_context_parallel",
     "fla_cp_context",
     "fla_cp_refusal",
     "causal_conv1d_fused",
     "rms_norm_gated_fused",
-    "fused_recurrent_step",
-    "kernel_params",
+    "recurrent_kda_fused",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,15 +110,6 @@ def _check_head_dim(k: int, v: int) -> None:
 
 def _safe_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and SAFE_GATE_RANGE[0] <= lower_bound < SAFE_GATE_RANGE[1]
-
-
-def _check_gate_params(A_log: Tensor, dt_bias: Tensor, H: int, K: int, lower_bound) -> None:
-    if tuple(A_log.shape) != (H,):
-        raise ValueError(f"A_log must be [H={H}]; got shape {tuple(A_log.shape)}")
-    if tuple(dt_bias.shape) != (H * K,):
-        raise ValueError(f"dt_bias must be [H*K={H * K}]; got shape {tuple(dt_bias.shape)}")
-    if lower_bound is not None and not lower_bound < 0:
-        raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
 
 
 def _or_none(t: Tensor, exists: bool) -> Tensor | None:
@@ -255,41 +244,44 @@ def _recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lowe
 
 def _recurrent_backward(ctx, *grads):
     raise RuntimeError("fla's fused_recurrent_kda has no backward (inference only); use the chunked path "
-                       "(chunk_kda_gate_in_kernel) for training")
+                       "(chunk_kda_fused) for training")
 
 
 _RECURRENT = define_op("fla_fused_recurrent_kda", recurrent_step, _recurrent_fake, backward=_recurrent_backward)
 
 
-def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, A_log: Tensor | None = None,
+                    dt_bias: Tensor | None = None, lower_bound: float | None = None, scale: float | None = None,
                     initial_state: Tensor | None = None, output_final_state: bool = False,
                     cu_seqlens: Tensor | None = None, chunk_size: int = 64,
                     use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
-    """Chunked KDA with an activated gate and beta by fla's chunked kernels (fla's ``chunk_kda``).
+    """Chunked KDA by fla's chunked kernels (fla's ``chunk_kda``), with ``A_log`` the forget gate and the beta sigmoid
+    computed in fp32 inside the kernel; differentiable in every tensor argument.
 
     The contract of :func:`.kda_ops.chunk_kda_torch` (float32/bfloat16/float16 inputs; fla computes the gate and the
     state in fp32), except ``chunk_size``: 32 or 64 (the maths does not depend on it).
 
     Raises:
         ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
-            ``cu_seqlens``.
+            ``cu_seqlens`` or gate parameters, a sharded DTensor ``A_log`` / ``dt_bias``.
     """
     o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                        chunk_size, None, use_qk_l2norm_in_kernel))[:2]
+                                        chunk_size, (A_log, dt_bias, lower_bound), use_qk_l2norm_in_kernel))[:2]
     return o, final if output_final_state else None
 
 
 def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate,
                 use_qk_l2norm_in_kernel=True) -> dict:
-    """The checked arguments of the op ``fla_chunk_kda_fwd`` by name; ``gate = (A_log, dt_bias, lower_bound)`` puts
-    the forget gate and the beta sigmoid in the kernel, ``None`` takes an activated gate and beta."""
+    """The checked arguments of the op ``fla_chunk_kda_fwd`` by name; ``gate = (A_log, dt_bias, lower_bound)`` with an
+    ``A_log`` puts the forget gate and the beta sigmoid in the kernel, ``(None, None, None)`` takes them activated."""
     check_core_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_head_dim(K, V)
-    A_log, dt_bias, lower_bound = (None, None, None) if gate is None else gate
-    if gate is not None:
-        _check_gate_params(A_log, dt_bias, H, K, lower_bound)
+    A_log, dt_bias, lower_bound = gate
+    in_kernel = check_gate_params(A_log, dt_bias, lower_bound, H, K)
+    if in_kernel:
+        A_log, dt_bias = local_tensor(A_log, "forget_gate.A_log"), local_tensor(dt_bias, "forget_gate.dt_bias")
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"fused KDA chunk_size must be one of {FLA_CHUNK_SIZES}; got chunk_size={chunk_size!r}")
     if cu_seqlens is None:  # with documents, the op checks the state against the boundaries it reads
@@ -297,49 +289,23 @@ def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                 initial_state=None if initial_state is None else initial_state.float(), cu_seqlens=cu_seqlens,
                 scale=float(K**-0.5 if scale is None else scale), output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=gate is not None,
-                use_beta_sigmoid_in_kernel=gate is not None, safe_gate=_safe_gate(lower_bound),
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=in_kernel,
+                use_beta_sigmoid_in_kernel=in_kernel, safe_gate=_safe_gate(lower_bound),
                 lower_bound=lower_bound, chunk_size=chunk_size)
-
-
-def chunk_kda_gate_in_kernel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
-                             dt_bias: Tensor, lower_bound: float | None, *, scale: float | None = None,
-                             initial_state: Tensor | None = None, output_final_state: bool = False,
-                             cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
-    """GLM's KDA core in one call of fla's chunked kernels: forget gate, beta sigmoid, q/k l2-norm, delta rule.
-
-    Equals ``chunk_kda_torch(q, k, v, g, sigmoid(beta_logits))`` with ``g`` the gate of
-    :class:`.kda.Glm53FlashForgetGate` on ``g_raw``, computed in fp32 inside the kernel; differentiable in every tensor
-    argument.
-
-    Args:
-        q, k: ``[B, T, H, K]`` after the short convolution (not normalised); v: ``[B, T, H, V]``.
-        g_raw: ``[B, T, H, K]`` ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``); beta_logits: ``[B, T, H]``.
-        A_log: fp32 ``[H]``; dt_bias: fp32 ``[H * K]``; lower_bound: negative or None.
-        scale, initial_state, output_final_state, cu_seqlens, chunk_size: as :func:`chunk_kda_fused`.
-
-    Returns:
-        ``(o [B, T, H, V] in q's dtype, final_state fp32 [N, H, K, V] or None)``.
-
-    Raises:
-        ValueError: as :func:`chunk_kda_fused`; wrong ``A_log`` / ``dt_bias`` shapes, a non-negative ``lower_bound``.
-    """
-    o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g_raw, beta_logits, scale, initial_state, output_final_state,
-                                        cu_seqlens, chunk_size, (A_log, dt_bias, lower_bound)))[:2]
-    return o, final if output_final_state else None
 
 
 def chunk_kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
                                dt_bias: Tensor, lower_bound: float | None, *, cp_context, scale: float | None = None,
                                chunk_size: int = 64) -> Tensor:
-    """One rank's shard of a context-parallel :func:`chunk_kda_gate_in_kernel`: fla's ``chunk_kda`` with ``cp_context``.
+    """One rank's shard of a context-parallel :func:`chunk_kda_fused` with the gate in the kernel: fla's ``chunk_kda``
+    with ``cp_context``.
 
-    Arguments as :func:`chunk_kda_gate_in_kernel` over the rank's ``[1, T, ...]`` tokens, documents from
+    Arguments as :func:`chunk_kda_fused` over the rank's ``[1, T, ...]`` tokens, documents from
     ``cp_context.cu_seqlens`` (:func:`fla_cp_context`), no initial or final state. fla wraps it in
     ``torch.compiler.disable`` (a graph break). Returns ``o`` ``[1, T, H, V]`` in q's dtype.
 
     Raises:
-        ValueError: as :func:`chunk_kda_gate_in_kernel`, or ``q.shape[0] != 1``.
+        ValueError: as :func:`chunk_kda_fused`, or ``q.shape[0] != 1``.
     """
     args = _chunk_args(q, k, v, g_raw, beta_logits, scale, None, False, None, chunk_size, (A_log, dt_bias, lower_bound))
     if q.shape[0] != 1:
@@ -379,49 +345,31 @@ def rms_norm_gated_fused(x: Tensor, gate: Tensor, weight: Tensor, eps: float) ->
     return _NORM_FWD(x, gate, weight, float(eps))[0]
 
 
-def fused_recurrent_step(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
-                         dt_bias: Tensor, lower_bound: float | None, initial_state: Tensor | None = None, *,
-                         scale: float | None = None, output_final_state: bool = True) -> tuple[Tensor, Tensor | None]:
-    """No-grad KDA decode step(s) by fla's ``fused_recurrent_kda``, gate, beta sigmoid and q/k l2-norm in the kernel.
-
-    Equals :func:`.kda_ops.recurrent_kda_torch` on the gate and beta of :func:`chunk_kda_gate_in_kernel` (same
-    arguments, no ``cu_seqlens``); ``initial_state`` is fp32 ``[B, H, K, V]`` or None (zeros), not modified. Returns
-    ``(o [B, T, H, V] in v's dtype, new_state fp32 [B, H, K, V] or None)``, without an autograd graph.
+def recurrent_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, A_log: Tensor | None = None,
+                        dt_bias: Tensor | None = None, lower_bound: float | None = None, scale: float | None = None,
+                        initial_state: Tensor | None = None, output_final_state: bool = False,
+                        use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
+    """KDA decode step(s): the contract of :func:`.kda_ops.recurrent_kda_torch`. Without gradients, with ``A_log`` and
+    the q/k l2-norm, fla's ``fused_recurrent_kda`` (gate, beta sigmoid, l2-norm in the kernel; it has no backward);
+    otherwise :func:`chunk_kda_fused`, the same maths, differentiable. ``initial_state`` is not modified.
 
     Raises:
-        RuntimeError: grad mode is on and an input requires grad (the kernel has no backward).
-        ValueError: shape mismatches, head dims outside ``[16, 256]``, a state that is not fp32, a sharded DTensor.
+        ValueError: shape mismatches, head dims outside ``[16, 256]``, bad gate parameters, a sharded DTensor.
     """
-    A_log = local_tensor(A_log, "forget_gate.A_log")
-    dt_bias = local_tensor(dt_bias, "forget_gate.dt_bias")
-    inputs = (q, k, v, g_raw, beta_logits, A_log, dt_bias, initial_state)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        raise RuntimeError(
-            "fused_recurrent_step has no backward (fla's fused_recurrent_kda is inference-only) but an input requires "
-            "grad: call it under torch.no_grad(), or use the chunked path for training"
-        )
-    check_core_inputs(q, k, v, g_raw, beta_logits)
+    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)) or A_log is None \
+            or not use_qk_l2norm_in_kernel:
+        return chunk_kda_fused(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    check_core_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_head_dim(K, V)
-    _check_gate_params(A_log, dt_bias, H, K, lower_bound)
+    check_gate_params(A_log, dt_bias, lower_bound, H, K)
     check_state(initial_state, B, H, K, V)
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        raise ValueError(f"initial_state must be float32 (the recurrent cache is fp32); got {initial_state.dtype}")
-    o, final = _RECURRENT(q, k, v, g_raw, beta_logits, A_log, dt_bias, initial_state,
-                          None if scale is None else float(scale), lower_bound)
+    A_log, dt_bias = local_tensor(A_log, "forget_gate.A_log"), local_tensor(dt_bias, "forget_gate.dt_bias")
+    state = None if initial_state is None else initial_state.float()
+    o, final = _RECURRENT(q, k, v, g, beta, A_log, dt_bias, state, None if scale is None else float(scale),
+                          lower_bound)
     return o, final if output_final_state else None
-
-
-def kernel_params(layer) -> dict:
-    """The parameters a KDA layer's fused ops read directly (``gate``, ``conv``, ``norm``) as local tensors; raises
-    ``ValueError`` naming a sharded DTensor among them."""
-    where = f"KDA layer {layer.layer_idx}"
-    gate = layer.forget_gate
-    return {
-        "gate": dict(A_log=local_tensor(gate.A_log, f"{where} forget_gate.A_log"),
-                     dt_bias=local_tensor(gate.dt_bias, f"{where} forget_gate.dt_bias"),
-                     lower_bound=gate.lower_bound),
-        "conv": local_tensor(layer.conv1d.weight, f"{where} conv1d.weight")[:, 0, :],
-        "norm": local_tensor(layer.o_norm.weight, f"{where} o_norm.weight"),
-    }

@@ -1,8 +1,10 @@
-"""Torch path of the KDA family (the oracle of :mod:`.kda_fused`): short causal convolution, chunked and recurrent
-delta rule, and the argument checks shared with the fused path.
+"""Torch path of the KDA family (the oracle of :mod:`.kda_fused`): short causal convolution, forget gate, chunked and
+recurrent delta rule, gated output norm, and the argument checks shared with the fused path. Each op has the contract
+of its fused alternative, registered in :mod:`.kda` (:func:`.dispatch.register_fused`).
 
 Kimi Linear, arXiv:2510.26692 §3; transformers ``modeling_glm5_next.py``. Per head, with a fp32 state ``S`` ``[K, V]``,
-a per-channel log decay ``g_t`` ``[K]`` (``<= 0``) and a write strength ``beta_t`` in ``(0, 1)``::
+a per-channel log decay ``g_t`` ``[K]`` (``<= 0``) and a write strength ``beta_t`` in ``(0, 1)``, given activated or,
+with the forget gate's ``A_log`` and ``dt_bias`` (:func:`kda_gate`), as the gate's input and beta's logits::
 
     S <- diag(exp(g_t)) S
     S <- S + k_t (beta_t (v_t - S^T k_t))^T
@@ -27,10 +29,13 @@ __all__ = [
     "check_conv_inputs",
     "check_core_inputs",
     "check_cu_seqlens",
+    "check_gate_params",
     "check_state",
     "causal_conv1d_torch",
     "chunk_kda_torch",
+    "kda_gate",
     "recurrent_kda_torch",
+    "rms_norm_gated_torch",
 ]
 
 _L2NORM_EPS = 1e-6
@@ -102,8 +107,54 @@ def check_state(initial_state: Tensor | None, n: int, H: int, K: int, V: int) ->
         raise ValueError(f"initial_state must be [N={n}, H={H}, K={K}, V={V}]; got {tuple(initial_state.shape)}")
 
 
-def _prepare_core(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool):
-    """fp32 core inputs, ``q`` and ``k`` l2-normalised when asked, ``q`` scaled (default ``K ** -0.5``)."""
+def check_gate_params(A_log: Tensor | None, dt_bias: Tensor | None, lower_bound: float | None, H: int, K: int) -> bool:
+    """Whether the gate is computed in the op (``A_log`` given); ``ValueError`` unless ``A_log`` ``[H]`` and
+    ``dt_bias`` ``[H*K]`` are both given or both None, and ``lower_bound`` is negative or None (and None without
+    ``A_log``)."""
+    if A_log is None:
+        if dt_bias is not None or lower_bound is not None:
+            raise ValueError("dt_bias and lower_bound need A_log (the forget gate in the op); got A_log=None")
+        return False
+    if tuple(A_log.shape) != (H,):
+        raise ValueError(f"A_log must be [H={H}]; got shape {tuple(A_log.shape)}")
+    if dt_bias is None or tuple(dt_bias.shape) != (H * K,):
+        raise ValueError(f"dt_bias must be [H*K={H * K}]; got {None if dt_bias is None else tuple(dt_bias.shape)}")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"lower_bound must be negative or None; got lower_bound={lower_bound}")
+    return True
+
+
+def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None) -> Tensor:
+    """KDA's forget gate (transformers' ``Glm5NextTextForgetGate``): fp32 per-channel log decay ``[..., H, K]``.
+
+    With ``f = g_raw + dt_bias`` (``g_raw`` ``[..., H, K]`` any float dtype, ``dt_bias`` ``[H*K]``, ``A_log`` ``[H]``):
+    ``lower_bound * sigmoid(exp(A_log[h]) * f)`` (in ``(lower_bound, 0)``), or ``-exp(A_log[h]) * softplus(f)`` when
+    ``lower_bound`` is None."""
+    H, K = g_raw.shape[-2:]
+    f = g_raw.float() + dt_bias.float().view(H, K)
+    rate = torch.exp(A_log.float()).view(H, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * f)
+    return -rate * F.softplus(f, beta=1.0, threshold=20.0)
+
+
+def rms_norm_gated_torch(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` over the last dim for ``x, gate`` ``[..., K]``,
+    ``weight`` ``[K]`` (transformers' ``Glm5NextTextRMSNormGated``); ``ValueError`` on a shape mismatch."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gate must have the shape of x {tuple(x.shape)}; got {tuple(gate.shape)}")
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight must be [{x.shape[-1]}]; got shape {tuple(weight.shape)}")
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def _prepare_core(q, k, v, g, beta, scale: float | None, use_qk_l2norm: bool, A_log, dt_bias, lower_bound):
+    """fp32 core inputs: the gate and beta activated when ``A_log`` is given (:func:`kda_gate`, sigmoid), ``q`` and
+    ``k`` l2-normalised when asked, ``q`` scaled (default ``K ** -0.5``)."""
+    if check_gate_params(A_log, dt_bias, lower_bound, q.shape[2], q.shape[3]):
+        g, beta = kda_gate(g, A_log, dt_bias, lower_bound), torch.sigmoid(beta.float())
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
@@ -372,18 +423,22 @@ def _intra_chunk_products(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, ...]
     return _IntraChunkProducts.apply(q.contiguous(), k.contiguous(), g.contiguous())
 
 
-def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, A_log: Tensor | None = None,
+                    dt_bias: Tensor | None = None, lower_bound: float | None = None, scale: float | None = None,
                     initial_state: Tensor | None = None, output_final_state: bool = False,
                     cu_seqlens: Tensor | None = None, chunk_size: int = 64,
                     use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
     """Chunked Kimi Delta Attention in torch, fp32 maths (autocast off); memory ``O(T)``, never ``O(T^2)``.
 
-    fla's ``chunk_kda`` with an activated gate and beta; transformers' ``chunk_kimi_delta_attention`` (WY form;
-    DeltaNet chunking, arXiv:2406.06484).
+    fla's ``chunk_kda``; transformers' ``chunk_kimi_delta_attention`` (WY form; DeltaNet chunking, arXiv:2406.06484).
 
     Args:
-        q, k: ``[B, T, H, K]``, any float dtype; v: ``[B, T, H, V]``; beta: ``[B, T, H]``, after the sigmoid.
-        g: ``[B, T, H, K]`` per-channel log decay, ``<= 0`` (positive values may overflow).
+        q, k: ``[B, T, H, K]``, any float dtype; v: ``[B, T, H, V]``; beta: ``[B, T, H]``, after the sigmoid, or its
+            logits with ``A_log``.
+        g: ``[B, T, H, K]`` per-channel log decay, ``<= 0`` (positive values may overflow), or with ``A_log`` the
+            forget gate's input ``f_b_proj(f_a_proj(x))`` (without ``dt_bias``).
+        A_log, dt_bias, lower_bound: the forget gate's ``A_log`` fp32 ``[H]``, ``dt_bias`` fp32 ``[H*K]`` and lower
+            bound: ``g`` and ``beta`` are activated in the op (:func:`kda_gate`, sigmoid) and get their gradients.
         scale: query scale, default ``K ** -0.5``.
         initial_state: optional ``[N, H, K, V]`` (``N`` documents with ``cu_seqlens``, else ``B``), cast to fp32.
         output_final_state: also return the state after every document.
@@ -395,7 +450,8 @@ def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``q.dtype``; ``final_state`` fp32 ``[N, H, K, V]`` or ``None``.
 
     Raises:
-        ValueError: on shape mismatches, a bad ``chunk_size``, or bad ``cu_seqlens`` (see :func:`check_cu_seqlens`).
+        ValueError: on shape mismatches, a bad ``chunk_size``, bad ``cu_seqlens`` (see :func:`check_cu_seqlens`) or
+            gate parameters (:func:`check_gate_params`).
     """
     with autocast_off(q):
         check_core_inputs(q, k, v, g, beta)
@@ -406,14 +462,15 @@ def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
         C = chunk_size
         out_dtype = q.dtype
         if in_graph():
-            o, final = _CHUNK_OP(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
-                                 output_final_state=output_final_state, chunk_size=chunk_size,
+            o, final = _CHUNK_OP(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, lower_bound=lower_bound,
+                                 scale=scale, output_final_state=output_final_state, chunk_size=chunk_size,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             return o, final if output_final_state else None
         cu_host = check_cu_seqlens(cu_seqlens, T, B, "q.shape[0]") if cu_seqlens is not None else None
         n_docs = len(cu_host) - 1 if cu_host is not None else B
         check_state(initial_state, n_docs, H, K, V)
-        q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+        q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, A_log, dt_bias,
+                                         lower_bound)
         h0 = initial_state.float() if initial_state is not None else None
 
         if cu_host is None:
@@ -600,7 +657,8 @@ class _StateRecurrence(torch.autograd.Function):
                 d_decay.view(*shape, K), d_h0, None, None)
 
 
-def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, A_log: Tensor | None = None,
+                        dt_bias: Tensor | None = None, lower_bound: float | None = None, scale: float | None = None,
                         initial_state: Tensor | None = None, output_final_state: bool = False,
                         use_qk_l2norm_in_kernel: bool = True) -> tuple[Tensor, Tensor | None]:
     """Token-by-token Kimi Delta Attention (a differentiable loop over ``T``; transformers'
@@ -608,7 +666,7 @@ def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     ``initial_state`` ``[B, H, K, V]`` is not modified. Returns ``(o [B, T, H, V] in q.dtype, final fp32 or None)``.
 
     Raises:
-        ValueError: on shape mismatches.
+        ValueError: on shape mismatches or bad gate parameters.
     """
     with autocast_off(q):
         check_core_inputs(q, k, v, g, beta)
@@ -616,7 +674,8 @@ def recurrent_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         V = v.shape[-1]
         check_state(initial_state, B, H, K, V)
         out_dtype = q.dtype
-        q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+        q, k, v, g, beta = _prepare_core(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, A_log, dt_bias,
+                                         lower_bound)
         state = initial_state.float() if initial_state is not None else q.new_zeros(B, H, K, V)
         decay = torch.exp(g)
         outs = []
@@ -636,8 +695,8 @@ def _conv_fake(x, weight, initial_state, cu_seqlens, *, activation, output_final
     return x.new_empty(x.shape), final
 
 
-def _chunk_fake(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, chunk_size,
-                use_qk_l2norm_in_kernel):
+def _chunk_fake(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *, lower_bound, scale,
+                output_final_state, chunk_size, use_qk_l2norm_in_kernel):
     B, T, H, K = q.shape
     n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = q.new_empty(n, H, K, v.shape[-1], dtype=torch.float32) if output_final_state else q.new_empty(0)
@@ -657,12 +716,12 @@ _CONV_OP = recompute_op(
 
 _CHUNK_OP = recompute_op(
     "kda_chunk",
-    lambda q, k, v, g, beta, initial_state, cu_seqlens, **kw: chunk_kda_torch(
-        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, **kw
+    lambda q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, **kw: chunk_kda_torch(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **kw
     ),
     tensor_args=[("q", False), ("k", False), ("v", False), ("g", False), ("beta", False), ("initial_state", True),
-                 ("cu_seqlens", True)],
-    static_args=[("scale", "float?"), ("output_final_state", "bool"), ("chunk_size", "int"),
+                 ("cu_seqlens", True), ("A_log", True), ("dt_bias", True)],
+    static_args=[("lower_bound", "float?"), ("scale", "float?"), ("output_final_state", "bool"), ("chunk_size", "int"),
                  ("use_qk_l2norm_in_kernel", "bool")],
     num_outputs=2,
     fake=_chunk_fake,

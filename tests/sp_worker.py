@@ -202,7 +202,7 @@ def _sp_run(rank, world, ref, out):
 
     original = kda_mod.sp_chunk_kda
     try:
-        kda_mod.sp_chunk_kda = lambda sp, core, q, k, v, g, beta, cu_seqlens, cp_core=None: core(
+        kda_mod.sp_chunk_kda = lambda sp, core, q, k, v, g, beta, cu_seqlens, fla_cp=None: core(
             q, k, v, g, beta, cu_seqlens=cu_seqlens
         )[0]
         broken = make_model(0)
@@ -379,8 +379,7 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from interp import fla_interpreter_patches
 
-        from glm53flash_hf import kda as kda_module
-        from glm53flash_hf import kda_fused
+        from glm53flash_hf import dispatch, kda_fused
         from glm53flash_hf.packing import build_document_layout, build_layout
 
         dist.init_process_group(
@@ -394,7 +393,7 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
                 assert ok, reason
                 return "fused"
 
-            kda_module.choose_backend = choose
+            dispatch.choose_backend = choose
             calls = []
             original_cp = kda_fused.chunk_kda_context_parallel
 

@@ -19,7 +19,7 @@ module-level ``gather = tl.gather`` alias); a module-global ``range`` in every `
 fla's ``compute_dh0_kernel`` (gradient of the conv's initial state) builds
 the load mask ``(t < seq_len) & m_d``, which the interpreter types int32 and then rejects ("mask has unsupported
 dtype"); masked loads/stores treat an integer mask as ``mask != 0`` (what the compiled kernel does). On CPU the
-dispatcher never answers "fused" (CUDA only), so the child forces it by replacing ``kda.choose_backend`` with a
+dispatcher never answers "fused" (CUDA only), so the child forces it by replacing ``dispatch.choose_backend`` with a
 function that asks the real probe (:func:`fused_kda_available`, which accepts CPU tensors under the interpreter) and
 fails the test if the probe refuses.
 
@@ -38,6 +38,7 @@ section "KDA".
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import os
 import sys
@@ -144,15 +145,16 @@ def fla_interp():
 
 @pytest.fixture
 def force_fused(fla_interp, monkeypatch):
-    """kda.choose_backend -> "fused" for requests other than "torch", after the real probe accepted the tensors."""
+    """dispatch.choose_backend -> "fused" for KDA requests other than "torch", after the real probe accepted the
+    tensors."""
     def choose(family, requested, *tensors):
-        if requested == "torch":
+        if requested == "torch" or family != "kda":
             return "torch"
         ok, reason = fla_interp.fused_kda_available(*tensors)
         assert ok, f"the probe refused tensors the fused path should take: {reason}"
         return "fused"
 
-    monkeypatch.setattr(kda_module, "choose_backend", choose)
+    monkeypatch.setattr(dispatch, "choose_backend", choose)
     return fla_interp
 
 
@@ -183,7 +185,7 @@ def test_layer_fused_matches_torch(force_fused, monkeypatch, packed, lower_bound
         weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)) * layout.valid[..., None]
     else:
         x, layout, weight = unpacked_batch(batch)
-    calls = count_calls(monkeypatch, force_fused, "chunk_kda_gate_in_kernel")
+    calls = count_calls(monkeypatch, force_fused, "chunk_kda_fused")
     out, grads = layer_run(fused, x, layout, weight)
     assert calls == [1], "the fused layer path did not run"
     ref, ref_grads = layer_run(torch_layer, x, layout, weight)
@@ -222,8 +224,8 @@ def naive_gated_kda_f64(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", ["bound-packed", "softplus-layer"])
 def test_gate_in_kernel_core_matches_float64(fla_interp, monkeypatch, case):
-    """``chunk_kda_gate_in_kernel`` (one fla ``chunk_kda`` call: gate, beta sigmoid, l2-norm in the kernel) and, as a
-    control, ``chunk_kda_torch`` on the torch gate, vs the float64 token loop :func:`naive_gated_kda_f64`: output and
+    """``chunk_kda_fused`` with the gate parameters (one fla ``chunk_kda`` call: gate, beta sigmoid, l2-norm in the
+    kernel) and, as a control, ``chunk_kda_torch`` with the same arguments (gate and beta activated in torch), vs the float64 token loop :func:`naive_gated_kda_f64`: output and
     the gradients of q, k, v, the gate pre-activation, the beta logits, A_log and dt_bias. Bounded gate over 5 packed
     documents (10, 22, 3, 13, 16 tokens; ``safe_gate``) with random inputs; softplus gate on the exact core inputs
     and output gradient of the ``unpacked-softplus`` layer test (captured from its torch path), the case with the
@@ -248,6 +250,7 @@ def test_gate_in_kernel_core_matches_float64(fla_interp, monkeypatch, case):
         captured = {}
         original = kda_module.chunk_kda_torch
 
+        @functools.wraps(original)  # op_for finds the fused alternative by the torch op's name
         def capture(q, k, v, g, beta, **kwargs):
             captured["qkv"] = (q.detach(), k.detach(), v.detach())
             o, final = original(q, k, v, g, beta, **kwargs)
@@ -265,13 +268,12 @@ def test_gate_in_kernel_core_matches_float64(fla_interp, monkeypatch, case):
             A_log, dt_bias = gate.A_log.clone(), gate.dt_bias.clone()
         cu = torch.tensor([0, 24])
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g_raw, beta_logits, A_log, dt_bias)]
-    o, final = fla_interp.chunk_kda_gate_in_kernel(*leaves, lower_bound, cu_seqlens=cu)
+    q, k, v, g_raw, beta_logits, A_log, dt_bias = leaves
+    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    o, final = fla_interp.chunk_kda_fused(q, k, v, g_raw, beta_logits, **gate, cu_seqlens=cu)
     assert final is None
     grads = torch.autograd.grad((o * do).sum(), leaves)
-    # control: the torch path, gate written out in torch
-    q, k, v, g_raw, beta_logits, A_log, dt_bias = leaves
-    g = activated_gate(g_raw, A_log, dt_bias, lower_bound)
-    o_t, _ = chunk_kda_torch(q, k, v, g, torch.sigmoid(beta_logits), cu_seqlens=cu)
+    o_t, _ = chunk_kda_torch(q, k, v, g_raw, beta_logits, **gate, cu_seqlens=cu)  # control: the torch op
     grads_t = torch.autograd.grad((o_t * do).sum(), leaves)
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
     o64 = naive_gated_kda_f64(*leaves64, lower_bound, cu)
@@ -295,20 +297,20 @@ def test_layer_checkpoint_recompute_takes_the_fused_path(force_fused):
     weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
     out, grads = layer_run(fused, x, layout, weight)
     choices = []
-    original = kda_module.choose_backend
+    original = dispatch.choose_backend
 
     def recording(*args):
         choices.append(original(*args))
         return choices[-1]
 
-    kda_module.choose_backend = recording
+    dispatch.choose_backend = recording
     try:
         xc = x.clone().requires_grad_()
         out_c = torch.utils.checkpoint.checkpoint(fused, xc, layout, use_reentrant=True)[0]
         (out_c * weight).sum().backward()  # reentrant checkpointing does not support autograd.grad
     finally:
-        kda_module.choose_backend = original
-    assert choices == ["fused", "fused"], choices
+        dispatch.choose_backend = original
+    assert choices == ["fused"] * 6, choices  # conv, chunk core, gated norm; forward and recompute
     assert torch.equal(out_c.detach(), out)
     grads_c = [xc.grad] + [p.grad for _, p in fused.named_parameters()]
     for (name, g), gc in zip(grads.items(), grads_c):
@@ -365,9 +367,9 @@ def test_chunk_and_conv_entry_points_with_states(fla_interp):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bound", "softplus"])
 def test_fused_recurrent_step_matches_torch(fla_interp, lower_bound):
-    """``fused_recurrent_step`` (gate, beta sigmoid, l2-norm in fla's kernel) vs ``recurrent_kda_torch`` on the gate of
-    ``Glm53FlashForgetGate``: one decode token per row, B=2, from a random fp32 state; output and new state.
-    The input state is not modified."""
+    """``recurrent_kda_fused`` without gradients (fla's ``fused_recurrent_kda``: gate, beta sigmoid, l2-norm in the
+    kernel) vs ``recurrent_kda_torch`` on the gate of ``Glm53FlashForgetGate``: one decode token per row, B=2, from a
+    random fp32 state; output and new state. The input state is not modified."""
     layer, _ = layer_pair(seed=10, linear_lower_bound=lower_bound)
     gate = layer.forget_gate
     gen = torch.Generator().manual_seed(11)
@@ -379,8 +381,9 @@ def test_fused_recurrent_step_matches_torch(fla_interp, lower_bound):
     with torch.no_grad():
         g_raw = gate.f_b_proj(gate.f_a_proj(x)).view(B, 1, H, K)
         beta_logits = layer.b_proj(x)
-        o, new_state = fla_interp.fused_recurrent_step(q, k, v, g_raw, beta_logits, gate.A_log, gate.dt_bias,
-                                                       gate.lower_bound, state)
+        o, new_state = fla_interp.recurrent_kda_fused(q, k, v, g_raw, beta_logits, A_log=gate.A_log,
+                                                      dt_bias=gate.dt_bias, lower_bound=gate.lower_bound,
+                                                      initial_state=state, output_final_state=True)
         ro, rstate = recurrent_kda_torch(q, k, v, gate(x), torch.sigmoid(beta_logits.float()), initial_state=state,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
     log = {}
@@ -491,7 +494,7 @@ def test_opcheck_conv_norm_recurrent(fla_interp):
 @pytest.mark.interpreter
 def test_ops_equal_fla_entry_points(fla_interp):
     """The op-based functions equal fla's own entry points (their autograd Functions) bit for bit, values and every
-    gradient: chunk_kda_gate_in_kernel vs ``fla.ops.kda.chunk_kda`` with the gate, beta sigmoid and l2-norm in the
+    gradient: chunk_kda_fused with the gate parameters vs ``fla.ops.kda.chunk_kda`` with the gate, beta sigmoid and l2-norm in the
     kernel (bound -5, safe_gate, two packed documents, initial and final states), causal_conv1d_fused vs
     ``fla.modules.causal_conv1d.causal_conv1d`` (two documents, initial and final states) and rms_norm_gated_fused vs
     ``fla.modules.norm.fused_norm_gate.rms_norm_gated``."""
@@ -514,8 +517,8 @@ def test_ops_equal_fla_entry_points(fla_interp):
                          dt_bias=dt_bias, chunk_size=32)
 
     def ours_core():
-        return fla_interp.chunk_kda_gate_in_kernel(q, k, v, g, beta, A_log, dt_bias, -5.0, initial_state=h0,
-                                                   output_final_state=True, cu_seqlens=cu, chunk_size=32)
+        return fla_interp.chunk_kda_fused(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                          initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=32)
 
     x = torch.randn(1, 20, 24, generator=gen).requires_grad_()
     w = torch.randn(24, 4, generator=gen).requires_grad_()
@@ -547,7 +550,7 @@ def test_ops_equal_fla_entry_points(fla_interp):
 @pytest.mark.interpreter
 def test_compile_fullgraph_equals_eager(fla_interp):
     """``torch.compile(fullgraph=True)`` (inductor) of the layer's fused core on two packed documents: fla's conv ->
-    split -> chunk_kda_gate_in_kernel (bound -5) -> the gated norm, with cu_seqlens (read inside the ops). No graph
+    split -> chunk_kda_fused with the gate parameters (bound -5) -> the gated norm, with cu_seqlens (read inside the ops). No graph
     break, and the compiled function equals the eager one bit for bit: output, final states and the gradients of
     every input (the kernels run inside the ops; between them only views)."""
     gen = torch.Generator().manual_seed(52)
@@ -565,8 +568,8 @@ def test_compile_fullgraph_equals_eager(fla_interp):
     def core(x, w, g_raw, gate, beta_logits, A_log, dt_bias, norm_w):
         y, _ = fla_interp.causal_conv1d_fused(x, w, cu_seqlens=cu)
         q, k, v = y.view(1, T, 3, H, K).unbind(2)
-        o, final = fla_interp.chunk_kda_gate_in_kernel(q, k, v, g_raw, beta_logits, A_log, dt_bias, -5.0,
-                                                       output_final_state=True, cu_seqlens=cu, chunk_size=32)
+        o, final = fla_interp.chunk_kda_fused(q, k, v, g_raw, beta_logits, A_log=A_log, dt_bias=dt_bias,
+                                              lower_bound=-5.0, output_final_state=True, cu_seqlens=cu, chunk_size=32)
         return fla_interp.rms_norm_gated_fused(o, gate, norm_w, 1e-5), final
 
     torch._dynamo.reset()
@@ -610,8 +613,8 @@ def test_cached_decode_takes_the_fused_step(force_fused, monkeypatch, lower_boun
     fused, torch_layer = layer_pair(seed=4, linear_lower_bound=lower_bound)
     config = tiny_config(linear_lower_bound=lower_bound)
     x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(5))
-    steps = count_calls(monkeypatch, force_fused, "fused_recurrent_step")
-    chunks = count_calls(monkeypatch, force_fused, "chunk_kda_gate_in_kernel")
+    steps = count_calls(monkeypatch, force_fused, "_RECURRENT")
+    chunks = count_calls(monkeypatch, force_fused, "chunk_kda_fused")
     outs = {}
     for name, layer in (("fused", fused), ("torch", torch_layer)):
         cache = DynamicCache(config=config)
@@ -666,7 +669,7 @@ def fla_function(name: str, file: str):
 
 @pytest.mark.interpreter
 def test_frames_from_the_layer_to_its_kernel(force_fused):
-    """From the KDA layer's forward to its kernel: at most 4 frames of the package's own code, on the fused path (to
+    """From the KDA layer's forward to its kernel: at most 3 frames of the package's own code, on the fused path (to
     fla's ``chunk_kda_fwd``; for a cached decode step without gradients to fla's ``fused_recurrent_kda``) and on the
     torch path (to the chunked core ``_chunk_kda_core``; for the decode step to ``recurrent_kda_torch``)."""
     from transformers import DynamicCache
@@ -687,7 +690,7 @@ def test_frames_from_the_layer_to_its_kernel(force_fused):
             torch_layer, lambda c: c.co_name == "_chunk_kda_core", lambda c: c.co_name == "recurrent_kda_torch")))
     print("\n".join(f"{name}: {' -> '.join(frames)}" for name, frames in found.items()))
     for frames in found.values():
-        assert frames[0] == "Glm53FlashLinearAttention.forward" and len(frames) <= 4, frames
+        assert frames[0] == "Glm53FlashLinearAttention.forward" and len(frames) <= 3, frames
 
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test (CPU tensors, no interpreter)")
@@ -752,9 +755,9 @@ def test_probe_reasons(monkeypatch):
     finally:
         fla_compat.import_error.cache_clear()
     assert not ok and "fla-core cannot be imported" in reason
-    # The layer's own call: the head dim reaches the probe through o_norm.weight viewed [1, 1, 1, K].
+    # The layer's own call: the head dim reaches the probe through dt_bias viewed [1, 1, H, K].
     seen = []
-    monkeypatch.setattr(kda_module, "choose_backend", lambda family, req, *t: seen.append(t) or "torch")
+    monkeypatch.setattr(dispatch, "choose_backend", lambda family, req, *t: seen.append(t) or "torch")
     layer = Glm53FlashLinearAttention(tiny_config(linear_head_dim=8), layer_idx=0)
     layer(torch.zeros(1, 3, 64), build_document_layout(1, 3, "cpu"))
     ok, reason = kda_fused.fused_kda_available(*seen[0])
@@ -838,7 +841,7 @@ def _fake_fla(record):
 @pytest.mark.parametrize("lower_bound,safe", [(-5.0, True), (-8.0, False), (None, False)])
 def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     """With fla replaced by fakes of its 0.6.0 signatures: the layer's fused path (through the custom ops) and
-    fused_recurrent_step hand fla the gate parameters, the lower bound, safe_gate (only for bounds in [-5, 0)), the
+    recurrent_kda_fused hand fla the gate parameters, the lower bound, safe_gate (only for bounds in [-5, 0)), the
     in-kernel gate flag, q and k to the l2-norm and the beta logits to the sigmoid (chunked path) or the in-kernel
     flags (recurrent kernel), the packed documents' cu_seqlens (device and host copies) and the norm's weight and eps;
     every call passes the guard. Every parameter handed to a kernel goes through ``dispatch.local_tensor`` (DTensor
@@ -850,13 +853,13 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     monkeypatch.setattr(fla_compat, "load", lambda: _fake_fla(record))
     monkeypatch.setattr(kda_fused, "local_tensor",
                         lambda t, name: unwrapped.append(name) or dispatch.local_tensor(t, name))
-    monkeypatch.setattr(kda_module, "choose_backend", lambda family, requested, *tensors: "fused")
+    monkeypatch.setattr(dispatch, "choose_backend", lambda family, requested, *tensors: "fused")
     layer, _ = layer_pair(seed=18, linear_lower_bound=lower_bound)
     x, layout = packed_batch(64, seed=19)
     out = layer(x, layout)[0]
     assert out.shape == x.shape
     for param in ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight", "o_norm.weight"):
-        assert f"KDA layer 0 {param}" in unwrapped, (param, unwrapped)
+        assert param in unwrapped, (param, unwrapped)
     (c,) = record["chunk_kda_fwd"]
     assert c["A_log"] is layer.forget_gate.A_log and c["dt_bias"] is layer.forget_gate.dt_bias
     assert c["lower_bound"] == lower_bound and c["safe_gate"] is safe
@@ -879,8 +882,9 @@ def test_wrappers_pass_the_documented_arguments(monkeypatch, lower_bound, safe):
     assert norm["eps"] == layer.o_norm.variance_epsilon
     with torch.no_grad():
         q = torch.zeros(2, 1, 2, 16)
-        kda_fused.fused_recurrent_step(q, q, q, q, torch.zeros(2, 1, 2), layer.forget_gate.A_log,
-                                     layer.forget_gate.dt_bias, lower_bound, torch.zeros(2, 2, 16, 16))
+        kda_fused.recurrent_kda_fused(q, q, q, q, torch.zeros(2, 1, 2), A_log=layer.forget_gate.A_log,
+                                      dt_bias=layer.forget_gate.dt_bias, lower_bound=lower_bound,
+                                      initial_state=torch.zeros(2, 2, 16, 16))
     assert "forget_gate.A_log" in unwrapped and "forget_gate.dt_bias" in unwrapped
     (r,) = record["fused_recurrent_kda"]
     assert r["use_gate_in_kernel"] and r["use_beta_sigmoid_in_kernel"] and r["use_qk_l2norm_in_kernel"]
@@ -910,7 +914,7 @@ def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
     beta = torch.zeros(1, 4, 2)
     A_log, dt_bias = torch.zeros(2), torch.zeros(32)
     with pytest.raises(TypeError, match=r"chunk_kda_fwd.*A_log"):
-        kda_fused.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias, -5.0)
+        kda_fused.chunk_kda_fused(q, q, q, q, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     with pytest.raises(TypeError, match=r"chunk_kda_fwd.*use_gate_in_kernel"):
         kda_fused.chunk_kda_fused(q, q, q, q, beta)
     with pytest.raises(TypeError, match=r"causal_conv1d_fwd.*weight"):
@@ -918,7 +922,8 @@ def test_wrappers_refuse_an_fla_that_would_ignore_arguments(monkeypatch):
     with pytest.raises(TypeError, match=r"layer_norm_gated_fwd.*'g'"):
         kda_fused.rms_norm_gated_fused(q, q, torch.ones(16), 1e-5)
     with torch.no_grad(), pytest.raises(TypeError, match=r"fused_recurrent_kda.*A_log"):
-        kda_fused.fused_recurrent_step(q[:, :1], q[:, :1], q[:, :1], q[:, :1], beta[:, :1], A_log, dt_bias, -5.0, None)
+        kda_fused.recurrent_kda_fused(q[:, :1], q[:, :1], q[:, :1], q[:, :1], beta[:, :1], A_log=A_log,
+                                      dt_bias=dt_bias, lower_bound=-5.0)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="main-process test")
@@ -935,17 +940,17 @@ def test_argument_errors(monkeypatch):
     with pytest.raises(ValueError, match="chunk_size"):
         kda_fused.chunk_kda_fused(q, q, q, q, beta, chunk_size=16)
     with pytest.raises(ValueError, match="dt_bias"):
-        kda_fused.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias[:16], -5.0)
+        kda_fused.chunk_kda_fused(q, q, q, q, beta, A_log=A_log, dt_bias=dt_bias[:16], lower_bound=-5.0)
     with pytest.raises(ValueError, match="lower_bound"):
-        kda_fused.chunk_kda_gate_in_kernel(q, q, q, q, beta, A_log, dt_bias, 0.0)
+        kda_fused.chunk_kda_fused(q, q, q, q, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=0.0)
+    with pytest.raises(ValueError, match="need A_log"):
+        kda_fused.chunk_kda_fused(q, q, q, q, beta, dt_bias=dt_bias)
     with pytest.raises(ValueError, match="cu_seqlens"):
         kda_fused.chunk_kda_fused(q, q, q, q, beta, cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="initial_state"):
         kda_fused.chunk_kda_fused(q, q, q, q, beta, initial_state=torch.zeros(2, 2, 16, 16))
     with pytest.raises(ValueError, match="activation"):
         kda_fused.causal_conv1d_fused(torch.zeros(1, 4, 8), torch.zeros(8, 4), activation="gelu")
-    with torch.no_grad(), pytest.raises(ValueError, match="float32"):
-        kda_fused.fused_recurrent_step(q, q, q, q, beta, A_log, dt_bias, -5.0, torch.zeros(1, 2, 16, 16).double())
-    # no autograd in fla's recurrent kernel: refuse instead of returning a detached result
-    with pytest.raises(RuntimeError, match="no backward"):
-        kda_fused.fused_recurrent_step(q.requires_grad_(), q, q, q, beta, A_log, dt_bias, -5.0, None)
+    with torch.no_grad(), pytest.raises(ValueError, match="initial_state"):
+        kda_fused.recurrent_kda_fused(q, q, q, q, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                      initial_state=torch.zeros(2, 2, 16, 16))
