@@ -225,7 +225,8 @@ def naive_gated_kda_f64(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound
 @pytest.mark.parametrize("case", ["bound-packed", "softplus-layer"])
 def test_gate_in_kernel_core_matches_float64(fla_interp, monkeypatch, case):
     """``chunk_kda_fused`` with the gate parameters (one fla ``chunk_kda`` call: gate, beta sigmoid, l2-norm in the
-    kernel) and, as a control, ``chunk_kda_torch`` with the same arguments (gate and beta activated in torch), vs the float64 token loop :func:`naive_gated_kda_f64`: output and
+    kernel) and, as a control, ``chunk_kda_torch`` with the same arguments (gate and beta activated in torch), vs
+    the float64 token loop :func:`naive_gated_kda_f64`: output and
     the gradients of q, k, v, the gate pre-activation, the beta logits, A_log and dt_bias. Bounded gate over 5 packed
     documents (10, 22, 3, 13, 16 tokens; ``safe_gate``) with random inputs; softplus gate on the exact core inputs
     and output gradient of the ``unpacked-softplus`` layer test (captured from its torch path), the case with the
@@ -494,8 +495,8 @@ def test_opcheck_conv_norm_recurrent(fla_interp):
 @pytest.mark.interpreter
 def test_ops_equal_fla_entry_points(fla_interp):
     """The op-based functions equal fla's own entry points (their autograd Functions) bit for bit, values and every
-    gradient: chunk_kda_fused with the gate parameters vs ``fla.ops.kda.chunk_kda`` with the gate, beta sigmoid and l2-norm in the
-    kernel (bound -5, safe_gate, two packed documents, initial and final states), causal_conv1d_fused vs
+    gradient: chunk_kda_fused with the gate parameters vs ``fla.ops.kda.chunk_kda`` with the gate, beta sigmoid and
+    l2-norm in the kernel (bound -5, safe_gate, two packed documents, initial and final states), causal_conv1d_fused vs
     ``fla.modules.causal_conv1d.causal_conv1d`` (two documents, initial and final states) and rms_norm_gated_fused vs
     ``fla.modules.norm.fused_norm_gate.rms_norm_gated``."""
     from fla.modules.causal_conv1d import causal_conv1d
@@ -550,8 +551,8 @@ def test_ops_equal_fla_entry_points(fla_interp):
 @pytest.mark.interpreter
 def test_compile_fullgraph_equals_eager(fla_interp):
     """``torch.compile(fullgraph=True)`` (inductor) of the layer's fused core on two packed documents: fla's conv ->
-    split -> chunk_kda_fused with the gate parameters (bound -5) -> the gated norm, with cu_seqlens (read inside the ops). No graph
-    break, and the compiled function equals the eager one bit for bit: output, final states and the gradients of
+    split -> chunk_kda_fused with the gate parameters (bound -5) -> the gated norm, with cu_seqlens (read inside the
+    ops). No graph break, and the compiled function equals the eager one bit for bit: output, final states and the gradients of
     every input (the kernels run inside the ops; between them only views)."""
     gen = torch.Generator().manual_seed(52)
     H, K, T = 1, 16, 20
