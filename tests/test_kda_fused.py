@@ -552,8 +552,8 @@ def test_ops_equal_fla_entry_points(fla_interp):
 def test_compile_fullgraph_equals_eager(fla_interp):
     """``torch.compile(fullgraph=True)`` (inductor) of the layer's fused core on two packed documents: fla's conv ->
     split -> chunk_kda_fused with the gate parameters (bound -5) -> the gated norm, with cu_seqlens (read inside the
-    ops). No graph break, and the compiled function equals the eager one bit for bit: output, final states and the gradients of
-    every input (the kernels run inside the ops; between them only views)."""
+    ops). No graph break, and the compiled function equals the eager one bit for bit: output, final states and the
+    gradients of every input (the kernels run inside the ops; between them only views)."""
     gen = torch.Generator().manual_seed(52)
     H, K, T = 1, 16, 20
     cu = torch.tensor([0, 7, 20])
