@@ -70,8 +70,8 @@ class Glm53FlashForgetGate(nn.Module):
 class Glm53FlashRMSNormGated(nn.Module):
     """``forward(x, gate, backend="torch")`` on ``[..., hidden_size]``: :func:`.kda_ops.rms_norm_gated_torch` or its
     fused alternative, as :func:`.dispatch.op_for` decides for ``backend`` (transformers' ``Glm5NextTextRMSNormGated``);
-    raises ``ValueError`` when the shapes differ. Called as a module so that hooks that gather its weight (FSDP2
-    units, accelerate offload) run."""
+    raises ``ValueError`` when the shapes differ. Called as a module so that hooks that gather its weight (a
+    sharding unit's, accelerate offload's) run."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

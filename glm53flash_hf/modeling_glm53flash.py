@@ -952,6 +952,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         tower_outputs = {"image": None, "video": None}
+        collective_tower = not in_graph() and _holds_distributed_parameters(self.visual)  # before the tower's calls
         if pixel_values is not None or pixel_values_videos is not None:
             masks = dict(zip(("image", "video"), placeholder_masks(
                 input_ids, mm_token_type_ids, self.config, inputs_embeds, self.get_input_embeddings()
@@ -972,9 +973,9 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
                     tower_outputs[what] = features_fn(pixels, grid, return_dict=True, **tower_kwargs)
                     features = torch.cat(tower_outputs[what].pooler_output, dim=0)
                 inputs_embeds = self._splice(inputs_embeds, masks[what], features, what)
-        if not in_graph() and _has_fsdp_units(self.visual):
-            # FSDP2 all-gathers the tower's units in every call of it, so every rank calls it once per modality: a
-            # modality absent here runs on one merged token of zeros whose features add exactly 0
+        if collective_tower:
+            # a tower whose parameters are distributed gathers them in every call (a collective), so every rank calls
+            # it once per modality: a modality absent here runs on one merged token of zeros whose features add 0
             for _, pixels, _, _, _ in modalities:
                 if pixels is None:
                     inputs_embeds = inputs_embeds + 0.0 * self._placeholder_tower_call(inputs_embeds.device).sum()
@@ -996,13 +997,14 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         )
 
 
-def _has_fsdp_units(module: nn.Module) -> bool:
-    """Whether FSDP2 (``fully_shard``) made ``module`` or one of its submodules a unit of its own."""
+def _holds_distributed_parameters(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` is at this moment a ``DTensor`` (sharded or replicated over a device mesh, by
+    whatever applied the parallelism), so that a call of ``module`` joins collectives that every rank must join."""
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
