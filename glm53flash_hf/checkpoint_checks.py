@@ -279,12 +279,14 @@ def _experts_rule(ckpt: CheckpointInfo, stems: dict[str, str], fields: dict[str,
         if max(held) >= n_experts:
             found.append((f"The config does not match the checkpoint {ckpt.folder}: n_routed_experts={n_experts}, "
                           f"the checkpoint holds experts 0..{max(held)} in layer {layer}", "allow_unexpected_keys"))
-        in_layer = sorted(s for s in stems if s.startswith(f"layers.{layer}.mlp.experts."))
-        prefix = stems[in_layer[0]][: stems[in_layer[0]].index(f"layers.{layer}.")]
-        files = ", ".join(sorted({ckpt.weight_map[stems[s]] for s in in_layer}))
+        prefix = files = None  # read from the layer's keys only when one of them is missing
         for proj in ("gate", "up", "down"):
             absent = sorted(set(range(n_experts)) - by_proj.get(proj, set()))
             if absent:
+                if prefix is None:
+                    in_layer = sorted(s for s in stems if s.startswith(f"layers.{layer}.mlp.experts."))
+                    prefix = stems[in_layer[0]][: stems[in_layer[0]].index(f"layers.{layer}.")]
+                    files = ", ".join(sorted({ckpt.weight_map[stems[s]] for s in in_layer}))
                 names = [f"{prefix}layers.{layer}.mlp.experts.{i}.{proj}_proj.weight" for i in absent]
                 found.append((
                     f"{len(names)} per-expert tensors missing from the checkpoint {ckpt.folder}: {_listing(names)}; "

@@ -123,11 +123,11 @@ class Glm53FlashIndexer(nn.Module):
             )
         layout = _check_layout(layout, batch, seq_len, hidden_states.device)
         device = hidden_states.device
-        sp = getattr(layout, "sequence_parallel", None)
-        if sp is not None:
-            # sequence parallel: keys from the whole group (global row positions), queries this rank's shard
-            glob, offset = sp.global_layout, sp.offset
-            state = sp.gather_sequence(self._token_state(hidden_states), grad=False)  # every rank, collectively
+        shard = layout.shard
+        if shard is not None:
+            # a part of longer rows (DocumentLayout.shard): keys from the whole rows (their positions), queries local
+            glob, offset = shard.global_layout, shard.offset
+            state = shard.gather_sequence(self._token_state(hidden_states), grad=False)  # every part, collectively
             valid_kv, local_pos_kv = glob.valid.to(device), glob.local_pos.to(device)
         else:
             state, offset = None, 0  # computed below only when a pool can be selected
@@ -364,11 +364,11 @@ class Glm53FlashAttention(nn.Module):
         if cache is not None:
             keys, _ = cache.update(latent.unsqueeze(1), latent.new_zeros(batch, 1, seq_len, 0), self.layer_idx)
             latent = keys[:, 0]  # [B, L, Dl]: cached + new latents (static cache: L = max_cache_len)
-        sp = getattr(layout, "sequence_parallel", None) if cache is None else None
-        if sp is not None:
-            # sequence parallel: attend over the whole group's latents (global row positions); the all-gather's
-            # backward sums the latent gradients back onto their owners (SequenceParallelContext.gather_sequence)
-            latent = sp.gather_sequence(latent)
+        shard = layout.shard if cache is None else None
+        if shard is not None:
+            # a part of longer rows (DocumentLayout.shard): attend over the whole rows' latents, whose gather's
+            # backward sums the latent gradients back onto their owners
+            latent = shard.gather_sequence(latent)
         if self.indexer is not None:
             if cache is not None:
                 topk_indices = call_onloaded(

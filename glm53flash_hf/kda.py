@@ -6,8 +6,8 @@ their fused alternatives in :mod:`.kda_fused`, chosen per call by :func:`.dispat
 from __future__ import annotations
 
 import functools
+import importlib
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -25,23 +25,18 @@ __all__ = [
     "Glm53FlashRMSNormGated",
     "Glm53FlashLinearAttention",
     "init_kda_weights",
-    "kda_boundary_transition",
-    "sp_chunk_kda",
-    "sp_conv_initial_state",
 ]
 
 
-def _fused_ops() -> tuple:
-    """The fused alternatives of the four KDA torch ops, imported on the first fused call."""
-    from .kda_fused import causal_conv1d_fused, chunk_kda_fused, recurrent_kda_fused, rms_norm_gated_fused
-
-    return chunk_kda_fused, recurrent_kda_fused, causal_conv1d_fused, rms_norm_gated_fused
+def _fused_loader(name: str):
+    """A loader of ``kda_fused.<name>``, the fused alternative of one KDA torch op, imported on the first fused call."""
+    return lambda: getattr(importlib.import_module(".kda_fused", __package__), name)
 
 
-register_fused("kda", chunk_kda_torch, lambda: _fused_ops()[0])
-register_fused("kda", recurrent_kda_torch, lambda: _fused_ops()[1])
-register_fused("kda", causal_conv1d_torch, lambda: _fused_ops()[2])
-register_fused("kda", rms_norm_gated_torch, lambda: _fused_ops()[3])
+register_fused("kda", chunk_kda_torch, _fused_loader("chunk_kda_fused"))
+register_fused("kda", recurrent_kda_torch, _fused_loader("recurrent_kda_fused"))
+register_fused("kda", causal_conv1d_torch, _fused_loader("causal_conv1d_fused"))
+register_fused("kda", rms_norm_gated_torch, _fused_loader("rms_norm_gated_fused"))
 
 
 class Glm53FlashForgetGate(nn.Module):
@@ -75,8 +70,8 @@ class Glm53FlashForgetGate(nn.Module):
 class Glm53FlashRMSNormGated(nn.Module):
     """``forward(x, gate, backend="torch")`` on ``[..., hidden_size]``: :func:`.kda_ops.rms_norm_gated_torch` or its
     fused alternative, as :func:`.dispatch.op_for` decides for ``backend`` (transformers' ``Glm5NextTextRMSNormGated``);
-    raises ``ValueError`` when the shapes differ. Called as a module so that hooks that gather its weight (FSDP2
-    units, accelerate offload) run."""
+    raises ``ValueError`` when the shapes differ. Called as a module so that hooks that gather its weight (a
+    sharding unit's, accelerate offload's) run."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -156,7 +151,7 @@ class Glm53FlashLinearAttention(nn.Module):
 
         Raises:
             NotImplementedError: ``cache`` is not a transformers ``Cache`` (``UnsupportedCacheError``).
-            ValueError: ``layout`` does not match ``[B, S]``; a cache under sequence parallelism; a cache layer that
+            ValueError: ``layout`` does not match ``[B, S]``; a cache with a sharded layout; a cache layer that
                 is not linear attention; on the fused path, a sharded DTensor parameter.
         """
         B, S, _ = hidden_states.shape
@@ -165,13 +160,13 @@ class Glm53FlashLinearAttention(nn.Module):
             raise ValueError(
                 f"layout is for [{layout.batch_size}, {layout.seq_len}] but hidden_states is [{B}, {S}, ...]"
             )
-        sp = getattr(layout, "sequence_parallel", None)
+        shard = layout.shard  # a part of longer rows (DocumentLayout.shard): the initial states come from it
         conv_state = recurrent_state = None
         recording = False
         if cache is not None:
             check_cache(cache, "Glm53FlashLinearAttention")
-            if sp is not None:
-                raise ValueError("sequence parallelism runs uncached forwards only; got a cache")
+            if shard is not None:
+                raise ValueError("a sharded layout (layout.shard) runs uncached forwards only; got a cache")
             conv_state = cache.get_conv_state(self.layer_idx)
             recurrent_state = cache.get_recurrent_state(self.layer_idx)
             recording = cache.is_recording_past(self.layer_idx)
@@ -188,15 +183,16 @@ class Glm53FlashLinearAttention(nn.Module):
         # head dim reaches the probe through dt_bias viewed [1, 1, H, K]
         backend, probe = requested_backend(self.config, "kda"), (hidden_states, gate["dt_bias"].view(1, 1, H, K))
         x = hidden_states if layout.trivial else hidden_states.masked_fill(~layout.valid[:, :, None], 0.0)
-        mixed, g, beta = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), fg.gate_input(x), \
-            self.b_proj(x)
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        g = fg.gate_input(x)
+        beta = self.b_proj(x)
         varlen = {}
         if cache is None and not layout.trivial:
             mixed, g, beta = (t.flatten(0, 1)[None] for t in (mixed, g, beta))
             varlen = {"cu_seqlens": layout.cu_seqlens}
-        if sp is not None:
-            conv_state = sp_conv_initial_state(sp, mixed.view(B, S, self.conv_dim), self.conv_kernel_size,
-                                               layout.num_segments)
+        if shard is not None:
+            conv_state = shard.conv_initial_state(mixed.view(B, S, self.conv_dim), self.conv_kernel_size,
+                                                  layout.num_segments)
         y, conv_final = op_for(causal_conv1d_torch, backend, *probe)(
             mixed, conv_weight, activation=self.activation, initial_state=conv_state,
             output_final_state=cache is not None, **varlen)
@@ -211,10 +207,10 @@ class Glm53FlashLinearAttention(nn.Module):
                 states.append(state.float())
             o, history = torch.cat(outs, dim=1), ({"per_token_states": torch.stack(states)} if recording else {})
             self._store(cache, conv_final, mixed, state, history)
-        elif sp is not None:
+        elif shard is not None:
             chunk = op_for(chunk_kda_torch, backend, *probe)
-            o = sp_chunk_kda(sp, functools.partial(chunk, **gate), q, k, v, g, beta, cu_seqlens=layout.cu_seqlens,
-                             fla_cp=gate if chunk is not chunk_kda_torch else None)
+            o = shard.chunk_kda(functools.partial(chunk, **gate), q, k, v, g, beta, cu_seqlens=layout.cu_seqlens,
+                                gate=gate if chunk is not chunk_kda_torch else None)
         else:
             core = functools.partial(op_for(chunk_kda_torch, backend, *probe), **gate)
             o, final = core(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
@@ -240,90 +236,6 @@ class Glm53FlashLinearAttention(nn.Module):
         conv_update = conv_inputs.transpose(1, 2).to(conv_final.dtype)
         cache.update_conv_state(conv_update, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
         cache.update_recurrent_state(recurrent_final.float(), self.layer_idx, **history)
-
-
-_CP_WARNED: set[str] = set()
-
-
-def sp_conv_initial_state(sp, mixed: torch.Tensor, kernel: int, num_segments: int) -> torch.Tensor:
-    """Conv ``initial_state`` ``[num_segments, D, kernel]`` of a shard from its conv inputs ``mixed`` ``[B, L, D]``:
-    the previous rank's last inputs of a continuing document, else zeros; ``ValueError`` if ``L < kernel - 1``."""
-    B, L, D = mixed.shape
-    hist = kernel - 1
-    if L < hist:
-        raise ValueError(f"sequence parallelism needs local_len >= linear_conv_kernel_dim - 1 = {hist}; got {L}")
-    pos = sp.offset - hist + torch.arange(hist, device=mixed.device)  # global positions of the history
-    doc_first = sp.global_layout.doc_start[:, sp.offset]  # [B] first token of the continuing document
-    keep = sp.continues[:, None] & (pos[None] >= doc_first[:, None])  # [B, hist]
-    prev = sp.previous_rank_tail(mixed, hist, keep)  # [B, hist, D]
-    first = torch.cat([prev.new_zeros(B, D, 1), prev.transpose(1, 2)], dim=-1)  # [B, D, kernel]
-    return mixed.new_zeros(num_segments, D, kernel).index_copy(0, sp.first_seg, first)
-
-
-def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, fla_cp: dict | None = None) -> torch.Tensor:
-    """The chunked KDA of a shard, the recurrent state passed between ranks (docs/design.md, sequence parallelism).
-
-    ``core``: a chunk op with the contract of :func:`.kda_ops.chunk_kda_torch` (the gate parameters bound);
-    ``q, k, v, g, beta``: the flattened local rows ``[1, B*L, ...]`` with ``cu_seqlens``; ``fla_cp``: the gate
-    parameters (``A_log``, ``dt_bias``, ``lower_bound``) for fla's context-parallel op
-    (:func:`.kda_fused.chunk_kda_context_parallel`), used when :func:`.kda_fused.fla_cp_refusal` allows it (else a
-    warning, once per reason). Returns ``o`` ``[1, B*L, H, V]``.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    if fla_cp is not None:
-        from .kda_fused import chunk_kda_context_parallel, fla_cp_context, fla_cp_refusal
-
-        refusal = fla_cp_refusal(sp, q.device)
-        if refusal is None:
-            return chunk_kda_context_parallel(q, k, v, g, beta, **fla_cp, cp_context=fla_cp_context(sp, cu_seqlens))
-        if refusal not in _CP_WARNED:
-            _CP_WARNED.add(refusal)
-            warnings.warn(
-                f"sequence parallelism: fla's context-parallel KDA is not used ({refusal}); the shards pass the "
-                "KDA state with this package's scheme (same result, fla's chunk kernels)",
-                stacklevel=3,
-            )
-
-    ft, first_cu = sp.first_tokens, sp.first_cu
-    q1, k1, v1, g1, beta1 = (t.index_select(1, ft) for t in (q, k, v, g, beta))
-
-    def boundary(q1, k1, v1, g1, beta1):
-        a = kda_boundary_transition(core, k1, g1, beta1, cu_seqlens=first_cu, like_q=q1)
-        _, b = core(q1, k1, v1, g1, beta1, cu_seqlens=first_cu, output_final_state=True)
-        return a, b
-
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q1, k1, v1, g1, beta1)):
-        a_local, b_first = checkpoint(boundary, q1, k1, v1, g1, beta1, use_reentrant=False)
-    else:
-        a_local, b_first = boundary(q1, k1, v1, g1, beta1)
-    a_local = a_local * (sp.single & sp.continues).to(a_local.dtype)[:, None, None, None]
-    o_rest = None
-    b_local = b_first
-    if sp.rest_tokens.numel():
-        rest = [t.index_select(1, sp.rest_tokens) for t in (q, k, v, g, beta)]
-        o_rest, finals = core(*rest, cu_seqlens=sp.rest_cu, output_final_state=True)
-        b_rest = finals.index_select(0, sp.last_rest.clamp_min(0))
-        b_local = torch.where(sp.single[:, None, None, None], b_first, b_rest)
-    state = sp.affine_prefix(a_local, b_local, keep=sp.continues)
-    o1, _ = core(q1, k1, v1, g1, beta1, initial_state=state, cu_seqlens=first_cu)
-    o = o1.new_zeros(v.shape).index_copy(1, ft, o1)
-    if o_rest is not None:
-        o = o.index_copy(1, sp.rest_tokens, o_rest.to(o.dtype))
-    return o
-
-
-def kda_boundary_transition(core, k, g, beta, *, cu_seqlens: torch.Tensor | None = None, like_q=None) -> torch.Tensor:
-    """fp32 ``A`` ``[N, H, K, K]`` of each segment, ``S_end = A S_start + B``: ``core`` run with ``v = 0`` from
-    ``S_start = I`` over ``k, g`` ``[1, T, H, K]``, ``beta`` ``[1, T, H]`` (``like_q``'s values do not matter)."""
-    T, H, K = k.shape[1], k.shape[2], k.shape[3]
-    n = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
-    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(n, H, K, K)
-    q = like_q if like_q is not None else k
-    zeros = k.new_zeros(k.shape[0], T, H, K)
-    kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    _, a = core(q, k, zeros, g, beta, initial_state=eye, output_final_state=True, **kwargs)
-    return a
 
 
 def init_kda_weights(module: nn.Module, config) -> None:

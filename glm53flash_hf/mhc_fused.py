@@ -463,7 +463,8 @@ def hc_pre_fused(
     """Fused alternative of :func:`.mhc_ops.hc_pre_torch` (its contract; ``X`` and ``fn`` in fp32/bf16/fp16).
     ``RuntimeError`` without triton; ``ValueError`` also for unsupported dtypes and a sharded DTensor parameter."""
     require_triton("glm53flash_hf.mhc_fused")
-    # Parameters may arrive as DTensors (FSDP2/TP): replicated ones are unwrapped (differentiably), sharded ones raise.
+    # Parameters may arrive as DTensors (sharded or tensor-parallel models): replicated ones are unwrapped
+    # (differentiably), sharded ones raise.
     fn, base, scale = (local_tensor(t, f"hc {name}") for t, name in ((fn, "fn"), (base, "base"), (scale, "scale")))
     check_hc_pre_args(hidden_streams, fn, base, scale, sinkhorn_iters)
     check_device("hidden_streams", hidden_streams)

@@ -51,7 +51,6 @@ from .moe import Glm53FlashMLP, Glm53FlashTopkRouter, clamped_swiglu, grouped_ex
 from .mtp import doc_roll, mtp_loss, note_trainer_tags, register_fused_head_mtp
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_layout
-from .sequence_parallel import sp_loss_kwargs
 
 logger = logging.get_logger(__name__)
 
@@ -110,8 +109,9 @@ class Glm53FlashMoE(nn.Module):
     """MoE block (``Glm5NextTextMoE``): ``experts`` weighted by ``gate`` plus ``shared_experts``, added unscaled.
 
     ``h [..., H]`` -> same shape and dtype; with ``return_router_logits`` also ``router_logits`` fp32 ``[T, E]``.
-    ``expert_parallel`` (``None``: every expert local) may be set to ``fn(experts, hidden [T, H], top_k_index,
-    top_k_weights) -> [T, H]`` (:func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel`).
+    ``token_dispatch`` (``None``: ``experts`` called on the tokens) may be set from outside to ``fn(experts, hidden
+    [T, H], top_k_index, top_k_weights) -> [T, H]``, which moves the tokens to the processes holding their experts
+    and back (the package's ``train`` applies expert parallelism through it).
     """
 
     def __init__(self, config):
@@ -122,16 +122,16 @@ class Glm53FlashMoE(nn.Module):
         self.shared_experts = Glm53FlashMLP(
             config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts
         )
-        self.expert_parallel = None
+        self.token_dispatch = None
 
     def forward(self, hidden_states: torch.Tensor, return_router_logits: bool = False):
         shape = hidden_states.shape
         router_logits, topk_weights, topk_indices = self.gate(hidden_states)
         tokens = hidden_states.reshape(-1, shape[-1])
-        if self.expert_parallel is None:
+        if self.token_dispatch is None:
             routed = self.experts(tokens, topk_indices, topk_weights).view(shape)
         else:
-            routed = self.expert_parallel(self.experts, tokens, topk_indices, topk_weights).view(shape)
+            routed = self.token_dispatch(self.experts, tokens, topk_indices, topk_weights).view(shape)
         out = routed + self.shared_experts(hidden_states)
         if return_router_logits:
             return out, router_logits
@@ -294,16 +294,6 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
         init_mhc_weights(module, config)
         init_moe_weights(module, config)
 
-    def set_sequence_parallel(self, group=None) -> None:
-        """Sequence parallelism over ``group`` (a ``torch.distributed`` process group) or off (``None``) for every text
-        model inside. Each rank's uncached forward then takes its contiguous shard ``[B, L]`` of the global rows
-        (:func:`.sequence_parallel.shard_sequence`), with ``labels``, ``position_ids``, ``attention_mask`` and
-        ``seq_idx`` sliced alike (``cu_seq_lens_q`` / ``cu_seqlens`` global); with the global ``num_items_in_batch``
-        or none, the group's losses and gradients summed equal one device's."""
-        for module in self.modules():
-            if isinstance(module, Glm53FlashTextModel):
-                module.sequence_parallel_group = group
-
     def save_pretrained(self, save_directory, *args, processor=None, allow_nonfinite_weights: bool = False, **kwargs):
         """``PreTrainedModel.save_pretrained`` in the published layout (``model.language_model.*``, per-expert weights,
         split KDA convolutions, ``hc_*``), with ``model_type: glm5_next``, this package's ``auto_map`` and the
@@ -411,7 +401,9 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         self.layers = nn.ModuleList(layers)
         self.norm = Glm53FlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
-        self.sequence_parallel_group = None  # set by set_sequence_parallel
+        # None, or fn(batch_size, seq_len, device, **forward kwargs) -> DocumentLayout, set from outside for a
+        # forward over a part of longer rows (the package's train applies sequence parallelism through it)
+        self.layout_builder = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -461,9 +453,9 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         if cache is not None:
             check_cache(cache, type(self).__name__)
             check_cache_layers(cache, self.config, type(self).__name__)
-        layout = build_layout(
+        layout = (self.layout_builder or build_layout)(
             batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, sequence_parallel_group=self.sequence_parallel_group, **kwargs,
+            cache=cache, **kwargs,
         )
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -509,7 +501,7 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
             )
             mtp_inputs["pre_norm_hidden_state"] = h_pre
-        keep_layout = mtp_depth or output_router_logits or layout.sequence_parallel is not None
+        keep_layout = mtp_depth or output_router_logits or layout.shard is not None
         return Glm53FlashTextModelOutput(
             last_hidden_state=hidden_states, hidden_states=all_hidden, router_logits=router_logits,
             **{CACHE_FIELD: cache},
@@ -598,11 +590,11 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         counted = loss_kwargs.get("num_items_in_batch") is not None
-        # MTP targets: the caller's shift_labels or the labels, never the SP row-wise shift (it crosses documents)
+        # MTP targets: the caller's shift_labels or the labels, never a shard's row-wise shift (it crosses documents)
         given_shift = loss_kwargs.get("shift_labels")
-        sp = getattr(getattr(outputs, "document_layout", None), "sequence_parallel", None)
-        if sp is not None:
-            loss_kwargs = sp_loss_kwargs(sp, labels, loss_kwargs)
+        shard = getattr(getattr(outputs, "document_layout", None), "shard", None)
+        if shard is not None:  # a part of longer rows: the shift and the counts of the whole rows
+            loss_kwargs = shard.loss_kwargs(labels, loss_kwargs)
         main_kwargs = dict(loss_kwargs)
         if main_kwargs.get("num_items_in_batch") is None:
             # sum / count with count >= 1: labels all ignored give loss 0.0 and zero gradients, not NaN
@@ -620,8 +612,8 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
     mtp_value = mtp_logits = None
     mtp_hidden = getattr(outputs, "mtp_hidden_states", None)
     if labels is not None and mtp_hidden:
-        # without a given count, each depth's mean (under SP: over the group's targets of that depth)
-        per_depth_mean = sp is not None and not counted
+        # without a given count, each depth's mean (of a shard: over the whole rows' targets of that depth)
+        per_depth_mean = shard is not None and not counted
         mtp_value, mtp_logits = mtp_loss(
             head_model.lm_head,
             mtp_hidden,
@@ -630,7 +622,7 @@ def _lm_head_and_loss(head_model, outputs, labels, logits_to_keep, kwargs) -> Gl
             num_items_in_batch=None if per_depth_mean else loss_kwargs.get("num_items_in_batch"),
             ignore_index=loss_kwargs.get("ignore_index", -100),
             shifted=given_shift is not None,
-            count_total=sp.global_count if per_depth_mean else None,
+            count_total=shard.global_count if per_depth_mean else None,
         )
         loss = loss + text_config.mtp_loss_weight * mtp_value
     router_logits = getattr(outputs, "router_logits", None)
@@ -960,6 +952,7 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
         tower_outputs = {"image": None, "video": None}
+        collective_tower = not in_graph() and _holds_distributed_parameters(self.visual)  # before the tower's calls
         if pixel_values is not None or pixel_values_videos is not None:
             masks = dict(zip(("image", "video"), placeholder_masks(
                 input_ids, mm_token_type_ids, self.config, inputs_embeds, self.get_input_embeddings()
@@ -980,9 +973,9 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
                     tower_outputs[what] = features_fn(pixels, grid, return_dict=True, **tower_kwargs)
                     features = torch.cat(tower_outputs[what].pooler_output, dim=0)
                 inputs_embeds = self._splice(inputs_embeds, masks[what], features, what)
-        if not in_graph() and _has_fsdp_units(self.visual):
-            # FSDP2 all-gathers the tower's units in every call of it, so every rank calls it once per modality: a
-            # modality absent here runs on one merged token of zeros whose features add exactly 0
+        if collective_tower:
+            # a tower whose parameters are distributed gathers them in every call (a collective), so every rank calls
+            # it once per modality: a modality absent here runs on one merged token of zeros whose features add 0
             for _, pixels, _, _, _ in modalities:
                 if pixels is None:
                     inputs_embeds = inputs_embeds + 0.0 * self._placeholder_tower_call(inputs_embeds.device).sum()
@@ -1004,13 +997,14 @@ class Glm53FlashModel(Glm53FlashPreTrainedModel):
         )
 
 
-def _has_fsdp_units(module: nn.Module) -> bool:
-    """Whether FSDP2 (``fully_shard``) made ``module`` or one of its submodules a unit of its own."""
+def _holds_distributed_parameters(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` is at this moment a ``DTensor`` (sharded or replicated over a device mesh, by
+    whatever applied the parallelism), so that a call of ``module`` joins collectives that every rank must join."""
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):

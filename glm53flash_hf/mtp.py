@@ -17,14 +17,13 @@ from .packing import DocumentLayout
 
 
 def doc_roll(x: torch.Tensor, layout: DocumentLayout, shift: int, fill=0) -> torch.Tensor:
-    """Roll ``x`` (``[B, S, ...]``) left by ``shift >= 0`` inside each segment of ``layout`` (across sequence-parallel
-    shards): ``out[b, t] = x[b, t + shift]`` within the segment, else ``fill``; ``ValueError`` when ``shift`` is
+    """Roll ``x`` (``[B, S, ...]``) left by ``shift >= 0`` inside each segment of ``layout`` (across the parts of a
+    sharded layout): ``out[b, t] = x[b, t + shift]`` within the segment, else ``fill``; ``ValueError`` when ``shift`` is
     negative or ``x`` is not ``[B, S, ...]`` of the layout."""
     if shift < 0:
         raise ValueError(f"doc_roll shift must be >= 0; got {shift}")
-    sp = getattr(layout, "sequence_parallel", None)
-    if sp is not None:  # a sequence-parallel shard: the roll reads the next rank's first tokens
-        return sp.doc_roll(x, shift, fill)
+    if layout.shard is not None:  # a part of longer rows (DocumentLayout.shard): the roll reads the next part's head
+        return layout.shard.doc_roll(x, shift, fill)
     if tuple(x.shape[:2]) != (layout.batch_size, layout.seq_len):
         raise ValueError(
             f"doc_roll expects x of shape [{layout.batch_size}, {layout.seq_len}, ...]; got {tuple(x.shape)}"

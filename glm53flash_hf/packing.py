@@ -9,11 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .generation_cache import build_cache_context
 from .input_checks import check_integer_tensor
-from .sequence_parallel import SequenceParallelContext, _gather_plain
 
 
 @dataclass
@@ -33,8 +31,13 @@ class DocumentLayout:
     trivial: bool
 
     _segments: tuple | None = field(default=None, repr=False, compare=False)  # (cu_seqlens, segment_valid), lazily
-    #: the :class:`.sequence_parallel.SequenceParallelContext` of a sequence-parallel forward, else None
-    sequence_parallel: object | None = field(default=None, repr=False, compare=False)
+    #: None, or the shard context of a layout that is one contiguous part of longer rows split over processes
+    #: (made by a text model's ``layout_builder``, set from outside the model, e.g. by the package's ``train``).
+    #: The layers read ``shard.global_layout`` (the whole rows' layout), ``shard.offset`` (this part's first position)
+    #: and call ``gather_sequence(x [B, L, ...], grad) -> [B, S, ...]``, ``doc_roll(x, shift, fill)``,
+    #: ``conv_initial_state(mixed [B, L, D], kernel, num_segments)``, ``chunk_kda(core, q, k, v, g, beta, *,
+    #: cu_seqlens, gate)``, ``loss_kwargs(labels, loss_kwargs)`` and ``global_count(count)``.
+    shard: object | None = field(default=None, repr=False, compare=False)
     #: the :class:`.generation_cache.CacheContext` of a cached forward, else None
     cache_context: object | None = field(default=None, repr=False, compare=False)
 
@@ -172,7 +175,6 @@ def build_layout(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     cache=None,
-    sequence_parallel_group=None,
     **kwargs,
 ) -> DocumentLayout:
     """The :class:`DocumentLayout` of a forward over ``[B, S]`` tokens, in the mode its arguments select.
@@ -181,29 +183,17 @@ def build_layout(
       ``seq_idx``), the segment tensors computed;
     * ``cache`` (a transformers ``Cache``, read, not written): ``layout.cache_context`` is the call's
       :class:`~.generation_cache.CacheContext` (:func:`~.generation_cache.build_cache_context`; ``attention_mask``
-      ``[B, past + S]``), the layout that of its ``valid`` tokens;
-    * ``sequence_parallel_group``: this rank's shard, ``layout.sequence_parallel`` set
-      (``cu_seq_lens_q`` / ``cu_seqlens`` over the global rows, the other tensors local slices).
+      ``[B, past + S]``), the layout that of its ``valid`` tokens.
 
     Raises:
-        ValueError: ``cache`` together with ``sequence_parallel_group``; ``cu_seq_lens_q`` and ``cu_seqlens`` both
-            given and different; and the errors of the mode's builder.
+        ValueError: ``cu_seq_lens_q`` and ``cu_seqlens`` both given and different; and the errors of the mode's
+            builder.
     """
     if cache is not None:
-        if sequence_parallel_group is not None:
-            raise ValueError(
-                "sequence parallelism runs uncached forwards only; got a cache with sequence_parallel_group set "
-                "(call set_sequence_parallel(None) before generating)"
-            )
         context = build_cache_context(cache, batch_size, seq_len, device, attention_mask, position_ids, **kwargs)
         layout = build_document_layout(batch_size, seq_len, device, attention_mask=context.valid)
         layout.cache_context = context
         return layout
-    if sequence_parallel_group is not None:
-        return _sp_layout(
-            sequence_parallel_group, batch_size, seq_len, device, attention_mask=attention_mask,
-            position_ids=position_ids, **kwargs,
-        )
     cu, cu2 = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seqlens")
     check_integer_tensor("cu_seq_lens_q", cu)
     if cu is not None and cu2 is not None and not torch.compiler.is_compiling():
@@ -219,79 +209,3 @@ def build_layout(
         layout.segment_tensors()
     return layout
 
-
-def _sp_layout(
-    group,
-    batch_size: int,
-    local_len: int,
-    device,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    **kwargs,
-) -> DocumentLayout:
-    """The local :class:`DocumentLayout` of this rank's ``[B, L]`` shard (the global segments cut at the shard start),
-    its :class:`~.sequence_parallel.SequenceParallelContext` as ``layout.sequence_parallel``. ``attention_mask``,
-    ``position_ids``, ``seq_idx`` are local slices; ``cu_seq_lens_q`` / ``cu_seqlens`` give the global rows.
-
-    Raises:
-        ValueError: the ranks' shard shapes differ, or bad layout arguments (:func:`build_document_layout`).
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    lengths = _gather_plain(torch.tensor([batch_size, local_len], device=device), group)
-    lengths = [tuple(int(v) for v in t.tolist()) for t in lengths]
-    if len(set(lengths)) != 1:
-        raise ValueError(
-            "sequence parallelism needs the same [batch, local_len] on every rank of the group (shard rows into equal"
-            f" contiguous parts, e.g. with shard_sequence); got per-rank shapes {lengths}"
-        )
-    global_len = world * local_len
-
-    def gather(t):
-        if t is None:
-            return None
-        t = t.to(device)
-        if t.dim() == 1:
-            t = t.unsqueeze(0)
-        if t.dim() != 2 or t.shape[-1] != local_len or t.shape[0] not in (1, batch_size):
-            raise ValueError(f"per-token layout tensors must be [{batch_size}, {local_len}]; got {tuple(t.shape)}")
-        return torch.cat(_gather_plain(t.expand(batch_size, local_len), group), dim=1)
-
-    extra = {k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seqlens") if kwargs.get(k) is not None}
-    if kwargs.get("seq_idx") is not None:
-        extra["seq_idx"] = gather(kwargs["seq_idx"])
-    glob = build_layout(
-        batch_size, global_len, device, attention_mask=gather(attention_mask), position_ids=gather(position_ids),
-        **extra,
-    )
-    glob.segment_tensors()
-    offset = rank * local_len
-    sl = slice(offset, offset + local_len)
-    starts = glob.starts[:, sl].clone()
-    continues = ~starts[:, 0]
-    starts[:, 0] = True
-    local = layout_from_starts(starts, glob.valid[:, sl])
-    local.segment_tensors()
-    cu = local.cu_seqlens
-    row_first = local.seq_idx[:, 0]  # [B]
-    row_last = local.seq_idx[:, -1]
-    first_len = cu[row_first + 1] - cu[row_first]
-    first_cu = torch.cat([first_len.new_zeros(1), torch.cumsum(first_len, 0)])
-    first_tokens = torch.cat([torch.arange(int(n), device=device) + b * local_len for b, n in
-                              enumerate(first_len.tolist())])
-    is_first = torch.zeros(cu.numel() - 1, dtype=torch.bool, device=device)
-    is_first[row_first] = True
-    rest_ids = torch.nonzero(~is_first).flatten()  # local segment ids of the other segments, in order
-    rest_len = (cu[1:] - cu[:-1])[rest_ids]
-    rest_cu = torch.cat([rest_len.new_zeros(1), torch.cumsum(rest_len, 0)])
-    token_first = torch.zeros(batch_size * local_len, dtype=torch.bool, device=device)
-    token_first[first_tokens] = True
-    rest_tokens = torch.nonzero(~token_first).flatten()
-    rank_in_rest = torch.cumsum((~is_first).long(), 0) - 1  # position of each segment among the rest
-    last_rest = torch.where(is_first[row_last], torch.full_like(row_last, -1), rank_in_rest[row_last])
-    local.sequence_parallel = SequenceParallelContext(
-        group=group, rank=rank, world=world, local_len=local_len, global_len=global_len, offset=offset,
-        global_layout=glob, continues=continues, single=first_len == local_len, first_seg=row_first,
-        last_seg=row_last, first_tokens=first_tokens, first_cu=first_cu, rest_tokens=rest_tokens, rest_cu=rest_cu,
-        last_rest=last_rest,
-    )
-    return local

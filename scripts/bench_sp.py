@@ -4,7 +4,7 @@
    64 x 128 heads, conv 4, MLA ``kv_lora_rank`` 512, indexer ``index_head_dim`` 128) at ``--tokens`` (128k) and
    ``--sp`` (8), one row, bf16 activations and fp32 KDA states / indexer state, what each rank receives per layer in
    the forward (the backward returns the gradients of the gathered tensors: the all-gather's reduce-scatter), for what
-   :mod:`glm53flash_hf.sequence_parallel` does:
+   :mod:`glm53flash_hf.train.sequence_parallel` does:
 
    * KDA: all-gather of the conv tails ``[W_conv - 1, 3 H K]`` and of the boundary pair ``(A [H, K, K],
      B [H, K, V])`` fp32;
@@ -147,7 +147,7 @@ def _worker(rank: int, world: int, port: int, seq: int, out_dir: str, budget: in
 
     from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
     from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
-    from glm53flash_hf.sequence_parallel import shard_sequence
+    from glm53flash_hf.train.sequence_parallel import apply_sequence_parallel, shard_sequence
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -156,7 +156,7 @@ def _worker(rank: int, world: int, port: int, seq: int, out_dir: str, budget: in
     model = Glm53FlashForCausalLM(config).float().train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
-        model.set_sequence_parallel(dist.group.WORLD)
+        apply_sequence_parallel(model, dist.group.WORLD)
     if budget:
         _set_budgets(model, budget)
 

@@ -8,7 +8,7 @@ each other in the state passing anyway).
 
 * ``python scripts/bench_sp_kda.py``: the one-device time on ``cuda:0``; then, when ``torch.cuda.device_count() >=
   2``, ``torchrun --nproc_per_node N`` of this script (``N = --sp``, default: every visible GPU) for the SP time,
-  each rank holding a contiguous ``tokens / N`` shard (``build_layout(sequence_parallel_group=...)`` + the SP path,
+  each rank holding a contiguous ``tokens / N`` shard (``train.sequence_parallel.build_shard_layout`` + the SP path,
   NCCL; fla's context-parallel ``chunk_kda`` where it applies, the report names the KDA path that ran). With one
   GPU it says that SP needs at least 2 and reports the one-device time only.
 * ``--smoke``: tiny shapes (hidden 64, 2 x 16 heads, 256 tokens, fp32) on the CPU torch kernels, and SP = 2 over
@@ -111,7 +111,8 @@ def sp_worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from glm53flash_hf.packing import build_layout
+    from glm53flash_hf import packing
+    from glm53flash_hf.train.sequence_parallel import build_shard_layout
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available() and not args.smoke
@@ -124,7 +125,7 @@ def sp_worker(args) -> None:
     layer = _layer(args, device, dtype)
     x = _inputs(args, device, dtype, rank * local, local)
     pos = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
-    layout = build_layout(1, local, device, position_ids=pos, sequence_parallel_group=dist.group.WORLD)
+    layout = build_shard_layout(packing, dist.group.WORLD, 1, local, device, position_ids=pos)
 
     def step():
         layer(x, layout)[0].float().square().mean().backward()
@@ -144,7 +145,7 @@ def sp_worker(args) -> None:
 
         fused = choose_backend("kda", requested_backend(layer.config, "kda"), x,
                                layer.o_norm.weight.view(1, 1, 1, -1)) == "fused"
-        refusal = kda_fused.fla_cp_refusal(layout.sequence_parallel, device) if fused else "torch kernels"
+        refusal = kda_fused.fla_cp_refusal(layout.shard, device) if fused else "torch kernels"
         path = "fla chunk_kda(cp_context)" if refusal is None else f"package state passing ({refusal})"
         with open(args.worker_out, "w") as f:
             json.dump({"mode": f"SP={world}", "devices": world, "device": str(device), "ms": statistics.median(ms),

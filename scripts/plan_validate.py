@@ -3,7 +3,7 @@
 Each setup runs one training step on ``P`` spawned processes (gloo): the model in fp32 (``kernels="torch"``),
 sharded as the setup says (FSDP2 over all ranks with :func:`glm53flash_hf.train.distributed.apply_fsdp2`, EP with
 :func:`glm53flash_hf.train.expert_parallel.apply_expert_parallel` + ``apply_fsdp2_ep``, SP with
-``set_sequence_parallel``), full fine-tune or PEFT LoRA (:func:`glm53flash_hf.train.trainer.default_lora_config`),
+``apply_sequence_parallel``), full fine-tune or PEFT LoRA (:func:`glm53flash_hf.train.trainer.default_lora_config`),
 AdamW. A first step creates the optimizer states; the gradients are then dropped (``set_to_none``) and the measured
 step (forward, backward, ``optimizer.step``) runs under the live-tensor counter of ``scripts/bench_sp.py``
 (``_LiveTensors``: every CPU storage an aten op returns, counted until freed). Measured peak per rank = the bytes of
@@ -75,7 +75,7 @@ def _storages(tensors) -> dict:
 def _batch(config, rows: int, seq: int, rank: int, world: int, sp: int):
     import torch
 
-    from glm53flash_hf.sequence_parallel import shard_sequence
+    from glm53flash_hf.train.sequence_parallel import shard_sequence
 
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(1, min(config.vocab_size, 1900), (rows * (world // sp), seq), generator=g)
@@ -122,7 +122,9 @@ def _worker(rank: int, name: str, port: int, out_dir: str) -> None:
         if ckpt:
             model.enable_input_require_grads()
     if sp > 1:
-        model.set_sequence_parallel(dist.group.WORLD)
+        from glm53flash_hf.train.sequence_parallel import apply_sequence_parallel
+
+        apply_sequence_parallel(model, dist.group.WORLD)
     if fsdp > 1:
         if plan is not None:
             from glm53flash_hf.train.expert_parallel import apply_fsdp2_ep

@@ -11,7 +11,7 @@ trained on :func:`global_batch`: two packed rows of ``SEQ = 96`` tokens, positio
 
 :func:`reference_run` runs one process on the whole batch; :func:`worker` runs one rank of an SP group (``mode``
 ``"sp"``) or of a ``(dp_shard, sp)`` device mesh with FSDP2 on the flattened mesh (``mode`` ``"fsdp_sp"``). Each
-rank passes its contiguous shard (:func:`glm53flash_hf.sequence_parallel.shard_sequence`) and the global
+rank passes its contiguous shard (:func:`glm53flash_hf.train.sequence_parallel.shard_sequence`) and the global
 ``num_items_in_batch``; the rank gradients are summed (SP) / reduce-scattered by FSDP with the loss multiplied by the
 world size, which equals the single-process gradient.
 """
@@ -124,7 +124,7 @@ def _worst(mine: dict, ref: dict) -> tuple[float, str]:
 def _sp_step(model, opt, step, rank, world, group, out_grads=None, make_batch=global_batch):
     import torch.distributed as dist
 
-    from glm53flash_hf.sequence_parallel import shard_sequence
+    from glm53flash_hf.train.sequence_parallel import shard_sequence
 
     batch = make_batch(step)
     loss = model(**shard_sequence(batch, rank, world), num_items_in_batch=num_items(batch)).loss
@@ -142,15 +142,15 @@ def _sp_step(model, opt, step, rank, world, group, out_grads=None, make_batch=gl
     return total.item()
 
 
-def _sp_run(rank, world, ref, out):
+def _sp_run(rank, world, ref, out, tmpdir):
     import torch.distributed as dist
 
-    from glm53flash_hf.sequence_parallel import shard_sequence
+    from glm53flash_hf.train.sequence_parallel import apply_sequence_parallel, shard_sequence
 
     group = dist.group.WORLD
     model = make_model(0)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model.set_sequence_parallel(group)
+    apply_sequence_parallel(model, group)
     with torch.no_grad():  # without num_items_in_batch: the ranks' losses sum to the one-process mean
         nocount = model(**shard_sequence(global_batch(1), rank, world)).loss.detach().clone()
         ids_nocount = model(**shard_sequence(ids_batch(1), rank, world)).loss.detach().clone()
@@ -198,34 +198,59 @@ def _sp_run(rank, world, ref, out):
     out["micro"] = [{k: v.tolist() for k, v in m.items()} for m in micro]
 
     # negative control: the KDA recurrence without state passing (each shard's first segment from a zero state)
-    from glm53flash_hf import kda as kda_mod
+    from glm53flash_hf.train import sequence_parallel as sp_mod
 
-    original = kda_mod.sp_chunk_kda
+    original = sp_mod.sp_chunk_kda
     try:
-        kda_mod.sp_chunk_kda = lambda sp, core, q, k, v, g, beta, cu_seqlens, fla_cp=None: core(
+        sp_mod.sp_chunk_kda = lambda sp, core, q, k, v, g, beta, cu_seqlens, fla_cp=None: core(
             q, k, v, g, beta, cu_seqlens=cu_seqlens
         )[0]
         broken = make_model(0)
-        broken.set_sequence_parallel(group)
+        apply_sequence_parallel(broken, group)
         bad: dict = {}
         bad_loss = _sp_step(broken, None, 1, rank, world, group, bad)
     finally:
-        kda_mod.sp_chunk_kda = original
+        sp_mod.sp_chunk_kda = original
     out["control_loss"] = bad_loss
     out["control_grad_rel_err"] = _worst(bad, ref["grads"])
+    if world == 2:
+        out.update(_remote_code_run(rank, world, group, ref, os.path.join(tmpdir, "remote")))
+
+
+def _remote_code_run(rank, world, group, ref, path) -> dict:
+    """Step 1 of a model saved by rank 0 and loaded through ``AutoModelForCausalLM`` with remote code (one rank
+    after the other: the remote-code module cache is shared), parallelised by ``apply_sequence_parallel``."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from glm53flash_hf.train.sequence_parallel import apply_sequence_parallel
+
+    if rank == 0:
+        make_model(0).save_pretrained(path)
+    model = None
+    for turn in range(world):
+        dist.barrier()
+        if turn == rank:
+            model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).float().train()
+    apply_sequence_parallel(model, group)
+    grads: dict = {}
+    loss = _sp_step(model, None, 1, rank, world, group, grads)
+    return {"remote_module": type(model).__module__, "remote_loss": loss,
+            "remote_grad_rel_err": _worst(grads, ref["grads"]),
+            "remote_grad_names_match": sorted(grads) == sorted(ref["grads"])}
 
 
 def _fsdp_sp_run(rank, world, dp, sp, ref, out):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from glm53flash_hf.sequence_parallel import shard_sequence
     from glm53flash_hf.train.distributed import apply_fsdp2
+    from glm53flash_hf.train.sequence_parallel import apply_sequence_parallel, shard_sequence
 
     mesh = init_device_mesh("cpu", (dp, sp), mesh_dim_names=("dp_shard", "sp"))
     model = make_model(0)
     apply_fsdp2(model, mesh=mesh[("dp_shard", "sp")]._flatten("dp_shard_sp"))
-    model.set_sequence_parallel(mesh["sp"].get_group())
+    apply_sequence_parallel(model, mesh["sp"].get_group())
     dp_rank, sp_rank = mesh.get_local_rank("dp_shard"), mesh.get_local_rank("sp")
     batch = global_batch(1)
     rows = batch["input_ids"].shape[0] // dp
@@ -261,7 +286,7 @@ def worker(rank: int, world: int, port: int, tmpdir: str, ref_path: str, mode: s
         )
         ref = torch.load(ref_path)
         if mode == "sp":
-            _sp_run(rank, world, ref, out)
+            _sp_run(rank, world, ref, out, tmpdir)
         else:
             _fsdp_sp_run(rank, world, dp, world // dp, ref, out)
         dist.barrier()
@@ -379,8 +404,9 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from interp import fla_interpreter_patches
 
-        from glm53flash_hf import dispatch, kda_fused
-        from glm53flash_hf.packing import build_document_layout, build_layout
+        from glm53flash_hf import dispatch, kda_fused, packing
+        from glm53flash_hf.packing import build_document_layout
+        from glm53flash_hf.train.sequence_parallel import build_shard_layout
 
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=400)
@@ -427,8 +453,8 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
             xl = x[:, sl].clone().requires_grad_()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                layout = build_layout(rows, L, "cpu", position_ids=pos[:, sl].contiguous(),
-                                      sequence_parallel_group=dist.group.WORLD)
+                layout = build_shard_layout(packing, dist.group.WORLD, rows, L, "cpu",
+                                            position_ids=pos[:, sl].contiguous())
                 o = layer(xl, layout)[0]
             (o * dout[:, sl]).sum().backward()
             grads = _layer_grads(layer)

@@ -4,6 +4,7 @@
 * The flat modules (the remote code a checkpoint carries) never import the sub-packages ``train`` / ``tools``, and
   use only the ``from .module import name`` form that transformers' remote-code loader follows.
 * Checkpoint I/O below the checks below the loader; no ``train`` module imports a ``tools`` one for FP8.
+* The flat modules name nothing of sequence parallelism, expert parallelism or FSDP (:data:`PARALLEL_NAMES`).
 * Per operator family, the ops module (the torch oracle and argument checks) is a leaf below both the module file
   and the fused file.
 * The package top exports the public classes.
@@ -154,6 +155,40 @@ def test_flat_modules_use_loader_followed_import_forms():
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.ImportFrom) and node.level:
                 assert node.level == 1 and node.module, f"{path}:{node.lineno}: use 'from .module import name'"
+
+
+# Names of sequence parallelism, expert parallelism and FSDP: none may appear in the flat modules (they are applied
+# from outside, by glm53flash_hf.train). ``_is_expert_parallel`` is transformers' attribute on its experts interface,
+# read, never set.
+PARALLEL_NAMES = ("sequence_parallel", "SequenceParallel", "set_sequence_parallel", "sp_", "expert_parallel",
+                  "ExpertParallel", "ExpertDispatcher", "fsdp", "FSDP", "fully_shard", "all_to_all", "all_gather",
+                  "reduce_scatter", "all_reduce")
+
+
+def parallel_names(source: str) -> list[str]:
+    """``PARALLEL_NAMES`` found in ``source`` (as substrings of identifiers, strings and comments alike), without
+    transformers' ``_is_expert_parallel``."""
+    text = source.replace("_is_expert_parallel", "")
+    return sorted({name for name in PARALLEL_NAMES if name in text})
+
+
+def test_parallel_name_finder_flags_planted_names():
+    assert parallel_names("x = layout.sequence_parallel\nmoe.expert_parallel = d") == ["expert_parallel",
+                                                                                       "sequence_parallel"]
+    assert parallel_names("dist.all_gather(out, t)  # sp_chunk") == ["all_gather", "sp_"]
+    assert parallel_names("from torch.distributed.fsdp import FSDPModule") == ["FSDP", "fsdp"]
+    assert parallel_names("drop = getattr(self, '_is_expert_parallel', False)") == []
+
+
+def test_flat_modules_carry_no_sequence_expert_or_fsdp_code():
+    """The remote code a checkpoint carries knows nothing of SP, EP or FSDP: its layers expose extension points
+    (``layout_builder``, ``DocumentLayout.shard``, ``token_dispatch``) that ``glm53flash_hf.train`` fills, and the VL
+    forward asks only whether the tower's parameters are distributed tensors."""
+    flat = [path for path in _modules().values() if os.path.dirname(path) == os.path.join(ROOT, PACKAGE)]
+    assert os.path.join(ROOT, PACKAGE, "modeling_glm53flash.py") in flat
+    for path in flat:
+        found = parallel_names(open(path).read())
+        assert not found, f"{path} (remote code) names {found}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,4 +1,4 @@
-"""Sequence parallelism (:mod:`glm53flash_hf.sequence_parallel`): SP-N equals SP-1 in fp32.
+"""Sequence parallelism (:mod:`glm53flash_hf.train.sequence_parallel`): SP-N equals SP-1 in fp32.
 
 Multi-process part (``tests/sp_worker.py``, ``torch.multiprocessing`` + gloo, like tests/test_fsdp2.py): the tiny
 model trained on two packed rows of 96 tokens (documents that end inside shards, exactly at a shard boundary, a
@@ -29,9 +29,8 @@ from mp_launch import free_port, run_workers
 from test_kda import naive_kda
 from tiny import fp64_error_tol, rel_err
 
-from glm53flash_hf.kda import kda_boundary_transition
 from glm53flash_hf.kda_ops import chunk_kda_torch
-from glm53flash_hf.sequence_parallel import shard_sequence
+from glm53flash_hf.train.sequence_parallel import kda_boundary_transition, shard_sequence
 
 WORKER_DEADLINE_S = 420
 TOL = 1e-5
@@ -97,6 +96,19 @@ def test_sp2_equals_one_process(reference):
 
 def test_sp4_equals_one_process(reference):
     _check_sp(reference, 4)
+
+
+def test_sp2_remote_code_model_equals_one_process(reference):
+    """A model loaded through ``AutoModelForCausalLM`` with ``trust_remote_code`` (its modules copied next to the
+    weights, so its classes are not the package's) is parallelised by the same ``apply_sequence_parallel``: loss and
+    every gradient of one step equal the one-process run within 1e-5."""
+    ref, results = _launch(reference, "sp", 2)
+    for res in results:
+        assert res["remote_module"].startswith("transformers_modules."), res["remote_module"]
+        assert abs(res["remote_loss"] - ref["losses"][0]) <= TOL * abs(ref["losses"][0]), (res["remote_loss"], ref)
+        assert res["remote_grad_names_match"]
+        err, name = res["remote_grad_rel_err"]
+        assert err <= TOL, f"SP=2, remote code: gradient of {name} off by {err:.2e} (relative to its max)"
 
 
 def test_sp2_labels_input_ids_equals_one_process(reference):

@@ -169,7 +169,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
             setattr(experts, attr, local)
         experts.num_experts, experts.expert_offset, experts.num_global_experts = n_local, lo, num_experts
         plan.num_experts = num_experts
-        moe.expert_parallel = ExpertDispatcher(num_experts, ep_size, ep_rank, mesh["ep"].get_group())
+        moe.token_dispatch = ExpertDispatcher(num_experts, ep_size, ep_rank, mesh["ep"].get_group())
     return plan
 
 

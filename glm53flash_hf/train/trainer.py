@@ -206,13 +206,6 @@ def sp_micro_batches(inputs: dict, group, pad_token_id: int, min_shard: int = 4)
     return out
 
 
-def _set_sp_group(model, group) -> None:
-    """Set ``sequence_parallel_group`` on every GLM-5.3-Flash text model inside ``model``."""
-    for module in model.modules():
-        if hasattr(module, "sequence_parallel_group"):
-            module.sequence_parallel_group = group
-
-
 class Glm53FlashTrainer(Trainer):
     """``transformers.Trainer`` for GLM-5.3-Flash fine-tuning: ``mtp_loss`` in the logs, :attr:`trained_tokens`, a stop
     on non-finite losses or gradient norms, atomic checkpoints read back through ``from_pretrained``, and sequence
@@ -351,11 +344,11 @@ class Glm53FlashTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
         import torch.distributed as dist
 
-        from ..sequence_parallel import shard_sequence
+        from .sequence_parallel import apply_sequence_parallel, shard_sequence
 
         world, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
         total = None
-        _set_sp_group(model, self.sp_group)  # only inside the training step: other forwards run unsharded
+        apply_sequence_parallel(model, self.sp_group)  # only inside the training step: other forwards run unsharded
         try:
             for j, batch in enumerate(sp_micro_batches(inputs, self.sp_group, self.pad_token_id)):
                 sync = contextlib.nullcontext() if j == world - 1 else self.accelerator.no_sync(model)
@@ -363,7 +356,7 @@ class Glm53FlashTrainer(Trainer):
                     loss = super().training_step(model, shard_sequence(batch, rank, world), num_items_in_batch)
                 total = loss if total is None else total + loss
         finally:
-            _set_sp_group(model, None)
+            apply_sequence_parallel(model, None)
         return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
