@@ -30,7 +30,12 @@ from test_kda import naive_kda
 from tiny import fp64_error_tol, rel_err
 
 from glm53flash_hf.kda_ops import chunk_kda_torch
-from glm53flash_hf.train.sequence_parallel import kda_boundary_transition, shard_sequence
+from glm53flash_hf.train.sequence_parallel import (
+    apply_sequence_parallel,
+    build_shard_layout,
+    kda_boundary_transition,
+    shard_sequence,
+)
 
 WORKER_DEADLINE_S = 420
 TOL = 1e-5
@@ -246,6 +251,31 @@ def test_shard_sequence_contiguous_and_uneven_refused():
     assert parts[2]["cu_seq_lens_q"] is batch["cu_seq_lens_q"]
     with pytest.raises(ValueError, match="sequence length 12 of input_ids is not a multiple of the SP world size 5"):
         shard_sequence(batch, 0, 5)
+
+
+def test_apply_sequence_parallel_sets_and_clears_the_layout_builder():
+    """``apply_sequence_parallel`` sets every text model's ``layout_builder`` (the main model's and none other: the
+    MTP layer lives in it) and ``None`` clears it, so the forward is the one-process one again; a model without a text
+    model is refused by name; a cached forward under SP raises before any collective, naming the way out."""
+    from glm53flash_hf import packing
+
+    model = sp_worker.make_model(0)
+    batch = sp_worker.global_batch(1)
+    with torch.no_grad():
+        before = model(**batch).loss
+    group = object()  # never used: no forward runs while it is set
+    apply_sequence_parallel(model, group)
+    text = model.model
+    assert text.layout_builder.func is build_shard_layout and text.layout_builder.args == (packing, group)
+    apply_sequence_parallel(model, None)
+    assert text.layout_builder is None
+    with torch.no_grad():
+        assert torch.equal(model(**batch).loss, before)
+    with pytest.raises(ValueError, match="model=Linear holds no Glm53FlashTextModel"):
+        apply_sequence_parallel(torch.nn.Linear(2, 2), group)
+    with pytest.raises(ValueError, match=r"uncached forwards only; got a cache \(call apply_sequence_parallel\(model, "
+                                         r"None\) before generating\)"):
+        build_shard_layout(packing, group, 1, 8, "cpu", cache=object())
 
 
 def test_trainer_sp2_equals_one_process_trainer(tmp_path):
