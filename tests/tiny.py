@@ -1,4 +1,4 @@
-"""Shared tiny configurations, the transformers oracle and warning checks for the tests.
+"""Shared tiny configurations, the transformers oracle, warning checks and the frame counter for the tests.
 
 Every config here contains each layer kind the tests exercise: KDA, DSA with a ``full`` and a
 ``shared`` indexer layer, dense and MoE MLP, ``hc_mult=4``, ``index_kpool>1`` with a tail,
@@ -194,3 +194,30 @@ def no_warnings():
     records += [f"{w.category.__name__}: {w.message}" for w in caught]
     unexpected = [r for r in records if not any(re.search(pattern, r) for pattern in HARMLESS_WARNINGS)]
     assert not unexpected, "\n".join(r[:2000] for r in unexpected)
+
+
+def package_frames_at(call, is_target) -> list[str]:
+    """The package's own frames (qualified names, outermost first) on the stack when ``call()`` first enters a function
+    whose code object ``is_target`` accepts (that function included if it is the package's), seen by
+    ``sys.setprofile``. Frames of torch (module call, custom-op dispatch, autograd), transformers and tests are not
+    counted."""
+    import glm53flash_hf
+
+    root = os.path.dirname(os.path.abspath(glm53flash_hf.__file__)) + os.sep
+    stacks = []
+
+    def profile(frame, event, arg):
+        if event == "call" and not stacks and is_target(frame.f_code):
+            codes = []
+            while frame is not None:
+                codes.append(frame.f_code)
+                frame = frame.f_back
+            stacks.append([c.co_qualname for c in reversed(codes) if c.co_filename.startswith(root)])
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    assert stacks, "the target function was not called"
+    return stacks[0]
