@@ -60,8 +60,6 @@ import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))  # gpu_modules (sizes shared with tests/test_gpu.py), gpu_cost
 
 import torch  # noqa: E402
 

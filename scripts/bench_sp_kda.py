@@ -33,7 +33,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 RELEASE = dict(hidden=4096, heads=64, head_dim=128, tokens=131072)
 SMOKE = dict(hidden=64, heads=2, head_dim=16, tokens=256)

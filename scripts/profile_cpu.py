@@ -65,8 +65,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import torch  # noqa: E402
 from _common import WIDE_TEXT, randomize_  # noqa: E402

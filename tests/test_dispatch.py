@@ -50,21 +50,14 @@ FAMILY_OPS = {
 
 @pytest.mark.parametrize("family", sorted(FAMILY_OPS))
 def test_frames_from_the_decoder_layer_to_each_family_op(family):
-    """In a model forward, from the decoder layer's forward to each family's op: at most 3 frames of the package's
-    own code below ``Glm53FlashDecoderLayer.forward`` (the layer module, the op; the fused path is the same call
-    site, ``op_for`` returning the fused function). Torch, transformers and test frames are not counted
+    """In a model forward on the torch path, from the decoder layer's forward to each family's op: at most 3 frames of
+    the package's own code below ``Glm53FlashDecoderLayer.forward`` (the family's module, the op). The fused path has
+    the same call sites (``op_for`` returns the fused function); its frames to the Triton launch are held in each
+    ``tests/test_*_fused.py`` interpreter child. Torch, transformers and test frames are not counted
     (:func:`tiny.package_frames_at`)."""
-    from tiny import PARITY_TEXT, package_frames_at, randomize_
+    from tiny import frames_below_decoder_layer
 
-    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
-
-    config = Glm53FlashTextConfig(**PARITY_TEXT, kernels="torch")
-    model = Glm53FlashForCausalLM(config).eval()
-    randomize_(model, 0)
-    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     target = FAMILY_OPS[family]
-    with torch.no_grad():
-        frames = package_frames_at(lambda: model(input_ids=ids), lambda code: code.co_name == target)
-    below = frames[frames.index("Glm53FlashDecoderLayer.forward") + 1:]
+    below = frames_below_decoder_layer(lambda code: code.co_name == target)
     print(f"{family}: {' -> '.join(below)}")
     assert below[-1].endswith(target) and len(below) <= 3, below

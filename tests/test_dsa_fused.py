@@ -591,3 +591,14 @@ def test_gpu_memory_linear_in_seq_len():
 
     small, large = peak(4096), peak(16384)
     assert large <= 4.5 * small, (small, large)
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_decoder_layer_to_the_kernel(td):
+    """A model prefill on the fused DSA path: from the decoder layer's forward to the custom-op body that launches the
+    sparse-attention kernel, at most 3 frames of the package's own code."""
+    from tiny import frames_below_decoder_layer
+
+    frames = frames_below_decoder_layer(lambda c: c.co_name == "_sparse_mla_fwd_impl", "dsa")
+    print(" -> ".join(frames))
+    assert frames == ["Glm53FlashAttention.forward", "sparse_mla_fused", "_sparse_mla_fwd_impl"], frames

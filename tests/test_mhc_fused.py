@@ -411,3 +411,16 @@ def test_gpu_realistic_bf16():
     y64, g64 = inputs[0].detach().double(), grad.double()
     assert_ulps(dpost, rdpost, "dpost", extra=2.0**-8 * (g64 * y64.unsqueeze(-2)).abs().sum(-1))
     assert_ulps(dcomb, rdcomb, "dcomb", extra=1e-4 * rdcomb.double().abs().max())
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_decoder_layer_to_the_kernels(tm):
+    """A model prefill on the fused mHC path: from the decoder layer's forward to the custom-op bodies that launch the
+    Triton kernels of ``hc_pre`` and ``hc_post``, at most 3 frames of the package's own code."""
+    from tiny import frames_below_decoder_layer
+
+    pre = frames_below_decoder_layer(lambda c: c.co_name == "_hc_pre_fwd_impl", "mhc")
+    post = frames_below_decoder_layer(lambda c: c.co_name == "_hc_post_fwd_impl", "mhc")
+    print(f"hc_pre: {' -> '.join(pre)}; hc_post: {' -> '.join(post)}")
+    assert pre == ["Glm53FlashHyperConnection.forward", "hc_pre_fused", "_hc_pre_fwd_impl"], pre
+    assert post == ["hc_post_fused", "_hc_post_fwd_impl"], post

@@ -469,3 +469,16 @@ def test_dispatch_never_fused_on_cpu():
     assert dispatch.choose_backend("moe", "auto", x, gate_up, down, w) == "torch"
     assert moe_fused.fused_moe_available(x, gate_up, down, w) == (False, "the tensors are not on a CUDA device")
     assert moe_fused.fused_moe_available() == (False, "no tensors given")
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_decoder_layer_to_the_fused_op(tm):
+    """A model prefill on the fused MoE path: from the decoder layer's forward to the fused experts op, 3 frames of the
+    package's own code (the MoE block, transformers' experts module, the op); the op composes torch's grouped GEMMs
+    with the SwiGLU and combine kernels, each one more frame (its entry) above its custom-op body."""
+    from tiny import frames_below_decoder_layer
+
+    frames = frames_below_decoder_layer(lambda c: c.co_name == "_swiglu_fwd_impl", "moe")
+    print(" -> ".join(frames))
+    assert frames == ["Glm53FlashMoE.forward", "Glm53FlashExperts.forward", "experts_forward_fused",
+                      "clamped_swiglu_fused", "_swiglu_fwd_impl"], frames

@@ -374,3 +374,36 @@ def test_scripts_do_not_import_tests():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             for name in names:
                 assert name.split(".")[0] not in only_tests | {"tests"}, f"{path}:{node.lineno}: imports {name}"
+
+
+# test files whose code runs in child processes that start from a bare sys.path (workers, scripts passed to python -c)
+CHILD_PROCESS_FILES = ("sp_worker.py", "ep_worker.py", "fsdp2_worker.py", "mp_launch.py", "test_checkpoint_save.py",
+                       "test_processing.py")
+
+
+def _path_inserts(path: str) -> list[int]:
+    """Line numbers of ``sys.path.insert`` / ``sys.path.append`` / ``sys.path[...] =`` in the file at ``path``."""
+    lines = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(
+                node.func.value) == "sys.path":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Assign) and any("sys.path" in ast.unparse(t) for t in node.targets):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_shared_helpers_are_found_without_path_edits():
+    """Tests and scripts find the shared helpers (``scripts/_common.py``, ``scripts/gpu_modules.py``) and the package
+    without editing ``sys.path``: a script's own folder is ``sys.path[0]``, pytest adds ``scripts/`` from
+    ``pythonpath`` in pyproject.toml, the package is installed. The exceptions: the one-off investigations under
+    ``scripts/investigations/`` (one line each, to reach the benchmarks' helpers one folder up), the code the tests
+    run in child processes (:data:`CHILD_PROCESS_FILES`) and transformers' own test folder (``test_hf_common.py``)."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert 'pythonpath = ["scripts", "scripts/investigations"]' in f.read()
+    files = [os.path.join(folder, n) for folder in (SCRIPTS, TESTS) for n in sorted(os.listdir(folder))
+             if n.endswith(".py") and n not in CHILD_PROCESS_FILES + ("test_hf_common.py",)]
+    edits = {path: lines for path in files if (lines := _path_inserts(path))}
+    assert not edits, edits
+    for path in _python_files(os.path.join(SCRIPTS, "investigations")):
+        assert len(_path_inserts(path)) <= 1, path
