@@ -305,8 +305,8 @@ def recurrent_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         ValueError: shape mismatches, head dims outside ``[16, 256]``, bad gate parameters, a sharded DTensor.
     """
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)) or A_log is None \
-            or not use_qk_l2norm_in_kernel:
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if needs_grad or A_log is None or not use_qk_l2norm_in_kernel:
         return chunk_kda_fused(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                                initial_state=initial_state, output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
