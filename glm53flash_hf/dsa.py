@@ -360,8 +360,12 @@ class Glm53FlashAttention(nn.Module):
                 topk_indices = call_onloaded(
                     (self.indexer,), lambda: self.indexer.forward_cached(hidden_states, q_resid, cache, cache_context)
                 )
-            else:
+            elif layout.selections is None or torch.compiler.is_compiling():
                 topk_indices = self.indexer(hidden_states, q_resid, layout)
+            else:  # activation checkpointing: the recompute of this layer reuses the forward's ids (exact)
+                topk_indices = layout.selections.get(self.layer_idx)
+                if topk_indices is None:
+                    topk_indices = layout.selections[self.layer_idx] = self.indexer(hidden_states, q_resid, layout)
         else:
             if prev_topk_indices is None:
                 raise ValueError(

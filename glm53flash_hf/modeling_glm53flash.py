@@ -463,6 +463,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache, **kwargs,
         )
+        if self.gradient_checkpointing and self.training and cache is None:
+            layout.selections = {}  # DSA ids kept for the layers' recompute (docs/design.md, DSA)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         output_attentions = kwargs.pop("output_attentions", None)
