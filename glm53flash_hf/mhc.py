@@ -31,7 +31,7 @@ register_fused("mhc", hc_post_torch, _hc_post_fused)
 class Glm53FlashHyperConnection(nn.Module):
     """One mHC site (attention or FFN): ``fn [(2+N)*N, N*D]`` (model dtype), ``base [(2+N)*N]`` fp32, ``scale [3]``
     fp32 (``N = config.hc_mult``), created as 0, 0, 1; forward is :func:`.mhc_ops.hc_pre_torch` or its fused
-alternative, chosen per call by :func:`.dispatch.op_for` for ``config.kernels['mhc']``.
+    alternative, chosen per call by :func:`.dispatch.op_for` for ``config.kernels['mhc']``.
     ``ValueError`` for ``hc_mult < 1`` or ``hc_sinkhorn_iters < 1`` and for streams not ``[B, S, N, D]``.
     Source: ``Glm5NextTextHyperConnection``."""
 
