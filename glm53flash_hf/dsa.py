@@ -24,7 +24,7 @@ from .norm import Glm53FlashRMSNorm
 from .offload import call_onloaded, is_offload_hooked
 from .packing import DocumentLayout, build_document_layout
 
-__all__ = ["Glm53FlashAttention", "Glm53FlashIndexer", "init_dsa_weights", "sparse_mla"]
+__all__ = ["Glm53FlashAttention", "Glm53FlashIndexer", "init_dsa_weights", "sparse_mla_torch"]
 
 
 def _sparse_mla_fused():
@@ -34,20 +34,6 @@ def _sparse_mla_fused():
 
 
 register_fused("dsa", sparse_mla_torch, _sparse_mla_fused)
-
-
-def sparse_mla(
-    q_abs: torch.Tensor,
-    latent: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    *,
-    backend: str = "auto",
-    query_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`.dsa_ops.sparse_mla_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`)."""
-    op = op_for(sparse_mla_torch, backend, q_abs, latent, indices)
-    return op(q_abs, latent, indices, scale, query_chunk=query_chunk)
 
 
 def _check_layout(layout: DocumentLayout, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
@@ -374,8 +360,12 @@ class Glm53FlashAttention(nn.Module):
                 topk_indices = call_onloaded(
                     (self.indexer,), lambda: self.indexer.forward_cached(hidden_states, q_resid, cache, cache_context)
                 )
-            else:
+            elif layout.selections is None or torch.compiler.is_compiling():
                 topk_indices = self.indexer(hidden_states, q_resid, layout)
+            else:  # activation checkpointing: the recompute of this layer reuses the forward's ids (exact)
+                topk_indices = layout.selections.get(self.layer_idx)
+                if topk_indices is None:
+                    topk_indices = layout.selections[self.layer_idx] = self.indexer(hidden_states, q_resid, layout)
         else:
             if prev_topk_indices is None:
                 raise ValueError(
@@ -392,8 +382,8 @@ class Glm53FlashAttention(nn.Module):
         if output_attentions:
             out_lat, weights = sparse_mla_with_weights(q_abs, latent, topk_indices, self.scaling)
         else:
-            out_lat, _ = sparse_mla(q_abs, latent, topk_indices, self.scaling, backend=self.backend,
-                                    query_chunk=self.query_chunk)
+            sparse_mla = op_for(sparse_mla_torch, self.backend, q_abs, latent, topk_indices)
+            out_lat, _ = sparse_mla(q_abs, latent, topk_indices, self.scaling, query_chunk=self.query_chunk)
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
         attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         attn = self.o_proj(attn)

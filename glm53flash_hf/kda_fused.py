@@ -15,13 +15,10 @@ from torch import Tensor
 from .dispatch import local_tensor
 from .fla_compat import (
     chunk_backward,
-    chunk_context_parallel,
     chunk_forward,
     conv_backward,
     conv_forward,
-    cp_device_error,
     import_error,
-    load_cp,
     norm_backward,
     norm_forward,
     recurrent_step,
@@ -32,9 +29,7 @@ from .kda_ops import check_conv_inputs, check_core_inputs, check_gate_params, ch
 __all__ = [
     "fused_kda_available",
     "chunk_kda_fused",
-    "chunk_kda_context_parallel",
-    "fla_cp_context",
-    "fla_cp_refusal",
+    "chunk_arguments",
     "causal_conv1d_fused",
     "rms_norm_gated_fused",
     "recurrent_kda_fused",
@@ -45,38 +40,6 @@ MIN_HEAD_DIM = 16  # tl.dot's smallest K
 MAX_HEAD_DIM = 256  # asserted by fla's chunk_kda
 FLA_CHUNK_SIZES = (32, 64)
 SAFE_GATE_RANGE = (-5.0, 0.0)  # fla: safe_gate with the in-kernel gate needs lower_bound in [-5, 0)
-
-
-def fla_cp_refusal(sp, device) -> str | None:
-    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row, fla's CP modules and a
-    device they accept), or ``None``."""
-    if sp.global_layout.batch_size != 1:
-        return (f"it chains one token row and this batch has {sp.global_layout.batch_size} rows; pack the "
-                "documents into one row per step to use it")
-    try:
-        error = cp_device_error(device)
-    except ImportError as exc:
-        return str(exc)
-    return None if error is None else f"fla refuses the device {device}: {error}"
-
-
-def fla_cp_context(sp, cu_seqlens: Tensor):
-    """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``).
-
-    Raises:
-        RuntimeError: fla's local boundaries differ from this rank's ``cu_seqlens``.
-    """
-    if "fla_cp" not in sp.memo:
-        glob = sp.global_layout.cu_seqlens
-        ctx = load_cp().build_cp_context(cu_seqlens=glob, group=sp.group, cu_seqlens_cpu=glob.cpu())
-        mine = cu_seqlens.tolist()
-        if ctx.cu_seqlens_cpu.tolist() != mine:
-            raise RuntimeError(
-                f"fla's context-parallel split of the row differs from this rank's layout: fla "
-                f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {sp.rank} of {sp.world})"
-            )
-        sp.memo["fla_cp"] = ctx
-    return sp.memo["fla_cp"]
 
 
 def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
@@ -265,15 +228,20 @@ def chunk_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
         ValueError: shape mismatches, head dims outside ``[16, 256]``, a chunk size other than 32/64, bad
             ``cu_seqlens`` or gate parameters, a sharded DTensor ``A_log`` / ``dt_bias``.
     """
-    o, final = _CHUNK_FWD(**_chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                        chunk_size, (A_log, dt_bias, lower_bound), use_qk_l2norm_in_kernel))[:2]
+    o, final = _CHUNK_FWD(**chunk_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                            chunk_size, (A_log, dt_bias, lower_bound), use_qk_l2norm_in_kernel))[:2]
     return o, final if output_final_state else None
 
 
-def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate,
-                use_qk_l2norm_in_kernel=True) -> dict:
-    """The checked arguments of the op ``fla_chunk_kda_fwd`` by name; ``gate = (A_log, dt_bias, lower_bound)`` with an
-    ``A_log`` puts the forget gate and the beta sigmoid in the kernel, ``(None, None, None)`` takes them activated."""
+def chunk_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate,
+                    use_qk_l2norm_in_kernel=True) -> dict:
+    """The checked keyword arguments of fla's chunked KDA (the op ``fla_chunk_kda_fwd``, fla's ``chunk_kda``) for
+    :func:`chunk_kda_fused`'s arguments; ``gate = (A_log, dt_bias, lower_bound)`` with an ``A_log`` puts the forget
+    gate and the beta sigmoid in the kernel, ``(None, None, None)`` takes them activated.
+
+    Raises:
+        ValueError: as :func:`chunk_kda_fused`.
+    """
     check_core_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -292,26 +260,6 @@ def _chunk_args(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=in_kernel,
                 use_beta_sigmoid_in_kernel=in_kernel, safe_gate=_safe_gate(lower_bound),
                 lower_bound=lower_bound, chunk_size=chunk_size)
-
-
-def chunk_kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g_raw: Tensor, beta_logits: Tensor, A_log: Tensor,
-                               dt_bias: Tensor, lower_bound: float | None, *, cp_context, scale: float | None = None,
-                               chunk_size: int = 64) -> Tensor:
-    """One rank's shard of a context-parallel :func:`chunk_kda_fused` with the gate in the kernel: fla's ``chunk_kda``
-    with ``cp_context``.
-
-    Arguments as :func:`chunk_kda_fused` over the rank's ``[1, T, ...]`` tokens, documents from
-    ``cp_context.cu_seqlens`` (:func:`fla_cp_context`), no initial or final state. fla wraps it in
-    ``torch.compiler.disable`` (a graph break). Returns ``o`` ``[1, T, H, V]`` in q's dtype.
-
-    Raises:
-        ValueError: as :func:`chunk_kda_fused`, or ``q.shape[0] != 1``.
-    """
-    args = _chunk_args(q, k, v, g_raw, beta_logits, scale, None, False, None, chunk_size, (A_log, dt_bias, lower_bound))
-    if q.shape[0] != 1:
-        raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
-    del args["cu_seqlens"]  # the documents come from cp_context
-    return chunk_context_parallel(cp_context, **args).type_as(q)
 
 
 def causal_conv1d_fused(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None = None, activation: str | None = "silu",
@@ -357,8 +305,8 @@ def recurrent_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         ValueError: shape mismatches, head dims outside ``[16, 256]``, bad gate parameters, a sharded DTensor.
     """
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)) or A_log is None \
-            or not use_qk_l2norm_in_kernel:
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if needs_grad or A_log is None or not use_qk_l2norm_in_kernel:
         return chunk_kda_fused(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                                initial_state=initial_state, output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

@@ -1,6 +1,6 @@
-"""mHC of GLM-5.3-Flash: the site module, its init, and ``hc_pre`` / ``hc_post`` choosing per call between the torch
-ops of :mod:`.mhc_ops` and the fused ones of :mod:`.mhc_fused`. Parameter names, shapes and dtypes are transformers'
-``Glm5NextTextHyperConnection``'s."""
+"""mHC of GLM-5.3-Flash: the site module and its init; ``hc_pre`` and ``hc_post`` are the torch ops of
+:mod:`.mhc_ops` or the fused ones of :mod:`.mhc_fused`, chosen per call by :func:`.dispatch.op_for`. Parameter names,
+shapes and dtypes are transformers' ``Glm5NextTextHyperConnection``'s."""
 
 from __future__ import annotations
 
@@ -28,43 +28,10 @@ register_fused("mhc", hc_pre_torch, _hc_pre_fused)
 register_fused("mhc", hc_post_torch, _hc_post_fused)
 
 
-def hc_pre(
-    hidden_streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-    backend: str = "torch",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`.mhc_ops.hc_pre_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`)."""
-    op = op_for(hc_pre_torch, backend, hidden_streams, fn, base, scale)
-    return op(hidden_streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
-
-
-def hc_post(
-    y: torch.Tensor,
-    residual: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    *,
-    backend: str = "torch",
-) -> torch.Tensor:
-    """:func:`.mhc_ops.hc_post_torch` or its fused alternative, by ``backend`` (:func:`.dispatch.choose_backend`).
-
-    A ``y`` of a narrower dtype than ``residual`` (a bf16 sub-block output beside fp32 streams: autocast with fp32
-    weights) is upcast first, exactly (the torch path's promotion gives the same values), so the fused kernel, which
-    takes one dtype, serves it too."""
-    if y.dtype != residual.dtype and torch.promote_types(y.dtype, residual.dtype) == residual.dtype:
-        y = y.to(residual.dtype)
-    return op_for(hc_post_torch, backend, y, residual, post, comb)(y, residual, post, comb)
-
-
 class Glm53FlashHyperConnection(nn.Module):
     """One mHC site (attention or FFN): ``fn [(2+N)*N, N*D]`` (model dtype), ``base [(2+N)*N]`` fp32, ``scale [3]``
-    fp32 (``N = config.hc_mult``), created as 0, 0, 1; forward is ``hc_pre`` with ``config.kernels['mhc']``.
+    fp32 (``N = config.hc_mult``), created as 0, 0, 1; forward is :func:`.mhc_ops.hc_pre_torch` or its fused
+    alternative, chosen per call by :func:`.dispatch.op_for` for ``config.kernels['mhc']``.
     ``ValueError`` for ``hc_mult < 1`` or ``hc_sinkhorn_iters < 1`` and for streams not ``[B, S, N, D]``.
     Source: ``Glm5NextTextHyperConnection``."""
 
@@ -89,8 +56,10 @@ class Glm53FlashHyperConnection(nn.Module):
             raise ValueError(
                 f"hidden_streams must be [B, S, hc_mult={self.hc_mult}, D]; got shape {tuple(hidden_streams.shape)}"
             )
+        hc_pre = op_for(hc_pre_torch, requested_backend(self.config, "mhc"), hidden_streams, self.fn, self.base,
+                        self.scale)
         return hc_pre(hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters,
-                      hc_eps=self.hc_eps, norm_eps=self.norm_eps, backend=requested_backend(self.config, "mhc"))
+                      hc_eps=self.hc_eps, norm_eps=self.norm_eps)
 
     def extra_repr(self) -> str:
         return f"hc_mult={self.hc_mult}, sinkhorn_iters={self.hc_sinkhorn_iters}, hc_eps={self.hc_eps}"
@@ -105,5 +74,5 @@ def init_mhc_weights(module: nn.Module, config) -> None:
         init.ones_(module.scale)
 
 
-__all__ = ["Glm53FlashHyperConnection", "hc_expand", "hc_head", "hc_post", "hc_pre", "init_mhc_weights",
+__all__ = ["Glm53FlashHyperConnection", "hc_expand", "hc_head", "hc_post_torch", "hc_pre_torch", "init_mhc_weights",
            "sinkhorn_normalize"]

@@ -34,13 +34,13 @@ __all__ = ["fused_mhc_available", "hc_post_fused", "hc_pre_fused"]
 def fused_mhc_available(*tensors: torch.Tensor) -> tuple[bool, str]:
     """The mHC family's registered probe on the call's tensors (``hc_pre``'s ``X, fn, base, scale`` or ``hc_post``'s
     ``y, residual, post, comb``): ``(True, "")``, or ``(False, reason)`` for no triton, a tensor not on CUDA, a dtype
-    other than fp32/bf16/fp16, an activation not ``[B, S, N, D]``, or ``y`` and ``residual`` of different dtypes."""
+    other than fp32/bf16/fp16, an activation not ``[B, S, N, D]``, or a ``y`` wider than ``residual``."""
     tensors, reason = probe_tensors("mHC", tensors)
     if reason:
         return False, reason
     if len(tensors) >= 2 and tensors[0].dim() == 3 and tensors[1].dim() == 4:  # hc_post(y, residual, ...)
-        if tensors[0].dtype != tensors[1].dtype:
-            return False, f"y ({tensors[0].dtype}) and residual ({tensors[1].dtype}) dtypes differ"
+        if torch.promote_types(tensors[0].dtype, tensors[1].dtype) != tensors[1].dtype:
+            return False, f"y ({tensors[0].dtype}) is wider than residual ({tensors[1].dtype})"
     elif tensors[0].dim() != 4:
         return False, f"streams must be [B, S, N, D]; got {tuple(tensors[0].shape)}"
     return True, ""
@@ -438,12 +438,16 @@ if TRITON_AVAILABLE:
 
 
 def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Fused alternative of :func:`.mhc_ops.hc_post_torch` (its contract; ``y`` and ``residual`` of one dtype,
-    fp32/bf16/fp16; ``dpost``/``dcomb`` accumulated in fp32). ``RuntimeError`` without triton; ``ValueError`` also for
-    unsupported or mismatched dtypes."""
+    """Fused alternative of :func:`.mhc_ops.hc_post_torch` (its contract; ``residual`` fp32/bf16/fp16, ``y`` of its
+    dtype or narrower; ``dpost``/``dcomb`` accumulated in fp32). A narrower ``y`` (a bf16 sub-block output beside fp32
+    streams: autocast with fp32 weights) is upcast first, which is exact: the torch op's promotion gives the same
+    values. ``RuntimeError`` without triton; ``ValueError`` also for unsupported dtypes or a ``y`` wider than
+    ``residual``."""
     require_triton("glm53flash_hf.mhc_fused")
     check_hc_post_args(y, residual, post, comb)
     check_device("residual", residual)
+    if y.dtype != residual.dtype and torch.promote_types(y.dtype, residual.dtype) == residual.dtype:
+        y = y.to(residual.dtype)
     if residual.dtype not in SUPPORTED_DTYPES or y.dtype != residual.dtype:
         raise ValueError(f"fused hc_post needs y and residual of one dtype in fp32/bf16/fp16; got {y.dtype}, "
                          f"{residual.dtype}")

@@ -32,7 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from .checkpoint import VISION_KEY_PATTERNS, register_conversions
 from .configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig
-from .dispatch import requested_backend
+from .dispatch import op_for, requested_backend
 from .dsa import Glm53FlashAttention, init_dsa_weights
 from .generation_cache import check_cache, check_cache_continuation, check_cache_layers, check_left_padding
 from .graph_ops import in_graph, module_op, module_parameters, register_module
@@ -46,8 +46,10 @@ from .input_checks import (
     patch_width,
 )
 from .kda import Glm53FlashLinearAttention, init_kda_weights
-from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, hc_post, init_mhc_weights
-from .moe import Glm53FlashMLP, Glm53FlashTopkRouter, clamped_swiglu, grouped_experts_forward
+from .mhc import Glm53FlashHyperConnection, hc_expand, hc_head, init_mhc_weights
+from .mhc_ops import hc_post_torch
+from .moe import Glm53FlashMLP, Glm53FlashTopkRouter, clamped_swiglu
+from .moe_ops import experts_forward_torch
 from .mtp import doc_roll, mtp_loss, note_trainer_tags, register_fused_head_mtp
 from .norm import Glm53FlashRMSNorm
 from .packing import DocumentLayout, build_layout
@@ -78,7 +80,8 @@ class Glm53FlashExperts(nn.Module):
 
     Carries ``@use_experts_implementation``: ``config._experts_implementation`` may pick transformers'
     ``"grouped_mm"``, ``"batched_mm"`` or hub kernels (all use :meth:`_apply_gate`, the clamped SwiGLU); ``"eager"``
-    or ``None`` run this forward, :func:`.moe.grouped_experts_forward` with ``config.kernels["moe"]``. Forward:
+    or ``None`` run this forward, :func:`.moe_ops.experts_forward_torch` or its fused alternative, chosen per call by
+    :func:`.dispatch.op_for` for ``config.kernels["moe"]``. Forward:
     ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` in ``hidden.dtype``. PEFT's
     ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` works.
     """
@@ -95,9 +98,10 @@ class Glm53FlashExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        return grouped_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                       self.swiglu_limit, backend=requested_backend(self.config, "moe"),
-                                       drop_out_of_range=getattr(self, "_is_expert_parallel", False))
+        experts = op_for(experts_forward_torch, requested_backend(self.config, "moe"), hidden_states, self.gate_up_proj,
+                         self.down_proj, top_k_weights)
+        return experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.swiglu_limit,
+                       drop_out_of_range=getattr(self, "_is_expert_parallel", False))
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[S, 2I]`` gate/up projection -> ``[S, I]`` clamped SwiGLU (for transformers' implementations)."""
@@ -189,13 +193,15 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x, topk_indices, weights = self.self_attn(
             x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, output_attentions=output_attentions
         )
-        hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
+        hidden_states = op_for(hc_post_torch, requested_backend(self.config, "mhc"), x, residual, post, comb)(
+            x, residual, post, comb)
 
         residual = hidden_states
         post, comb, x = self.ffn_hc(hidden_states)
         x = self.post_attention_layernorm(x)
         x = self.mlp(x)
-        hidden_states = hc_post(x, residual, post, comb, backend=requested_backend(self.config, "mhc"))
+        hidden_states = op_for(hc_post_torch, requested_backend(self.config, "mhc"), x, residual, post, comb)(
+            x, residual, post, comb)
         return hidden_states, topk_indices, weights
 
 
@@ -283,7 +289,7 @@ class Glm53FlashPreTrainedModel(PreTrainedModel):
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """``requested_experts`` when given (checked by ``PreTrainedModel``), else ``"eager"``: this package's experts
-        forward (:func:`.moe.grouped_experts_forward`)."""
+        forward (:func:`.moe_ops.experts_forward_torch` or its fused alternative)."""
         return "eager" if requested_experts is None else super().get_correct_experts_implementation(requested_experts)
 
     def _init_weights(self, module):
@@ -457,6 +463,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
             batch_size, seq_len, inputs_embeds.device, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache, **kwargs,
         )
+        if self.gradient_checkpointing and self.training and cache is None:
+            layout.selections = {}  # DSA ids kept for the layers' recompute (docs/design.md, DSA)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         output_attentions = kwargs.pop("output_attentions", None)

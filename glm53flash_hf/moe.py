@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dispatch import op_for, register_fused
-from .graph_ops import to_autocast_dtype
+from .dispatch import register_fused
 from .moe_ops import clamped_swiglu, experts_forward_torch, topk_routing
 
 
@@ -104,26 +103,4 @@ def _experts_forward_fused():
 register_fused("moe", experts_forward_torch, _experts_forward_fused)
 
 
-def grouped_experts_forward(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    swiglu_limit: float | None,
-    *,
-    drop_out_of_range: bool = False,
-    backend: str = "torch",
-) -> torch.Tensor:
-    """:func:`.moe_ops.experts_forward_torch` or its fused alternative, as :func:`.dispatch.choose_backend` says.
-
-    Under autocast the expert weights are cast to the autocast dtype first (both paths: the grouped GEMMs then run
-    in it, as autocast runs the reference's per-expert ``F.linear``; torch's ``grouped_mm`` is not autocast on CPU);
-    the output stays in ``hidden_states.dtype``."""
-    gate_up_proj, down_proj = to_autocast_dtype(gate_up_proj, down_proj)
-    op = op_for(experts_forward_torch, backend, hidden_states, gate_up_proj, down_proj, top_k_weights)
-    return op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit,
-              drop_out_of_range=drop_out_of_range)
-
-
-__all__ = ["Glm53FlashMLP", "Glm53FlashTopkRouter", "clamped_swiglu", "grouped_experts_forward"]
+__all__ = ["Glm53FlashMLP", "Glm53FlashTopkRouter", "clamped_swiglu", "experts_forward_torch"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import local_tensor
-from .graph_ops import define_op
+from .graph_ops import define_op, to_autocast_dtype
 from .moe_ops import check_experts_args, grouped_mm, routing_metadata, rows_by_token
 from .triton_utils import (
     SUPPORTED_DTYPES,
@@ -379,14 +379,15 @@ def experts_forward_fused(
 ) -> torch.Tensor:
     """Routed experts, fused path: the contract of :func:`.moe_ops.experts_forward_torch` (its oracle).
 
-    Expert weights of one dtype (fp32/bf16/fp16); DTensor parameters are unwrapped by
-    :func:`.dispatch.local_tensor` (replicated only). Raises ``RuntimeError`` without triton and ``ValueError``
-    for shapes that do not fit, unsupported dtypes or devices, or a sharded DTensor weight.
+    Expert weights of one dtype (fp32/bf16/fp16), cast to the autocast dtype under autocast as there; DTensor
+    parameters are unwrapped by :func:`.dispatch.local_tensor` (replicated only). Raises ``RuntimeError`` without
+    triton and ``ValueError`` for shapes that do not fit, unsupported dtypes or devices, or a sharded DTensor weight.
     """
     require_triton("glm53flash_hf.moe_fused")
     gate_up_proj = local_tensor(gate_up_proj, "experts.gate_up_proj")
     down_proj = local_tensor(down_proj, "experts.down_proj")
     check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    gate_up_proj, down_proj = to_autocast_dtype(gate_up_proj, down_proj)
     if gate_up_proj.dtype != down_proj.dtype:
         raise ValueError(f"gate_up_proj ({gate_up_proj.dtype}) and down_proj ({down_proj.dtype}) dtypes differ")
     check_dtype("gate_up_proj", gate_up_proj)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import transformers.integrations.moe  # noqa: F401  registers torch.ops.transformers.grouped_mm_fallback
 
-from .graph_ops import autocast_off
+from .graph_ops import autocast_off, to_autocast_dtype
 
 __all__ = ["check_experts_args", "clamped_swiglu", "experts_forward_torch", "grouped_mm", "PermuteRows", "combine_rows",
            "routing_metadata", "rows_by_token", "sort_rows", "topk_routing"]
@@ -194,6 +194,9 @@ def experts_forward_torch(
         gate_up_proj: ``[E, 2I, H]``, gate rows first; down_proj: ``[E, H, I]``; swiglu_limit: see
             :func:`clamped_swiglu`.
 
+    Under autocast the expert weights are cast to the autocast dtype first (on both paths: the grouped GEMMs then run
+    in it, as autocast runs the reference's per-expert ``F.linear``; torch's ``grouped_mm`` is not autocast on CPU).
+
     Returns:
         ``[T, H]`` in ``hidden_states.dtype``.
 
@@ -201,6 +204,7 @@ def experts_forward_torch(
         ValueError: shapes that do not fit together.
     """
     check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    gate_up_proj, down_proj = to_autocast_dtype(gate_up_proj, down_proj)
     num_experts = gate_up_proj.shape[0]
     num_tokens, top_k = top_k_index.shape
     sorted_ids, order, offsets = sort_rows(top_k_index, num_experts)

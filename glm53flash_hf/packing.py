@@ -40,6 +40,9 @@ class DocumentLayout:
     shard: object | None = field(default=None, repr=False, compare=False)
     #: the :class:`.generation_cache.CacheContext` of a cached forward, else None
     cache_context: object | None = field(default=None, repr=False, compare=False)
+    #: None, or ``{layer_idx: ids}``: the DSA selections of a training forward with activation checkpointing, kept so
+    #: that the recompute of a layer (called with this same layout) reuses its ids instead of scoring again
+    selections: dict | None = field(default=None, repr=False, compare=False)
 
     def segment_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cu_seqlens, segment_valid)``, computed on the first call and kept."""

@@ -84,8 +84,8 @@ def load_chat_template() -> str:
 
 
 def _positive_number(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \
-        math.isfinite(value) and value > 0
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
 
 
 def _frame_shape(frame) -> tuple | None:

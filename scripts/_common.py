@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-# The benchmarks' wide tiny config (bench_cpu.py, bench_decode.py, bench_sp.py, bf16_audit.py; tests/test_compile.py):
-# hidden 256, 3 KDA + 1 DSA layers, 8 routed experts top-2, index_kpool 4, index_topk 256.
+# The benchmarks' wide tiny config (bench_cpu.py, bench_decode.py, bench_sp.py, investigations/bf16_audit.py;
+# tests/test_compile.py): hidden 256, 3 KDA + 1 DSA layers, 8 routed experts top-2, index_kpool 4, index_topk 256.
 WIDE_TEXT = dict(
     vocab_size=1024,
     hidden_size=256,

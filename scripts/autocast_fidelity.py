@@ -44,8 +44,6 @@ if "fla" not in sys.modules:  # transformers' glm5_next binds fla's Triton kerne
     sys.modules["fla"] = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import torch  # noqa: E402
 

@@ -20,6 +20,13 @@ MFU-style figure: the model FLOPs of one step are the matrix-multiply FLOPs of o
 divides them by the step time and by this machine's fp32 GEMM throughput, measured in the same run
 (``torch.mm`` of two 2048x2048 fp32 matrices with the benchmark's thread count).
 
+Long context (issue "long context"): ``--grad-ckpt`` turns on gradient checkpointing (transformers'
+``gradient_checkpointing_enable``, non-reentrant) in both implementations; ``--docs N`` packs ``N`` equal documents
+into the row (``position_ids`` restarting at each; the built-in takes the same input but does not separate them);
+``--live`` runs one more step, untimed, under a ``TorchDispatchMode`` that records the high-water of the bytes of the
+storages the ops return (``bench_sp._LiveTensors``: activations, saved tensors, gradients, temporaries), printed
+beside the resident peak of the timed steps (both without the model and inputs) as resident / live.
+
 Heap policy (``--malloc``): ``default`` leaves glibc's malloc as it is (each large temporary a fresh ``mmap``,
 page-faulted in every step); ``reuse`` applies :func:`glm53flash_hf.train.malloc.set_malloc_policy` in every worker
 before its model loads, for both implementations alike, so freed large blocks are reused (more resident memory).
@@ -29,6 +36,7 @@ Usage::
     python scripts/bench_cpu.py                      # S = 2048 8192 32768, all four implementations
     python scripts/bench_cpu.py --seqlens 512 --repeats 1 --impls hf ours
     python scripts/bench_cpu.py --seqlens 8192 --impls hf ours --malloc reuse
+    python scripts/bench_cpu.py --seqlens 32768 131072 --impls ours --grad-ckpt --live --repeats 1
 """
 
 from __future__ import annotations
@@ -48,9 +56,7 @@ if "fla" not in sys.modules:
     sys.modules["fla"] = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from _common import WIDE_TEXT, cap_address_space, load, make_weights, run_child  # noqa: E402
 
 
@@ -77,7 +83,8 @@ def gemm_flops_per_s(threads: int, n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, malloc: str = "default") -> dict:
+def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, malloc: str = "default",
+           grad_ckpt: bool = False, docs: int = 1, live: bool = False) -> dict:
     cap_address_space(mem_gib)
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -88,15 +95,20 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model = load(impl, folder).train()
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, WIDE_TEXT["vocab_size"], (1, seq_len), generator=gen)
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    if docs > 1:
+        inputs["position_ids"] = (torch.arange(seq_len) % -(-seq_len // docs))[None]
     call = model
     if impl.endswith("-compiled"):
         call = torch.compile(model, fullgraph=impl.startswith("ours"), dynamic=False)
 
     def step():
         model.zero_grad(set_to_none=True)
-        out = call(input_ids=ids, labels=ids, use_cache=False)
+        out = call(**inputs)
         out.loss.backward()
         return out.loss.item()
 
@@ -104,7 +116,7 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
     if impl == "ours":
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
-            model(input_ids=ids, labels=ids, use_cache=False)
+            model(**inputs)
         flops = 3 * counter.get_total_flops()
 
     base = _rss_kib()
@@ -120,15 +132,24 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
         loss = step()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    live_mib = None
+    if live:
+        from bench_sp import _LiveTensors
+
+        tracker = _LiveTensors()
+        with tracker.mode:
+            step()
+        live_mib = tracker.peak / 2**20
     return {"impl": impl, "seq_len": seq_len, "time_s": statistics.median(times), "times": times,
             "compile_s": compile_s, "peak_mib": (peak - base) / 1024, "loss": loss, "model_flops": flops,
-            "malloc": malloc}
+            "malloc": malloc, "grad_ckpt": grad_ckpt, "docs": docs, "live_mib": live_mib}
 
 
 def run_worker(impl: str, folder: str, seq_len: int, args) -> dict:
     """One worker process; a failed run comes back as ``{"failed": "OOM" | "timeout" | "error"}``."""
     cmd = [sys.executable, __file__, "--repeats", str(args.repeats), "--mem-gib", str(args.mem_gib), "--malloc",
-           args.malloc, "--worker", impl, folder, str(seq_len)]
+           args.malloc, "--docs", str(args.docs), "--worker", impl, folder, str(seq_len)]
+    cmd += ["--grad-ckpt"] * args.grad_ckpt + ["--live"] * args.live
     return run_child(cmd, args.timeout, {"impl": impl, "seq_len": seq_len})
 
 
@@ -156,18 +177,23 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker before it is stopped")
     parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
                         help="heap policy of every worker, both implementations (default: %(default)s)")
+    parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in both implementations")
+    parser.add_argument("--docs", type=int, default=1, help="equal packed documents per row (default: %(default)s)")
+    parser.add_argument("--live", action="store_true", help="one more step recording the peak of live tensors")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "FOLDER", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         impl, folder, seq_len = args.worker
-        print(json.dumps(worker(impl, folder, int(seq_len), args.repeats, args.mem_gib, args.malloc)))
+        print(json.dumps(worker(impl, folder, int(seq_len), args.repeats, args.mem_gib, args.malloc, args.grad_ckpt,
+                                args.docs, args.live)))
         return 0
 
     threads = int(os.environ.get("BENCH_THREADS", "2"))
     peak_flops = gemm_flops_per_s(threads)
     print(f"fp32 GEMM throughput (2048^2 torch.mm, {threads} threads): {peak_flops / 1e9:.1f} GFLOP/s; "
-          f"heap policy of the workers: {args.malloc}", flush=True)
+          f"heap policy of the workers: {args.malloc}; gradient checkpointing: {args.grad_ckpt}; documents per row: "
+          f"{args.docs}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         make_weights(folder)
@@ -183,6 +209,9 @@ def main() -> int:
                     print(f"  {impl:13s} S={seq_len:5d}: {res['failed']}", flush=True)
                     continue
                 extra = f"  compile {res['compile_s']:.1f} s" if res.get("compile_s") is not None else ""
+                if res.get("live_mib") is not None:
+                    ratio = res["peak_mib"] / res["live_mib"]
+                    extra += f"  live {res['live_mib']:.0f} MiB (resident / live {ratio:.2f})"
                 print(f"  {impl:13s} S={seq_len:5d}: {res['time_s']:.3f} s  peak +{res['peak_mib']:.0f} MiB  "
                       f"loss {res['loss']:.5f}{extra}", flush=True)
 
@@ -207,6 +236,14 @@ def main() -> int:
     print("\nmodel FLOPs per step (ours, 3x one forward's matmul FLOPs): "
           + ", ".join(f"S={s}: {r['model_flops'] / 1e9:.1f} GFLOP" for (i, s), r in results.items()
                       if i == "ours" and r and r.get("model_flops")))
+    print("\n| impl | S | ms / token | resident peak (MiB) | live peak (MiB) | resident / live |")
+    print("|---|---|---|---|---|---|")
+    for (impl, seq_len), r in results.items():
+        if r and "failed" not in r:
+            live_mib = r.get("live_mib")
+            ratio = f"{r['peak_mib'] / live_mib:.2f}" if live_mib else "-"
+            print(f"| {impl} | {seq_len} | {1e3 * r['time_s'] / seq_len:.3f} | {r['peak_mib']:.0f} | "
+                  f"{'-' if live_mib is None else f'{live_mib:.0f}'} | {ratio} |")
     print("compile time of the first step (s): "
           + ", ".join(f"{i} S={s}: {r['compile_s']:.0f}" for (i, s), r in results.items()
                       if r and r.get("compile_s") is not None))

@@ -56,8 +56,6 @@ if "fla" not in sys.modules:
     sys.modules["fla"] = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 # same weights, loading and worker handling as the training benchmark
 from _common import WIDE_TEXT, cap_address_space, load, make_weights, randomize_, run_child  # noqa: E402

@@ -9,13 +9,13 @@ Families and what each variant runs (bf16, batch 1, release sizes from ``gpu_mod
   ours: ``Glm53FlashLinearAttention``; entry: ``kda_fused.chunk_kda_fused`` (CPU: ``kda_ops.chunk_kda_torch``); raw:
   fla's ``chunk_kda``.
 * dsa -- hf: ``Glm5NextTextAttention`` (SDPA over the dense top-k mask); ours: ``Glm53FlashAttention``;
-  entry: ``dsa.sparse_mla(backend="fused")``; raw: ``dsa_fused.sparse_mla_fused``; the selection is our
-  indexer's on the same input.
+  entry: ``dispatch.op_for(dsa_ops.sparse_mla_torch, "fused", ...)``; raw: ``dsa_fused.sparse_mla_fused``; the
+  selection is our indexer's on the same input.
 * mhc -- hf: ``Glm5NextTextHyperConnection`` + the decoder layer's hc_post expression; ours:
-  ``Glm53FlashHyperConnection`` + ``mhc.hc_post``; entry: ``mhc.hc_pre``/``mhc.hc_post`` with backend "fused";
+  ``Glm53FlashHyperConnection`` + ``hc_post``; entry: ``op_for`` of ``hc_pre_torch``/``hc_post_torch``, "fused";
   raw: ``mhc_fused.hc_pre_fused`` + ``hc_post_fused``.
 * moe -- hf: ``Glm5NextTextMoE`` with experts implementation "grouped_mm" (transformers' default inside a model);
-  ours: ``Glm53FlashMoE``; entry: ``moe.grouped_experts_forward(backend="fused")``; raw: grouped_mm + our SwiGLU and
+  ours: ``Glm53FlashMoE``; entry: ``op_for(moe_ops.experts_forward_torch, "fused")``; raw: grouped_mm + our SwiGLU and
   combine kernels, routing metadata prepared outside the timing.
 
 ``ours_torch`` (our module with ``kernels="torch"``) runs up to ``--torch-max-seq`` tokens. One call of a variant =
@@ -60,8 +60,6 @@ import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))  # gpu_modules (sizes shared with tests/test_gpu.py), gpu_cost
 
 import torch  # noqa: E402
 
@@ -75,7 +73,7 @@ import gpu_cost  # noqa: E402
 from gpu_modules import RELEASE_TEXT, TINY_TEXT, randomize_, to_model_dtypes_  # noqa: E402
 from transformers.models.glm5_next import modeling_glm5_next as hf  # noqa: E402
 
-from glm53flash_hf import dispatch, dsa, kda, mhc, modeling_glm53flash, moe  # noqa: E402
+from glm53flash_hf import dispatch, dsa, dsa_ops, kda, mhc, mhc_ops, modeling_glm53flash, moe_ops  # noqa: E402
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig  # noqa: E402
 from glm53flash_hf.packing import build_document_layout  # noqa: E402
 
@@ -177,7 +175,8 @@ def case_dsa(sizes, seq, device, dtype, with_torch):
     latent = leaf(rand((1, seq, rank), device, dtype, gen))
     go_core = rand((1, seq, heads, rank), device, dtype, gen)
     scale = sizes["qk_nope_head_dim"] ** -0.5
-    c.run["entry"] = lambda: dsa.sparse_mla(q_abs, latent, indices, scale, backend="fused")[0].backward(go_core)
+    sparse_mla = dispatch.op_for(dsa_ops.sparse_mla_torch, "fused", q_abs, latent, indices)
+    c.run["entry"] = lambda: sparse_mla(q_abs, latent, indices, scale)[0].backward(go_core)
     if device.type == "cuda":
         from glm53flash_hf.dsa_fused import sparse_mla_fused
 
@@ -207,11 +206,12 @@ def case_mhc(sizes, seq, device, dtype, with_torch):
 
     def ours_site(module, backend):
         post, comb, col = module(streams)
-        mhc.hc_post(col, streams, post, comb, backend=backend).backward(go)
+        dispatch.op_for(mhc_ops.hc_post_torch, backend, col, streams, post, comb)(col, streams, post, comb).backward(go)
 
     def entry_site():
-        post, comb, col = mhc.hc_pre(streams, ours.fn, ours.base, ours.scale, backend="fused", **kw)
-        mhc.hc_post(col, streams, post, comb, backend="fused").backward(go)
+        args = (streams, ours.fn, ours.base, ours.scale)
+        post, comb, col = dispatch.op_for(mhc_ops.hc_pre_torch, "fused", *args)(*args, **kw)
+        dispatch.op_for(mhc_ops.hc_post_torch, "fused", col, streams, post, comb)(col, streams, post, comb).backward(go)
 
     c.run["hf"] = hf_site
     c.run["ours"] = lambda: ours_site(ours, dispatch.requested_backend(ours.config, "mhc"))
@@ -250,10 +250,12 @@ def case_moe(sizes, seq, device, dtype, with_torch):
     experts = ours.experts
     limit = sizes["swiglu_limit"]
     go_tok = go.reshape(seq, hidden)
-    c.run["entry"] = lambda: moe.grouped_experts_forward(tokens, ids, weights, experts.gate_up_proj, experts.down_proj,
-                                                         limit, backend="fused").backward(go_tok)
+    experts_forward = dispatch.op_for(moe_ops.experts_forward_torch, "fused", tokens, experts.gate_up_proj,
+                                      experts.down_proj, weights)
+    c.run["entry"] = lambda: experts_forward(tokens, ids, weights, experts.gate_up_proj, experts.down_proj,
+                                             limit).backward(go_tok)
     if device.type == "cuda":
-        from glm53flash_hf import moe_fused, moe_ops
+        from glm53flash_hf import moe_fused
 
         _, token_of_row, offsets, row_w = moe_ops.routing_metadata(ids, weights.detach(), sizes["n_routed_experts"])
         token_rows = moe_fused.rows_by_token(token_of_row, ids.shape[1])

@@ -33,7 +33,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 RELEASE = dict(hidden=4096, heads=64, head_dim=128, tokens=131072)
 SMOKE = dict(hidden=64, heads=2, head_dim=16, tokens=256)
@@ -140,12 +139,12 @@ def sp_worker(args) -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         ms = times.tolist()
-        from glm53flash_hf import kda_fused
         from glm53flash_hf.dispatch import choose_backend, requested_backend
+        from glm53flash_hf.train.sequence_parallel import fla_cp_refusal
 
         fused = choose_backend("kda", requested_backend(layer.config, "kda"), x,
                                layer.o_norm.weight.view(1, 1, 1, -1)) == "fused"
-        refusal = kda_fused.fla_cp_refusal(layout.shard, device) if fused else "torch kernels"
+        refusal = fla_cp_refusal(layout.shard, device) if fused else "torch kernels"
         path = "fla chunk_kda(cp_context)" if refusal is None else f"package state passing ({refusal})"
         with open(args.worker_out, "w") as f:
             json.dump({"mode": f"SP={world}", "devices": world, "device": str(device), "ms": statistics.median(ms),

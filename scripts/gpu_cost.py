@@ -48,8 +48,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_sp import bytes_per_layer  # noqa: E402  (sequence-parallel bytes per layer, one implementation)
 

@@ -1,6 +1,6 @@
 """Shapes and module set-up shared by the GPU benchmark (scripts/bench_gpu.py) and the GPU tests (tests/test_gpu.py;
-tests/conftest.py puts this folder on ``sys.path``): the release's text sizes, tiny sizes for CPU runs of the same
-code, realistic random weights and transformers' fp32-kept parameters."""
+pytest puts this folder on ``sys.path``, ``pythonpath`` in pyproject.toml): the release's text sizes, tiny sizes for
+CPU runs of the same code, realistic random weights and transformers' fp32-kept parameters."""
 
 from __future__ import annotations
 

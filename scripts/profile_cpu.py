@@ -12,7 +12,8 @@ Families, attributed from the outside (nothing of this script is in ``glm53flash
 * ``KDA``: ``Glm53FlashLinearAttention`` (projections, gate, convolution, delta rule, gated norm, output proj).
 * ``DSA indexer``: ``Glm53FlashIndexer`` (``forward`` and, when decoding, ``forward_cached``).
 * ``sparse MLA``: ``Glm53FlashAttention`` less its indexer.
-* ``mHC``: ``Glm53FlashHyperConnection`` (``hc_pre``) and ``hc_post`` (wrapped where the decoder layer calls it).
+* ``mHC``: ``Glm53FlashHyperConnection`` (``hc_pre``) and ``hc_post_torch`` (wrapped where the decoder layer calls
+  it).
 * ``MoE``: ``Glm53FlashMoE`` and the dense ``Glm53FlashMLP``.  ``loss``: ``lm_head`` and the loss function (from
   ``lm_head``'s input to the end of the model's forward).  ``other``: everything else (embedding, RMSNorms, glue).
 
@@ -56,6 +57,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -63,8 +65,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import torch  # noqa: E402
 from _common import WIDE_TEXT, randomize_  # noqa: E402
@@ -201,13 +201,15 @@ def instrument(model) -> tuple[list, _Range]:
             undo.append(type("Undo", (), {"remove": staticmethod(lambda m=module: delattr(m, "forward_cached"))})())
 
     hc_region = _Region("mHC")
-    original_hc_post = modeling.hc_post
+    original_hc_post = modeling.hc_post_torch
 
+    @functools.wraps(original_hc_post)  # op_for finds the op by this name
     def hc_post(*args, **kwargs):
         return hc_region.exit(original_hc_post(*hc_region.enter(args), **kwargs))
 
-    modeling.hc_post = hc_post
-    undo.append(type("Undo", (), {"remove": staticmethod(lambda: setattr(modeling, "hc_post", original_hc_post))})())
+    modeling.hc_post_torch = hc_post
+    undo.append(type("Undo", (), {"remove": staticmethod(lambda: setattr(modeling, "hc_post_torch",
+                                                                         original_hc_post))})())
 
     loss_fwd, loss_bwd = _Range("loss"), _Range("loss")
 

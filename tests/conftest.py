@@ -13,9 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-# the helpers shared with the scripts (scripts/_common.py, scripts/gpu_modules.py)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-
 if os.environ.get("TRITON_INTERPRET") != "1" and "fla" not in sys.modules:
     sys.modules["fla"] = None  # ``import fla`` raises ImportError: transformers falls back to its torch reference
 

@@ -386,10 +386,11 @@ def _layer_grads(layer) -> dict:
 
 def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> None:
     """One rank of one fused KDA layer under SP (``TRITON_INTERPRET=1`` must be set before this process imports
-    triton): ``rows == 1`` takes fla's context-parallel ``chunk_kda`` (:func:`~glm53flash_hf.kda_fused
-    .chunk_kda_context_parallel`, counted), ``rows == 2`` this package's state passing with fla's chunk kernels (the
-    warning that names why fla's CP is not used is recorded). Rank 0 also runs the whole rows in one layer call,
-    fused without SP (the fp32 reference) and on the torch path in float64 (the oracle). Writes
+    triton): ``rows == 1`` takes fla's context-parallel ``chunk_kda``
+    (:func:`~glm53flash_hf.train.sequence_parallel.chunk_kda_context_parallel`, counted), ``rows == 2`` this package's
+    state passing with fla's chunk kernels (the warning that names why fla's CP is not used is recorded). Rank 0 also
+    runs the whole rows in one layer call, fused without SP (the fp32 reference) and on the torch path in float64 (the
+    oracle). Writes
     ``kda_cp{world}x{rows}_{rank}.pt``: the errors of the rank's output, input gradient and summed parameter
     gradients against both, the fp32 reference's own error against float64, and the counts."""
     import warnings
@@ -406,6 +407,7 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
 
         from glm53flash_hf import dispatch, kda_fused, packing
         from glm53flash_hf.packing import build_document_layout
+        from glm53flash_hf.train import sequence_parallel
         from glm53flash_hf.train.sequence_parallel import build_shard_layout
 
         dist.init_process_group(
@@ -421,13 +423,13 @@ def kda_cp_worker(rank: int, world: int, port: int, tmpdir: str, rows: int) -> N
 
             dispatch.choose_backend = choose
             calls = []
-            original_cp = kda_fused.chunk_kda_context_parallel
+            original_cp = sequence_parallel.chunk_kda_context_parallel
 
             def counted(*args, cp_context, **kwargs):
                 calls.append(cp_context.cu_seqlens_cpu.tolist())
                 return original_cp(*args, cp_context=cp_context, **kwargs)
 
-            kda_fused.chunk_kda_context_parallel = counted
+            sequence_parallel.chunk_kda_context_parallel = counted
             layer = _kda_layer()
             x, dout, pos = _cp_inputs(rows, layer.hidden_size)
             ref = [None]

@@ -147,7 +147,7 @@ def test_sparse_mla_core_runs_without_autocast():
 def test_routed_experts_follow_autocast():
     """fp32 expert weights under autocast: the grouped GEMMs run in bf16, bit-equal to the experts on bf16 copies of
     the weights without autocast; the output stays in the input's dtype and the weights' gradients are fp32."""
-    from glm53flash_hf.moe import grouped_experts_forward
+    from glm53flash_hf.moe_ops import experts_forward_torch
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(12, 16, generator=gen, requires_grad=True)
@@ -156,10 +156,10 @@ def test_routed_experts_follow_autocast():
     gate_up = (0.3 * torch.randn(4, 32, 16, generator=gen)).requires_grad_()
     down = (0.3 * torch.randn(4, 16, 16, generator=gen)).requires_grad_()
     with amp():
-        got = grouped_experts_forward(x, ids, weights, gate_up, down, 10.0)
-    want = grouped_experts_forward(x, ids, weights, gate_up.to(AMP), down.to(AMP), 10.0)
+        got = experts_forward_torch(x, ids, weights, gate_up, down, 10.0)
+    want = experts_forward_torch(x, ids, weights, gate_up.to(AMP), down.to(AMP), 10.0)
     assert got.dtype == torch.float32 and torch.equal(got, want)
-    assert not torch.equal(got, grouped_experts_forward(x, ids, weights, gate_up, down, 10.0))  # not fp32 maths
+    assert not torch.equal(got, experts_forward_torch(x, ids, weights, gate_up, down, 10.0))  # not fp32 maths
     g_got = grads_of([got], (x, gate_up, down))
     g_want = grads_of([want], (x, gate_up, down))
     assert all(g.dtype == torch.float32 and torch.equal(g, w) for g, w in zip(g_got, g_want))

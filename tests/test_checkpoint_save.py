@@ -209,7 +209,8 @@ def killed_saves(old_folder, tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("kills"))
     script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_checkpoint_save as t; "
+        "import json, os, sys; sys.path[:0] = [sys.argv[1], os.path.join(os.path.dirname(sys.argv[1]), 'scripts')]; "
+        "import test_checkpoint_save as t; "
         "json.dump(t._kill_points_server(sys.argv[2], sys.argv[3], sys.argv[4:]), open(sys.argv[3] + '/out.json', 'w'))"
     )
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -362,7 +363,7 @@ def test_missing_folder_is_restored_from_its_old_copy(models, old_folder, tmp_pa
 # fresh interpreter (never fork pytest).
 _KILL_BETWEEN_RENAMES = """
 import os, signal, sys
-sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1]), os.path.join(os.path.dirname(sys.argv[1]), "scripts")]
 import test_checkpoint_save as t
 from glm53flash_hf import checkpoint_io
 folder = sys.argv[2]

@@ -36,3 +36,28 @@ def test_requested_backend_reads_config():
         dispatch.requested_backend(config, "attention")
     with pytest.raises(ValueError, match="must be one of"):
         dispatch.choose_backend("kda", "triton")
+
+
+# the op each family's layer reaches (torch path) and the frame the count starts after: the decoder layer's forward
+FAMILY_OPS = {
+    "kda": "_chunk_kda_core",  # chunk_kda_torch's chunked scan (its custom-op boundary sits between)
+    "mhc hc_pre": "hc_pre_torch",
+    "mhc hc_post": "hc_post_torch",
+    "dsa": "sparse_mla_torch",
+    "moe": "experts_forward_torch",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_OPS))
+def test_frames_from_the_decoder_layer_to_each_family_op(family):
+    """In a model forward on the torch path, from the decoder layer's forward to each family's op: at most 3 frames of
+    the package's own code below ``Glm53FlashDecoderLayer.forward`` (the family's module, the op). The fused path has
+    the same call sites (``op_for`` returns the fused function); its frames to the Triton launch are held in each
+    ``tests/test_*_fused.py`` interpreter child. Torch, transformers and test frames are not counted
+    (:func:`tiny.package_frames_at`)."""
+    from tiny import frames_below_decoder_layer
+
+    target = FAMILY_OPS[family]
+    below = frames_below_decoder_layer(lambda code: code.co_name == target)
+    print(f"{family}: {' -> '.join(below)}")
+    assert below[-1].endswith(target) and len(below) <= 3, below

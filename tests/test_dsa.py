@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention, Glm5NextTextIndexer
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
-from glm53flash_hf.dsa import Glm53FlashAttention, Glm53FlashIndexer, init_dsa_weights, sparse_mla
+from glm53flash_hf.dispatch import op_for
+from glm53flash_hf.dsa import Glm53FlashAttention, Glm53FlashIndexer, init_dsa_weights
 from glm53flash_hf.dsa_ops import sparse_mla_torch, stable_topk_indices
 from glm53flash_hf.packing import build_document_layout
 
@@ -406,17 +407,17 @@ def test_sparse_mla_dispatch_and_validation():
     lat = torch.randn(1, 4, 8)
     idx = torch.zeros(1, 4, 3, dtype=torch.long)
     with torch.no_grad():
-        a = sparse_mla(q, lat, idx, 0.5, backend="auto")[0]
+        a = op_for(sparse_mla_torch, "auto", q, lat, idx)(q, lat, idx, 0.5)[0]
         b = sparse_mla_torch(q, lat, idx, 0.5)[0]
     assert torch.equal(a, b)
     import glm53flash_hf.dispatch as dispatch
 
     dispatch._warned.clear()
     with pytest.warns(UserWarning, match="cannot run"):
-        c = sparse_mla(q, lat, idx, 0.5, backend="fused")[0]
+        c = op_for(sparse_mla_torch, "fused", q, lat, idx)(q, lat, idx, 0.5)[0]
     assert torch.equal(c, b)
     with pytest.raises(ValueError, match="backend"):
-        sparse_mla(q, lat, idx, 0.5, backend="triton")
+        op_for(sparse_mla_torch, "triton", q, lat, idx)
     with pytest.raises(ValueError, match="indices"):
         sparse_mla_torch(q, lat, idx.float(), 0.5)
     with pytest.raises(ValueError, match="latent"):

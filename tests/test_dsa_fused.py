@@ -35,8 +35,7 @@ import pytest
 import torch
 from interp import INTERPRETING, interpreted_module, run_interpreter_child
 
-from glm53flash_hf import dispatch
-from glm53flash_hf.dsa import sparse_mla
+from glm53flash_hf import dispatch, dsa  # noqa: F401  (importing dsa registers the fused sparse_mla)
 from glm53flash_hf.dsa_ops import sparse_mla_torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
@@ -496,8 +495,7 @@ def test_fused_on_cpu_warns_once_and_falls_back(monkeypatch):
     idx = random_ids(1, 5, 4, 5, gen)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = sparse_mla(q, lat, idx, 0.5, backend="fused")
-        second = sparse_mla(q, lat, idx, 0.5, backend="fused")
+        first, second = (dispatch.op_for(sparse_mla_torch, "fused", q, lat, idx)(q, lat, idx, 0.5) for _ in range(2))
     messages = [str(w.message) for w in caught if "kernels['dsa']='fused'" in str(w.message)]
     assert len(messages) == 1 and "not on a CUDA device" in messages[0], messages
     ref = sparse_mla_torch(q, lat, idx, 0.5)
@@ -514,8 +512,8 @@ def test_auto_on_cpu_never_imports_the_kernels(monkeypatch):
     idx = random_ids(1, 3, 2, 3, gen)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sparse_mla(q, lat, idx, 0.5, backend="auto")
-        sparse_mla(q, lat, idx, 0.5, backend="fused")
+        for requested in ("auto", "fused"):
+            dispatch.op_for(sparse_mla_torch, requested, q, lat, idx)(q, lat, idx, 0.5)
     assert dispatch.choose_backend("dsa", "auto", q, lat, idx) == "torch"
     assert "glm53flash_hf.dsa_fused" not in sys.modules
 
@@ -553,9 +551,9 @@ def test_gpu_release_shapes_bf16():
     idx = torch.arange(width, device=dev).expand(batch, seq, -1).to(torch.int32)
     idx = torch.where(idx <= torch.arange(seq, device=dev)[None, :, None], idx, -1)
     assert dispatch.choose_backend("dsa", "auto", q, lat, idx) == "fused"
-    out, lse = sparse_mla(q, lat, idx, scale, backend="fused")
+    out, lse = dispatch.op_for(sparse_mla_torch, "fused", q, lat, idx)(q, lat, idx, scale)
     dq, dlat = loss_grads(out, lse, (q, lat), g_out, g_lse)
-    ref_out, ref_lse = sparse_mla(q, lat, idx, scale, backend="torch")
+    ref_out, ref_lse = sparse_mla_torch(q, lat, idx, scale)
     rdq, rdlat = loss_grads(ref_out, ref_lse, (q, lat), g_out, g_lse)
     q64, c64, out64, lse64, P, count = dense64(q, lat, idx, scale)
     dq64, dc64 = loss_grads(out64, lse64, (q64, c64), g_out.double(), g_lse.double())
@@ -593,3 +591,14 @@ def test_gpu_memory_linear_in_seq_len():
 
     small, large = peak(4096), peak(16384)
     assert large <= 4.5 * small, (small, large)
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_decoder_layer_to_the_kernel(td):
+    """A model prefill on the fused DSA path: from the decoder layer's forward to the custom-op body that launches the
+    sparse-attention kernel, at most 3 frames of the package's own code."""
+    from tiny import frames_below_decoder_layer
+
+    frames = frames_below_decoder_layer(lambda c: c.co_name == "_sparse_mla_fwd_impl", "dsa")
+    print(" -> ".join(frames))
+    assert frames == ["Glm53FlashAttention.forward", "sparse_mla_fused", "_sparse_mla_fwd_impl"], frames

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -199,7 +198,6 @@ def test_fp8_kept_fwd_bwd_peak_and_input_gradients(models):
     """One forward+backward (gradients to the inputs only, base frozen): the input-embedding gradients equal the
     dequantized model's; weights plus the live-tensor high-water of the step is smaller on the FP8 base; the FP8
     weights are not modified."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from bench_sp import _LiveTensors
 
     kept, deq = models

@@ -57,7 +57,7 @@ import pytest
 import torch
 from gpu_modules import TINY_TEXT, randomize_, to_model_dtypes_
 
-from glm53flash_hf import dispatch, mhc
+from glm53flash_hf import dispatch
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
 from glm53flash_hf.packing import build_document_layout
 
@@ -260,8 +260,9 @@ def check_dsa(sizes: dict, seq_len: int, device, expect_fused: bool) -> None:
 def check_mhc(sizes: dict, seq_len: int, device, expect_fused: bool) -> None:
     """One mHC site: ``post, comb, collapsed = hc_pre(X)``; ``out = hc_post(collapsed, X, post, comb)`` (the block
     output stands in as ``collapsed``), gradients from ``out``."""
-    from glm53flash_hf.dispatch import requested_backend
+    from glm53flash_hf.dispatch import op_for, requested_backend
     from glm53flash_hf.mhc import Glm53FlashHyperConnection
+    from glm53flash_hf.mhc_ops import hc_post_torch
 
     modules = three_modules(Glm53FlashHyperConnection, sizes, "mhc", device, seed=3)
     gen = torch.Generator(device=device).manual_seed(13)
@@ -269,7 +270,7 @@ def check_mhc(sizes: dict, seq_len: int, device, expect_fused: bool) -> None:
 
     def forward(m, x):
         post, comb, col = m(x)
-        out = mhc.hc_post(col, x, post, comb, backend=requested_backend(m.config, "mhc"))
+        out = op_for(hc_post_torch, requested_backend(m.config, "mhc"), col, x, post, comb)(col, x, post, comb)
         return post, comb, col, out
 
     runs = run_three(

@@ -66,7 +66,6 @@ def test_sparse_mla_forward_bytes_and_flops(cost):
 
 def test_valid_ids_match_our_indexer(cost):
     """The number of valid (>= 0) ids our KPool indexer selects for one document equals valid_ids' count."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from gpu_modules import TINY_TEXT, randomize_
 
     from glm53flash_hf import dsa

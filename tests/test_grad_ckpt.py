@@ -1,6 +1,7 @@
 """Gradient checkpointing through the HF API (``gradient_checkpointing_enable``) on the tiny model
 (``configuration/tiny.json``: KDA, full and shared DSA, dense and MoE MLP, mHC, the MTP layer): gradients of a
-packed batch with labels equal those without checkpointing, reentrant and not, with and without the MTP loss."""
+packed batch with labels equal those without checkpointing, reentrant and not, with and without the MTP loss; the
+recompute reuses the DSA selection of the forward it replays."""
 
 from __future__ import annotations
 
@@ -46,3 +47,33 @@ def test_gradient_checkpointing_grads_equal(use_reentrant, mtp):
     for n in ref:
         err = rel_err(got[n], ref[n])
         assert err < 1e-6, (n, err)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_recompute_reuses_the_dsa_selection(use_reentrant, monkeypatch):
+    """Under activation checkpointing the KPool indexer scores each full DSA layer once per step, as without
+    checkpointing: a layer's recompute takes the ids of the forward it replays (``DocumentLayout.selections``) instead
+    of scoring every pool again; the loss and gradients equal those without checkpointing, bit for bit."""
+    from glm53flash_hf import dsa
+
+    calls = []
+    original = dsa.select_top_pools
+    monkeypatch.setattr(dsa, "select_top_pools", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    model = Glm53FlashForCausalLM(tiny_config()).float()
+    randomize_(model, 0)
+    model.train()
+    ids = torch.randint(1, 2000, (1, 20), generator=torch.Generator().manual_seed(2))
+    batch = dict(input_ids=ids, labels=ids)
+    ref_out, ref = _grads(model, batch)
+    plain = len(calls)
+    full = sum(isinstance(layer.self_attn, dsa.Glm53FlashAttention) and layer.self_attn.indexer is not None
+               for layer in model.model.layers)  # the MTP layer's included
+    assert plain == full > 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    calls.clear()
+    out, got = _grads(model, batch)
+    assert len(calls) == plain, f"{len(calls)} indexer calls with checkpointing, {plain} without"
+    assert torch.equal(out.loss, ref_out.loss) and got.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n

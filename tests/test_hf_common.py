@@ -24,8 +24,6 @@ import torch
 from transformers.models.auto import modeling_auto
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
 from fetch_transformers_tests import tests_folder  # noqa: E402
 
 _TESTS = tests_folder()

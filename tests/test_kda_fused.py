@@ -56,6 +56,7 @@ from interp import (
     tol_for,
 )
 from test_kda import naive_kda, random_init_, rel_err, tiny_config
+from tiny import package_frames_at
 
 from glm53flash_hf import dispatch
 from glm53flash_hf import kda as kda_module
@@ -634,32 +635,6 @@ def test_cached_decode_takes_the_fused_step(force_fused, monkeypatch, lower_boun
     with torch.no_grad():
         full = torch_layer(x, build_document_layout(2, 13, "cpu"))[0]
     assert_rel(outs["fused"][0], full, "cached vs uncached", tol=1e-5)
-
-
-def package_frames_at(call, is_target) -> list[str]:
-    """The package's own frames (qualified names, outermost first) on the stack when ``call()`` first enters a function
-    whose code object ``is_target`` accepts (that function included if it is the package's), seen by
-    ``sys.setprofile``. Frames of torch (module call, custom-op dispatch, autograd) and of tests are not counted."""
-    import glm53flash_hf
-
-    root = os.path.dirname(os.path.abspath(glm53flash_hf.__file__)) + os.sep
-    stacks = []
-
-    def profile(frame, event, arg):
-        if event == "call" and not stacks and is_target(frame.f_code):
-            codes = []
-            while frame is not None:
-                codes.append(frame.f_code)
-                frame = frame.f_back
-            stacks.append([c.co_qualname for c in reversed(codes) if c.co_filename.startswith(root)])
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    assert stacks, "the target function was not called"
-    return stacks[0]
 
 
 def fla_function(name: str, file: str):

@@ -12,8 +12,9 @@ from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextCo
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection, Glm5NextTextHyperHead
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
-from glm53flash_hf.mhc import Glm53FlashHyperConnection, hc_post, hc_pre, init_mhc_weights
-from glm53flash_hf.mhc_ops import hc_expand, hc_head, sinkhorn_normalize
+from glm53flash_hf.dispatch import op_for
+from glm53flash_hf.mhc import Glm53FlashHyperConnection, init_mhc_weights
+from glm53flash_hf.mhc_ops import hc_expand, hc_head, hc_post_torch, hc_pre_torch, sinkhorn_normalize
 
 D, N = 64, 4
 
@@ -199,13 +200,13 @@ def test_hc_pre_errors():
     with pytest.raises(ValueError, match="hc_mult"):
         ours(torch.randn(2, 3, N + 1, D))
     with pytest.raises(ValueError, match=r"\[B, S, N, D\]"):
-        hc_pre(torch.randn(3, N, D), ours.fn, ours.base, ours.scale, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-5)
+        hc_pre_torch(torch.randn(3, N, D), ours.fn, ours.base, ours.scale, sinkhorn_iters=20, hc_eps=1e-6,
+                     norm_eps=1e-5)
     with pytest.raises(ValueError, match="fn must be"):
-        hc_pre(torch.randn(1, 2, N, D + 1), ours.fn, ours.base, ours.scale, sinkhorn_iters=20, hc_eps=1e-6,
-               norm_eps=1e-5)
+        hc_pre_torch(torch.randn(1, 2, N, D + 1), ours.fn, ours.base, ours.scale, sinkhorn_iters=20, hc_eps=1e-6,
+                     norm_eps=1e-5)
     with pytest.raises(ValueError, match="backend"):
-        hc_pre(torch.randn(1, 2, N, D), ours.fn, ours.base, ours.scale, sinkhorn_iters=20, hc_eps=1e-6,
-               norm_eps=1e-5, backend="triton")
+        op_for(hc_pre_torch, "triton", torch.randn(1, 2, N, D), ours.fn, ours.base, ours.scale)
     with pytest.raises(ValueError, match="hc_sinkhorn_iters"):
         Glm53FlashHyperConnection(make_config(hc_sinkhorn_iters=0))
 
@@ -242,7 +243,7 @@ def test_hc_post_bit_equal_to_hf(dtype):
     y = torch.randn(2, 11, D).to(dtype)
     inputs = [t.clone().requires_grad_() for t in (y, residual, post, comb)]
     inputs_ref = [t.clone().requires_grad_() for t in (y, residual, post, comb)]
-    out = hc_post(*inputs)
+    out = hc_post_torch(*inputs)
     out_ref = hf_hc_post(*inputs_ref)
     assert out.dtype == dtype and out.shape == (2, 11, N, D)
     assert torch.equal(out, out_ref)
@@ -261,17 +262,16 @@ def test_hc_post_mixed_dtypes_follow_hf_promotion():
     residual = torch.randn(1, 3, N, D, dtype=torch.bfloat16)
     y = torch.randn(1, 3, D)  # fp32 sub-block output
     post, comb = torch.rand(1, 3, N), torch.rand(1, 3, N, N)
-    out = hc_post(y, residual, post, comb)
+    out = hc_post_torch(y, residual, post, comb)
     assert out.dtype == torch.float32
     assert torch.equal(out, hf_hc_post(y, residual, post, comb))
 
 
 def test_hc_post_errors():
     with pytest.raises(ValueError, match="hc_post shapes"):
-        hc_post(torch.randn(1, 2, D), torch.randn(1, 2, N, D), torch.randn(1, 2, N), torch.randn(1, 2, N, N + 1))
+        hc_post_torch(torch.randn(1, 2, D), torch.randn(1, 2, N, D), torch.randn(1, 2, N), torch.randn(1, 2, N, N + 1))
     with pytest.raises(ValueError, match="backend"):
-        hc_post(torch.randn(1, 2, D), torch.randn(1, 2, N, D), torch.randn(1, 2, N), torch.randn(1, 2, N, N),
-                backend="triton")
+        op_for(hc_post_torch, "triton", torch.randn(1, 2, D), torch.randn(1, 2, N, D))
 
 
 # ------------------------------------------------------------------------------------------------ head, expand, init

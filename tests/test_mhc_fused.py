@@ -29,7 +29,7 @@ import pytest
 import torch
 from interp import INTERPRETING, interpreted_module, run_interpreter_child
 
-from glm53flash_hf import dispatch, mhc, mhc_ops
+from glm53flash_hf import dispatch, mhc, mhc_ops  # noqa: F401  (importing mhc registers the fused ops)
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
 
@@ -247,24 +247,24 @@ def test_hc_pre_partial_outputs(tm):
 
 @pytest.mark.interpreter
 def test_entry_points_route_to_fused(tm, monkeypatch):
-    """mhc.hc_pre / hc_post run the fused functions when the dispatcher answers "fused" (forced here: on CPU it
-    never does)."""
+    """The fused alternatives registered for ``hc_pre_torch`` / ``hc_post_torch`` are the fused functions, chosen by
+    ``op_for`` when the dispatcher answers "fused" (forced here: on CPU it never does)."""
     monkeypatch.setattr(dispatch, "choose_backend", lambda *a, **k: "fused")
     calls = []
     for fname in ("hc_pre_fused", "hc_post_fused"):
         original = getattr(tm, fname)
         monkeypatch.setattr(tm, fname, lambda *a, _f=original, _n=fname, **k: calls.append(_n) or _f(*a, **k))
     (x, fn, base, scale), _ = pre_inputs(1, 2, 4, 16, torch.float32)
-    post, comb, col = mhc.hc_pre(x, fn, base, scale, backend="fused", **KW)
-    mhc.hc_post(col, x, post, comb, backend="fused")
+    post, comb, col = dispatch.op_for(mhc_ops.hc_pre_torch, "fused", x, fn, base, scale)(x, fn, base, scale, **KW)
+    dispatch.op_for(mhc_ops.hc_post_torch, "fused", col, x, post, comb)(col, x, post, comb)
     assert calls == ["hc_pre_fused", "hc_post_fused"]
 
 
 @pytest.mark.interpreter
 def test_fused_under_autocast(tm, monkeypatch):
     """Under CPU autocast (bf16) the fused ops run as without it (custom ops with autocast off, forward and backward,
-    also for a backward called inside autocast) and agree with the torch path under the same autocast; ``mhc.hc_post``
-    upcasts the bf16 sub-block output autocast leaves beside fp32 streams, so the fused kernel (one dtype) takes
+    also for a backward called inside autocast) and agree with the torch path under the same autocast; the fused
+    ``hc_post`` upcasts the bf16 sub-block output autocast leaves beside fp32 streams, so its kernel (one dtype) takes
     it."""
     (x, fn, base, scale), grads = pre_inputs(2, 5, 4, 48, torch.float32, seed=12)
     ref, ref_g = run(tm.hc_pre_fused, (x, fn, base, scale), grads, **KW)
@@ -280,16 +280,16 @@ def test_fused_under_autocast(tm, monkeypatch):
             assert_rel(a.detach(), b.detach(), 1e-5, f"{name} vs torch under autocast")
     post, comb, col = (t.detach() for t in ref)
     y = torch.randn(col.shape, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).requires_grad_()
-    # the probe's hc_post dtype rule (one dtype for y and residual) without its CUDA check
-    monkeypatch.setattr(dispatch, "choose_backend", lambda family, requested, *t: "fused" if t[0].dtype == t[1].dtype
-                        else "torch")
+    # the probe's hc_post dtype rule (y of residual's dtype or narrower) without its CUDA check
+    monkeypatch.setattr(dispatch, "choose_backend", lambda family, requested, *t: "fused" if torch.promote_types(
+        t[0].dtype, t[1].dtype) == t[1].dtype else "torch")
     called = []
     original = tm.hc_post_fused
     monkeypatch.setattr(tm, "hc_post_fused", lambda *a: called.append(a[0].dtype) or original(*a))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = mhc.hc_post(y, x, post, comb, backend="auto")
+        out = dispatch.op_for(mhc_ops.hc_post_torch, "auto", y, x, post, comb)(y, x, post, comb)
         want = mhc_ops.hc_post_torch(y, x, post, comb)
-    assert called == [torch.float32] and out.dtype == torch.float32
+    assert called == [torch.bfloat16] and out.dtype == torch.float32
     assert_rel(out.detach(), want.detach(), 1e-5, "hc_post fused vs torch under autocast")
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(14))
     dy, dy_ref = torch.autograd.grad(out, y, g)[0], torch.autograd.grad(want, y, g)[0]
@@ -411,3 +411,16 @@ def test_gpu_realistic_bf16():
     y64, g64 = inputs[0].detach().double(), grad.double()
     assert_ulps(dpost, rdpost, "dpost", extra=2.0**-8 * (g64 * y64.unsqueeze(-2)).abs().sum(-1))
     assert_ulps(dcomb, rdcomb, "dcomb", extra=1e-4 * rdcomb.double().abs().max())
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_decoder_layer_to_the_kernels(tm):
+    """A model prefill on the fused mHC path: from the decoder layer's forward to the custom-op bodies that launch the
+    Triton kernels of ``hc_pre`` and ``hc_post``, at most 3 frames of the package's own code."""
+    from tiny import frames_below_decoder_layer
+
+    pre = frames_below_decoder_layer(lambda c: c.co_name == "_hc_pre_fwd_impl", "mhc")
+    post = frames_below_decoder_layer(lambda c: c.co_name == "_hc_post_fwd_impl", "mhc")
+    print(f"hc_pre: {' -> '.join(pre)}; hc_post: {' -> '.join(post)}")
+    assert pre == ["Glm53FlashHyperConnection.forward", "hc_pre_fused", "_hc_pre_fwd_impl"], pre
+    assert post == ["hc_post_fused", "_hc_post_fwd_impl"], post

@@ -22,9 +22,10 @@ from transformers.models.glm5_next.modeling_glm5_next import (
 
 import glm53flash_hf.modeling_glm53flash as modeling_module
 from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
+from glm53flash_hf.dispatch import op_for
 from glm53flash_hf.modeling_glm53flash import Glm53FlashExperts, Glm53FlashMoE, init_moe_weights
-from glm53flash_hf.moe import Glm53FlashMLP, Glm53FlashTopkRouter, grouped_experts_forward
-from glm53flash_hf.moe_ops import clamped_swiglu
+from glm53flash_hf.moe import Glm53FlashMLP, Glm53FlashTopkRouter
+from glm53flash_hf.moe_ops import clamped_swiglu, experts_forward_torch
 
 H, I, E, K = 32, 16, 8, 3  # noqa: E741  hidden, expert width (2I != H so a layout mix-up cannot pass), experts, top-k
 
@@ -291,13 +292,13 @@ def test_experts_odd_sizes_and_sentinels():
     x = torch.randn(7, 10)
     idx = torch.tensor([[0, 4], [4, 1], [2, 3], [4, 4], [1, 2], [3, 0], [0, 1]])
     w = torch.rand(7, 2)
-    y = grouped_experts_forward(x, idx, w, gate_up, down, 0.7, drop_out_of_range=True)
+    y = experts_forward_torch(x, idx, w, gate_up, down, 0.7, drop_out_of_range=True)
     keep = idx < 4
     y64 = reference_experts_f64(x, idx.masked_fill(~keep, 99), w * keep, gate_up, down, 0.7)
     assert rel_err(y, y64) < 1e-5
     assert torch.equal(y[3], torch.zeros(10))
     # empty batch
-    empty = grouped_experts_forward(torch.zeros(0, 10), idx[:0], w[:0], gate_up, down, 0.7)
+    empty = experts_forward_torch(torch.zeros(0, 10), idx[:0], w[:0], gate_up, down, 0.7)
     assert empty.shape == (0, 10)
 
 
@@ -311,7 +312,7 @@ def test_experts_decode_sized(tokens, drop):
     if drop:
         idx[0, 0] = E  # contributes nothing
     with torch.no_grad():
-        y = grouped_experts_forward(x, idx, w, ours.gate_up_proj, ours.down_proj, 1.0, drop_out_of_range=drop)
+        y = experts_forward_torch(x, idx, w, ours.gate_up_proj, ours.down_proj, 1.0, drop_out_of_range=drop)
     keep = idx < E
     y64 = reference_experts_f64(x, idx.masked_fill(~keep, 99), w * keep, ours.gate_up_proj, ours.down_proj, 1.0)
     assert y.shape == (tokens, H) and rel_err(y, y64) < 1e-5
@@ -322,7 +323,7 @@ def test_experts_input_errors():
     x = torch.randn(4, H)
     idx, w = random_routing(4, E, K)
     with pytest.raises(ValueError, match="backend"):
-        grouped_experts_forward(x, idx, w, ours.gate_up_proj, ours.down_proj, 1.0, backend="triton")
+        op_for(experts_forward_torch, "triton", x, ours.gate_up_proj, ours.down_proj, w)
     with pytest.raises(ValueError, match=r"\[T, H\]"):
         ours(x[None], idx, w)
     with pytest.raises(ValueError, match=r"\[T, k\]"):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from interp import interpreted_module, run_interpreter_child
 
-from glm53flash_hf import dispatch, moe, moe_ops
+from glm53flash_hf import dispatch, moe, moe_ops  # noqa: F401  (importing moe registers the fused op)
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; see setup.cfg [test])")
 
@@ -320,15 +320,17 @@ def test_experts_sentinels_and_odd_sizes(tm):
 
 @pytest.mark.interpreter
 def test_entry_point_routes_to_fused(tm, monkeypatch):
-    """grouped_experts_forward (and so Glm53FlashExperts) runs experts_forward_fused when the dispatcher answers
-    "fused" (forced here: on CPU it never does), with every argument passed through."""
+    """The fused alternative that ``op_for`` picks for ``experts_forward_torch`` (as ``Glm53FlashExperts.forward``
+    does) is ``experts_forward_fused`` when the dispatcher answers "fused" (forced here: on CPU it never does), with
+    every argument passed through."""
     monkeypatch.setattr(dispatch, "choose_backend", lambda *a, **k: "fused")
     calls = []
     original = tm.experts_forward_fused
     monkeypatch.setattr(tm, "experts_forward_fused",
                         lambda *a, **kw: calls.append((len(a), sorted(kw))) or original(*a, **kw))
     x, idx, w, gate_up, down, _ = experts_inputs(5, 32, 16, 4, 2, torch.float32, seed=11)
-    out = moe.grouped_experts_forward(x, idx, w, gate_up, down, 1.0, backend="fused")
+    out = dispatch.op_for(moe_ops.experts_forward_torch, "fused", x, gate_up, down, w)(x, idx, w, gate_up, down, 1.0,
+                                                                                       drop_out_of_range=False)
     # hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, swiglu_limit; drop_out_of_range by name
     assert calls == [(6, ["drop_out_of_range"])]
     monkeypatch.undo()
@@ -336,17 +338,15 @@ def test_entry_point_routes_to_fused(tm, monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_entry_point_under_autocast(tm, monkeypatch):
-    """fp32 expert weights under CPU autocast (bf16): ``grouped_experts_forward`` casts them to bf16 before either
-    path, so the fused path runs its bf16 GEMMs (bit-equal to it on bf16 copies of the weights without autocast) and
-    agrees with the torch path under the same autocast as in :func:`test_experts_bf16` (one bf16 ulp: the same fp32
-    GEMM results rounded once to bf16); output and every gradient in their inputs' fp32."""
+def test_entry_point_under_autocast(tm):
+    """fp32 expert weights under CPU autocast (bf16): both experts ops cast them to bf16 first, so the fused path runs
+    its bf16 GEMMs (bit-equal to it on bf16 copies of the weights without autocast) and agrees with the torch path
+    under the same autocast as in :func:`test_experts_bf16` (one bf16 ulp: the same fp32 GEMM results rounded once to
+    bf16); output and every gradient in their inputs' fp32."""
     x, idx, w, gate_up, down, grad = experts_inputs(13, 32, 16, 6, 3, torch.float32, seed=12)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref, ref_grads = run_experts(moe.grouped_experts_forward, x, idx, w, gate_up, down, grad, 1.5)
-    monkeypatch.setattr(dispatch, "choose_backend", lambda *a, **k: "fused")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, grads = run_experts(moe.grouped_experts_forward, x, idx, w, gate_up, down, grad, 1.5, backend="fused")
+        ref, ref_grads = run_experts(moe_ops.experts_forward_torch, x, idx, w, gate_up, down, grad, 1.5)
+        out, grads = run_experts(tm.experts_forward_fused, x, idx, w, gate_up, down, grad, 1.5)
     bf16_weights = tm.experts_forward_fused(x, idx, w, gate_up.bfloat16(), down.bfloat16(), 1.5)
     assert torch.equal(out, bf16_weights.detach())
     assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
@@ -469,3 +469,16 @@ def test_dispatch_never_fused_on_cpu():
     assert dispatch.choose_backend("moe", "auto", x, gate_up, down, w) == "torch"
     assert moe_fused.fused_moe_available(x, gate_up, down, w) == (False, "the tensors are not on a CUDA device")
     assert moe_fused.fused_moe_available() == (False, "no tensors given")
+
+
+@pytest.mark.interpreter
+def test_frames_from_the_decoder_layer_to_the_fused_op(tm):
+    """A model prefill on the fused MoE path: from the decoder layer's forward to the fused experts op, 3 frames of the
+    package's own code (the MoE block, transformers' experts module, the op); the op composes torch's grouped GEMMs
+    with the SwiGLU and combine kernels, each one more frame (its entry) above its custom-op body."""
+    from tiny import frames_below_decoder_layer
+
+    frames = frames_below_decoder_layer(lambda c: c.co_name == "_swiglu_fwd_impl", "moe")
+    print(" -> ".join(frames))
+    assert frames == ["Glm53FlashMoE.forward", "Glm53FlashExperts.forward", "experts_forward_fused",
+                      "clamped_swiglu_fused", "_swiglu_fwd_impl"], frames

@@ -1,6 +1,6 @@
 """glm53flash-plan (glm53flash_hf/tools/plan.py): the parts add up, the fits verdict follows the budget, bad options
 are refused naming them, the LoRA adapter count equals PEFT's, and one 1-process prediction is within 15 % of the
-measured peak of live tensors (the multi-process validation is ``scripts/plan_validate.py``)."""
+measured peak of live tensors (the multi-process validation is ``scripts/investigations/plan_validate.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import contextlib
 import io
 import os
 import shutil
-import sys
 import types
 
 import pytest
@@ -124,7 +123,6 @@ def test_fp8_base_weights(folder):
 
 def test_predicted_within_15_percent_of_measured():
     """One process, tiny config, LoRA, activation checkpointing: predicted vs the live-tensor high-water."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import plan_validate
 
     predicted = plan_validate.predict("tiny-1-lora").total

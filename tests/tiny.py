@@ -1,4 +1,4 @@
-"""Shared tiny configurations, the transformers oracle and warning checks for the tests.
+"""Shared tiny configurations, the transformers oracle, warning checks and the frame counter for the tests.
 
 Every config here contains each layer kind the tests exercise: KDA, DSA with a ``full`` and a
 ``shared`` indexer layer, dense and MoE MLP, ``hc_mult=4``, ``index_kpool>1`` with a tail,
@@ -15,9 +15,7 @@ import sys
 import warnings
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from _common import WIDE_TEXT, randomize_  # noqa: E402,F401  (shared with the benchmark scripts)
+from _common import WIDE_TEXT, randomize_  # noqa: F401  (shared with the benchmark scripts)
 
 PARITY_TEXT = dict(
     vocab_size=211,
@@ -194,3 +192,54 @@ def no_warnings():
     records += [f"{w.category.__name__}: {w.message}" for w in caught]
     unexpected = [r for r in records if not any(re.search(pattern, r) for pattern in HARMLESS_WARNINGS)]
     assert not unexpected, "\n".join(r[:2000] for r in unexpected)
+
+
+def package_frames_at(call, is_target) -> list[str]:
+    """The package's own frames (qualified names, outermost first) on the stack when ``call()`` first enters a function
+    whose code object ``is_target`` accepts (that function included if it is the package's), seen by
+    ``sys.setprofile``. Frames of torch (module call, custom-op dispatch, autograd), transformers and tests are not
+    counted."""
+    import glm53flash_hf
+
+    root = os.path.dirname(os.path.abspath(glm53flash_hf.__file__)) + os.sep
+    stacks = []
+
+    def profile(frame, event, arg):
+        if event == "call" and not stacks and is_target(frame.f_code):
+            codes = []
+            while frame is not None:
+                codes.append(frame.f_code)
+                frame = frame.f_back
+            stacks.append([c.co_qualname for c in reversed(codes) if c.co_filename.startswith(root)])
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    assert stacks, "the target function was not called"
+    return stacks[0]
+
+
+def frames_below_decoder_layer(is_target, fused_family: str | None = None) -> list[str]:
+    """The package's frames below ``Glm53FlashDecoderLayer.forward`` when a prefill of the tiny model
+    (:data:`PARITY_TEXT`, 12 tokens, no gradients) first enters a function ``is_target`` accepts; ``fused_family``
+    takes that family's fused path (``dispatch.choose_backend`` answers "fused" for it, for the interpreter), the other
+    families run on the torch path."""
+    from glm53flash_hf import dispatch
+    from glm53flash_hf.configuration_glm53flash import Glm53FlashTextConfig
+    from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+
+    config = Glm53FlashTextConfig(**PARITY_TEXT, kernels="torch")
+    model = Glm53FlashForCausalLM(config).eval()
+    randomize_(model, 0)
+    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    choose = dispatch.choose_backend
+    if fused_family is not None:
+        dispatch.choose_backend = lambda family, requested, *t: "fused" if family == fused_family else "torch"
+    try:
+        with torch.no_grad():
+            frames = package_frames_at(lambda: model(input_ids=ids), is_target)
+    finally:
+        dispatch.choose_backend = choose
+    return frames[frames.index("Glm53FlashDecoderLayer.forward") + 1:]

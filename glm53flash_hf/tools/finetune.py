@@ -770,8 +770,8 @@ def verify(job: Job, trainer, saved_model, processor) -> int:
 
     args, status = job.args, 0
     question = explain_prompt(args.held_out)
-    single_cpu_fp32 = trainer.accelerator.num_processes == 1 and job.dtype == torch.float32 and \
-        next(trainer.model.parameters()).device.type == "cpu"
+    on_cpu = next(trainer.model.parameters()).device.type == "cpu"
+    single_cpu_fp32 = trainer.accelerator.num_processes == 1 and job.dtype == torch.float32 and on_cpu
     report = getattr(saved_model, "fp8_merge_report", None)
     fp8 = report is not None and report["fp8"]
     if not args.full and (fp8 or single_cpu_fp32):

@@ -19,8 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["SequenceParallelContext", "apply_sequence_parallel", "build_shard_layout", "kda_boundary_transition",
-           "shard_sequence", "sp_chunk_kda", "sp_conv_initial_state", "sp_loss_kwargs"]
+from .. import fla_compat
+
+__all__ = ["SequenceParallelContext", "apply_sequence_parallel", "build_shard_layout", "chunk_kda_context_parallel",
+           "fla_cp_context", "fla_cp_refusal", "kda_boundary_transition", "shard_sequence", "sp_chunk_kda",
+           "sp_conv_initial_state", "sp_loss_kwargs"]
 
 TEXT_MODEL_CLASS_NAME = "Glm53FlashTextModel"
 
@@ -325,21 +328,73 @@ def sp_conv_initial_state(sp, mixed: torch.Tensor, kernel: int, num_segments: in
     return mixed.new_zeros(num_segments, D, kernel).index_copy(0, sp.first_seg, first)
 
 
+def fla_cp_refusal(sp, device) -> str | None:
+    """Why fla's context-parallel KDA cannot run the shard of ``sp`` (it needs one global row, fla's CP modules and a
+    device they accept), or ``None``."""
+    if sp.global_layout.batch_size != 1:
+        return (f"it chains one token row and this batch has {sp.global_layout.batch_size} rows; pack the "
+                "documents into one row per step to use it")
+    try:
+        error = fla_compat.cp_device_error(device)
+    except ImportError as exc:
+        return str(exc)
+    return None if error is None else f"fla refuses the device {device}: {error}"
+
+
+def fla_cp_context(sp, cu_seqlens: torch.Tensor):
+    """fla's ``FLACPContext`` of this rank for the forward's ``sp`` (built once, kept in ``sp.memo``).
+
+    Raises:
+        RuntimeError: fla's local boundaries differ from this rank's ``cu_seqlens``.
+    """
+    if "fla_cp" not in sp.memo:
+        glob = sp.global_layout.cu_seqlens
+        ctx = fla_compat.load_cp().build_cp_context(cu_seqlens=glob, group=sp.group, cu_seqlens_cpu=glob.cpu())
+        mine = cu_seqlens.tolist()
+        if ctx.cu_seqlens_cpu.tolist() != mine:
+            raise RuntimeError(
+                f"fla's context-parallel split of the row differs from this rank's layout: fla "
+                f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {sp.rank} of {sp.world})"
+            )
+        sp.memo["fla_cp"] = ctx
+    return sp.memo["fla_cp"]
+
+
+def chunk_kda_context_parallel(q, k, v, g_raw, beta_logits, A_log, dt_bias, lower_bound: float | None, *, cp_context,
+                               scale: float | None = None, chunk_size: int = 64) -> torch.Tensor:
+    """One rank's shard of a context-parallel :func:`glm53flash_hf.kda_fused.chunk_kda_fused` with the gate in the
+    kernel: fla's ``chunk_kda`` with ``cp_context``.
+
+    Arguments as ``chunk_kda_fused`` over the rank's ``[1, T, ...]`` tokens, documents from ``cp_context.cu_seqlens``
+    (:func:`fla_cp_context`), no initial or final state. fla wraps it in ``torch.compiler.disable`` (a graph break).
+    Returns ``o`` ``[1, T, H, V]`` in q's dtype.
+
+    Raises:
+        ValueError: as ``chunk_kda_fused``, or ``q.shape[0] != 1``.
+    """
+    from ..kda_fused import chunk_arguments
+
+    args = chunk_arguments(q, k, v, g_raw, beta_logits, scale, None, False, None, chunk_size,
+                           (A_log, dt_bias, lower_bound))
+    if q.shape[0] != 1:
+        raise ValueError(f"context-parallel KDA takes one flattened token row; got q of shape {tuple(q.shape)}")
+    del args["cu_seqlens"]  # the documents come from cp_context
+    return fla_compat.chunk_context_parallel(cp_context, **args).type_as(q)
+
+
 def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, fla_cp: dict | None = None) -> torch.Tensor:
     """The chunked KDA of a shard, the recurrent state passed between ranks (docs/design.md, sequence parallelism).
 
     ``core``: a chunk op with the contract of :func:`glm53flash_hf.kda_ops.chunk_kda_torch` (the gate parameters
     bound); ``q, k, v, g, beta``: the flattened local rows ``[1, B*L, ...]`` with ``cu_seqlens``; ``fla_cp``: the
     gate parameters (``A_log``, ``dt_bias``, ``lower_bound``) for fla's context-parallel op
-    (:func:`glm53flash_hf.kda_fused.chunk_kda_context_parallel`), used when
-    :func:`glm53flash_hf.kda_fused.fla_cp_refusal` allows it (else a warning, once per reason). Returns ``o``
+    (:func:`chunk_kda_context_parallel`), used when :func:`fla_cp_refusal` allows it (else a warning, once per
+    reason). Returns ``o``
     ``[1, B*L, H, V]``.
     """
     from torch.utils.checkpoint import checkpoint
 
     if fla_cp is not None:
-        from ..kda_fused import chunk_kda_context_parallel, fla_cp_context, fla_cp_refusal
-
         refusal = fla_cp_refusal(sp, q.device)
         if refusal is None:
             return chunk_kda_context_parallel(q, k, v, g, beta, **fla_cp, cp_context=fla_cp_context(sp, cu_seqlens))

@@ -25,8 +25,8 @@ errors add in quadrature, so the share of a group is its squared error over the 
 
 Usage::
 
-    python scripts/bf16_audit.py                 # batch 2 x 256 tokens
-    python scripts/bf16_audit.py --seq 128 --batch 1
+    python scripts/investigations/bf16_audit.py                 # batch 2 x 256 tokens
+    python scripts/investigations/bf16_audit.py --seq 128 --batch 1
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ import tempfile
 if "fla" not in sys.modules:  # transformers' glm5_next binds fla's Triton kernels at import; they need CUDA
     sys.modules["fla"] = None
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # _common, bench_sp: the benchmarks' helpers
 
 import torch  # noqa: E402
 from _common import WIDE_TEXT, make_weights  # noqa: E402

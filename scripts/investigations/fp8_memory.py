@@ -14,8 +14,8 @@ the step's high-water above them, and their sum.
 
 Usage::
 
-    python scripts/fp8_memory.py                 # tiny-fp8, tiny and wide, fp32, 512 tokens
-    python scripts/fp8_memory.py --dtype bfloat16 --seq 2048
+    python scripts/investigations/fp8_memory.py                 # tiny-fp8, tiny and wide, fp32, 512 tokens
+    python scripts/investigations/fp8_memory.py --dtype bfloat16 --seq 2048
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import os
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # _common, bench_sp: the benchmarks' helpers
 
 MIB = 1024**2
 

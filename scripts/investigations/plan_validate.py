@@ -13,8 +13,8 @@ setup (``compute_dtype`` / ``base`` fp32, as measured).
 
 Usage::
 
-    python scripts/plan_validate.py              # every setup (a few minutes on 2 cores)
-    python scripts/plan_validate.py --only tiny-1-full
+    python scripts/investigations/plan_validate.py              # every setup (a few minutes on 2 cores)
+    python scripts/investigations/plan_validate.py --only tiny-1-full
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # _common, bench_sp: the benchmarks' helpers
 
 MIB = 1024 * 1024
 

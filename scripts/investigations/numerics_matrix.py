@@ -7,9 +7,9 @@ pytest summary line, the capability torch actually used, and the wall time. Exit
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/numerics_matrix.py                       # the default files, 2 x 3 combinations
-    .venv/bin/python scripts/numerics_matrix.py tests/test_kda.py     # chosen files
-    .venv/bin/python scripts/numerics_matrix.py --threads 1 --capabilities default -- -k conv   # pytest options
+    .venv/bin/python scripts/investigations/numerics_matrix.py                    # the default files, 2 x 3 runs
+    .venv/bin/python scripts/investigations/numerics_matrix.py tests/test_kda.py  # chosen files
+    .venv/bin/python scripts/investigations/numerics_matrix.py --threads 1 --capabilities default -- -k conv
 
 Where a capability is not supported by the CPU (``avx2`` off x86), ATen falls back to the best one it has; the
 ``capability`` column shows which one ran.
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Files whose asserts compare fp32 evaluations of the same maths in other orders (cached vs uncached, chunked vs
 # whole, ours vs transformers, merged vs adapted): the ones a machine's kernels can move.
