@@ -175,8 +175,8 @@ def case_dsa(sizes, seq, device, dtype, with_torch):
     latent = leaf(rand((1, seq, rank), device, dtype, gen))
     go_core = rand((1, seq, heads, rank), device, dtype, gen)
     scale = sizes["qk_nope_head_dim"] ** -0.5
-    sparse_mla = dispatch.op_for(dsa_ops.sparse_mla_torch, "fused", q_abs, latent, indices)
-    c.run["entry"] = lambda: sparse_mla(q_abs, latent, indices, scale)[0].backward(go_core)
+    c.run["entry"] = lambda: dispatch.op_for(dsa_ops.sparse_mla_torch, "fused", q_abs, latent, indices)(
+        q_abs, latent, indices, scale)[0].backward(go_core)
     if device.type == "cuda":
         from glm53flash_hf.dsa_fused import sparse_mla_fused
 
@@ -250,10 +250,9 @@ def case_moe(sizes, seq, device, dtype, with_torch):
     experts = ours.experts
     limit = sizes["swiglu_limit"]
     go_tok = go.reshape(seq, hidden)
-    experts_forward = dispatch.op_for(moe_ops.experts_forward_torch, "fused", tokens, experts.gate_up_proj,
-                                      experts.down_proj, weights)
-    c.run["entry"] = lambda: experts_forward(tokens, ids, weights, experts.gate_up_proj, experts.down_proj,
-                                             limit).backward(go_tok)
+    expert_weights = (experts.gate_up_proj, experts.down_proj)
+    c.run["entry"] = lambda: dispatch.op_for(moe_ops.experts_forward_torch, "fused", tokens, *expert_weights, weights)(
+        tokens, ids, weights, *expert_weights, limit).backward(go_tok)
     if device.type == "cuda":
         from glm53flash_hf import moe_fused
 

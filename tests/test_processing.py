@@ -751,9 +751,6 @@ def test_save_and_auto_processor_round_trip(tmp_path, processor, photos, gif):
 def _folder_without_tokenizer_config(processor, folder) -> str:
     """The processor and the tiny model's ``config.json`` saved into ``folder``, then ``tokenizer_config.json``
     deleted (the folder keeps ``tokenizer.json``)."""
-    import sys
-
-    sys.path.insert(0, os.path.join(REPO, "tests"))
     from ckpt_fixtures import tiny_config
 
     processor.save_pretrained(folder)
