@@ -1,7 +1,7 @@
 """Fixtures and helpers shared by several test files: randomised tiny models, a folder to break, the embedded tiny
 checkpoint and its processor, a processor built in memory, and the command-line error helper.
 
-A test module uses a fixture by importing it (``from shared_fixtures import random_lm  # noqa: F401``), together with
+A test module uses a fixture by binding it at module level (``random_lm = shared_fixtures.random_lm``), together with
 the fixtures it depends on; module-scoped fixtures are then built once per importing module. Models: the tiny config
 (``configuration/tiny.json``), randomised (``tests/tiny.py``).
 """
