@@ -22,7 +22,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_SKIP = "already the interpreter child"
 
-# fla's fp32 kernels against a float64 oracle (measurements and causes: tests/test_kda_fused.py's docstring)
+# fla's fp32 kernels against a float64 oracle (measurements and causes: tests/test_kda_fused_numerics.py's docstring)
 KERNEL_TOL = 1e-5  # outputs, states, gradients of inputs and of the parameters used per token
 GATE_PARAM_TOL = 1e-4  # gradients of the gate parameters: fla's in-chunk reverse cumsum error, summed over tokens
 GATE_PARAMS = ("A_log", "dt_bias", "f_a_proj", "f_b_proj")

@@ -258,7 +258,7 @@ def test_unexpected_key_raises_and_opt_out_warns(broken, caplog):
 
 def test_integer_tensor_outside_the_model_is_an_unexpected_key(broken):
     """An integer tensor no weight takes is reported as an unexpected key (as transformers reports it), not refused as
-    a cast weight; one that loads into a weight is refused (tests/test_bad_inputs.py)."""
+    a cast weight; one that loads into a weight is refused (tests/test_load_checks.py)."""
     extra = {"step_counter": torch.tensor([1, 2])}
     edit_shard(broken, "lm_head.weight", read_all(broken)["lm_head.weight"], add=extra)
     with pytest.raises(ValueError, match=r"1 keys unexpected in the checkpoint .*step_counter"):

@@ -4,17 +4,21 @@ Inputs are real: "Explain <topic>" conversations answered with CPython's ``pydoc
 scikit-image's bundled photos (astronaut, chelsea), turned into SFT examples by ``build_sft_example`` with the
 embedded processor and run through the embedded default checkpoint (``make_tiny``) loaded with remote code.
 Reference: each sample run alone through the same model (logits, loss); the label/position conventions are
-those of transformers' ``DataCollatorWithFlattening``.
+those of transformers' ``DataCollatorWithFlattening``. Samples without an assistant turn or without a trained token
+are refused or named with a warning (``build_sft_example`` with the embedded checkpoint's processor, the collator).
 """
 
 from __future__ import annotations
 
 import pytest
+import shared_fixtures
 import torch
 from tiny import rel_err
 
 from glm53flash_hf.train.collator import Glm53FlashPackingCollator
 from glm53flash_hf.train.sft import build_sft_example
+
+tiny_checkpoint, tiny_processor = shared_fixtures.tiny_checkpoint, shared_fixtures.tiny_processor  # fixtures
 
 TOPICS = ["assert", "break", "continue", "pass", "global", "lambda"]
 
@@ -199,3 +203,29 @@ def test_malformed_samples_raise():
         collator([{"input_ids": [1], "pixel_values": torch.zeros(3, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}])
     with pytest.raises(ValueError, match="every example is empty"):
         collator([{"input_ids": []}])
+
+
+# --------------------------------------------------------------------------------------- samples without trained tokens
+
+
+def test_sft_example_without_assistant_turn(tiny_processor):
+    messages = [{"role": "user", "content": "Hello!"}]
+    with pytest.raises(ValueError, match=r"sample 'ex-3': the conversation has no assistant turn \(roles \['user'\]\)"):
+        build_sft_example(tiny_processor, messages, sample_id="ex-3")
+
+
+def test_sft_example_with_nothing_trained_warns(tiny_processor):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "loss": False}]
+    with pytest.warns(UserWarning, match=r"sample 'ex-4': no trained token"):
+        example = build_sft_example(tiny_processor, messages, sample_id="ex-4")
+    assert (example["labels"] == -100).all()
+
+
+def test_collator_names_samples_without_trained_labels():
+    collator = Glm53FlashPackingCollator(max_length=16, pad_token_id=0)
+    features = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3], "name": "good"},
+                {"input_ids": [4, 5, 6], "labels": [-100, -100, -100], "name": "topic:pass"}]
+    with pytest.warns(UserWarning, match=r"1 of 2 samples have no trained label .*\['topic:pass'\]"):
+        batch = collator(features)
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100, -100, -100]]
+

@@ -1,12 +1,24 @@
-"""Configuration: subclassing transformers' glm5_next configs, new fields, validation messages."""
+"""Configuration: subclassing transformers' glm5_next configs, new fields, validation messages (out-of-range numbers
+name the field, the value and the range, also from a ``config.json``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
+import shared_fixtures
 
-from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig, Glm53FlashTextConfig, normalize_kernels
+from glm53flash_hf.configuration_glm53flash import (
+    Glm53FlashConfig,
+    Glm53FlashTextConfig,
+    Glm53FlashVisionConfig,
+    normalize_kernels,
+)
+from glm53flash_hf.modeling_glm53flash import Glm53FlashTextModel
+
+random_lm, sharded_lm_folder = shared_fixtures.random_lm, shared_fixtures.sharded_lm_folder  # fixtures
 
 
 def test_tiny_config_has_every_layer_kind():
@@ -113,3 +125,55 @@ def test_moe_names_of_other_configs_resolve(tmp_path):
     # no leading-dense layout, no first_k_dense_replace
     mixed = Glm53FlashTextConfig(index_kpool=4, num_hidden_layers=3, mlp_layer_types=["sparse", "dense", "sparse"])
     assert getattr(mixed, "first_k_dense_replace", None) is None and mixed.mlp_only_layers == [1]
+
+
+# --------------------------------------------------------------------------------------------- validation of bad values
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("rms_norm_eps", 0.0, "a finite number > 0"),
+        ("rms_norm_eps", -1e-6, "a finite number > 0"),
+        ("rms_norm_eps", float("nan"), "a finite number > 0"),
+        ("hidden_size", -64, "a positive integer"),
+        ("vocab_size", 0, "a positive integer"),
+        ("num_attention_heads", -1, "a positive integer"),
+        ("n_shared_experts", -1, "an integer >= 0"),
+        ("routed_scaling_factor", 0.0, "a finite number > 0"),
+    ],
+)
+def test_invalid_config_number_names_field_value_and_range(field, value, expected):
+    with pytest.raises(ValueError, match=rf"{field} must be {expected}; got {field}={value!r}"):
+        Glm53FlashTextConfig(index_kpool=4, **{field: value})
+
+
+def test_attention_dropout_and_pad_token_ranges():
+    with pytest.raises(ValueError, match=r"attention_dropout must be a number in \[0, 1\); got attention_dropout=1.5"):
+        Glm53FlashTextConfig(index_kpool=4, attention_dropout=1.5)
+    # as transformers' config, the config itself accepts the id (the vocabulary may be cut before the id is set);
+    # building a model from it raises
+    config = Glm53FlashTextConfig(index_kpool=4, vocab_size=100, pad_token_id=100)
+    with pytest.raises(ValueError, match=r"pad_token_id must be None or an id in \[0, vocab_size=100\); got "
+                                         r"pad_token_id=100"):
+        Glm53FlashTextModel(config)
+
+
+def test_vision_config_sizes():
+    with pytest.raises(ValueError, match="depth must be a positive integer; got depth=0"):
+        Glm53FlashVisionConfig(depth=0)
+    with pytest.raises(ValueError, match=r"patch_size must be a positive integer .*got patch_size=-14"):
+        Glm53FlashVisionConfig(patch_size=-14)
+
+
+def test_negative_size_in_config_json_names_the_field(sharded_lm_folder, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(sharded_lm_folder, folder)
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    config["text_config"]["moe_intermediate_size"] = -32
+    json.dump(config, open(path, "w"))
+    match = "moe_intermediate_size must be a positive integer; got moe_intermediate_size=-32"
+    with pytest.raises(ValueError, match=match):
+        Glm53FlashConfig.from_pretrained(folder)
+

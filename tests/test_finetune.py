@@ -4,6 +4,8 @@ would (a subprocess on the embedded tiny checkpoint) with LoRA and with ``--full
 The job runs with small settings here (6 or 2 steps, 12 text samples + the 6 media samples); the default run (400
 steps) is too slow for the suite. Independent checks beside the job's own: the saved folder is read back in this
 process with PEFT (adapter on the base) and with this package's class, and the trained token spans are decoded.
+Refused command lines (a missing model, an output folder that is, lies inside or links into the model, bad numbers)
+exit with status 2 and one error line, writing nothing. Publishing the output folder: tests/test_finetune_publish.py.
 """
 
 from __future__ import annotations
@@ -20,29 +22,21 @@ import torch
 peft = pytest.importorskip("peft")
 pytest.importorskip("skimage")
 
+import shared_fixtures  # noqa: E402
+from shared_fixtures import INF, NAN  # noqa: E402
+from shared_fixtures import cli_error as _cli_error  # noqa: E402
+from shared_fixtures import finetune_argv as _argv  # noqa: E402
 from tiny import no_warnings  # noqa: E402
 
 from glm53flash_hf.modeling_glm53flash import AUTO_MAP  # noqa: E402
-from glm53flash_hf.tools import finetune, sft_data  # noqa: E402
+from glm53flash_hf.tools import export, finetune, sft_data  # noqa: E402
 from glm53flash_hf.tools.make_tiny import SAMPLING_DEFAULTS, make_tiny  # noqa: E402
+from glm53flash_hf.train.trainer import AuxLossFreeBalancingCallback  # noqa: E402
+
+tiny_checkpoint, tiny_processor = shared_fixtures.tiny_checkpoint, shared_fixtures.tiny_processor  # fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORE = -100
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The embedded tiny checkpoint (bf16, as ``glm53flash-make-tiny`` writes it by default)."""
-    path = str(tmp_path_factory.mktemp("ft") / "tiny")
-    make_tiny(path, show_progress=False)
-    return path
-
-
-@pytest.fixture(scope="module")
-def processor(tiny):
-    from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
-
-    return Glm53FlashProcessor.from_pretrained(tiny)
 
 
 def _run_job(args, cwd, script=False):
@@ -91,13 +85,13 @@ def test_text_topics_exclude_held_out_and_duplicates():
         sft_data.text_topics(3, held_out="nope", seed=0)
 
 
-def test_sft_dataset(processor):
+def test_sft_dataset(tiny_processor):
     """Real topics as "Explain <topic>" prompts, the held-out topic absent, 5 photos + 1 video, and labels exactly
     on the answers: the trained tokens decode to the answer followed by <|endoftext|> (thinking off: the
     ``<think></think>`` of the prompt is not trained), and no visual placeholder is trained."""
-    tokenizer = processor.tokenizer
+    tokenizer = tiny_processor.tokenizer
     convs = sft_data.sft_conversations(12, held_out="lambda", seed=0)
-    examples = sft_data.build_sft_dataset(processor, 12, held_out="lambda", seed=0, max_length=512)
+    examples = sft_data.build_sft_dataset(tiny_processor, 12, held_out="lambda", seed=0, max_length=512)
     assert len(examples) == len(convs) == 12 + len(sft_data.PHOTOS) + 1
     names = [e["name"] for e in examples]
     assert names[:12] == [f"topic:{n}" for n in sft_data.text_topics(12, "lambda", 0)]
@@ -125,7 +119,7 @@ def test_sft_dataset(processor):
     assert video.shape == (24, 25, 14, 3) and video.dtype.name == "uint8" and abs(meta.fps - 1000 / 70) < 1e-9
     # truncation that leaves no answer token is refused
     with pytest.raises(ValueError, match="no trained token"):
-        sft_data.build_sft_dataset(processor, 1, max_length=12, media=False)
+        sft_data.build_sft_dataset(tiny_processor, 1, max_length=12, media=False)
 
 
 def test_loss_summary_and_folder_check(tmp_path):
@@ -157,10 +151,10 @@ def test_cli_rejects_bad_arguments(capsys):
 
 
 @pytest.fixture(scope="module")
-def lora_run(tiny, tmp_path_factory):
+def lora_run(tiny_checkpoint, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("lora_job")
     out = str(cwd / "out")
-    stdout, stderr = _run_job(["--model", tiny, "--output-dir", out, "--max-steps", "6", "--samples", "12",
+    stdout, stderr = _run_job(["--model", tiny_checkpoint, "--output-dir", out, "--max-steps", "6", "--samples", "12",
                                "--train-lm-head", "--max-new-tokens", "12"], cwd)
     return out, stdout, stderr
 
@@ -208,7 +202,7 @@ def test_lora_job_trains_saves_and_reloads(lora_run):
     assert "ERROR" not in stdout
 
 
-def test_lora_adapter_reproduces_merged_folder(lora_run, tiny):
+def test_lora_adapter_reproduces_merged_folder(lora_run, tiny_checkpoint):
     """Independent of the job's own check: the saved adapter applied with PEFT on the base (this process, this
     package's class) gives the merged folder's logits (float32 rounding only);
     the base alone does not (negative control: the 6 trained steps moved the logits by far more)."""
@@ -217,7 +211,7 @@ def test_lora_adapter_reproduces_merged_folder(lora_run, tiny):
     out, _, _ = lora_run
     ids = torch.tensor([[2002, 2004, 2007, 300, 41, 977, 5, 2008, 18, 19]])  # [gMASK]<sop><|user|>...<|assistant|>
     merged = Glm53FlashForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    base = Glm53FlashForConditionalGeneration.from_pretrained(tiny, dtype=torch.float32).eval()
+    base = Glm53FlashForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
         adapted = peft.PeftModel.from_pretrained(base, os.path.join(out, finetune.ADAPTER_VL_DIR)).eval()
@@ -232,8 +226,8 @@ def test_lora_adapter_reproduces_merged_folder(lora_run, tiny):
     (finetune.ADAPTER_VL_DIR, "AutoPeftModel", None, "AutoModelForImageTextToText",
      "Glm53FlashForConditionalGeneration"),
 ])
-def test_adapters_load_through_peft_auto_classes(lora_run, tiny, processor, monkeypatch, folder, auto_peft, task_type,
-                                                 base_auto, base_class):
+def test_adapters_load_through_peft_auto_classes(lora_run, tiny_checkpoint, tiny_processor, monkeypatch, folder,
+                                                 auto_peft, task_type, base_auto, base_class):
     """Each adapter the job saves loads, offline, through the PEFT Auto class its config names (the causal LM's
     ``adapter/``: ``CAUSAL_LM``, ``AutoPeftModelForCausalLM``; the VL model's ``adapter-vl/``: no task type,
     ``auto_mapping`` ``AutoModelForImageTextToText``, ``AutoPeftModel``) from the base folder the config records (an
@@ -249,7 +243,8 @@ def test_adapters_load_through_peft_auto_classes(lora_run, tiny, processor, monk
     assert config["task_type"] == task_type
     assert config["auto_mapping"] == (None if task_type else {"base_model_class": base_auto,
                                                               "parent_library": "transformers"})
-    assert config["base_model_name_or_path"] == os.path.abspath(tiny)  # where the job read the base: no network
+    # where the job read the base: no network
+    assert config["base_model_name_or_path"] == os.path.abspath(tiny_checkpoint)
     assert config["modules_to_save"] == ["lm_head"]
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -260,9 +255,9 @@ def test_adapters_load_through_peft_auto_classes(lora_run, tiny, processor, monk
     assert type(adapted.get_base_model()).__module__.startswith("transformers_modules.")
     merged = getattr(transformers, base_auto).from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     assert type(merged).__name__ == base_class
-    prompts = [chat_inputs(processor, explain_prompt("pass"))]
+    prompts = [chat_inputs(tiny_processor, explain_prompt("pass"))]
     if task_type is None:
-        prompts.append(chat_inputs(processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO)))
+        prompts.append(chat_inputs(tiny_processor, IMAGE_PROMPT, load_photo(PROBE_PHOTO)))
     for inputs in prompts:
         with torch.no_grad():
             got, expected = adapted(**inputs).logits, merged(**inputs).logits
@@ -272,14 +267,14 @@ def test_adapters_load_through_peft_auto_classes(lora_run, tiny, processor, monk
         assert (expected - base_logits).abs().max() > 0.05  # the adapter matters: 6 steps moved the logits by more
 
 
-def test_full_finetune_saves_full_weights(tiny, tmp_path):
+def test_full_finetune_saves_full_weights(tiny_checkpoint, tmp_path):
     """``--full`` (through the glm53flash-finetune console script, no MTP, 2 steps without warm-up): full weights in
     the folder, no adapter, no MTP loss logged, and every weight kind moved (attention, experts, vision tower)."""
     from safetensors import safe_open
 
     out = str(tmp_path / "out")
-    stdout, _ = _run_job(["--model", tiny, "--output-dir", out, "--full", "--max-steps", "2", "--samples", "4",
-                          "--warmup-steps", "0", "--no-mtp", "--no-reload"], tmp_path, script=True)
+    stdout, _ = _run_job(["--model", tiny_checkpoint, "--output-dir", out, "--full", "--max-steps", "2", "--samples",
+                          "4", "--warmup-steps", "0", "--no-mtp", "--no-reload"], tmp_path, script=True)
     assert "training: full fine-tuning" in stdout and "MTP loss off" in stdout
     files = finetune.check_saved_folder(out, adapter=False)
     assert not any(os.path.exists(os.path.join(out, d)) for d in (finetune.ADAPTER_DIR, finetune.ADAPTER_VL_DIR))
@@ -297,7 +292,7 @@ def test_full_finetune_saves_full_weights(tiny, tmp_path):
                 result.update({k: f.get_tensor(k).float() for k in f.keys()})
         return result
 
-    before, after = tensors(tiny), tensors(out)
+    before, after = tensors(tiny_checkpoint), tensors(out)
     assert before.keys() == after.keys()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     for pattern in ("self_attn.q_a_proj", "mlp.experts.0.", "model.visual.", "lm_head", "self_attn.q_proj"):
@@ -355,3 +350,98 @@ def test_lora_job_on_fp8_checkpoint(tmp_path):
         assert routers[name].dtype == torch.float32 and torch.equal(routers[name], bias), name
     with torch.no_grad():
         assert torch.isfinite(merged(input_ids=torch.tensor([[2002, 2004, 300, 41, 977]])).logits).all()
+
+
+# ------------------------------------------------------------------------------------------------ refused command lines
+
+
+def test_finetune_missing_model_is_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    err = _cli_error(finetune.main, ["--model", missing, "--output-dir", str(tmp_path / "out")], capsys)
+    assert f"--model {missing!r}: no such folder" in err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_finetune_missing_model_in_a_fresh_process_is_one_line(tmp_path):
+    """As a user runs it: a missing folder and an unknown Hub id (offline) each end with exit status 2 and one
+    ``error:`` line, no traceback, nothing written."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for model, says in ((str(tmp_path / "nope"), "no such folder"), ("org/missing-model", "couldn't")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "glm53flash_hf.tools.finetune", "--model", model, "--output-dir",
+             str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"glm53flash-finetune: error: --model {model!r}: ") and says in last, last
+        assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_finetune_model_folder_without_config(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    err = _cli_error(finetune.main, ["--model", str(tmp_path / "empty")], capsys)
+    assert "the folder holds no config.json, so no checkpoint" in err
+
+
+def test_finetune_output_dir_equal_to_model_is_refused(tiny_checkpoint, capsys):
+    err = _cli_error(finetune.main, ["--model", tiny_checkpoint, "--output-dir", tiny_checkpoint], capsys)
+    assert (f"--output-dir={tiny_checkpoint!r} is the input {tiny_checkpoint!r}" in err
+            and "must differ from --model" in err)
+
+
+def test_finetune_output_dir_inside_or_linking_into_model_is_refused(tiny_checkpoint, tmp_path, capsys):
+    err = _cli_error(finetune.main, ["--model", tiny_checkpoint, "--output-dir", os.path.join(tiny_checkpoint, "sub")],
+                     capsys)
+    assert "lies inside the input" in err
+    linked = str(tmp_path / "exported")
+    export.export(tiny_checkpoint, linked, show_progress=False)  # weights symlinked into tiny_dir
+    err = _cli_error(finetune.main, ["--model", tiny_checkpoint, "--output-dir", linked], capsys)
+    assert "links into the input" in err and "model.safetensors.index.json" in err
+    alias = str(tmp_path / "alias")
+    os.symlink(tiny_checkpoint, alias)
+    err = _cli_error(finetune.main, ["--model", alias, "--output-dir", tiny_checkpoint], capsys)
+    assert "is the input" in err
+
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--lr", "inf", "--lr must be > 0 and finite; got inf"),
+    ("--lr", "nan", "--lr must be > 0 and finite; got nan"),
+    ("--lr", "0", "--lr must be > 0 and finite; got 0.0"),
+    ("--balance-speed", "nan", "--balance-speed must be >= 0 and finite; got nan"),
+    ("--balance-speed", "inf", "--balance-speed must be >= 0 and finite; got inf"),
+    ("--balance-speed", "-0.1", "--balance-speed must be >= 0 and finite; got -0.1"),
+    ("--warmup-steps", "-1", "--warmup-steps must be >= 0; got -1"),
+    ("--lora-r", "0", "--lora-r must be >= 1; got 0"),
+    ("--batch-size", "0", "--batch-size must be >= 1; got 0"),
+    ("--grad-accum", "-2", "--grad-accum must be >= 1; got -2"),
+    ("--max-length", "0", "--max-length must be >= 1; got 0"),
+    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1; got 0"),
+    ("--sp", "0", "--sp must be >= 1; got 0"),
+    ("--ep", "-1", "--ep must be >= 1; got -1"),
+    ("--ep", "2", "--ep 2 needs a launch of several processes whose number it divides (accelerate launch / torchrun); "
+                  "got 1 process"),
+    ("--answer-chars", "39", "--answer-chars must be >= 40; got 39"),
+    ("--seed", "-1", "--seed must be between 0 and 2**32 - 1; got -1"),
+    ("--seed", str(2**32), f"--seed must be between 0 and 2**32 - 1; got {2**32}"),
+    ("--samples", "-1", "--samples must be >= 1 (or >= 0 with media); got -1"),
+])
+def test_cli_refuses_bad_numbers(option, value, message, tiny_checkpoint, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        finetune.main(_argv(tiny_checkpoint, tmp_path / "out", option, value))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"glm53flash-finetune: error: {message}" in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_loss_summary_refuses_non_finite_losses():
+    with pytest.raises(ValueError, match=r"logged loss 2 of 3 is inf"):
+        finetune.loss_summary([8.0, INF, 1.0])
+    with pytest.raises(ValueError, match=r"logged loss 1 of 2 is nan"):
+        finetune.loss_summary([NAN, 1.0])
+    with pytest.raises(ValueError, match=r"speed must be a finite number >= 0; got speed=nan"):
+        AuxLossFreeBalancingCallback(speed=NAN)
+

@@ -3,7 +3,8 @@ NaN/Inf weights, ambiguous or malformed index files, damaged files, special-toke
 
 Fixture: the randomised tiny causal LM (``configuration/tiny.json``: 6 layers + MTP, 8 experts, hidden 64, vocab
 2048) saved once in 12 shards and once as a single ``model.safetensors``; each test damages a copy (edited JSON or
-one rewritten tensor).
+one rewritten tensor). The dtype checks (an integer or bool tensor in a checkpoint or a ``load_state_dict``) use the
+randomised fp32 tiny LM saved in 14 shards (:func:`shared_fixtures.sharded_lm_folder`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ import shutil
 import time
 
 import pytest
+import shared_fixtures
 import torch
 from ckpt_fixtures import INDEX, bf16_model, edit_shard, read_all, read_index, save_canonical, tiny_config
+from shared_fixtures import logits_of as _logits
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
+
+random_lm, sharded_lm_folder = shared_fixtures.random_lm, shared_fixtures.sharded_lm_folder  # fixtures
 
 P = "model.language_model."
 SHARD = r"model-\d{5}-of-\d{5}\.safetensors"
@@ -326,3 +331,30 @@ def test_special_token_id_outside_the_vocabulary(folder, field, value, what):
 def test_special_token_ids_inside_the_vocabulary_build():
     model = Glm53FlashForCausalLM(tiny_config(bos_token_id=0, eos_token_id=[2047, 3], pad_token_id=2047))
     assert model.config.text_config.eos_token_id == [2047, 3]
+
+
+# ------------------------------------------------------------------------------------------------ dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_integer_or_bool_tensor_in_checkpoint_is_named(sharded_lm_folder, tmp_path, dtype):
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(sharded_lm_folder, folder)
+    key = "model.language_model.norm.weight"
+    edit_shard(folder, key, torch.ones(64, dtype=dtype))
+    with pytest.raises(ValueError, match=rf"integer or bool.*{key} \({'I32' if dtype == torch.int32 else 'BOOL'}\)"):
+        Glm53FlashForCausalLM.from_pretrained(folder)
+
+
+def test_load_state_dict_rejects_integer_weights(random_lm):
+    state = {"model.norm.weight": torch.ones(64, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"model\.norm\.weight \(torch\.int64, the model holds torch\.float32\)"):
+        random_lm.load_state_dict(state, strict=False)
+
+
+def test_load_state_dict_of_floats_still_loads(random_lm):
+    state = {k: v.clone() for k, v in random_lm.state_dict().items()}
+    before = _logits(random_lm)
+    assert not random_lm.load_state_dict(state).missing_keys
+    torch.testing.assert_close(_logits(random_lm), before, rtol=0, atol=0)
+

@@ -343,7 +343,7 @@ def test_setup_cfg_requires_the_checked_fla_range():
         pytest.skip("fla-core is not installed")
     assert installed in fla_compat.FLA_CHECKED, (
         f"installed fla-core {installed} is not in fla_compat.FLA_CHECKED {fla_compat.FLA_CHECKED}: run the "
-        "interpreter tests (tests/test_kda_fused.py) against it, then add it")
+        "interpreter tests (tests/test_kda_fused_numerics.py) against it, then add it")
 
 
 def test_importing_the_compatibility_module_does_not_import_fla():

@@ -2,16 +2,22 @@
 
 Documents are delimited by ``position_ids`` restarting at 0 (``DataCollatorWithFlattening``) and/or
 ``cu_seq_lens_q``; the lengths are unequal and include a 1-token document. Oracle: the same model run on
-each document separately.
+each document separately. A NaN in one document stays in it (from its position on); an additive (-inf) attention mask
+is refused naming the value.
 """
 
 from __future__ import annotations
 
 import pytest
+import shared_fixtures
 import torch
+from shared_fixtures import IDS
+from shared_fixtures import logits_of as _logits
 from tiny import hf_reference, ours_from_hf_folder, rel_err
 
 from glm53flash_hf.packing import build_document_layout, build_layout
+
+random_lm = shared_fixtures.random_lm  # fixture
 
 LENGTHS = [23, 1, 37, 9]
 
@@ -142,3 +148,48 @@ def test_packed_equals_separate_default_init_tiny_config():
         for d in docs:
             assert rel_err(packed[start : start + len(d)], model(input_ids=d[None]).logits[0]) < 1e-5, len(d)
             start += len(d)
+
+
+# ------------------------------------------------------------------------------------------------ padding masks and NaN
+
+
+def test_additive_attention_mask_is_refused(random_lm):
+    mask = torch.zeros(1, 12)
+    mask[0, :3] = float("-inf")
+    with pytest.raises(ValueError, match=r"attention_mask must be a 0/1 \(or bool\) padding mask.*got the value -inf"):
+        random_lm(input_ids=IDS, attention_mask=mask)
+
+
+@pytest.mark.parametrize("nan_doc", [0, 1])
+def test_nan_in_one_packed_document_stays_there(random_lm, nan_doc):
+    """A NaN in one token's embedding: the other packed documents give their logits alone (finite), and the tokens
+    of its own document before it stay finite (causal), while the NaN reaches the token itself and later ones."""
+    lengths = [80, 70, 20]  # docs longer than a 64-token KDA chunk and than index_topk (sparse selection)
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 2000, (n,), generator=gen) for n in lengths]
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    start = sum(lengths[:nan_doc])
+    nan_at = start + 30
+
+    def poison(_module, _inputs, output):
+        output = output.clone()
+        output[0, nan_at, 3] = float("nan")
+        return output
+
+    hook = random_lm.model.embed_tokens.register_forward_hook(poison)
+    try:
+        with torch.no_grad():
+            packed = random_lm(input_ids=ids, position_ids=pos).logits[0]
+    finally:
+        hook.remove()
+    assert torch.isnan(packed[nan_at]).any()
+    assert torch.isfinite(packed[start:nan_at]).all()
+    offset = 0
+    for i, doc in enumerate(docs):
+        if i != nan_doc:
+            alone = _logits(random_lm, doc[None])[0]
+            assert torch.isfinite(packed[offset : offset + len(doc)]).all(), f"document {i}"
+            assert rel_err(packed[offset : offset + len(doc)], alone) < 1e-5, f"document {i}"
+        offset += len(doc)
+

@@ -318,8 +318,8 @@ def test_fused_kda_layer_sp_equals_one_process(tmp_path, monkeypatch, world, row
     state passing runs with fla's chunk kernels, and a warning names why.
 
     Oracle: the torch path in float64 on the whole rows, with the bounds fla's kernels are held to against float64
-    in one process (tests/test_kda_fused.py, ``interp.tol_for``): 1e-5 relative for the output, the input gradient
-    and the gradients of the parameters used per token; 1e-4 for those of the gate parameters (``A_log``,
+    in one process (tests/test_kda_fused_numerics.py, ``interp.tol_for``): 1e-5 relative for the output, the input
+    gradient and the gradients of the parameters used per token; 1e-4 for those of the gate parameters (``A_log``,
     ``dt_bias``, ``f_a_proj``, ``f_b_proj``), whose fp32 error is fla's own (one rounding of the in-chunk reverse
     cumulative sum shared by every earlier token, summed coherently over the tokens) and depends on where the chunks
     fall. The first group is also held to 1e-5 of the one-process fused (fp32) run. A wrong state passing misses by

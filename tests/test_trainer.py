@@ -1,17 +1,19 @@
 """HF Trainer integration: exact gradient accumulation through ``num_items_in_batch`` and the
-aux-loss-free balancing callback (:class:`glm53flash_hf.train.trainer.AuxLossFreeBalancingCallback`)."""
+aux-loss-free balancing callback (:class:`glm53flash_hf.train.trainer.AuxLossFreeBalancingCallback`), and the stop on
+a non-finite training loss or gradient norm (the Trainer's NaN/inf logging filter would hide them)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from shared_fixtures import INF, NAN
 from tiny import fp32_sum_tol
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from glm53flash_hf.configuration_glm53flash import Glm53FlashConfig
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 from glm53flash_hf.tools.make_tiny import DEFAULT_CONFIG
-from glm53flash_hf.train.trainer import AuxLossFreeBalancingCallback, find_routers
+from glm53flash_hf.train.trainer import AuxLossFreeBalancingCallback, Glm53FlashTrainer, find_routers
 
 SEQ = 12
 
@@ -167,3 +169,33 @@ def test_sp_mesh_without_distributed_trainer_is_refused(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
     with pytest.raises(ValueError, match=r"needs the Trainer in distributed mode.*ACCELERATE_USE_CPU=true"):
         Glm53FlashTrainer(model=_model(), args=args, train_dataset=_rows(), pad_token_id=0, sp_mesh=TwoProcessMesh())
+
+
+# ------------------------------------------------------------------------------------------------ non-finite training
+
+
+def _trainer(tmp_path, lr, steps):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=steps,
+                             per_device_train_batch_size=2, learning_rate=lr, lr_scheduler_type="constant",
+                             logging_steps=10, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+                             seed=0)
+    assert args.logging_nan_inf_filter  # the Trainer's filter would log a NaN loss as the mean of earlier ones
+    return Glm53FlashTrainer(model=_model(), args=args, train_dataset=_rows(), pad_token_id=0)
+
+
+def test_trainer_stops_on_non_finite_loss(tmp_path):
+    """lr = inf: step 1 is finite and turns the weights into NaN, so the raw loss of step 2 is NaN."""
+    trainer = _trainer(tmp_path, INF, 3)
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan at step 2 "):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_trainer_stops_on_non_finite_grad_norm(tmp_path):
+    """A finite loss with a NaN gradient (a hook on one weight): the gradient norm of step 1 is NaN."""
+    trainer = _trainer(tmp_path, 1e-3, 3)
+    weight = trainer.model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: torch.full_like(grad, NAN))
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm nan at step 1 \(before clipping\)"):
+        trainer.train()
+

@@ -1,7 +1,8 @@
-"""``glm53flash-finetune`` off the happy path: non-finite runs stop with an error naming the step, bad numbers on the
-command line are refused, a second run into a held output folder is refused, and the previous output folder stays
-byte-for-byte as it was after any failed run (its loss log, adapter and merged weights are replaced as one unit by a
-complete run only).
+"""``glm53flash-finetune`` publishing its output folder: non-finite runs stop with an error naming the step, a model
+that no longer predicts is not published, a second run into a held output folder is refused, the previous output
+folder stays byte-for-byte as it was after any failed run (its loss log, adapter and merged weights are replaced as
+one unit by a complete run only), publishing works across file systems, and the balanced router biases reach both
+adapters and the merged model.
 
 The job runs in this process with tiny settings (1-2 steps of 2 text samples packed into rows of 128 tokens, no
 reload); the previous output is one such complete run.
@@ -17,24 +18,18 @@ import sys
 
 import pytest
 import torch
-from transformers import TrainingArguments
 
 pytest.importorskip("peft")
 pytest.importorskip("skimage")
 
-import test_finetune  # noqa: E402
-from test_trainer import _model, _rows  # noqa: E402
+import shared_fixtures  # noqa: E402
+from shared_fixtures import INF  # noqa: E402
+from shared_fixtures import finetune_argv as _argv  # noqa: E402
+from tiny import no_warnings  # noqa: E402
 
 from glm53flash_hf.tools import finetune  # noqa: E402
-from glm53flash_hf.train.trainer import AuxLossFreeBalancingCallback, Glm53FlashTrainer  # noqa: E402
 
-INF, NAN = float("inf"), float("nan")
-tiny = test_finetune.tiny  # the embedded tiny checkpoint (module-scoped fixture)
-
-
-def _argv(model, out, *extra):
-    return ["--model", model, "--output-dir", str(out), "--no-media", "--samples", "2", "--batch-size", "2",
-            "--max-length", "128", "--max-steps", "1", "--no-reload", *extra]
+tiny_checkpoint = shared_fixtures.tiny_checkpoint  # fixture
 
 
 def _snapshot(folder) -> dict:
@@ -62,82 +57,12 @@ def _lr_inf(monkeypatch):
     monkeypatch.setattr(finetune, "training_arguments", training_arguments)
 
 
-# ------------------------------------------------------------------------------------------------ command line
-
-
-@pytest.mark.parametrize("option, value, message", [
-    ("--lr", "inf", "--lr must be > 0 and finite; got inf"),
-    ("--lr", "nan", "--lr must be > 0 and finite; got nan"),
-    ("--lr", "0", "--lr must be > 0 and finite; got 0.0"),
-    ("--balance-speed", "nan", "--balance-speed must be >= 0 and finite; got nan"),
-    ("--balance-speed", "inf", "--balance-speed must be >= 0 and finite; got inf"),
-    ("--balance-speed", "-0.1", "--balance-speed must be >= 0 and finite; got -0.1"),
-    ("--warmup-steps", "-1", "--warmup-steps must be >= 0; got -1"),
-    ("--lora-r", "0", "--lora-r must be >= 1; got 0"),
-    ("--batch-size", "0", "--batch-size must be >= 1; got 0"),
-    ("--grad-accum", "-2", "--grad-accum must be >= 1; got -2"),
-    ("--max-length", "0", "--max-length must be >= 1; got 0"),
-    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1; got 0"),
-    ("--sp", "0", "--sp must be >= 1; got 0"),
-    ("--ep", "-1", "--ep must be >= 1; got -1"),
-    ("--ep", "2", "--ep 2 needs a launch of several processes whose number it divides (accelerate launch / torchrun); "
-                  "got 1 process"),
-    ("--answer-chars", "39", "--answer-chars must be >= 40; got 39"),
-    ("--seed", "-1", "--seed must be between 0 and 2**32 - 1; got -1"),
-    ("--seed", str(2**32), f"--seed must be between 0 and 2**32 - 1; got {2**32}"),
-    ("--samples", "-1", "--samples must be >= 1 (or >= 0 with media); got -1"),
-])
-def test_cli_refuses_bad_numbers(option, value, message, tiny, capsys, tmp_path):
-    with pytest.raises(SystemExit) as exit_info:
-        finetune.main(_argv(tiny, tmp_path / "out", option, value))
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and f"glm53flash-finetune: error: {message}" in err, err
-    assert not os.path.exists(tmp_path / "out")
-
-
-def test_loss_summary_refuses_non_finite_losses():
-    with pytest.raises(ValueError, match=r"logged loss 2 of 3 is inf"):
-        finetune.loss_summary([8.0, INF, 1.0])
-    with pytest.raises(ValueError, match=r"logged loss 1 of 2 is nan"):
-        finetune.loss_summary([NAN, 1.0])
-    with pytest.raises(ValueError, match=r"speed must be a finite number >= 0; got speed=nan"):
-        AuxLossFreeBalancingCallback(speed=NAN)
-
-
-# ------------------------------------------------------------------------------------------------ the Trainer
-
-
-def _trainer(tmp_path, lr, steps):
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=steps,
-                             per_device_train_batch_size=2, learning_rate=lr, lr_scheduler_type="constant",
-                             logging_steps=10, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-                             seed=0)
-    assert args.logging_nan_inf_filter  # the Trainer's filter would log a NaN loss as the mean of earlier ones
-    return Glm53FlashTrainer(model=_model(), args=args, train_dataset=_rows(), pad_token_id=0)
-
-
-def test_trainer_stops_on_non_finite_loss(tmp_path):
-    """lr = inf: step 1 is finite and turns the weights into NaN, so the raw loss of step 2 is NaN."""
-    trainer = _trainer(tmp_path, INF, 3)
-    with pytest.raises(FloatingPointError, match=r"non-finite training loss nan at step 2 "):
-        trainer.train()
-    assert trainer.state.global_step == 1
-
-
-def test_trainer_stops_on_non_finite_grad_norm(tmp_path):
-    """A finite loss with a NaN gradient (a hook on one weight): the gradient norm of step 1 is NaN."""
-    trainer = _trainer(tmp_path, 1e-3, 3)
-    weight = trainer.model.get_input_embeddings().weight
-    weight.register_hook(lambda grad: torch.full_like(grad, NAN))
-    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm nan at step 1 \(before clipping\)"):
-        trainer.train()
-
 
 # ------------------------------------------------------------------------------------------------ the job
 
 
 @pytest.fixture(scope="module")
-def previous(tiny, tmp_path_factory):
+def previous(tiny_checkpoint, tmp_path_factory):
     """A complete LoRA run into a folder that holds a README, beside the staging folder and the lock file a killed
     run left (the lock file names a dead pid): the run succeeds, keeps the README and drops the stale staging."""
     root = tmp_path_factory.mktemp("previous")
@@ -148,7 +73,7 @@ def previous(tiny, tmp_path_factory):
     stale.mkdir()
     (stale / "junk.bin").write_bytes(b"left by a killed run")
     (root / ".out.lock").write_text("999999999\n")
-    assert finetune.main(_argv(tiny, out)) == 0
+    assert finetune.main(_argv(tiny_checkpoint, out)) == 0
     assert sorted(os.listdir(root)) == [".out.lock", "out"]
     finetune.check_saved_folder(str(out), adapter=True)
     assert (out / "README.md").read_text() == "user notes\n" and not (out / "junk.bin").exists()
@@ -169,25 +94,25 @@ def _assert_untouched(out, snapshot):
     assert sorted(os.listdir(out.parent)) == [".out.lock", "out"]  # no staging or temporary folder left
 
 
-def test_non_finite_loss_stops_the_job_and_keeps_the_old_output(tiny, old_output, monkeypatch):
+def test_non_finite_loss_stops_the_job_and_keeps_the_old_output(tiny_checkpoint, old_output, monkeypatch):
     out, snapshot = old_output
     _lr_inf(monkeypatch)
     with pytest.raises(FloatingPointError, match=r"non-finite training loss nan at step 2 "):
-        finetune.main(_argv(tiny, out, "--max-steps", "2", "--warmup-steps", "0"))
+        finetune.main(_argv(tiny_checkpoint, out, "--max-steps", "2", "--warmup-steps", "0"))
     _assert_untouched(out, snapshot)
 
 
-def test_non_finite_weights_after_the_last_step_are_not_saved(tiny, old_output, monkeypatch):
+def test_non_finite_weights_after_the_last_step_are_not_saved(tiny_checkpoint, old_output, monkeypatch):
     """One ``--full`` step at lr = inf: the loss and gradient norm of that step are finite, the weights it leaves
     are not."""
     out, snapshot = old_output
     _lr_inf(monkeypatch)
     with pytest.raises(FloatingPointError, match=r"the trained model \(after step 1\) holds non-finite values"):
-        finetune.main(_argv(tiny, out, "--full", "--warmup-steps", "0", "--no-mtp"))
+        finetune.main(_argv(tiny_checkpoint, out, "--full", "--warmup-steps", "0", "--no-mtp"))
     _assert_untouched(out, snapshot)
 
 
-def test_failed_merge_keeps_the_old_adapter_weights_and_loss_log(tiny, old_output, monkeypatch):
+def test_failed_merge_keeps_the_old_adapter_weights_and_loss_log(tiny_checkpoint, old_output, monkeypatch):
     """The merge fails after training (the new loss log and adapter are written by then): the old adapter, merged
     weights and loss log are all still there, unchanged."""
     out, snapshot = old_output
@@ -199,18 +124,18 @@ def test_failed_merge_keeps_the_old_adapter_weights_and_loss_log(tiny, old_outpu
 
     monkeypatch.setattr(finetune, "merge_adapter", failing_merge)
     with pytest.raises(RuntimeError, match=r"merge failed on .*\.out\.staging/adapter"):
-        finetune.main(_argv(tiny, out))
+        finetune.main(_argv(tiny_checkpoint, out))
     assert seen == [True]  # training and the adapter save wrote nothing into the output folder
     _assert_untouched(out, snapshot)
 
 
-def test_huge_learning_rate_dead_model_is_not_published(tiny, old_output):
+def test_huge_learning_rate_dead_model_is_not_published(tiny_checkpoint, old_output):
     """``--lr 1e30``, one step without warm-up: every weight stays finite (LoRA factors near 1e30), but the squares
     inside the RMS norms overflow to inf, so every norm outputs 0 and every logit is 0.0 (the merge check would
     compare 0 with 0). The job stops naming what happened; the old output is untouched."""
     out, snapshot = old_output
     with pytest.raises(FloatingPointError) as error_info:  # finetune.DeadModelError
-        finetune.main(_argv(tiny, out, "--lr", "1e30", "--warmup-steps", "0"))
+        finetune.main(_argv(tiny_checkpoint, out, "--lr", "1e30", "--warmup-steps", "0"))
     message = str(error_info.value)
     assert isinstance(error_info.value, finetune.DeadModelError)
     assert message.startswith("the trained model (after step 1) no longer predicts: "), message
@@ -219,26 +144,26 @@ def test_huge_learning_rate_dead_model_is_not_published(tiny, old_output):
     _assert_untouched(out, snapshot)
 
 
-def test_check_predicts_sees_the_dead_model(tiny):
+def test_check_predicts_sees_the_dead_model(tiny_checkpoint):
     """The dead model by hand (the embeddings scaled by 1e30): every weight finite, every logit exactly 0.0;
     :func:`check_predicts` names it, the untouched model passes."""
     from glm53flash_hf.processing_glm53flash import Glm53FlashProcessor
 
-    processor = Glm53FlashProcessor.from_pretrained(tiny)
-    model = finetune.load_model(tiny, torch.float32)
+    tiny_processor = Glm53FlashProcessor.from_pretrained(tiny_checkpoint)
+    model = finetune.load_model(tiny_checkpoint, torch.float32)
     question = "Explain the pass statement."
-    finetune.check_predicts(model, processor, question, "the fresh model", 1e-3)
+    finetune.check_predicts(model, tiny_processor, question, "the fresh model", 1e-3)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(1e30)
     finetune.check_finite(model, "the broken model")  # finite: the NaN / inf checks see nothing
     with torch.no_grad():
-        assert bool((model.eval()(**finetune.chat_inputs(processor, question)).logits == 0).all())
+        assert bool((model.eval()(**finetune.chat_inputs(tiny_processor, question)).logits == 0).all())
     with pytest.raises(finetune.DeadModelError, match=r"the broken model no longer predicts: .*every logit 0\.0.*"
                                                       r"mean square of inf"):
-        finetune.check_predicts(model, processor, question, "the broken model", 1e30)
+        finetune.check_predicts(model, tiny_processor, question, "the broken model", 1e30)
 
 
-def test_constant_logits_fail_the_merge_comparison(tiny):
+def test_constant_logits_fail_the_merge_comparison(tiny_checkpoint):
     """Two models with the same constant logits differ by 0: :func:`max_logit_difference` names them degenerate."""
     from types import SimpleNamespace
 
@@ -248,8 +173,8 @@ def test_constant_logits_fail_the_merge_comparison(tiny):
         def forward(self, input_ids, **kwargs):
             return SimpleNamespace(logits=torch.full((*input_ids.shape, 7), 0.5))
 
-    processor = Glm53FlashProcessor.from_pretrained(tiny)
-    diff, scale, degenerate = finetune.max_logit_difference(Constant(), Constant(), processor, "Explain pass.")
+    tiny_processor = Glm53FlashProcessor.from_pretrained(tiny_checkpoint)
+    diff, scale, degenerate = finetune.max_logit_difference(Constant(), Constant(), tiny_processor, "Explain pass.")
     assert (diff, scale) == (0.0, 0.5)
     assert degenerate == ("the first model's logits on the text prompt are constant across the vocabulary (every "
                           "logit 0.5)")
@@ -265,7 +190,7 @@ def test_loss_that_never_moved_is_refused():
     finetune.check_loss_moved([7.5, 7.5, 7.25], 1e-3)
 
 
-def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
+def test_second_run_into_a_held_folder_is_refused(tiny_checkpoint, tmp_path, capsys):
     """Another process holds the folder: a run is refused naming the folder and that process's pid; once the holder
     is killed (SIGKILL, no clean-up), its lock file no longer blocks."""
     out = tmp_path / "out"
@@ -282,7 +207,7 @@ def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
     try:
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(SystemExit) as exit_info:
-            finetune.main(_argv(tiny, out))
+            finetune.main(_argv(tiny_checkpoint, out))
         err = capsys.readouterr().err
         assert exit_info.value.code == 2, err
         assert f"error: --output-dir '{out}' is in use by another glm53flash-finetune run (pid {holder.pid}" in err
@@ -292,6 +217,7 @@ def test_second_run_into_a_held_folder_is_refused(tiny, tmp_path, capsys):
         holder.wait()
     with finetune.output_lock(str(out)):
         assert open(lock_path).read() == f"{os.getpid()}\n"
+
 
 
 # ------------------------------------------------------------------------------------------------ publishing
@@ -315,7 +241,7 @@ def _cross_device(monkeypatch, staging):
 
 
 @pytest.mark.parametrize("mount_point", [False, True], ids=["other-fs", "mount-point"])
-def test_publish_across_file_systems(tiny, old_output, monkeypatch, mount_point):
+def test_publish_across_file_systems(tiny_checkpoint, old_output, monkeypatch, mount_point):
     """``--output-dir`` on another file system than its staging folder (every rename or link out of staging fails
     with EXDEV); ``mount_point``: the output folder is a mount point, so the save goes through its journal inside
     it. The run publishes a complete folder (the user's README kept) and leaves no staging folder."""
@@ -325,7 +251,7 @@ def test_publish_across_file_systems(tiny, old_output, monkeypatch, mount_point)
     if mount_point:
         ismount = os.path.ismount
         monkeypatch.setattr(os.path, "ismount", lambda p: os.path.realpath(p) == os.path.realpath(out) or ismount(p))
-    assert finetune.main(_argv(tiny, out, "--seed", "1")) == 0
+    assert finetune.main(_argv(tiny_checkpoint, out, "--seed", "1")) == 0
     finetune.check_saved_folder(str(out), adapter=True)
     assert (out / "README.md").read_text() == "user notes\n"
     assert _snapshot(out)[finetune.LOSS_LOG] != snapshot[finetune.LOSS_LOG]  # the new run's
@@ -333,7 +259,7 @@ def test_publish_across_file_systems(tiny, old_output, monkeypatch, mount_point)
     assert not [name for name in os.listdir(out) if name.startswith(".glm53flash-save")]
 
 
-def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch):
+def test_failed_publish_keeps_staging_and_names_it(tiny_checkpoint, old_output, monkeypatch):
     """The swap into ``--output-dir`` fails (EIO): the old output stays as it was, and the staging folder, the run's
     only complete copy, is kept and named in the error; the next run's cleanup moves it aside instead of deleting it."""
     import errno
@@ -352,7 +278,7 @@ def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch
 
     monkeypatch.setattr(checkpoint_io, "exchange_paths", failing_exchange)
     with pytest.raises(RuntimeError, match=rf"kept in {staging}: ") as error_info:  # finetune.PublishError
-        finetune.main(_argv(tiny, out, "--seed", "1"))
+        finetune.main(_argv(tiny_checkpoint, out, "--seed", "1"))
     assert "Input/output error" in str(error_info.value)
     assert _snapshot(out) == snapshot
     assert sorted(os.listdir(out.parent)) == [".out.lock", ".out.staging", "out"]
@@ -373,10 +299,12 @@ def test_failed_publish_keeps_staging_and_names_it(tiny, old_output, monkeypatch
     assert finetune.clear_staging(staging, str(out)) is None and os.listdir(staging) == []
 
 
+
 # ------------------------------------------------------------------------------------------------ router biases
 
 
-def test_balanced_router_biases_reach_both_adapters_and_the_merged_model(tiny, tmp_path, monkeypatch, capsys):
+def test_balanced_router_biases_reach_both_adapters_and_the_merged_model(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                         capsys):
     """``--balance-speed`` with LoRA: the router biases the balancing moved are in the VL adapter, the causal-LM
     adapter (under its names) and the merged model, equal to the trained ones; both adapters load them back through
     PEFT's Auto classes (no warning) and the merge check passes (exit status 0)."""
@@ -389,15 +317,15 @@ def test_balanced_router_biases_reach_both_adapters_and_the_merged_model(tiny, t
     trained = {}
     original = finetune.save
 
-    def save(job, trainer, processor):
+    def save(job, trainer, tiny_processor):
         for name, router in find_routers(trainer.model).items():
             trained[name.removeprefix("base_model.model.model.language_model.")] = (
                 router.e_score_correction_bias.detach().clone())
-        return original(job, trainer, processor)
+        return original(job, trainer, tiny_processor)
 
     monkeypatch.setattr(finetune, "save", save)
     out = tmp_path / "out"
-    assert finetune.main(_argv(tiny, out, "--balance-speed", "0.01")) == 0
+    assert finetune.main(_argv(tiny_checkpoint, out, "--balance-speed", "0.01")) == 0
     assert "merged model vs the trained adapter" in capsys.readouterr().out
     assert trained and all(bool(bias.abs().max() > 0) for bias in trained.values())  # balancing moved them
 
@@ -421,7 +349,7 @@ def test_balanced_router_biases_reach_both_adapters_and_the_merged_model(tiny, t
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for folder, auto_peft, prefix in ((finetune.ADAPTER_DIR, "AutoPeftModelForCausalLM", "model."),
                                       (finetune.ADAPTER_VL_DIR, "AutoPeftModel", "model.language_model.")):
-        with test_finetune.no_warnings():
+        with no_warnings():
             adapted = getattr(peft, auto_peft).from_pretrained(str(out / folder), trust_remote_code=True,
                                                                dtype=torch.float32)
         loaded = {name.removeprefix("base_model.model." + prefix): router.e_score_correction_bias
@@ -432,3 +360,4 @@ def test_balanced_router_biases_reach_both_adapters_and_the_merged_model(tiny, t
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
     for name, router in find_routers(merged).items():
         assert torch.equal(router.e_score_correction_bias, trained[name.removeprefix("model.")])
+

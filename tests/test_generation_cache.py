@@ -1,25 +1,33 @@
-"""Generation off the happy path: padding masks ``generate`` cannot serve, caches of another model or already
-filled, and transformers' candidate generators (prompt lookup, an assistant model made by ``glm53flash-crop``).
+"""Generation off the happy path (:mod:`glm53flash_hf.generation_cache`): padding masks ``generate`` cannot serve,
+caches of another model, already filled or too short (a ``StaticCache``), and transformers' candidate generators
+(prompt lookup, an assistant model made by ``glm53flash-crop``).
 
 Model: ``configuration/tiny.json`` (KDA, full and shared DSA, MoE, mHC, one MTP layer), randomised
 (``tests/tiny.py``), fp32; the "drafty" variant (:func:`tiny.drafty_`) makes a cropped copy predict mostly as the
 whole model, so an assistant's drafts are both accepted and rejected.
 
 Oracles: plain greedy ``generate`` (token for token), the assistant's own plain greedy from each round's input
-(its drafts), and caches that never saw the removed tokens.
+(its drafts), and caches that never saw the removed tokens. The ``StaticCache`` checks use the plain randomised tiny
+model (:func:`shared_fixtures.random_lm`).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import shared_fixtures
 import torch
 from ckpt_fixtures import tiny_config
+from shared_fixtures import IDS
 from tiny import drafty_, randomize_, rel_err
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from glm53flash_hf.generation_cache import Glm53FlashKDACacheLayer, make_croppable
 from glm53flash_hf.modeling_glm53flash import Glm53FlashForCausalLM
 from glm53flash_hf.tools import crop
+
+random_lm = shared_fixtures.random_lm  # fixture
 
 PAD = 2000
 STATE_TOL = 1e-5  # fp32 rounding of the same maths over calls of other lengths; a wrong rollback moves states by O(1)
@@ -42,6 +50,7 @@ def _model(drafty=False):
 
 @pytest.fixture(scope="module")
 def lm():
+    """The randomised tiny model of this file (seed 5, fp32, never stopping early); not shared_fixtures.random_lm."""
     return _model()
 
 
@@ -267,3 +276,38 @@ def test_prompt_lookup_greedy_equals_plain_greedy_and_accepts_candidates(main_an
         handle.remove()
     assert torch.equal(lookup, plain), (plain[0, end:].tolist(), lookup[0, end:].tolist())
     assert len(calls) < 8, len(calls)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# static caches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_static_cache_shorter_than_prompt_plus_new_tokens(random_lm):
+    for name in ("cache", "past_key_values"):
+        cache = StaticCache(config=random_lm.config, max_cache_len=16)
+        with pytest.raises(ValueError, match=r"StaticCache of max_cache_len=16 but generate needs 20 positions "
+                                             r"\(prompt 12 \+ max_new_tokens 8\)"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # past_key_values: the older spelling
+            random_lm.generate(IDS, max_new_tokens=8, do_sample=False, **{name: cache})
+    cache = StaticCache(config=random_lm.config, max_cache_len=8)
+    match = r"holds 8 tokens \(max_cache_len\) but this call needs 12 \(0 cached \+ 12 new\)"
+    with pytest.raises(ValueError, match=match):
+        random_lm(input_ids=IDS, past_key_values=cache, use_cache=True)
+
+
+def test_static_cache_that_fits_generates(random_lm):
+    cache = StaticCache(config=random_lm.config, max_cache_len=20)
+    out = random_lm.generate(IDS, cache=cache, max_new_tokens=8, do_sample=False)
+    ref = random_lm.generate(IDS, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_static_cache_with_assisted_generation_raises(random_lm):
+    """A StaticCache's KDA layers cannot roll back into a verification call (transformers 5.25 calls them croppable
+    and failed inside crop)."""
+    cache = StaticCache(config=random_lm.config, max_cache_len=32)
+    match = r"needs a cache whose KDA layers can be cropped; the StaticCache given has \d+ plain linear-attention"
+    with pytest.raises(ValueError, match=match + r" layers \(the first: layer 0\)"):
+        random_lm.generate(IDS, cache=cache, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3)
+
