@@ -112,6 +112,7 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
         out.loss.backward()
         return out.loss.item()
 
+    base = _rss_kib()  # before any forward: on the reuse heap, memory a forward frees stays resident
     flops = None
     if impl == "ours":
         counter = FlopCounterMode(display=False)
@@ -119,7 +120,6 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
             model(**inputs)
         flops = 3 * counter.get_total_flops()
 
-    base = _rss_kib()
     compile_s = None
     if impl.endswith("-compiled"):
         t0 = time.perf_counter()
@@ -127,11 +127,13 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
         compile_s = time.perf_counter() - t0
     times = []
     loss = None
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak, faults = usage.ru_maxrss, (usage.ru_minflt - faults) / repeats
     live_mib = None
     if live:
         from bench_sp import _LiveTensors
@@ -142,7 +144,8 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
         live_mib = tracker.peak / 2**20
     return {"impl": impl, "seq_len": seq_len, "time_s": statistics.median(times), "times": times,
             "compile_s": compile_s, "peak_mib": (peak - base) / 1024, "loss": loss, "model_flops": flops,
-            "malloc": malloc, "grad_ckpt": grad_ckpt, "docs": docs, "live_mib": live_mib}
+            "malloc": malloc, "grad_ckpt": grad_ckpt, "docs": docs, "live_mib": live_mib,
+            "faults_per_step": faults}
 
 
 def run_worker(impl: str, folder: str, seq_len: int, args) -> dict:
@@ -236,14 +239,14 @@ def main() -> int:
     print("\nmodel FLOPs per step (ours, 3x one forward's matmul FLOPs): "
           + ", ".join(f"S={s}: {r['model_flops'] / 1e9:.1f} GFLOP" for (i, s), r in results.items()
                       if i == "ours" and r and r.get("model_flops")))
-    print("\n| impl | S | ms / token | resident peak (MiB) | live peak (MiB) | resident / live |")
-    print("|---|---|---|---|---|---|")
+    print("\n| impl | S | ms / token | resident peak (MiB) | live peak (MiB) | resident / live | page faults / step |")
+    print("|---|---|---|---|---|---|---|")
     for (impl, seq_len), r in results.items():
         if r and "failed" not in r:
             live_mib = r.get("live_mib")
             ratio = f"{r['peak_mib'] / live_mib:.2f}" if live_mib else "-"
             print(f"| {impl} | {seq_len} | {1e3 * r['time_s'] / seq_len:.3f} | {r['peak_mib']:.0f} | "
-                  f"{'-' if live_mib is None else f'{live_mib:.0f}'} | {ratio} |")
+                  f"{'-' if live_mib is None else f'{live_mib:.0f}'} | {ratio} | {r['faults_per_step']:.0f} |")
     print("compile time of the first step (s): "
           + ", ".join(f"{i} S={s}: {r['compile_s']:.0f}" for (i, s), r in results.items()
                       if r and r.get("compile_s") is not None))
