@@ -1,27 +1,28 @@
 """Process-wide heap policy for CPU training: how glibc's malloc serves and returns the large blocks of a step.
 
-* ``"reuse"``: the ``mallopt`` parameters of :data:`REUSE_SETTINGS` keep freed large blocks in the heap for the next
-  allocation (no page faults in later steps); the cost is resident memory, since the heap fragments (up to about
-  2x the peak of live tensors).
-* ``"bounded"``: :data:`BOUNDED_SETTINGS` serve every block of 2 MiB or more with its own ``mmap``, returned on free,
-  so resident memory stays close to the live tensors; every large block of a step is mapped and zero-filled again.
-* ``"default"``: change nothing.
+* ``"bounded"``: :data:`BOUNDED_SETTINGS` serve every block of 2 MiB or more with its own ``mmap``, returned on free
+  (a fixed ``M_MMAP_THRESHOLD``: glibc no longer raises it as blocks are freed), so resident memory stays close to
+  the peak of live tensors; every large block of a step is mapped and zero-filled again.
+* ``"reuse"``: :data:`REUSE_SETTINGS` keep freed large blocks in the heap for the next allocation (no page faults in
+  later steps); the heap fragments, and resident memory reaches up to about 2x the peak of live tensors.
+* ``"default"``: change nothing. glibc's dynamic mmap threshold rises to 32 MiB as blocks are freed, so blocks below
+  it stay in a heap that fragments, and larger ones are faulted in every step.
 
-Both ``"reuse"`` and ``"bounded"`` also set ``THP_MEM_ALLOC_ENABLE=1`` (torch's CPU allocator then aligns blocks of
-2 MiB or more to transparent huge pages and ``madvise``s them), unless the variable is already set or the kernel's
-THP mode is ``never``; torch reads it at its first such allocation, so the policy has to be set before the model is
-built. glibc only; elsewhere nothing changes and a warning says so once. Why and the measurements: ``docs/design.md``,
+Transparent huge pages make each page fault cover 2 MiB: torch's CPU allocator ``madvise``s its blocks of 2 MiB or
+more when ``THP_MEM_ALLOC_ENABLE=1`` is set before the process's first tensor is allocated (it is read once), and
+the kernel's THP mode is ``always`` or ``madvise``. :func:`huge_pages_in_use` reports whether that is in effect.
+glibc only; elsewhere nothing changes and a warning says so once. Why and the measurements: ``docs/design.md``,
 "FSDP2 and fine-tuning".
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import warnings
 
-__all__ = ["BOUNDED_SETTINGS", "MALLOC_POLICIES", "REUSE_SETTINGS", "current_malloc_policy", "set_malloc_policy"]
+__all__ = ["BOUNDED_SETTINGS", "MALLOC_POLICIES", "REUSE_SETTINGS", "current_malloc_policy", "huge_pages_in_use",
+           "set_malloc_policy"]
 
 MALLOC_POLICIES = ("default", "reuse", "bounded")
 
@@ -76,10 +77,32 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else None
 
 
-def _enable_huge_pages() -> None:
-    """Set ``THP_MEM_ALLOC_ENABLE=1`` for torch's CPU allocator when the kernel offers THP and it is unset."""
-    if "THP_MEM_ALLOC_ENABLE" not in os.environ and _thp_mode() in ("always", "madvise"):
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+def huge_pages_in_use() -> bool | None:
+    """Whether torch's large CPU blocks get transparent huge pages in this process.
+
+    Allocates and fills one 4 MiB tensor and reads the ``AnonHugePages`` of its mapping in ``/proc/self/smaps``.
+    Returns ``None`` where the kernel offers no THP (no ``/sys/kernel/mm/transparent_hugepage``, or mode ``never``)
+    or ``smaps`` cannot be read; else ``True`` when part of the block is backed by huge pages.
+    """
+    if _thp_mode() not in ("always", "madvise"):
+        return None
+    import torch
+
+    block = torch.empty(4 << 20, dtype=torch.uint8)
+    block.fill_(1)
+    ptr, inside = block.data_ptr(), False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= ptr < hi
+                elif inside and line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) > 0
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def set_malloc_policy(policy: str) -> bool:
@@ -106,7 +129,6 @@ def set_malloc_policy(policy: str) -> bool:
     if refused:
         _warn_once(f"malloc policy {policy!r}: mallopt refused {', '.join(refused)}; the heap policy is incomplete")
         return False
-    _enable_huge_pages()
     _state["policy"] = policy
     return True
 
