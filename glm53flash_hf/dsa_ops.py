@@ -257,9 +257,18 @@ def sparse_mla_with_weights(
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``long [..., k]`` of the ``k`` largest of ``scores [..., P]`` (``1 <= k <= P``, may hold ``-inf``),
-    exact ties to the lower index: the finite picks in increasing index order, then the ``-inf`` ones."""
-    top = scores.topk(k, dim=-1).values
+    exact ties to the lower index: the finite picks in increasing index order, then the ``-inf`` ones.
+
+    When every pick is finite and no row's ``k``-th value also occurs outside its top ``k`` (no tie crosses the
+    boundary), the top ``k`` of ``torch.topk`` are the exact picks and only their order is set (eager only; one
+    ``[..., P]`` comparison). Otherwise each row's picks are ranked by an integer key over all ``P`` entries.
+    """
+    top, top_ids = scores.topk(k, dim=-1)
     kth = top[..., -1:]
+    if not torch.compiler.is_compiling():
+        crossing = (scores == kth).sum(-1, keepdim=True, dtype=torch.int32) > (top == kth).sum(-1, keepdim=True)
+        if bool(top.isfinite().all()) and not bool(crossing.any()):
+            return top_ids.sort(dim=-1).values
     # every entry greater than the k-th value is among the top k: count them there ([..., k], not [..., P])
     need = k - (top > kth).sum(-1, keepdim=True, dtype=torch.int32)
     tied = scores == kth
