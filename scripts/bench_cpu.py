@@ -30,9 +30,9 @@ beside the resident peak of the timed steps (both without the model and inputs) 
 Heap policy (``--malloc``): ``default`` leaves glibc's malloc as it is; ``reuse`` and ``bounded`` apply
 :func:`glm53flash_hf.train.malloc.set_malloc_policy` in every worker before its model loads, for both implementations
 alike (``reuse``: freed large blocks are kept for the next step; ``bounded``: every block of 2 MiB or more is its own
-mapping, returned on free). The workers inherit the environment: ``THP_MEM_ALLOC_ENABLE=1`` gives torch's large
-blocks transparent huge pages, and the table says whether they were in use. Page faults per step are the timed
-steps' minor faults.
+mapping, returned on free). Those two also give torch's large blocks transparent huge pages unless the environment
+sets ``THP_MEM_ALLOC_ENABLE`` (``=0``: off; the workers inherit it), and the table says whether they were in use.
+Page faults per step are the timed steps' minor faults.
 
 Usage::
 
@@ -40,8 +40,7 @@ Usage::
     python scripts/bench_cpu.py --seqlens 512 --repeats 1 --impls hf ours
     python scripts/bench_cpu.py --seqlens 8192 --impls hf ours --malloc reuse
     python scripts/bench_cpu.py --seqlens 32768 131072 --impls ours --grad-ckpt --live --repeats 1
-    THP_MEM_ALLOC_ENABLE=1 python scripts/bench_cpu.py --seqlens 8192 32768 --impls ours --grad-ckpt --live \\
-        --malloc bounded
+    python scripts/bench_cpu.py --seqlens 8192 32768 --impls ours --grad-ckpt --live --malloc bounded
 """
 
 from __future__ import annotations

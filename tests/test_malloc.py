@@ -2,7 +2,8 @@
 nothing, a C library that is not glibc gets one warning; and, in fresh processes, the effect itself: a freed 64 MiB
 tensor's pages are reused by the next one under ``reuse`` and faulted in afresh under ``default``; a freed 4 MiB
 tensor's pages are kept by glibc's default heap (its mmap threshold rises past 4 MiB) and returned under ``bounded``;
-huge pages are reported as in use exactly when ``THP_MEM_ALLOC_ENABLE=1`` was set before the start. Also the
+huge pages are reported as in use exactly when ``THP_MEM_ALLOC_ENABLE=1`` was set before torch's first CPU allocation
+(by the environment, or by a policy set before any tensor). Also the
 ``--malloc`` choice of ``glm53flash-finetune``."""
 
 from __future__ import annotations
@@ -152,6 +153,19 @@ print(json.dumps({"huge": huge_pages_in_use()}))
 """
 
 
+_POLICY_HUGE_CHILD = r"""
+import json, os, sys
+import torch
+from glm53flash_hf.train.malloc import huge_pages_in_use, set_malloc_policy
+
+if sys.argv[1] == "allocated-first":
+    torch.ones(8)  # torch reads THP_MEM_ALLOC_ENABLE at its first CPU allocation
+os.environ.pop("THP_MEM_ALLOC_ENABLE")
+set_malloc_policy("bounded")
+print(json.dumps({"huge": huge_pages_in_use(), "variable": os.environ.get("THP_MEM_ALLOC_ENABLE")}))
+"""
+
+
 @pytest.mark.skipif(malloc._thp_mode() not in ("always", "madvise"), reason="the kernel offers no THP")
 @pytest.mark.parametrize("thp", ["1", "0"])
 def test_huge_pages_follow_the_variable_set_before_the_start(thp):
@@ -160,6 +174,14 @@ def test_huge_pages_follow_the_variable_set_before_the_start(thp):
         assert huge is True
     elif malloc._thp_mode() == "madvise":  # under "always" every large anonymous mapping may get them
         assert huge is False
+
+
+@pytest.mark.skipif(malloc._glibc() is None or malloc._thp_mode() != "madvise", reason="glibc and THP madvise mode")
+@pytest.mark.parametrize("when", ["before-any-tensor", "allocated-first"])
+def test_the_policy_turns_huge_pages_on_before_the_first_tensor(when):
+    res = _child(when, code=_POLICY_HUGE_CHILD)
+    assert res["variable"] == "1"
+    assert res["huge"] is (when == "before-any-tensor"), res  # set too late: torch keeps what it read
 
 
 def test_finetune_malloc_choice():

@@ -475,8 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "block of 2 MiB or more on free (resident memory close to the live tensors); reuse keeps "
                              "freed blocks for the next step (fewer page faults, up to 2x the resident memory); auto: "
                              "bounded when no CUDA device is available (training on CPU); default: leave malloc as it "
-                             "is. THP_MEM_ALLOC_ENABLE=1 in the environment gives torch's blocks huge pages "
-                             "(default: %(default)s)")
+                             "is. bounded and reuse also turn on transparent huge pages for torch's large blocks unless "
+                             "THP_MEM_ALLOC_ENABLE is set (default: %(default)s)")
     return parser
 
 
@@ -851,7 +851,7 @@ def main(argv=None) -> int:
     if heap_set:
         huge = huge_pages_in_use()
         job.say(f"heap: malloc policy {heap!r} (--malloc default: off); huge pages: "
-                + {True: "on", False: "off (THP_MEM_ALLOC_ENABLE=1 before the start turns them on)",
+                + {True: "on", False: "off (THP_MEM_ALLOC_ENABLE set, or a tensor allocated first)",
                    None: "not offered by this kernel"}[huge])
     with contextlib.ExitStack() as stack:
         if job.main_process:

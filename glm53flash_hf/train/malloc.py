@@ -9,8 +9,10 @@
   it stay in a heap that fragments, and larger ones are faulted in every step.
 
 Transparent huge pages make each page fault cover 2 MiB: torch's CPU allocator ``madvise``s its blocks of 2 MiB or
-more when ``THP_MEM_ALLOC_ENABLE=1`` is set before the process's first tensor is allocated (it is read once), and
-the kernel's THP mode is ``always`` or ``madvise``. :func:`huge_pages_in_use` reports whether that is in effect.
+more when ``THP_MEM_ALLOC_ENABLE=1`` is set at the process's first CPU tensor allocation (it is read then, once) and
+the kernel's THP mode is ``always`` or ``madvise``. ``"reuse"`` and ``"bounded"`` set the variable when it is unset
+and the kernel offers THP, which takes effect when no CPU tensor was allocated before; :func:`huge_pages_in_use`
+reports whether it did.
 glibc only; elsewhere nothing changes and a warning says so once. Why and the measurements: ``docs/design.md``,
 "FSDP2 and fine-tuning".
 """
@@ -18,6 +20,7 @@ glibc only; elsewhere nothing changes and a warning says so once. Why and the me
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import warnings
 
@@ -105,6 +108,12 @@ def huge_pages_in_use() -> bool | None:
     return None
 
 
+def _enable_huge_pages() -> None:
+    """Set ``THP_MEM_ALLOC_ENABLE=1`` for torch's CPU allocator when it is unset and the kernel offers THP."""
+    if "THP_MEM_ALLOC_ENABLE" not in os.environ and _thp_mode() in ("always", "madvise"):
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+
+
 def set_malloc_policy(policy: str) -> bool:
     """Apply ``policy`` (one of :data:`MALLOC_POLICIES`; ``"default"`` changes nothing) to this process.
 
@@ -129,6 +138,7 @@ def set_malloc_policy(policy: str) -> bool:
     if refused:
         _warn_once(f"malloc policy {policy!r}: mallopt refused {', '.join(refused)}; the heap policy is incomplete")
         return False
+    _enable_huge_pages()
     _state["policy"] = policy
     return True
 
