@@ -475,8 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "block of 2 MiB or more on free (resident memory close to the live tensors); reuse keeps "
                              "freed blocks for the next step (fewer page faults, up to 2x the resident memory); auto: "
                              "bounded when no CUDA device is available (training on CPU); default: leave malloc as it "
-                             "is. bounded and reuse also turn on transparent huge pages for torch's large blocks unless "
-                             "THP_MEM_ALLOC_ENABLE is set (default: %(default)s)")
+                             "is. bounded and reuse also turn on transparent huge pages for torch's large blocks "
+                             "unless THP_MEM_ALLOC_ENABLE is set (default: %(default)s)")
     return parser
 
 
