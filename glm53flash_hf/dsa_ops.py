@@ -257,9 +257,27 @@ def sparse_mla_with_weights(
 
 def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``long [..., k]`` of the ``k`` largest of ``scores [..., P]`` (``1 <= k <= P``, may hold ``-inf``),
-    exact ties to the lower index: the finite picks in increasing index order, then the ``-inf`` ones."""
-    top = scores.topk(k, dim=-1).values
+    exact ties to the lower index: the finite picks in increasing index order, then the ``-inf`` ones.
+
+    A row whose picks are all finite and whose ``k``-th value does not also occur outside its top ``k`` (no tie
+    crosses the boundary) takes the top ``k`` of ``torch.topk`` in index order (eager only; one ``[..., P]``
+    comparison); the other rows are ranked by an integer key over all ``P`` entries.
+    """
+    top, top_ids = scores.topk(k, dim=-1)
     kth = top[..., -1:]
+    if torch.compiler.is_compiling():
+        return _ranked_topk(scores, k, top, kth)
+    crossing = (scores == kth).sum(-1, dtype=torch.int32) > (top == kth).sum(-1)
+    crossing |= ~top.isfinite().all(-1)
+    out = top_ids.sort(dim=-1).values
+    if bool(crossing.any()):
+        out[crossing] = _ranked_topk(scores[crossing], k, top[crossing], kth[crossing])
+    return out
+
+
+def _ranked_topk(scores: torch.Tensor, k: int, top: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+    """:func:`stable_topk_indices` of every row, ranked by an integer key over all entries (``top`` / ``kth``: the
+    rows' ``k`` largest values and the ``k``-th, ``[..., k]`` / ``[..., 1]``)."""
     # every entry greater than the k-th value is among the top k: count them there ([..., k], not [..., P])
     need = k - (top > kth).sum(-1, keepdim=True, dtype=torch.int32)
     tied = scores == kth

@@ -27,9 +27,12 @@ into the row (``position_ids`` restarting at each; the built-in takes the same i
 storages the ops return (``bench_sp._LiveTensors``: activations, saved tensors, gradients, temporaries), printed
 beside the resident peak of the timed steps (both without the model and inputs) as resident / live.
 
-Heap policy (``--malloc``): ``default`` leaves glibc's malloc as it is (each large temporary a fresh ``mmap``,
-page-faulted in every step); ``reuse`` applies :func:`glm53flash_hf.train.malloc.set_malloc_policy` in every worker
-before its model loads, for both implementations alike, so freed large blocks are reused (more resident memory).
+Heap policy (``--malloc``): ``default`` leaves glibc's malloc as it is; ``reuse`` and ``bounded`` apply
+:func:`glm53flash_hf.train.malloc.set_malloc_policy` in every worker before its model loads, for both implementations
+alike (``reuse``: freed large blocks are kept for the next step; ``bounded``: every block of 2 MiB or more is its own
+mapping, returned on free). Those two also give torch's large blocks transparent huge pages unless the environment
+sets ``THP_MEM_ALLOC_ENABLE`` (``=0``: off; the workers inherit it), and the table says whether they were in use.
+Page faults per step are the timed steps' minor faults.
 
 Usage::
 
@@ -37,6 +40,7 @@ Usage::
     python scripts/bench_cpu.py --seqlens 512 --repeats 1 --impls hf ours
     python scripts/bench_cpu.py --seqlens 8192 --impls hf ours --malloc reuse
     python scripts/bench_cpu.py --seqlens 32768 131072 --impls ours --grad-ckpt --live --repeats 1
+    python scripts/bench_cpu.py --seqlens 8192 32768 --impls ours --grad-ckpt --live --malloc bounded
 """
 
 from __future__ import annotations
@@ -89,9 +93,10 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from glm53flash_hf.train.malloc import set_malloc_policy
+    from glm53flash_hf.train.malloc import huge_pages_in_use, set_malloc_policy
 
     set_malloc_policy(malloc)
+    huge_pages = huge_pages_in_use()
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model = load(impl, folder).train()
@@ -112,6 +117,7 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
         out.loss.backward()
         return out.loss.item()
 
+    base = _rss_kib()  # before any forward: on the reuse heap, memory a forward frees stays resident
     flops = None
     if impl == "ours":
         counter = FlopCounterMode(display=False)
@@ -119,7 +125,6 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
             model(**inputs)
         flops = 3 * counter.get_total_flops()
 
-    base = _rss_kib()
     compile_s = None
     if impl.endswith("-compiled"):
         t0 = time.perf_counter()
@@ -127,11 +132,13 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
         compile_s = time.perf_counter() - t0
     times = []
     loss = None
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak, faults = usage.ru_maxrss, (usage.ru_minflt - faults) / repeats
     live_mib = None
     if live:
         from bench_sp import _LiveTensors
@@ -142,7 +149,8 @@ def worker(impl: str, folder: str, seq_len: int, repeats: int, mem_gib: float, m
         live_mib = tracker.peak / 2**20
     return {"impl": impl, "seq_len": seq_len, "time_s": statistics.median(times), "times": times,
             "compile_s": compile_s, "peak_mib": (peak - base) / 1024, "loss": loss, "model_flops": flops,
-            "malloc": malloc, "grad_ckpt": grad_ckpt, "docs": docs, "live_mib": live_mib}
+            "malloc": malloc, "grad_ckpt": grad_ckpt, "docs": docs, "live_mib": live_mib,
+            "faults_per_step": faults, "huge_pages": huge_pages}
 
 
 def run_worker(impl: str, folder: str, seq_len: int, args) -> dict:
@@ -175,7 +183,7 @@ def main() -> int:
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--mem-gib", type=float, default=20.0, help="address-space cap per worker (GiB; 0: none)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker before it is stopped")
-    parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
+    parser.add_argument("--malloc", choices=("default", "reuse", "bounded"), default="default",
                         help="heap policy of every worker, both implementations (default: %(default)s)")
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in both implementations")
     parser.add_argument("--docs", type=int, default=1, help="equal packed documents per row (default: %(default)s)")
@@ -236,14 +244,16 @@ def main() -> int:
     print("\nmodel FLOPs per step (ours, 3x one forward's matmul FLOPs): "
           + ", ".join(f"S={s}: {r['model_flops'] / 1e9:.1f} GFLOP" for (i, s), r in results.items()
                       if i == "ours" and r and r.get("model_flops")))
-    print("\n| impl | S | ms / token | resident peak (MiB) | live peak (MiB) | resident / live |")
-    print("|---|---|---|---|---|---|")
+    print("\n| impl | S | ms / token | resident peak (MiB) | live peak (MiB) | resident / live | page faults / step "
+          "| huge pages |")
+    print("|---|---|---|---|---|---|---|---|")
     for (impl, seq_len), r in results.items():
         if r and "failed" not in r:
             live_mib = r.get("live_mib")
             ratio = f"{r['peak_mib'] / live_mib:.2f}" if live_mib else "-"
             print(f"| {impl} | {seq_len} | {1e3 * r['time_s'] / seq_len:.3f} | {r['peak_mib']:.0f} | "
-                  f"{'-' if live_mib is None else f'{live_mib:.0f}'} | {ratio} |")
+                  f"{'-' if live_mib is None else f'{live_mib:.0f}'} | {ratio} | {r['faults_per_step']:.0f} | "
+                  f"{ {True: 'on', False: 'off', None: '-'}[r['huge_pages']]} |")
     print("compile time of the first step (s): "
           + ", ".join(f"{i} S={s}: {r['compile_s']:.0f}" for (i, s), r in results.items()
                       if r and r.get("compile_s") is not None))

@@ -456,7 +456,7 @@ def main() -> int:
     parser.add_argument("--decode", type=int, nargs="+", metavar="C",
                         help="profile one cached decode step after each context length C (instead of --seqlens)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
+    parser.add_argument("--malloc", choices=("default", "reuse", "bounded"), default="default",
                         help="heap policy (glm53flash_hf.train.malloc.set_malloc_policy), as bench_cpu.py --malloc")
     parser.add_argument("--compiled", action="store_true",
                         help="profile the torch.compile'd training step (op kinds only; not with --decode)")

@@ -648,6 +648,32 @@ def test_stable_topk_breaks_ties_toward_earlier_entries():
     assert torch.equal(ours, distinct.topk(7).indices.sort(-1).values)
 
 
+def _stable_topk_oracle(row: list[float], k: int) -> list[int]:
+    """Python reference: the ``k`` largest, ties to the lower index; finite picks in index order, then ``-inf``."""
+    picks = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+    finite = sorted(i for i in picks if row[i] != float("-inf"))
+    return finite + sorted(i for i in picks if row[i] == float("-inf"))
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "ties-across-the-k-th", "-inf"])
+def test_stable_topk_equals_a_python_sort(kind):
+    """Both ways through ``stable_topk_indices``: rows without a tie at the boundary (``torch.topk``'s picks,
+    reordered) and rows with one or with ``-inf`` picks (the integer key over all entries)."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        num = int(torch.randint(2, 40, (1,), generator=gen))
+        k = int(torch.randint(1, num + 1, (1,), generator=gen))
+        scores = torch.randn(6, num, generator=gen)
+        if kind == "ties":
+            scores = (scores * 3).round()
+        elif kind == "ties-across-the-k-th":
+            scores[:, : num // 2 + 1] = 0.5  # the k-th value of most rows also sits outside their top k
+        elif kind == "-inf":
+            scores[torch.rand(scores.shape, generator=gen) < 0.6] = float("-inf")
+        got = stable_topk_indices(scores, k).tolist()
+        assert got == [_stable_topk_oracle(row, k) for row in scores.tolist()], (kind, trial, num, k)
+
+
 def _tie_setup():
     config = make_config(index_n_heads=2)
     torch.manual_seed(0)

@@ -470,18 +470,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merged-format", choices=("fp8", "dense"), default="fp8",
                         help="LoRA on an FP8 checkpoint: write the merged model re-quantized to block-scaled FP8 "
                              "(default) or dense in --dtype")
-    parser.add_argument("--malloc", choices=("auto", "reuse", "default"), default="auto",
-                        help="heap policy of this process (glibc; glm53flash_hf.train.malloc): reuse keeps freed "
-                             "large blocks instead of page-faulting fresh ones every step (more resident memory); "
-                             "auto: reuse when no CUDA device is available (training on CPU); default: leave malloc "
-                             "as it is (default: %(default)s)")
+    parser.add_argument("--malloc", choices=("auto", "bounded", "reuse", "default"), default="auto",
+                        help="heap policy of this process (glibc; glm53flash_hf.train.malloc): bounded returns every "
+                             "block of 2 MiB or more on free (resident memory close to the live tensors); reuse keeps "
+                             "freed blocks for the next step (fewer page faults, up to 2x the resident memory); auto: "
+                             "bounded when no CUDA device is available (training on CPU); default: leave malloc as it "
+                             "is. bounded and reuse also turn on transparent huge pages for torch's large blocks "
+                             "unless THP_MEM_ALLOC_ENABLE is set (default: %(default)s)")
     return parser
 
 
 def malloc_policy(choice: str, cuda_available: bool) -> str:
-    """The heap policy ``--malloc`` asks for: ``"reuse"`` or ``"default"`` (``auto``: reuse without CUDA)."""
+    """The heap policy ``--malloc`` asks for (``auto``: ``"bounded"`` without CUDA, else ``"default"``)."""
     if choice == "auto":
-        return "default" if cuda_available else "reuse"
+        return "default" if cuda_available else "bounded"
     return choice
 
 
@@ -837,16 +839,20 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     import torch
 
-    from ..train.malloc import set_malloc_policy
+    from ..train.malloc import huge_pages_in_use, set_malloc_policy
 
-    heap_reuse = set_malloc_policy(malloc_policy(args.malloc, torch.cuda.is_available()))
+    heap = malloc_policy(args.malloc, torch.cuda.is_available())
+    heap_set = set_malloc_policy(heap)
     out, dtype = os.path.abspath(args.output_dir), _resolve_dtype(args)
     staging = staging_folder(out)
     training_args = training_arguments(args, staging, dtype)
     job = Job(args=args, out=out, staging=staging, dtype=dtype, training_args=training_args,
               main_process=training_args.process_index == 0)
-    if heap_reuse:
-        job.say("heap: malloc policy 'reuse' (freed large blocks are kept for the next step; --malloc default: off)")
+    if heap_set:
+        huge = huge_pages_in_use()
+        job.say(f"heap: malloc policy {heap!r} (--malloc default: off); huge pages: "
+                + {True: "on", False: "off (THP_MEM_ALLOC_ENABLE set, or a tensor allocated first)",
+                   None: "not offered by this kernel"}[huge])
     with contextlib.ExitStack() as stack:
         if job.main_process:
             try:
