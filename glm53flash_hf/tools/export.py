@@ -105,17 +105,13 @@ def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[s
 
 def _replace_auto_maps(data, auto_map: dict) -> bool:
     """Set every ``"auto_map"`` inside the JSON value ``data`` to ``auto_map``; return whether anything changed."""
-    changed = False
-    if isinstance(data, dict):
-        if "auto_map" in data and data["auto_map"] != auto_map:
-            data["auto_map"] = dict(auto_map)
-            changed = True
-        for key, value in data.items():
-            if key != "auto_map":
-                changed = _replace_auto_maps(value, auto_map) or changed
-    elif isinstance(data, list):
-        for value in data:
-            changed = _replace_auto_maps(value, auto_map) or changed
+    if not isinstance(data, (dict, list)):
+        return False
+    changed = isinstance(data, dict) and data.get("auto_map", auto_map) != auto_map
+    if changed:
+        data["auto_map"] = dict(auto_map)
+    for value in [v for k, v in data.items() if k != "auto_map"] if isinstance(data, dict) else data:
+        changed = _replace_auto_maps(value, auto_map) or changed
     return changed
 
 
@@ -126,13 +122,10 @@ def _with_our_auto_map(path: str):
     try:
         with open(path, "rb") as f:
             raw = f.read()
-    except OSError:
-        return None
-    if b'"auto_map"' not in raw:
-        return None
-    try:
+        if b'"auto_map"' not in raw:
+            return None
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return data if _replace_auto_maps(data, processor_auto_map()) else None
 
@@ -163,9 +156,8 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         raise FileNotFoundError(f"SRC={src!r} has no config.json; pass a local checkpoint folder")
     config = read_json(config_path)
     if config.get("model_type") != "glm5_next":
-        raise ValueError(
-            f"{config_path}: model_type={config.get('model_type')!r}; expected 'glm5_next' (GLM-5.3-Flash)"
-        )
+        raise ValueError(f"{config_path}: model_type={config.get('model_type')!r}; expected 'glm5_next' "
+                         "(GLM-5.3-Flash)")
     try:
         Glm53FlashConfig.from_dict(dict(config))
     except Exception as error:  # the message names the field; keep the type visible
@@ -206,21 +198,18 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     atomic_save(out, write)
     kept = _scrub_kept_entries(out, written)
     ours = {os.path.basename(p): p for p in code}
-    foreign = [rel for rel in src_code if rel not in ours]
-    outdated = [
-        rel for rel in src_code if rel in ours and not filecmp.cmp(os.path.join(src, rel), ours[rel], shallow=False)
-    ]
-    replaced = sorted(rel for rel, kind in written.items() if kind == "config" and rel != "config.json")
-    if foreign or outdated or dropped_entries or replaced or kept:
-        parts = [f"SRC's code files not copied: {', '.join(foreign)}"] if foreign else []
-        if outdated:
-            parts.append(f"SRC's modules replaced by the package's: {', '.join(outdated)}")
-        if dropped_entries:
-            parts.append(f"config.json auto_map entries replaced or dropped: {', '.join(dropped_entries)}")
-        if replaced:
-            parts.append(f"auto_map replaced by the package's processor entry in: {', '.join(replaced)}")
-        if kept:
-            parts.append(f"removed or rewritten among OUT's previous files: {', '.join(kept)}")
+    notes = (
+        ("SRC's code files not copied", [rel for rel in src_code if rel not in ours]),
+        ("SRC's modules replaced by the package's", [
+            rel for rel in src_code if rel in ours and not filecmp.cmp(os.path.join(src, rel), ours[rel], shallow=False)
+        ]),
+        ("config.json auto_map entries replaced or dropped", dropped_entries),
+        ("auto_map replaced by the package's processor entry in",
+         sorted(rel for rel, kind in written.items() if kind == "config" and rel != "config.json")),
+        ("removed or rewritten among OUT's previous files", kept),
+    )
+    parts = [f"{what}: {', '.join(names)}" for what, names in notes if names]
+    if parts:
         logger.warning(f"glm53flash-export {src} -> {out}: OUT carries only this package's code; " + "; ".join(parts))
     return written
 
