@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +26,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..checkpoint_checks import SCALE_SUFFIX, fp8_block_size, inspect_checkpoint
-from ..checkpoint_io import atomic_save, open_shard, read_config_json
+from ..checkpoint_io import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_save, open_shard, read_config_json
 from ..fp8_blockwise import dequantize_fp8_blockwise
 from . import check_output_folder
 
-INDEX_NAME = "model.safetensors.index.json"
 COPY_PATTERNS = ("tokenizer*", "*.jinja", "*processor*config.json", "generation_config.json", "special_tokens_map.json",
                  "added_tokens.json", "chat_template.json", "*.py")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -71,11 +70,8 @@ class CropPlan:
 
     def counts(self) -> dict[str, int]:
         """Number of source tensors per action, plus ``dequantize``."""
-        out = {"keep": 0, "rename": 0, "drop": 0, "scale": 0, "dequantize": 0}
-        for a in self.actions:
-            out[a.action] += 1
-            out["dequantize"] += a.dequantize
-        return out
+        out = dict.fromkeys(("keep", "rename", "drop", "scale"), 0) | Counter(a.action for a in self.actions)
+        return out | {"dequantize": sum(a.dequantize for a in self.actions)}
 
 
 def _text_config(config: dict) -> dict:
@@ -166,7 +162,7 @@ def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> Cro
         raise ValueError(f"{src}: no config.json")
     ckpt = inspect_checkpoint(src, for_transformers=False)
     if ckpt is None:
-        raise ValueError(f"{src}: no {INDEX_NAME} or model.safetensors")
+        raise ValueError(f"{src}: no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}")
     weight_map = ckpt.weight_map
     text = _text_config(config)
     n_src = text.get("num_hidden_layers")
@@ -273,11 +269,9 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
         if a.target is not None:
             by_file.setdefault(plan.weight_map[a.source], []).append(a)
     by_file = dict(sorted(by_file.items()))
-    total_tensors = sum(len(v) for v in by_file.values())
     parts: list[tuple[str, list[str]]] = []
     buffer: dict[str, torch.Tensor] = {}
-    buffer_bytes = 0
-    total_size = 0
+    buffer_bytes = total_size = 0
 
     def flush():
         nonlocal buffer, buffer_bytes
@@ -288,7 +282,7 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
         parts.append((tmp, list(buffer)))
         buffer, buffer_bytes = {}, 0
 
-    bar = tqdm(total=total_tensors, desc="Cropping", unit="tensor", disable=not progress)
+    bar = tqdm(total=sum(map(len, by_file.values())), desc="Cropping", unit="tensor", disable=not progress)
     with bar, contextlib.closing(_ShardReaders(plan.src)) as scales:
         for fname, acts in by_file.items():
             bar.set_postfix_str(fname)
@@ -313,7 +307,7 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
         name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.replace(os.path.join(out, tmp), os.path.join(out, name))
         weight_map.update(dict.fromkeys(keys, name))
-    with open(os.path.join(out, INDEX_NAME), "w") as f:
+    with open(os.path.join(out, SAFETENSORS_INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(plan.config_out, f, indent=2)

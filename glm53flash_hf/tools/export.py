@@ -25,6 +25,7 @@ from . import check_output_folder, docstring_parser
 
 logger = logging.get_logger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+CODE_SUFFIXES = (".py", ".pyc")  # the Python files of SRC, which export() never copies
 LINK_MODES = ("symlink", "hardlink", "copy")
 
 
@@ -45,17 +46,14 @@ def remote_code_files() -> list[str]:
     from ..modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
 
     package_dir = os.path.dirname(os.path.abspath(inspect.getfile(Glm53FlashForCausalLM)))
-    files: list[str] = []
+    files: dict[str, None] = {}  # in first-seen order
     refs = list(AUTO_MAP.values()) + list(processor_auto_map().values())
     for module in sorted({ref.split(".")[0] for ref in refs}):
         entry = os.path.join(package_dir, module + ".py")
         if not os.path.isfile(entry):
             raise FileNotFoundError(f"AUTO_MAP names module {module!r} but {entry} does not exist")
-        for path in [entry] + list(get_relative_import_files(entry)):
-            path = os.path.abspath(path)
-            if path not in files:
-                files.append(path)
-    return files
+        files.update(dict.fromkeys(os.path.abspath(path) for path in [entry, *get_relative_import_files(entry)]))
+    return list(files)
 
 
 def link_file(src: str, dst: str, mode: str = "symlink") -> str:
@@ -80,11 +78,6 @@ def link_file(src: str, dst: str, mode: str = "symlink") -> str:
     return "copy"
 
 
-def is_code_file(name: str) -> bool:
-    """True for the Python files of SRC that :func:`export` never copies (``*.py``, ``*.pyc``)."""
-    return name.endswith((".py", ".pyc"))
-
-
 def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """``(relative path, "link" | "copy")`` per non-hidden, non-code file of ``src``, and the code files' paths."""
     plan, code = [], []
@@ -95,7 +88,7 @@ def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[s
             rel = os.path.relpath(os.path.join(root, name), src)
             if name.startswith(".") or rel in skip_names:
                 continue
-            if is_code_file(name):
+            if name.endswith(CODE_SUFFIXES):
                 code.append(rel)
                 continue
             is_weight = name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")  # linked, not copied
@@ -245,7 +238,7 @@ def _scrub_kept_entries(out: str, written: dict) -> list[str]:
             path = os.path.join(root, name)
             if os.path.relpath(path, out) in written or name.startswith("."):
                 continue
-            if is_code_file(name):
+            if name.endswith(CODE_SUFFIXES):
                 os.unlink(path)
                 changed.append(os.path.relpath(path, out))
             elif (data := _with_our_auto_map(path)) is not None:

@@ -61,8 +61,6 @@ PRETOKENIZE_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
 
 def corpus_texts() -> list[str]:
     """The training text: every topic of CPython's ``pydoc_data.topics``, in sorted topic order."""
@@ -120,19 +118,6 @@ def check_token_ids(config, tokenizer) -> None:
                                  "glm53flash_hf.tools.make_tiny.SPECIAL_TOKENS")
 
 
-def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
-    """Save ``tokenizer`` with transformers: ``<|endoftext|>`` as EOS and pad, left padding, ``model_max_length``, the
-    GLM special tokens as extra special tokens.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left",
-        clean_up_tokenization_spaces=False, model_max_length=model_max_length,
-        extra_special_tokens=[t for t in SPECIAL_TOKENS[1:] if t not in TEXT_TAG_TOKENS],
-    ).save_pretrained(out)
-
-
 def _tensor_bytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -141,7 +126,7 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
     """Rewrite the text shards (FP8 when ``fp8``), add ``vision_state`` as the last shard, and write the index."""
     from safetensors.torch import load_file, save_file
 
-    from ..checkpoint_io import read_weight_map, write_json
+    from ..checkpoint_io import SAFETENSORS_INDEX, read_weight_map, write_json
     from ..fp8_blockwise import fp8_keys_of, quantize_fp8_blockwise
 
     weight_map = read_weight_map(out)
@@ -225,11 +210,14 @@ def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool
 def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     """Write the checkpoint into the empty folder ``out``."""
     import torch
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
     from ..checkpoint_io import read_json, write_json
     from ..fp8_blockwise import fp8_quantization_config
     from ..modeling_glm53flash import Glm53FlashForCausalLM
+    from ..processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
 
     bar.set_postfix_str("text model")
     torch.manual_seed(seed)
@@ -252,26 +240,17 @@ def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     bar.update(2)
 
     bar.set_postfix_str("save tokenizer + processor")
-    save_tokenizer(tokenizer, out, model_max_length=text.max_position_embeddings)
-    save_processor(out, config)
-    bar.update(1)
-
-
-def save_processor(out: str, config) -> None:
-    """Write :class:`~.processing_glm53flash.Glm53FlashProcessor` (with the vision tower's patch/merge sizes) into
-    ``out``.
-    """
-    from transformers import AutoTokenizer
-    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-
-    from ..processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
-
-    vision = config.vision_config
-    sizes = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                 merge_size=vision.spatial_merge_size)
+    PreTrainedTokenizerFast(  # <|endoftext|> as EOS and pad, the other GLM special tokens as extra special tokens
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left",
+        clean_up_tokenization_spaces=False, model_max_length=text.max_position_embeddings,
+        extra_special_tokens=[t for t in SPECIAL_TOKENS[1:] if t not in TEXT_TAG_TOKENS],
+    ).save_pretrained(out)
+    vc = config.vision_config  # the processors take the vision tower's patch / merge sizes
+    sizes = dict(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size)
     processor = Glm53FlashProcessor(Glm5NextImageProcessorPil(**sizes), AutoTokenizer.from_pretrained(out),
                                     Glm53FlashVideoProcessor(**sizes))
     processor.save_pretrained(out)
+    bar.update(1)
 
 
 def main(argv=None) -> int:

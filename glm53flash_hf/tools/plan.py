@@ -259,10 +259,8 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
                 compute = _fp8_bytes(shape)
             else:
                 stored, compute = base_b * local, base_b * math.prod(shape)
-            weights += stored
             adapter = setup.lora_rank * _lora_targets(name, shape)
-            # adapters: fp32, sharded like the weight they adapt
-            weights += 4 * math.ceil(adapter / n)
+            weights += stored + 4 * math.ceil(adapter / n)  # adapters: fp32, sharded like the weight they adapt
             trainable += math.ceil(adapter / n)
             compute += cb * adapter
         else:
