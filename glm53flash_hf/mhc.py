@@ -53,9 +53,8 @@ class Glm53FlashHyperConnection(nn.Module):
 
     def forward(self, hidden_streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if hidden_streams.dim() != 4 or hidden_streams.shape[2] != self.hc_mult:
-            raise ValueError(
-                f"hidden_streams must be [B, S, hc_mult={self.hc_mult}, D]; got shape {tuple(hidden_streams.shape)}"
-            )
+            raise ValueError(f"hidden_streams must be [B, S, hc_mult={self.hc_mult}, D]; got shape "
+                             f"{tuple(hidden_streams.shape)}")
         hc_pre = op_for(hc_pre_torch, requested_backend(self.config, "mhc"), hidden_streams, self.fn, self.base,
                         self.scale)
         return hc_pre(hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters,

@@ -214,10 +214,8 @@ def shard_sequence(batch: dict, rank: int, world: int, seq_dim: int = 1) -> dict
         elif n != seq:
             raise ValueError(f"shard_sequence: {key} has sequence length {n}, other tensors {seq}")
         if n % world:
-            raise ValueError(
-                f"shard_sequence: sequence length {n} of {key} is not a multiple of the SP world size {world} "
-                f"(uneven shards are refused; pad the rows to a multiple of {world})"
-            )
+            raise ValueError(f"shard_sequence: sequence length {n} of {key} is not a multiple of the SP world size "
+                             f"{world} (uneven shards are refused; pad the rows to a multiple of {world})")
         length = n // world
         out[key] = value.narrow(seq_dim, rank * length, length)
     return out
@@ -245,18 +243,14 @@ def build_shard_layout(
             arguments (``packing.build_document_layout``).
     """
     if cache is not None:
-        raise ValueError(
-            "sequence parallelism runs uncached forwards only; got a cache (call "
-            "apply_sequence_parallel(model, None) before generating)"
-        )
+        raise ValueError("sequence parallelism runs uncached forwards only; got a cache (call "
+                         "apply_sequence_parallel(model, None) before generating)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     lengths = _gather_plain(torch.tensor([batch_size, local_len], device=device), group)
     lengths = [tuple(int(v) for v in t.tolist()) for t in lengths]
     if len(set(lengths)) != 1:
-        raise ValueError(
-            "sequence parallelism needs the same [batch, local_len] on every rank of the group (shard rows into equal"
-            f" contiguous parts, e.g. with shard_sequence); got per-rank shapes {lengths}"
-        )
+        raise ValueError("sequence parallelism needs the same [batch, local_len] on every rank of the group (shard "
+                         f"rows into equal contiguous parts, e.g. with shard_sequence); got per-rank shapes {lengths}")
     global_len = world * local_len
 
     def gather(t):
@@ -352,10 +346,8 @@ def fla_cp_context(sp, cu_seqlens: torch.Tensor):
         ctx = fla_compat.load_cp().build_cp_context(cu_seqlens=glob, group=sp.group, cu_seqlens_cpu=glob.cpu())
         mine = cu_seqlens.tolist()
         if ctx.cu_seqlens_cpu.tolist() != mine:
-            raise RuntimeError(
-                f"fla's context-parallel split of the row differs from this rank's layout: fla "
-                f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {sp.rank} of {sp.world})"
-            )
+            raise RuntimeError(f"fla's context-parallel split of the row differs from this rank's layout: fla "
+                               f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {sp.rank} of {sp.world})")
         sp.memo["fla_cp"] = ctx
     return sp.memo["fla_cp"]
 
