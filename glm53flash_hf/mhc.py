@@ -12,20 +12,14 @@ from .dispatch import op_for, register_fused, requested_backend
 from .mhc_ops import hc_expand, hc_head, hc_post_torch, hc_pre_torch, sinkhorn_normalize
 
 
-def _hc_pre_fused():
-    from .mhc_fused import hc_pre_fused
+def _fused_ops():
+    from .mhc_fused import hc_post_fused, hc_pre_fused
 
-    return hc_pre_fused
-
-
-def _hc_post_fused():
-    from .mhc_fused import hc_post_fused
-
-    return hc_post_fused
+    return hc_pre_fused, hc_post_fused
 
 
-register_fused("mhc", hc_pre_torch, _hc_pre_fused)
-register_fused("mhc", hc_post_torch, _hc_post_fused)
+register_fused("mhc", hc_pre_torch, lambda: _fused_ops()[0])
+register_fused("mhc", hc_post_torch, lambda: _fused_ops()[1])
 
 
 class Glm53FlashHyperConnection(nn.Module):

@@ -105,9 +105,7 @@ def _mix_weights_backward(proj, scale, kept, d_pre, d_post, d_comb, n: int):
     ``r = (mean_sq + eps)^-1/2``: ``d mean_sq = -r^3 / 2 * sum(dm * proj)``."""
     mixes, rs, sig_pre, sig_post, probs, steps = kept
     lead = mixes.shape[:-1]
-    if d_comb is None:
-        d_comb = mixes.new_zeros(*lead, n, n)
-    dc = d_comb.to(mixes.dtype)
+    dc = mixes.new_zeros(*lead, n, n) if d_comb is None else d_comb.to(mixes.dtype)
     for i in range(len(steps) - 1, -1, -1):
         y, denom = steps[i]
         dim = -1 if i % 2 else -2
@@ -170,8 +168,7 @@ class _HcPre(torch.autograd.Function):
             proj, scale, (*kept[:5], steps), d_pre, d_post, d_comb, n)
         d_x = d_fn = None
         if ctx.needs_input_grad[0]:
-            fn_c = fn.to(compute)
-            d_x = torch.matmul(d_proj, fn_c)  # [B, S, N*D]
+            d_x = torch.matmul(d_proj, fn.to(compute))  # [B, S, N*D]
             d_x.addcmul_(x, d_mean_sq, value=2.0 / (n * dim))
             if d_collapsed is not None:
                 d_x.view(batch * seq, n, dim).baddbmm_(pre.reshape(batch * seq, n, 1),

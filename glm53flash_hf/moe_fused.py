@@ -167,13 +167,6 @@ if TRITON_AVAILABLE:
         tl.store(dw_ptr + r, tl.sum(acc, axis=0))
 
 
-def _limits(limit: float | None, dtype: torch.dtype) -> tuple[bool, float, float]:
-    """``(has_limit, compare value, stored value)``: torch's ``clamp`` stores ``limit`` rounded to the dtype."""
-    if limit is None:
-        return False, 0.0, 0.0
-    return True, float(limit), float(torch.tensor(float(limit), dtype=torch.float32).to(dtype).item())
-
-
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has unit stride (what the kernels index), else a contiguous copy."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
@@ -183,14 +176,16 @@ def _swiglu_launch(kernel, gate_up: torch.Tensor, valid_rows: torch.Tensor, limi
     """Run a clamped-SwiGLU ``kernel`` over ``gate_up [S, 2I]`` (unit last stride) with its other pointers and
     strides ``outputs``."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    has_limit, lim, lim_value = _limits(limit, gate_up.dtype)
+    # the kernels compare with ``limit`` and store it rounded to the dtype, as torch's ``clamp``
+    lim = 0.0 if limit is None else float(limit)
+    lim_value = 0.0 if limit is None else float(torch.tensor(lim, dtype=torch.float32).to(gate_up.dtype).item())
     if rows and inter:
         block_c = min(1024, next_power_of_2(inter, 16))
         block_r = max(1, 2048 // block_c)
         kernel[(triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))](
             gu_ptr=gate_up, nvalid_ptr=valid_rows, n_rows=rows, inter=inter, stride_gu=gate_up.stride(0),
             limit=lim, limit_value=lim_value,
-            HAS_LIMIT=has_limit, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c, **outputs,
+            HAS_LIMIT=limit is not None, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c, **outputs,
         )
 
 

@@ -135,14 +135,9 @@ def _check_masters(model: nn.Module, param_dtype: torch.dtype | None) -> None:
                          f"{dtypes} (cast with model.float(), or pass param_dtype=torch.bfloat16 to keep fp32 masters)")
 
 
-def shard_fp32_kept_units(
-    model: nn.Module,
-    *,
-    mesh=None,
-    param_dtype: torch.dtype = torch.bfloat16,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
-) -> Fsdp2Plan:
+def shard_fp32_kept_units(model: nn.Module, *, mesh=None, param_dtype: torch.dtype = torch.bfloat16,
+                          reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True
+                          ) -> Fsdp2Plan:
     """Shard the fp32 anchor units and the ``param_dtype`` units nested in them (call before ``accelerator.prepare``).
 
     ``model``: unsharded, fp32 trainable parameters; ``mesh``: 1-D (default: the default group); ``param_dtype``:
@@ -200,14 +195,8 @@ def shard_fp32_kept_units(
     return plan
 
 
-def apply_fsdp2(
-    model: nn.Module,
-    *,
-    mesh=None,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
-) -> Fsdp2Plan:
+def apply_fsdp2(model: nn.Module, *, mesh=None, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> Fsdp2Plan:
     """Shard ``model`` in place with FSDP2 (fp32 units under a low-precision ``param_dtype``, one unit per
     ``_no_split_modules`` block, then the root); parameters become ``Shard(0)`` DTensors on ``mesh``.
 
@@ -225,10 +214,8 @@ def apply_fsdp2(
         param_dtype = None
     mesh = mesh if mesh is not None else _default_mesh()
     if param_dtype in _LOW_PRECISION:
-        plan = shard_fp32_kept_units(
-            model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward,
-        )
+        plan = shard_fp32_kept_units(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                     reshard_after_forward=reshard_after_forward)
     else:
         plan = Fsdp2Plan(param_dtype=param_dtype)
     block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -256,10 +243,7 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
+    *(("pathlib", cls) for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
 }
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 

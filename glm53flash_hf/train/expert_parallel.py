@@ -141,8 +141,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
     if not blocks:
         raise ValueError(f"model={type(model).__name__} has no {MOE_CLASS_NAME} block to shard")
     all_ranks = sorted(mesh.mesh.flatten().tolist())
-    ep_ranks = sorted(mesh["ep"].mesh.flatten().tolist())
-    dp_ranks = sorted(mesh["dp"].mesh.flatten().tolist())
+    ep_ranks, dp_ranks = (sorted(mesh[dim].mesh.flatten().tolist()) for dim in ("ep", "dp"))
     plan = ExpertParallelPlan(mesh, dp_size, ep_size, dp_rank, ep_rank, list(blocks), all_ranks, dp_ranks, ep_ranks)
     plan.flat_mesh = mesh["ep"] if dp_size == 1 else mesh._flatten("dp_ep")
     plan._groups[tuple(ep_ranks)] = mesh["ep"].get_group()
@@ -241,10 +240,8 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
 
     from .distributed import apply_fsdp2
 
-    policy = MixedPrecisionPolicy(
-        param_dtype=fsdp_kwargs.get("param_dtype"), reduce_dtype=fsdp_kwargs.get("reduce_dtype", torch.float32),
-        cast_forward_inputs=False,
-    )
+    policy = MixedPrecisionPolicy(param_dtype=fsdp_kwargs.get("param_dtype"), cast_forward_inputs=False,
+                                  reduce_dtype=fsdp_kwargs.get("reduce_dtype", torch.float32))
     suffixes = tuple(f".{m}.experts" for m in plan.moe_modules)
     for experts in [m for n, m in model.named_modules() if f".{n}".endswith(suffixes)]:
         # a size-1 dp mesh (ep only) still makes a unit: its parameters then stay out of the dense units
