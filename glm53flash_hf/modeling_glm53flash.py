@@ -188,14 +188,12 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         x, topk_indices, weights = self.self_attn(self.input_layernorm(x), layout=layout,
                                                   prev_topk_indices=prev_topk_indices, cache=cache,
                                                   output_attentions=output_attentions)
-        hidden_states = self._hc_post(x, hidden_states, post, comb)
+        mhc = requested_backend(self.config, "mhc")  # hc_post called here: one frame from the layer to its kernel
+        hidden_states = op_for(hc_post_torch, mhc, x, hidden_states, post, comb)(x, hidden_states, post, comb)
         post, comb, x = self.ffn_hc(hidden_states)
-        hidden_states = self._hc_post(self.mlp(self.post_attention_layernorm(x)), hidden_states, post, comb)
+        x = self.mlp(self.post_attention_layernorm(x))
+        hidden_states = op_for(hc_post_torch, mhc, x, hidden_states, post, comb)(x, hidden_states, post, comb)
         return hidden_states, topk_indices, weights
-
-    def _hc_post(self, *args: torch.Tensor) -> torch.Tensor:
-        """``hc_post(x, residual, post, comb)`` by the backend ``config.kernels["mhc"]`` picks."""
-        return op_for(hc_post_torch, requested_backend(self.config, "mhc"), *args)(*args)
 
 
 class Glm53FlashMTPLayer(GradientCheckpointingLayer):
