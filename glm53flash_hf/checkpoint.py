@@ -18,6 +18,7 @@ import re
 import threading
 
 import torch
+from transformers import FineGrainedFP8Config, PreTrainedConfig
 from transformers import conversion_mapping as _conversion_registry
 from transformers.conversion_mapping import (
     get_checkpoint_conversion_mapping,
@@ -176,10 +177,7 @@ def own_conversions():
 
 def count_matching(keys: list[str] | None, patterns) -> int:
     """Number of ``keys`` matching any regex in ``patterns`` (0 when keys is None)."""
-    if not keys:
-        return 0
-    compiled = [re.compile(p) for p in patterns]
-    return sum(1 for k in keys if any(c.search(k) for c in compiled))
+    return sum(1 for k in keys or () if any(re.search(p, k) for p in patterns))
 
 
 # kwargs that ``PreTrainedModel.from_pretrained`` consumes itself (its signature and the names it pops); the rest
@@ -203,21 +201,13 @@ def fp8_module_names(ckpt: CheckpointInfo) -> set[str]:
 def fp8_module_names_of_keys(keys) -> set[str]:
     """Text-model-relative names of the modules holding the published FP8 weight ``keys`` (per-expert keys name the
     merged ``mlp.experts`` module)."""
-    out = set()
-    for key in keys:
-        name = key.removesuffix(".weight")
-        for prefix in TEXT_PREFIXES[:-1]:
-            if name.startswith(prefix):
-                name = name[len(prefix) :]
-                break
-        out.add(re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", name))
-    return out
+    prefix = re.compile("^(?:" + "|".join(re.escape(p) for p in TEXT_PREFIXES[:-1]) + ")")
+    return {re.sub(r"\.experts\.\d+\.(gate|up|down)_proj$", ".experts", prefix.sub("", key.removesuffix(".weight")))
+            for key in keys}
 
 
 def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, dequantize: bool = True) -> None:
     """Make transformers load FP8 ``ckpt`` dequantized or kept in FP8 (``FineGrainedFP8Config`` + the file's config)."""
-    from transformers import FineGrainedFP8Config, PreTrainedConfig
-
     qc = dict(ckpt.quantization_config)
     kwargs["quantization_config"] = FineGrainedFP8Config(
         weight_block_size=fp8_block_size(qc), dequantize=dequantize,
@@ -249,12 +239,9 @@ def _request_fp8_dequantization(cls, path, ckpt: CheckpointInfo, kwargs: dict, d
 
 def cast_to_dtype_plan(model) -> list[str]:
     """Cast, in place, every floating parameter of ``model`` to the dtype its loader allocated: ``model.config.dtype``,
-    or fp32 where ``model._get_dtype_plan`` (``_keep_in_fp32_modules_strict``) names it. Returns the names cast.
-
-    transformers 5.23 and 5.24 leave the tensors of an FP8 checkpoint loaded with ``dequantize=True`` in the file's
-    dtype (the loader casts only where no quantizer is active; 5.25 casts every source), so a model asked for in fp32
-    would hold bf16 embeddings and a bf16 model would lose the fp32 router bias and mHC parameters. FP8 parameters
-    (the FP8-kept load) are left as they are."""
+    or fp32 where ``model._get_dtype_plan`` (``_keep_in_fp32_modules_strict``) names it; FP8 parameters are left as
+    they are. Returns the names cast. (transformers < 5.25 leaves an FP8 checkpoint loaded with ``dequantize=True``
+    in the file's dtype.)"""
     main = getattr(model.config, "dtype", None)
     if not isinstance(main, torch.dtype) or not main.is_floating_point:
         return []
@@ -341,5 +328,3 @@ def load_pretrained(cls, parent_from_pretrained, pretrained_model_name_or_path, 
             logger.info(f"{cls.__name__}: skipped {' and '.join(parts)} of the checkpoint (text-only class)")
     return (model, info) if want_info else model
 
-
-# Files a checkpoint save replaces as a whole: weights and their indexes in any layout or variant, the model config

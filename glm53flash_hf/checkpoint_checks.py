@@ -6,6 +6,7 @@ of a state dict. Each raises ``ValueError`` naming the file, key or config field
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -13,9 +14,11 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.utils import logging
 
 from .checkpoint_io import SAFETENSORS_INDEX, local_folder, open_shard, read_config_json, read_weight_map
+from .configuration_glm53flash import Glm53FlashTextConfig
 
 logger = logging.get_logger(__name__)
 
@@ -42,11 +45,6 @@ class CheckpointInfo:
     quantization_config: dict | None = None
     fp8_weights: set[str] = field(default_factory=set)
     non_float: list[str] = field(default_factory=list)
-
-
-def is_fp8_dtype(dtype: str) -> bool:
-    """True for safetensors FP8 dtype strings (``F8_E4M3``, ``F8_E5M2``, …)."""
-    return dtype.startswith("F8")
 
 
 def check_fp8_pair(key: str, weight_shape, scale_shape, block: tuple[int, int], *, for_transformers: bool) -> None:
@@ -130,7 +128,7 @@ def inspect_checkpoint(path, subfolder: str = "", *, for_transformers: bool = Tr
                 sl = f.get_slice(key)
                 info.dtypes[key] = sl.get_dtype()
                 info.shapes[key] = list(sl.get_shape())
-    fp8 = {k for k, d in info.dtypes.items() if is_fp8_dtype(d)}
+    fp8 = {k for k, d in info.dtypes.items() if d.startswith("F8")}  # F8_E4M3, F8_E5M2, ...
     scales = {k for k in weight_map if k.endswith(SCALE_SUFFIX)}
     orphans = sorted(s for s in scales if s[: -len(SCALE_SUFFIX)] not in weight_map)
     if orphans:
@@ -168,10 +166,9 @@ def check_loaded_dtypes(ckpt: CheckpointInfo, unexpected_keys) -> None:
     unexpected = set(unexpected_keys or ())
     loaded = [k for k in ckpt.non_float if k not in unexpected]
     if loaded:
-        shown = ", ".join(f"{k} ({ckpt.dtypes[k]})" for k in loaded[:10])
         raise ValueError(
             f"{ckpt.folder}: {len(loaded)} tensors are integer or bool where the model's weights are floating "
-            f"point; loading casts them silently: {shown}{' ...' if len(loaded) > 10 else ''}"
+            f"point; loading casts them silently: {_first_ten([f'{k} ({ckpt.dtypes[k]})' for k in loaded], ', ')}"
         )
 
 
@@ -206,12 +203,6 @@ _SIZE_FIELDS = (
 def text_size_fields(config, folder: str) -> dict[str, int]:
     """The integer text-config size fields the model will be built with, from ``config`` or ``folder/config.json``
     (missing fields take :class:`Glm53FlashTextConfig`'s defaults)."""
-    import dataclasses
-
-    from transformers import PreTrainedConfig
-
-    from .configuration_glm53flash import Glm53FlashTextConfig
-
     if isinstance(config, PreTrainedConfig):
         text = config.get_text_config(decoder=True)
         values = {name: getattr(text, name, None) for name in _SIZE_FIELDS}
@@ -228,17 +219,11 @@ def text_size_fields(config, folder: str) -> dict[str, int]:
 def _expected_dims(exprs, fields: dict[str, int]) -> list[tuple[int, str]] | None:
     """``[(size, "field=value")]`` per dimension; None when a field is unknown."""
     out = []
-    for expr in exprs:
-        size, named = 1, []
-        for part in expr.split("*"):
-            if part.isdigit():
-                size *= int(part)
-                named.append(part)
-            elif part in fields:
-                size *= fields[part]
-                named.append(f"{part}={fields[part]}")
-            else:
-                return None
+    for parts in (expr.split("*") for expr in exprs):
+        if not all(p.isdigit() or p in fields for p in parts):
+            return None
+        size = math.prod(int(p) if p.isdigit() else fields[p] for p in parts)
+        named = [p if p.isdigit() else f"{p}={fields[p]}" for p in parts]
         out.append((size, named[0] if len(named) == 1 else f"{' * '.join(named)} = {size}"))
     return out
 
@@ -353,9 +338,14 @@ def check_config_matches_checkpoint(
                "ignore_mismatched_sizes": allow_mismatched}
     for _, rule in CONFIG_RULES if stems else ():
         for message, option in rule(ckpt, stems, fields):
-            if not allowed[option]:
-                raise ValueError(message)
-            logger.warning(f"{message} ({option}=True: loading anyway)")
+            _raise_or_warn(message, allowed[option], f"{option}=True: loading anyway")
+
+
+def _raise_or_warn(message: str, allowed: bool, note: str) -> None:
+    """``ValueError(message)``, or where ``allowed`` a warning ``message (note)``."""
+    if not allowed:
+        raise ValueError(message)
+    logger.warning(f"{message} ({note})")
 
 
 def _listing(keys, limit: int = 20) -> str:
@@ -388,10 +378,8 @@ def strict_load_report(
             rows.append(row)
         shown = "; ".join(rows[:20]) + (f"; ... ({len(rows)} in all)" if len(rows) > 20 else "")
         message = f"Shape mismatch for {len(rows)} checkpoint tensors of {type(model).__name__}: {shown}"
-        if allow_mismatched:
-            logger.warning(message + " (ignore_mismatched_sizes=True: those parameters keep their initial values)")
-        else:
-            raise ValueError(message)
+        _raise_or_warn(message, allow_mismatched,
+                       "ignore_mismatched_sizes=True: those parameters keep their initial values")
     missing = set(info.get("missing_keys") or ())
     unexpected = set(info.get("unexpected_keys") or ())
     text = model.config.get_text_config(decoder=True)
@@ -412,10 +400,7 @@ def strict_load_report(
         if not keys:
             continue
         message = f"{len(keys)} keys {what} the checkpoint for {type(model).__name__}: {_listing(keys)}"
-        if allowed:
-            logger.warning(message + " (allowed by the caller; those parameters keep their initial values)")
-        else:
-            raise ValueError(message)
+        _raise_or_warn(message, allowed, "allowed by the caller; those parameters keep their initial values")
 
 
 def nonfinite_tensors(named_tensors, chunk: int = 1 << 24) -> list[str]:
@@ -450,8 +435,8 @@ def nonfinite_tensors(named_tensors, chunk: int = 1 << 24) -> list[str]:
     return bad
 
 
-def _listing_bad(bad: list[str], limit: int = 10) -> str:
-    return f"{'; '.join(bad[:limit])}{' ...' if len(bad) > limit else ''}"
+def _first_ten(items: list[str], sep: str = "; ") -> str:
+    return f"{sep.join(items[:10])}{' ...' if len(items) > 10 else ''}"
 
 
 def check_finite_weights(model, source, *, allow: bool = False) -> None:
@@ -459,7 +444,7 @@ def check_finite_weights(model, source, *, allow: bool = False) -> None:
     (``allow``: a warning)."""
     bad = nonfinite_tensors(itertools.chain(model.named_parameters(), model.named_buffers()))
     if bad:
-        message = f"{source}: {len(bad)} loaded weights hold NaN or Inf values: {_listing_bad(bad)}"
+        message = f"{source}: {len(bad)} loaded weights hold NaN or Inf values: {_first_ten(bad)}"
         if not allow:
             raise ValueError(message + " (pass allow_nonfinite_weights=True to load them anyway)")
         logger.warning(message + " (allow_nonfinite_weights=True: loaded as they are)")
@@ -470,7 +455,7 @@ def check_finite_for_save(state_dict, owner: str) -> None:
     bad = nonfinite_tensors(state_dict.items())
     if bad:
         raise ValueError(
-            f"{owner}: {len(bad)} weight tensors hold NaN or Inf values: {_listing_bad(bad)}; refusing to save them "
+            f"{owner}: {len(bad)} weight tensors hold NaN or Inf values: {_first_ten(bad)}; refusing to save them "
             "(pass allow_nonfinite_weights=True to save anyway)"
         )
 
@@ -479,15 +464,11 @@ def check_state_dict_dtypes(model, state_dict) -> None:
     """``ValueError`` naming the integer or bool tensors of ``state_dict`` (first 10, dtypes, count) that would load
     into floating-point tensors of ``model``."""
     own = model.state_dict()
-    bad = []
-    for key, value in state_dict.items():
-        target = own.get(key)
-        if isinstance(value, torch.Tensor) and target is not None and target.is_floating_point() and not (
-            value.is_floating_point() or value.is_complex()
-        ):
-            bad.append(f"{key} ({value.dtype}, the model holds {target.dtype})")
+    bad = [f"{k} ({v.dtype}, the model holds {own[k].dtype})" for k, v in state_dict.items()
+           if isinstance(v, torch.Tensor) and k in own and own[k].is_floating_point()
+           and not (v.is_floating_point() or v.is_complex())]
     if bad:
         raise ValueError(
             f"state_dict holds {len(bad)} integer or bool tensors for floating-point weights of "
-            f"{type(model).__name__}: {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}"
+            f"{type(model).__name__}: {_first_ten(bad, ', ')}"
         )

@@ -6,9 +6,14 @@ that cannot be renamed, recovery of what a killed save left) with its file locks
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import re
+import shutil
+import sys
+import tempfile
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -113,15 +118,11 @@ def read_config_json(folder: str) -> dict | None:
     return config
 
 
+# The folder entries a save replaces as a whole: weights, indexes, config, generation config.
 _REPLACED_NAMES = re.compile(
     r"^(?:(?:model|pytorch_model)(?:[.-].*)?\.(?:safetensors|bin)|.+\.(?:safetensors|bin)\.index\.json"
     r"|config\.json|generation_config\.json)$"
 )
-
-
-def replaced_by_save(name: str) -> bool:
-    """Whether a save replaces the folder entry ``name`` as a whole (weights, indexes, config, generation config)."""
-    return bool(_REPLACED_NAMES.match(name))
 
 
 # Names of what a save leaves while it runs: siblings ``.{name}.tmp-*`` (the new folder being written; after the
@@ -139,10 +140,6 @@ _AT_FDCWD = -100
 def exchange_paths(a: str, b: str) -> bool:
     """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False when unavailable,
     ``OSError`` naming both paths on any other failure (``EBUSY`` / ``EXDEV``)."""
-    import ctypes
-    import errno
-    import sys
-
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -180,8 +177,7 @@ class FileLock:
         except ImportError:
             return True
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644) if self.create else os.open(
-                self.path, os.O_RDONLY)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT if self.create else os.O_RDONLY, 0o644)
         except OSError:
             if self.create:
                 raise
@@ -203,8 +199,6 @@ class FileLock:
 
 def _remove(path: str) -> None:
     """Delete a file, link or folder tree (a link is removed, never followed)."""
-    import shutil
-
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
@@ -213,8 +207,6 @@ def _remove(path: str) -> None:
 
 def _link_copy(src: str, dst: str) -> None:
     """Copy ``src`` to ``dst`` as hard links (a real copy without hard links), folders recursively, links as links."""
-    import shutil
-
     def link(a, b):
         try:
             os.link(a, b, follow_symlinks=False)
@@ -248,7 +240,7 @@ def _roll_forward(target: str, journal: str) -> None:
         with open(manifest) as f:
             written = json.load(f)
         for entry in sorted(os.listdir(target)):
-            if replaced_by_save(entry) and entry not in written:
+            if _REPLACED_NAMES.match(entry) and entry not in written:
                 _remove(os.path.join(target, entry))
         for entry in written:
             src, dst = os.path.join(journal, entry), os.path.join(target, entry)
@@ -303,8 +295,6 @@ def recover_interrupted_save(save_directory, subfolder: str = "") -> None:
 
 def _journal_save(target: str, write=None, staged: str | None = None) -> None:
     """Save into ``target`` in place through a journal (for a ``target`` that cannot be renamed, e.g. a mount point)."""
-    import tempfile
-
     journal = tempfile.mkdtemp(prefix=_JOURNAL_TMP, dir=target)
     lock = FileLock(journal)
     lock.acquire()
@@ -312,8 +302,6 @@ def _journal_save(target: str, write=None, staged: str | None = None) -> None:
         if staged is None:
             write(journal)
         else:
-            import shutil
-
             for entry in os.listdir(staged):
                 shutil.move(os.path.join(staged, entry), os.path.join(journal, entry))
         written = sorted(os.listdir(journal))
@@ -336,9 +324,6 @@ def atomic_save(save_directory, write) -> str:
     ``kill -9`` (not power loss); the old folder's non-checkpoint entries and a link to the folder are kept. Returns
     the absolute path written. ``ValueError`` when ``save_directory`` is an existing file; whatever ``write`` raises
     propagates (the old folder is kept)."""
-    import errno
-    import tempfile
-
     target = os.path.realpath(os.path.abspath(os.fspath(save_directory)))
     if os.path.exists(target) and not os.path.isdir(target):
         raise ValueError(f"save_directory={os.fspath(save_directory)!r} is a file; expected a folder")
@@ -367,7 +352,7 @@ def atomic_save(save_directory, write) -> str:
             return target
         written = set(os.listdir(tmp))
         for entry in sorted(os.listdir(target)):
-            if entry not in written and not replaced_by_save(entry) and not entry.startswith(_JOURNAL_PREFIXES):
+            if entry not in written and not _REPLACED_NAMES.match(entry) and not entry.startswith(_JOURNAL_PREFIXES):
                 _link_copy(os.path.join(target, entry), os.path.join(tmp, entry))
                 carried.append(entry)
         try:

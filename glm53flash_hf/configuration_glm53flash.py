@@ -108,8 +108,7 @@ def normalize_kernels(value) -> dict:
         return {family: value for family in KERNEL_FAMILIES}
     if not isinstance(value, dict):
         raise ValueError(f"kernels must be a string or a dict; got kernels={value!r}")
-    unknown = set(value) - set(KERNEL_FAMILIES)
-    if unknown:
+    if unknown := set(value) - set(KERNEL_FAMILIES):
         raise ValueError(f"kernels has unknown families {sorted(unknown)}; known: {KERNEL_FAMILIES}")
     out = {family: value.get(family, "auto") for family in KERNEL_FAMILIES}
     for family, choice in out.items():
@@ -209,10 +208,9 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
                 raise ValueError(f"{name} contains unsupported value {bad[0]!r}; allowed: {allowed}")
         if self.qk_rope_head_dim != 0:
             raise ValueError(f"qk_rope_head_dim must be 0 (NoPE DSA); got qk_rope_head_dim={self.qk_rope_head_dim}")
-        if self.index_topk % self.index_kpool != 0:
-            raise ValueError(
-                f"index_topk ({self.index_topk}) must be divisible by index_kpool ({self.index_kpool})"
-            )
+        for num, den in (("index_topk", "index_kpool"), ("n_routed_experts", "n_group")):
+            if getattr(self, num) % getattr(self, den) != 0:
+                raise ValueError(f"{num} ({getattr(self, num)}) must be divisible by {den} ({getattr(self, den)})")
         # A "shared" DSA layer reuses the selection of the DSA layer right before it, which must run its own
         # ("full") indexer (the selection is handed from one layer to the next, as in transformers).
         for i in range(n):
@@ -224,10 +222,6 @@ class Glm53FlashTextConfig(Glm5NextTextConfig):
                     f"indexer; got layer_types[{i - 1}]={self.layer_types[i - 1] if i else None!r}, "
                     f"indexer_types[{i - 1}]={self.indexer_types[i - 1] if i else None!r}"
                 )
-        if self.n_routed_experts % self.n_group != 0:
-            raise ValueError(
-                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})"
-            )
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}]; got topk_group={self.topk_group}")
         if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
@@ -277,13 +271,8 @@ class Glm53FlashConfig(Glm5NextConfig):
 
 
 def _from_text_config(name: str) -> property:
-    def fget(config):
-        return getattr(config.text_config, name)
-
-    def fset(config, value):
-        setattr(config.text_config, name, value)
-
-    return property(fget, fset, doc=f"``text_config.{name}``")
+    return property(lambda config: getattr(config.text_config, name),
+                    lambda config, value: setattr(config.text_config, name, value), doc=f"``text_config.{name}``")
 
 
 # the MoE / MTP names clients read from a model's config, on the VL config too (read and set on text_config)

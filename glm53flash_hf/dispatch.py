@@ -121,7 +121,5 @@ def local_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:
         return tensor
     if all(isinstance(p, Replicate) for p in tensor.placements):
         return tensor.to_local()
-    raise ValueError(
-        f"{name} arrives as a DTensor with placements {tuple(tensor.placements)}; the fused kernels need the full "
-        "tensor (replicate it, or run this family with kernels='torch')"
-    )
+    raise ValueError(f"{name} arrives as a DTensor with placements {tuple(tensor.placements)}; the fused kernels need "
+                     "the full tensor (replicate it, or run this family with kernels='torch')")

@@ -36,16 +36,19 @@ def _sparse_mla_fused():
 register_fused("dsa", sparse_mla_torch, _sparse_mla_fused)
 
 
+def _check_hidden(hidden_states: torch.Tensor, hidden_size: int) -> None:
+    if hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
+        raise ValueError(f"hidden_states must be [B, S, hidden_size={hidden_size}]; got {tuple(hidden_states.shape)}")
+
+
 def _check_layout(layout: DocumentLayout, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
     if layout is None:
         return build_document_layout(batch, seq_len, device)
     if not isinstance(layout, DocumentLayout):
         raise ValueError(f"layout must be a DocumentLayout; got {type(layout).__name__}")
     if layout.batch_size != batch or layout.seq_len != seq_len:
-        raise ValueError(
-            f"layout describes a [{layout.batch_size}, {layout.seq_len}] batch but hidden_states is "
-            f"[{batch}, {seq_len}]"
-        )
+        raise ValueError(f"layout describes a [{layout.batch_size}, {layout.seq_len}] batch but hidden_states is "
+                         f"[{batch}, {seq_len}]")
     return layout
 
 
@@ -69,10 +72,9 @@ class Glm53FlashIndexer(nn.Module):
         self.q_lora_rank = config.q_lora_rank
         self.index_kpool = config.index_kpool
         self.index_kpool_always_select_tail = bool(config.index_kpool_always_select_tail)
-        if self.index_kpool < 1:
-            raise ValueError(f"index_kpool must be >= 1; got index_kpool={self.index_kpool}")
-        if self.index_topk < 1:
-            raise ValueError(f"index_topk must be >= 1; got index_topk={self.index_topk}")
+        for name in ("index_kpool", "index_topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {name}={getattr(self, name)}")
         if self.q_lora_rank is None:
             raise ValueError("q_lora_rank must be set: the indexer reads the MLA query residual")
         self.softmax_scale = self.head_dim**-0.5
@@ -98,15 +100,11 @@ class Glm53FlashIndexer(nn.Module):
         row-local ids: the selected pools (``kp`` ids each, increasing pool order, ties to the earlier pool), ``-1``
         for unfilled pool slots, then the tail; padding queries all ``-1``. Raises ``ValueError`` for shapes that do
         not match the configuration or the layout."""
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must be [B, S, hidden_size={self.hidden_size}]; got {tuple(hidden_states.shape)}"
-            )
+        _check_hidden(hidden_states, self.hidden_size)
         batch, seq_len, _ = hidden_states.shape
         if q_resid.shape != (batch, seq_len, self.q_lora_rank):
-            raise ValueError(
-                f"q_resid must be [B={batch}, S={seq_len}, q_lora_rank={self.q_lora_rank}]; got {tuple(q_resid.shape)}"
-            )
+            raise ValueError(f"q_resid must be [B={batch}, S={seq_len}, q_lora_rank={self.q_lora_rank}]; got "
+                             f"{tuple(q_resid.shape)}")
         layout = _check_layout(layout, batch, seq_len, hidden_states.device)
         device = hidden_states.device
         shard = layout.shard
@@ -146,9 +144,8 @@ class Glm53FlashIndexer(nn.Module):
             hi = torch.where(valid, ends_q, torch.zeros_like(ends_q))
             lo = torch.where(valid, ends_q - (local_pos + 1) // kp, torch.zeros_like(ends_q))
             pool_keys_t = pool_keys.transpose(1, 2).contiguous()  # [B, Dk, P]
-            out[..., : select_pools * kp] = self._select(
-                hidden_states, q_resid, pool_keys_t, pool_end, lo, hi, select_pools, offset=offset
-            )
+            out[..., : select_pools * kp] = self._select(hidden_states, q_resid, pool_keys_t, pool_end, lo, hi,
+                                                         select_pools, offset=offset)
         return self._finish(out, positions, local_pos, valid)
 
     def _token_state(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -163,10 +160,8 @@ class Glm53FlashIndexer(nn.Module):
         q = self.wq_b(q_resid).view(batch, seq_len, self.n_heads, self.head_dim)
         head_weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
         head_weights = head_weights * (self.n_heads**-0.5 * self.softmax_scale)  # [B, S, Hi]
-        return select_top_pools(
-            q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, self.index_kpool,
-            offset=offset, max_score_elements=self.max_score_elements,
-        )  # fmt: skip
+        return select_top_pools(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, self.index_kpool,
+                                offset=offset, max_score_elements=self.max_score_elements)
 
     def _finish(self, out: torch.Tensor, positions, local_pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Tail ids into ``out[..., index_topk:]``, ``-1`` for padding queries (in place)."""
@@ -213,9 +208,8 @@ class Glm53FlashIndexer(nn.Module):
             pool_keys_t = key_cols[:, :num_pools].transpose(1, 2)  # [B, Dk, P] view of the cached pool keys
             pool_end = first[:, None] + kp * torch.arange(num_pools, device=device) + (kp - 1)  # [B, P]
             hi = torch.where(valid, (local_pos + 1).clamp_min(0) // kp, torch.zeros_like(local_pos))
-            out[..., : select_pools * kp] = self._select(
-                hidden_states, q_resid, pool_keys_t, pool_end, torch.zeros_like(hi), hi, select_pools, offset=past
-            )
+            out[..., : select_pools * kp] = self._select(hidden_states, q_resid, pool_keys_t, pool_end,
+                                                         torch.zeros_like(hi), hi, select_pools, offset=past)
         return self._finish(out, ctx.positions, local_pos, valid)
 
 
@@ -256,9 +250,8 @@ class Glm53FlashAttention(nn.Module):
             raise ValueError(f"indexer_type must be 'full' or 'shared'; got indexer_type={indexer_type!r}")
         self.indexer_type = indexer_type
         self.skip_topk = indexer_type == "shared"
-        self.next_skip_topk = (
-            not self.skip_topk and layer_idx + 1 < num_layers and config.indexer_types[layer_idx + 1] == "shared"
-        )
+        self.next_skip_topk = (not self.skip_topk and layer_idx + 1 < num_layers
+                               and config.indexer_types[layer_idx + 1] == "shared")
         self.scaling = self.qk_head_dim**-0.5
         self.query_chunk: int | None = None
 
@@ -268,9 +261,8 @@ class Glm53FlashAttention(nn.Module):
         self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = Glm53FlashRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
-        )
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                   bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=bias)
         self.indexer = None if self.skip_topk else Glm53FlashIndexer(config, layer_idx)
 
@@ -288,15 +280,9 @@ class Glm53FlashAttention(nn.Module):
         eye = torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)
         return proj(eye).transpose(0, 1)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        layout: DocumentLayout,
-        prev_topk_indices: torch.Tensor | None = None,
-        cache=None,
-        output_attentions: bool = False,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, layout: DocumentLayout,
+                prev_topk_indices: torch.Tensor | None = None, cache=None, output_attentions: bool = False, **kwargs
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sparse attention of ``hidden_states`` ``[B, S, hidden_size]``.
 
         Args:
@@ -322,18 +308,12 @@ class Glm53FlashAttention(nn.Module):
             check_cache(cache, "Glm53FlashAttention")
             cache_context = getattr(layout, "cache_context", None)
             if cache_context is None:
-                raise ValueError(
-                    "Glm53FlashAttention: a cache needs a layout with cache_context (packing.build_layout(..., "
-                    f"cache=cache)); got layout={type(layout).__name__}"
-                )
+                raise ValueError("Glm53FlashAttention: a cache needs a layout with cache_context (packing.build_layout("
+                                 f"..., cache=cache)); got layout={type(layout).__name__}")
         if self.training and self.attention_dropout > 0:
-            raise NotImplementedError(
-                f"attention_dropout={self.attention_dropout} is not supported by sparse DSA attention; set it to 0"
-            )
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must be [B, S, hidden_size={self.hidden_size}]; got {tuple(hidden_states.shape)}"
-            )
+            raise NotImplementedError(f"attention_dropout={self.attention_dropout} is not supported by sparse DSA "
+                                      "attention; set it to 0")
+        _check_hidden(hidden_states, self.hidden_size)
         batch, seq_len, _ = hidden_states.shape
         if cache is None:
             layout = _check_layout(layout, batch, seq_len, hidden_states.device)
@@ -357,9 +337,8 @@ class Glm53FlashAttention(nn.Module):
             latent = shard.gather_sequence(latent)
         if self.indexer is not None:
             if cache is not None:
-                topk_indices = call_onloaded(
-                    (self.indexer,), lambda: self.indexer.forward_cached(hidden_states, q_resid, cache, cache_context)
-                )
+                topk_indices = call_onloaded((self.indexer,), lambda: self.indexer.forward_cached(
+                    hidden_states, q_resid, cache, cache_context))
             elif layout.selections is None or torch.compiler.is_compiling():
                 topk_indices = self.indexer(hidden_states, q_resid, layout)
             else:  # activation checkpointing: the recompute of this layer reuses the forward's ids (exact)
@@ -368,14 +347,11 @@ class Glm53FlashAttention(nn.Module):
                     topk_indices = layout.selections[self.layer_idx] = self.indexer(hidden_states, q_resid, layout)
         else:
             if prev_topk_indices is None:
-                raise ValueError(
-                    f"layer {self.layer_idx} has a 'shared' indexer and needs prev_topk_indices from the previous "
-                    "'full' DSA layer; got None"
-                )
+                raise ValueError(f"layer {self.layer_idx} has a 'shared' indexer and needs prev_topk_indices from the "
+                                 "previous 'full' DSA layer; got None")
             if prev_topk_indices.dim() != 3 or prev_topk_indices.shape[:2] != (batch, seq_len):
-                raise ValueError(
-                    f"prev_topk_indices must be [B={batch}, S={seq_len}, W]; got {tuple(prev_topk_indices.shape)}"
-                )
+                raise ValueError(f"prev_topk_indices must be [B={batch}, S={seq_len}, W]; got "
+                                 f"{tuple(prev_topk_indices.shape)}")
             topk_indices = prev_topk_indices
 
         weights = None
@@ -385,14 +361,12 @@ class Glm53FlashAttention(nn.Module):
             sparse_mla = op_for(sparse_mla_torch, self.backend, q_abs, latent, topk_indices)
             out_lat, _ = sparse_mla(q_abs, latent, topk_indices, self.scaling, query_chunk=self.query_chunk)
         attn = torch.einsum("bshl,hvl->bshv", out_lat, w_vc.to(out_lat.dtype))
-        attn = attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        attn = self.o_proj(attn)
+        attn = self.o_proj(attn.reshape(batch, seq_len, self.num_heads * self.v_head_dim))
         return attn, (topk_indices if self.next_skip_topk else None), weights
 
 
 def init_dsa_weights(module: nn.Module, config) -> None:
     """Indexer init as ``Glm5NextPreTrainedModel._init_weights``: ``compress_ape`` zeros, ``compress_gate`` ones."""
-
     if isinstance(module, Glm53FlashIndexer):
         init.zeros_(module.index_kpool_compress_ape)
         init.ones_(module.index_kpool_compress_gate)

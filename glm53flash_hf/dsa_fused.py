@@ -276,7 +276,7 @@ def _sparse_mla_setup(ctx, inputs, output):
 
 def _sparse_mla_backward(ctx, grad_out, grad_lse):
     q_abs, latent, indices, out, lse = ctx.saved_tensors
-    need_dq, need_dlat = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_dq, need_dlat = ctx.needs_input_grad[:2]
     if not (need_dq or need_dlat):
         return None, None, None, None, None, None
     if grad_out is None:
@@ -291,16 +291,9 @@ if TRITON_AVAILABLE:
                                 backward=_sparse_mla_backward, setup_context=_sparse_mla_setup)
 
 
-def sparse_mla_fused(
-    q_abs: torch.Tensor,
-    latent: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    *,
-    block_h: int | None = None,
-    block_w: int | None = None,
-    query_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_mla_fused(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, *,
+                     block_h: int | None = None, block_w: int | None = None, query_chunk: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse MLA: the contract of :func:`.dsa_ops.sparse_mla_torch`, with ``q_abs`` and ``latent`` in
     fp32/bf16/fp16 and ``Dl <= MAX_LATENT_DIM``. ``block_h``, ``block_w``: heads per program / ids per block (powers
     of two >= 16; ``None``: automatic); ``query_chunk`` is ignored. ``RuntimeError`` without triton; ``ValueError``

@@ -48,10 +48,9 @@ def _padded_latent(latent: torch.Tensor, indices: torch.Tensor, compute_dtype: t
     return latent_pad, flat_ids, valid
 
 
-def _sparse_mla_probs(
-    q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor, scale: float,
-    gathered_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sparse_mla_probs(q_abs: torch.Tensor, latent_pad: torch.Tensor, flat_ids: torch.Tensor, valid: torch.Tensor,
+                      scale: float, gathered_out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(probs [B, C, H, W], lse [B, C, H], gathered [B, C, W, Dl])`` of a chunk of queries; an invalid slot has
     probability 0 next to a valid one, a query without one gets ``out = 0`` and ``lse = -inf``."""
     batch, chunk, heads, dim = q_abs.shape
@@ -70,11 +69,8 @@ def _sparse_mla_probs(
     scores = torch.baddbmm(bias, q, gathered.transpose(1, 2))  # [B*C, H, W]
     probs = torch.softmax(scores, dim=-1)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(~valid.any(-1).reshape(batch * chunk, 1), float("-inf"))
-    return (
-        probs.view(batch, chunk, heads, width),
-        lse.view(batch, chunk, heads),
-        gathered.view(batch, chunk, width, dim),
-    )
+    shape = (batch, chunk)
+    return probs.view(*shape, heads, width), lse.view(*shape, heads), gathered.view(*shape, width, dim)
 
 
 def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
@@ -84,29 +80,30 @@ def _query_chunks(seq_len: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(seq_len, start + chunk)) for start in range(0, seq_len, chunk)]
 
 
-def _auto_query_chunk(q_abs: torch.Tensor, indices: torch.Tensor, query_chunk: int | None) -> int:
-    batch, _, heads, dim = q_abs.shape
-    if query_chunk is None:
-        query_chunk = max(1, DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS // max(1, batch * indices.shape[-1] * (dim + heads)))
-    if query_chunk < 1:
-        raise ValueError(f"query_chunk must be >= 1; got query_chunk={query_chunk}")
-    return query_chunk
-
-
 def _compute_dtype(q_abs: torch.Tensor, latent: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(q_abs.dtype, latent.dtype), torch.float32)
 
 
-def _sparse_mla_forward(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, query_chunk: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunked_setup(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, query_chunk: int | None):
+    """``(chunk, latent_pad, flat_ids, valid, gathered_ws)`` of both passes: the query chunk (``None``: automatic) and
+    one ``[B * chunk * W, Dl]`` workspace for every chunk's gathered latents (not a fresh buffer per chunk)."""
     batch, seq_len, heads, dim = q_abs.shape
-    chunk = _auto_query_chunk(q_abs, indices, query_chunk)
+    chunk = query_chunk
+    if chunk is None:
+        chunk = max(1, DEFAULT_SPARSE_MLA_CHUNK_ELEMENTS // max(1, batch * indices.shape[-1] * (dim + heads)))
+    if chunk < 1:
+        raise ValueError(f"query_chunk must be >= 1; got query_chunk={chunk}")
     latent_pad, flat_ids, valid = _padded_latent(latent, indices, _compute_dtype(q_abs, latent))
+    gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len) * indices.shape[-1], dim)
+    return chunk, latent_pad, flat_ids, valid, gathered_ws
+
+
+def _sparse_mla_forward(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float,
+                        query_chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seq_len, heads, dim = q_abs.shape
+    chunk, latent_pad, flat_ids, valid, gathered_ws = _chunked_setup(q_abs, latent, indices, query_chunk)
     out = q_abs.new_empty(batch, seq_len, heads, dim)
     lse = latent_pad.new_empty(batch, seq_len, heads)
-    # one [B * chunk * W, Dl] workspace for every chunk's gathered latents (not a fresh buffer per chunk)
-    gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len) * indices.shape[-1], dim)
     for start, end in _query_chunks(seq_len, chunk):
         probs, lse_c, gathered = _sparse_mla_probs(q_abs[:, start:end], latent_pad, flat_ids[:, start:end],
                                                    valid[:, start:end], scale, gathered_ws)
@@ -115,24 +112,20 @@ def _sparse_mla_forward(
     return out, lse
 
 
-def _sparse_mla_backward(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
-    grad_lse: torch.Tensor | None, scale: float, query_chunk: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _sparse_mla_backward(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
+                         grad_lse: torch.Tensor | None, scale: float, query_chunk: int | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. ``q_abs`` and ``latent``, chunk by chunk with the softmax recomputed::
 
         dP = dO G^T;   dS = P * (dP - rowsum(P * dP) + dlse);   dq_abs = scale * dS G;   dG = dS^T q_s + P^T dO
     """
     batch, seq_len, heads, dim = q_abs.shape
-    chunk = _auto_query_chunk(q_abs, indices, query_chunk)
-    dtype = _compute_dtype(q_abs, latent)
-    latent_pad, flat_ids, valid = _padded_latent(latent, indices, dtype)
+    chunk, latent_pad, flat_ids, valid, gathered_ws = _chunked_setup(q_abs, latent, indices, query_chunk)
+    dtype = latent_pad.dtype
     grad_pad = torch.zeros_like(latent_pad)
     grad_q = q_abs.new_empty(batch, seq_len, heads, dim)
-    # two [B * chunk, W, Dl] workspaces (gathered latents, their gradient) shared by every chunk
-    width = indices.shape[-1]
-    gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len) * width, dim)
-    d_gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len), width, dim)
+    # the gradient of the gathered latents: one [B * chunk, W, Dl] workspace too
+    d_gathered_ws = latent_pad.new_empty(batch * min(chunk, seq_len), indices.shape[-1], dim)
     for start, end in _query_chunks(seq_len, chunk):
         rows = batch * (end - start)
         ids_c, valid_c = flat_ids[:, start:end], valid[:, start:end]
@@ -191,14 +184,8 @@ if torch.ops.glm53flash.sparse_mla_torch not in flop_registry:  # a second copy 
     register_flop_formula(torch.ops.glm53flash.sparse_mla_torch)(_sparse_mla_flops)
 
 
-def sparse_mla_torch(
-    q_abs: torch.Tensor,
-    latent: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    *,
-    query_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_mla_torch(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float, *,
+                     query_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse multi-query attention in the absorbed MLA form over per-query token ids (torch path).
 
     For batch row ``b``, query ``t``, head ``h`` and the valid slots ``w`` (``0 <= indices[b, t, w] < S_kv``; ``-1``
@@ -223,21 +210,16 @@ def sparse_mla_torch(
     """
     check_sparse_mla_args(q_abs, latent, indices)
     batch, seq_len, heads, _ = q_abs.shape
-    width = indices.shape[-1]
     if query_chunk is not None and query_chunk < 1:
         raise ValueError(f"query_chunk must be >= 1; got query_chunk={query_chunk}")
-
-    if width == 0 or seq_len == 0:
+    if indices.shape[-1] == 0 or seq_len == 0:
         compute_dtype = torch.promote_types(q_abs.dtype, torch.float32)
-        out = torch.zeros_like(q_abs)
-        lse = torch.full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype, device=q_abs.device)
-        return out, lse
+        return torch.zeros_like(q_abs), q_abs.new_full((batch, seq_len, heads), float("-inf"), dtype=compute_dtype)
     return _SPARSE_MLA_OP(q_abs, latent, indices, scale, query_chunk)
 
 
-def sparse_mla_with_weights(
-    q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_mla_with_weights(q_abs: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sparse_mla_torch` (unchunked, same softmax, same errors) returning ``(out [B, S, H, Dl], weights
     [B, H, S, S_kv])`` in ``q_abs.dtype``: the probabilities added into a dense tensor, zero off the selected ids
     (transformers' eager weights), and ``out = weights @ latent`` (weights on the autograd path; dense cost)."""
@@ -269,6 +251,8 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         return _ranked_topk(scores, k, top, kth)
     crossing = (scores == kth).sum(-1, dtype=torch.int32) > (top == kth).sum(-1)
     crossing |= ~top.isfinite().all(-1)
+    if bool(crossing.all()):  # every row ranked: no sort of torch.topk's picks
+        return _ranked_topk(scores, k, top, kth)
     out = top_ids.sort(dim=-1).values
     if bool(crossing.any()):
         out[crossing] = _ranked_topk(scores[crossing], k, top[crossing], kth[crossing])
@@ -309,19 +293,9 @@ def kpool_pool_keys(token_state: torch.Tensor, slots: torch.Tensor, ape: torch.T
     return (probs * slot_keys).sum(dim=2)
 
 
-def select_top_pools(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    pool_keys_t: torch.Tensor,
-    pool_end: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    select_pools: int,
-    kp: int,
-    *,
-    offset: int = 0,
-    max_score_elements: int = DEFAULT_INDEXER_SCORE_ELEMENTS,
-) -> torch.Tensor:
+def select_top_pools(q: torch.Tensor, head_weights: torch.Tensor, pool_keys_t: torch.Tensor, pool_end: torch.Tensor,
+                     lo: torch.Tensor, hi: torch.Tensor, select_pools: int, kp: int, *, offset: int = 0,
+                     max_score_elements: int = DEFAULT_INDEXER_SCORE_ELEMENTS) -> torch.Tensor:
     """Top ``select_pools`` selectable pools per query, expanded to token ids.
 
     Score of pool ``p`` for query ``t``: ``sum_h head_weights[t, h] * relu(q[t, h] . pool_keys_t[:, p])``; pools
@@ -335,54 +309,45 @@ def select_top_pools(
     reference's ``.float()`` casts declare (autocast would round them to bf16 and make ties of the top-k).
     """
     with autocast_off(q):
-        return _select_top_pools(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset=offset,
-                                 max_score_elements=max_score_elements)
-
-
-def _select_top_pools(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools: int, kp: int, *, offset,
-                      max_score_elements) -> torch.Tensor:
-    """:func:`select_top_pools`' body (autocast off)."""
-    if torch.compiler.is_compiling() and isinstance(offset, int):
-        # the query chunks run eagerly inside the op: bounded score memory, no chunk loop unrolled in the graph
-        return _SELECT_TOP_POOLS_OP(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, offset=offset,
-                                    max_score_elements=int(max_score_elements))
-    batch, seq_len, n_heads, head_dim = q.shape
-    num_pools = pool_keys_t.shape[-1]
-    device = q.device
-    out = torch.full((batch, seq_len, select_pools * kp), -1, dtype=torch.int32, device=device)
-    chunk = max(1, int(max_score_elements) // max(1, batch * n_heads * num_pools))
-    slot_offsets = torch.arange(kp, device=device) - (kp - 1)
-    chunks = _query_chunks(seq_len, chunk)
-    # one fp32 workspace for every chunk's [B, C*Hi, Pc] logits (none for a single chunk)
-    logits_ws = q.new_empty(batch * chunk * n_heads * num_pools, dtype=torch.float32) if len(chunks) > 1 else None
-    for start, end in chunks:
-        size = end - start
-        # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
-        pools_here = num_pools if torch.compiler.is_compiling() else min(num_pools, (offset + end) // kp)
-        if pools_here == 0:
-            continue
-        qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)
-        keys = pool_keys_t[:, :, :pools_here]
-        if logits_ws is None:
-            logits = torch.bmm(qc, keys)
-        else:
-            out_ws = logits_ws[: batch * size * n_heads * pools_here].view(batch, size * n_heads, pools_here)
-            logits = torch.bmm(qc, keys, out=out_ws)
-        logits = logits.relu_()  # [B, C*Hi, Pc]
-        logits = logits.view(batch * size, n_heads, pools_here)
-        wc = head_weights[:, start:end].reshape(batch * size, 1, n_heads)
-        scores = torch.bmm(wc, logits).view(batch, size, pools_here)  # [B, C, Pc]
-        pool_ids = torch.arange(pools_here, device=device)
-        selectable = (pool_ids >= lo[:, start:end, None]) & (pool_ids < hi[:, start:end, None])
-        scores = scores.masked_fill_(~selectable, float("-inf"))
-        take = min(select_pools, pools_here)
-        top = stable_topk_indices(scores, take)  # [B, C, take]
-        top_ok = selectable.gather(-1, top)
-        top_end = pool_end.gather(1, top.reshape(batch, size * take)).view(batch, size, take)
-        token_ids = top_end[..., None] + slot_offsets  # [B, C, take, kp]
-        token_ids = token_ids.masked_fill(~top_ok[..., None], -1).flatten(-2)
-        out[:, start:end, : take * kp] = token_ids.to(torch.int32)
-    return out
+        if torch.compiler.is_compiling() and isinstance(offset, int):
+            # the query chunks run eagerly inside the op: bounded score memory, no chunk loop unrolled in the graph
+            return _SELECT_TOP_POOLS_OP(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp,
+                                        offset=offset, max_score_elements=int(max_score_elements))
+        batch, seq_len, n_heads, head_dim = q.shape
+        num_pools = pool_keys_t.shape[-1]
+        device = q.device
+        out = torch.full((batch, seq_len, select_pools * kp), -1, dtype=torch.int32, device=device)
+        chunk = max(1, int(max_score_elements) // max(1, batch * n_heads * num_pools))
+        slot_offsets = torch.arange(kp, device=device) - (kp - 1)
+        chunks = _query_chunks(seq_len, chunk)
+        # one fp32 workspace for every chunk's [B, C*Hi, Pc] logits (none for a single chunk)
+        logits_ws = q.new_empty(batch * chunk * n_heads * num_pools, dtype=torch.float32) if len(chunks) > 1 else None
+        for start, end in chunks:
+            size = end - start
+            # A query at t <= end - 1 sees at most (t + 1) // kp <= end // kp pools of its row (they are disjoint).
+            pools_here = num_pools if torch.compiler.is_compiling() else min(num_pools, (offset + end) // kp)
+            if pools_here == 0:
+                continue
+            qc = q[:, start:end].float().reshape(batch, size * n_heads, head_dim)
+            keys = pool_keys_t[:, :, :pools_here]
+            if logits_ws is None:
+                logits = torch.bmm(qc, keys)
+            else:
+                out_ws = logits_ws[: batch * size * n_heads * pools_here].view(batch, size * n_heads, pools_here)
+                logits = torch.bmm(qc, keys, out=out_ws)
+            logits = logits.relu_().view(batch * size, n_heads, pools_here)  # [B*C, Hi, Pc]
+            wc = head_weights[:, start:end].reshape(batch * size, 1, n_heads)
+            scores = torch.bmm(wc, logits).view(batch, size, pools_here)  # [B, C, Pc]
+            pool_ids = torch.arange(pools_here, device=device)
+            selectable = (pool_ids >= lo[:, start:end, None]) & (pool_ids < hi[:, start:end, None])
+            scores.masked_fill_(~selectable, float("-inf"))
+            take = min(select_pools, pools_here)
+            top = stable_topk_indices(scores, take)  # [B, C, take]
+            top_ok = selectable.gather(-1, top)
+            top_end = pool_end.gather(1, top.reshape(batch, size * take)).view(batch, size, take)
+            token_ids = (top_end[..., None] + slot_offsets).masked_fill(~top_ok[..., None], -1)  # [B, C, take, kp]
+            out[:, start:end, : take * kp] = token_ids.flatten(-2).to(torch.int32)
+        return out
 
 
 def _select_top_pools_fake(q, head_weights, pool_keys_t, pool_end, lo, hi, select_pools, kp, *, offset=0,

@@ -1,22 +1,14 @@
 """fla-core as this package calls it: the only module that imports ``fla``.
 
-* :func:`load`, :func:`load_cp`: fla imported at their first call (inside ``try`` blocks), never on import; the probes
-  :func:`import_error`, :func:`cp_device_error`; :func:`checked`: every fla call by keyword, each keyword checked.
-* The bodies of :mod:`.kda_fused`'s custom ops (:func:`chunk_forward`, ..., :func:`recurrent_step`).
-* :func:`prune_by_shared_memory` and its helpers: fla's autotuners keep only the configurations whose compiled kernel
-  fits the device's shared memory per block.
+:func:`load` and :func:`load_cp` import fla at their first call (inside ``try`` blocks), never on import (probes
+:func:`import_error`, :func:`cp_device_error`); :func:`checked` makes every fla call by keyword, each keyword checked;
+:func:`chunk_forward` ... :func:`recurrent_step` are the bodies of :mod:`.kda_fused`'s custom ops;
+:func:`prune_by_shared_memory` keeps fla's autotuners to the configurations whose compiled kernel fits the device's
+shared memory per block.
 
-fla names used that are not in fla's public API (no fla package ``__all__`` lists them), here and nowhere else:
-
-* ``fla.modules.norm.l2norm``: ``l2norm_fwd``, ``l2norm_bwd``;
-* ``fla.ops.common.gate``: ``fused_beta_sigmoid_fwd``, ``fused_beta_sigmoid_bwd``;
-* ``fla.ops.utils.index.prepare_chunk_indices``;
-* ``fla.ops.kda.chunk_fwd.chunk_kda_fwd``, ``fla.ops.kda.chunk_bwd.chunk_kda_bwd``;
-* ``fla.modules.causal_conv1d.ops``: ``causal_conv1d_fwd``, ``causal_conv1d_bwd``;
-* ``fla.modules.norm.fused_norm_gate``: ``layer_norm_gated_fwd``, ``layer_norm_gated_bwd``;
-* ``fla.ops.cp.context._check_cp_device`` (behind :func:`cp_device_error`);
-
-public entry points used: ``fla.ops.kda.fused_recurrent_kda``, ``fla.ops.kda.chunk_kda``,
+fla names used that are not in fla's public API (no fla package ``__all__`` lists them), here and nowhere else: the
+imports of :func:`load` other than ``fused_recurrent_kda``, and ``fla.ops.cp.context._check_cp_device`` (behind
+:func:`cp_device_error`). Public entry points used: ``fla.ops.kda.fused_recurrent_kda``, ``fla.ops.kda.chunk_kda``,
 ``fla.ops.cp.build_cp_context``.
 
 Versions: checked against fla-core :data:`FLA_CHECKED`; requires ``fla-core`` :data:`FLA_REQUIREMENT` (the range of
@@ -40,29 +32,10 @@ from torch import Tensor
 
 from .kda_ops import check_conv_inputs, check_cu_seqlens, check_state
 
-__all__ = [
-    "FLA_REQUIREMENT",
-    "FLA_CHECKED",
-    "KWARGS_READ",
-    "load",
-    "import_error",
-    "load_cp",
-    "cp_device_error",
-    "accepted_keywords",
-    "checked",
-    "fla_autotuners",
-    "prune_by_shared_memory",
-    "install_shared_memory_prune",
-    "shared_memory_need",
-    "chunk_forward",
-    "chunk_backward",
-    "chunk_context_parallel",
-    "conv_forward",
-    "conv_backward",
-    "norm_forward",
-    "norm_backward",
-    "recurrent_step",
-]
+__all__ = ["FLA_REQUIREMENT", "FLA_CHECKED", "KWARGS_READ", "load", "import_error", "load_cp", "cp_device_error",
+           "accepted_keywords", "checked", "fla_autotuners", "prune_by_shared_memory", "install_shared_memory_prune",
+           "shared_memory_need", "chunk_forward", "chunk_backward", "chunk_context_parallel", "conv_forward",
+           "conv_backward", "norm_forward", "norm_backward", "recurrent_step"]
 
 FLA_REQUIREMENT = ">=0.6,<0.7"  # the fla-core range of setup.cfg's extras
 FLA_CHECKED = ("0.6.0",)  # the fla-core releases the kernels' tests ran against
@@ -76,8 +49,8 @@ _INSTALL = f"pip install 'fla-core{FLA_REQUIREMENT}'"
 
 @functools.lru_cache(maxsize=1)
 def load() -> SimpleNamespace:
-    """Import fla-core's functions once: a namespace with ``version`` (fla's ``__version__``) and the functions listed
-    in the module docstring under their fla names.
+    """Import fla-core's functions once: a namespace with ``version`` (fla's ``__version__``) and the functions it
+    imports, under their fla names.
 
     Raises:
         ImportError: fla cannot be imported (the message names the cause and the required range).
@@ -128,9 +101,8 @@ def load_cp() -> SimpleNamespace:
         from fla.ops.cp import context as cp_context_module
         from fla.ops.kda import chunk_kda
     except Exception as exc:  # ImportError, or a triton/driver error raised while fla initialises
-        raise ImportError(
-            f"fla-core's context-parallel KDA cannot be imported ({type(exc).__name__}: {exc}); {_INSTALL}"
-        ) from exc
+        raise ImportError(f"fla-core's context-parallel KDA cannot be imported ({type(exc).__name__}: {exc}); "
+                          f"{_INSTALL}") from exc
     _PRUNE["pending"] = True
     return SimpleNamespace(chunk_kda=chunk_kda, build_cp_context=build_cp_context, context=cp_context_module)
 
@@ -171,9 +143,8 @@ def accepted_keywords(fn, name: str, kwargs_names: tuple[str, ...] = ()) -> froz
         except (OSError, TypeError):
             source = ""
         kw = re.escape(var_kw[0])
-        for n in kwargs_names:
-            if re.search(rf"\b{kw}\s*(?:\.\s*(?:get|pop)\s*\(\s*|\[\s*)['\"]{re.escape(n)}['\"]", source):
-                extra.add(n)
+        extra = {n for n in kwargs_names
+                 if re.search(rf"\b{kw}\s*(?:\.\s*(?:get|pop)\s*\(\s*|\[\s*)['\"]{re.escape(n)}['\"]", source)}
     return frozenset(named | extra)
 
 

@@ -27,22 +27,9 @@ FP8_KEY_PATTERNS = (
 # matches each as a prefix or a suffix of a module name, so KDA's `b_proj` is named with its parent to leave the
 # FP8 `q_b_proj` converted).
 MODULES_TO_NOT_CONVERT = [
-    "lm_head",
-    "embed_tokens",
-    "model.visual",
-    "kv_b_proj",
-    "indexer",
-    "eh_proj",
-    "mlp.gate",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "self_attn.b_proj",
-    "f_a_proj",
-    "f_b_proj",
-    "g_a_proj",
-    "g_b_proj",
-]
+    "lm_head", "embed_tokens", "model.visual", "kv_b_proj", "indexer", "eh_proj", "mlp.gate", "q_proj", "k_proj",
+    "v_proj", "self_attn.b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj",
+]  # fmt: skip
 
 
 def fp8_keys_of(keys) -> set[str]:

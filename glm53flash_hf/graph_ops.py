@@ -21,6 +21,7 @@ import contextlib
 import functools
 import sys
 import types
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -53,12 +54,9 @@ def autocast_off(like: torch.Tensor):
 
 def _first_tensor(values) -> torch.Tensor | None:
     for v in values:
-        if isinstance(v, torch.Tensor):
-            return v
-        if isinstance(v, (list, tuple)):
-            found = _first_tensor(v)
-            if found is not None:
-                return found
+        found = _first_tensor(v) if isinstance(v, (list, tuple)) else v
+        if isinstance(found, torch.Tensor):
+            return found
     return None
 
 
@@ -71,9 +69,7 @@ def no_autocast(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        like = _first_tensor(args) if args else None
-        if like is None:
-            like = _first_tensor(kwargs.values())
+        like = _first_tensor((*args, *kwargs.values()))
         if like is None:
             return fn(*args, **kwargs)
         with autocast_off(like):
@@ -165,14 +161,9 @@ def _autograd_recording():
         yield
 
 
-def recompute_op(
-    name: str,
-    fn: Callable[..., tuple],
-    tensor_args: Sequence[tuple[str, bool]],
-    static_args: Sequence[tuple[str, str]],
-    num_outputs: int,
-    fake: Callable[..., tuple],
-) -> Callable[..., tuple]:
+def recompute_op(name: str, fn: Callable[..., tuple], tensor_args: Sequence[tuple[str, bool]],
+                 static_args: Sequence[tuple[str, str]], num_outputs: int, fake: Callable[..., tuple]
+                 ) -> Callable[..., tuple]:
     """Register ``fn`` as ``glm53flash::<name>`` (and ``<name>_backward``) with a recomputing backward; returns the op.
 
     Args:
@@ -197,11 +188,12 @@ def recompute_op(
     amp_schema = '*, str amp=""'
 
     def split(args):
-        return list(args[: len(tensor_names)]), dict(zip(static_names, args[len(tensor_names) :]))
+        """``(tensors, statics, the first tensor given)`` of an op's positional arguments."""
+        tensors = list(args[: len(tensor_names)])
+        return tensors, dict(zip(static_names, args[len(tensor_names) :])), next(t for t in tensors if t is not None)
 
     def forward_impl(*args, amp=""):
-        tensors, statics = split(args)
-        like = next(t for t in tensors if t is not None)
+        tensors, statics, like = split(args)
         with _replayed_autocast(like, amp):
             outs = fn(*tensors, **statics)
         return tuple(no_output(like) if o is None else o.contiguous() for o in outs)
@@ -213,26 +205,21 @@ def recompute_op(
 
     @forward.register_fake
     def _(*args, amp=""):
-        tensors, statics = split(args)
-        with _replayed_autocast(next(t for t in tensors if t is not None), amp):
+        tensors, statics, like = split(args)
+        with _replayed_autocast(like, amp):
             return tuple(fake(*tensors, **statics))
 
     def backward_impl(grads, needs, *args, amp=""):
-        tensors, statics = split(args)
+        tensors, statics, like = split(args)
         inputs = [t.detach().requires_grad_() if t is not None and need else t for t, need in zip(tensors, needs)]
-        like = next(t for t in tensors if t is not None)
         with _autograd_recording(), _replayed_autocast(like, amp):
             outs = fn(*inputs, **statics)
-            pairs = [
-                (o, g) for o, g in zip(outs, grads) if o is not None and o.requires_grad and g.numel() == o.numel()
-            ]
+            pairs = [(o, g) for o, g in zip(outs, grads) if o is not None and o.requires_grad
+                     and g.numel() == o.numel()]
             wanted = [t for t, need in zip(inputs, needs) if t is not None and need]
-            found = (
-                torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                if pairs and wanted
-                else [None] * len(wanted)
-            )
-        like = next(t for t in tensors if t is not None)
+            found = [None] * len(wanted)
+            if pairs and wanted:
+                found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
         result, it = [], iter(found)
         for t, need in zip(tensors, needs):
             g = next(it) if t is not None and need else None
@@ -242,16 +229,13 @@ def recompute_op(
         return result
 
     backward = torch.library.custom_op(
-        f"{NAMESPACE}::{name}_backward",
-        backward_impl,
-        mutates_args=(),
+        f"{NAMESPACE}::{name}_backward", backward_impl, mutates_args=(),
         schema=f"(Tensor[] grads, bool[] needs, {args_schema}, {amp_schema}) -> Tensor[]",
     )
 
     @backward.register_fake
     def _(grads, needs, *args, amp=""):
-        tensors, _ = split(args)
-        like = next(t for t in tensors if t is not None)
+        tensors, _, like = split(args)
         return [t.new_empty(t.shape) if t is not None and need else no_output(like) for t, need in zip(tensors, needs)]
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -262,10 +246,8 @@ def recompute_op(
     @no_autocast
     def autograd_backward(ctx, *grads):
         tensors = list(ctx.saved_tensors)
-        needs = [
-            bool(need) and t is not None and t.dtype.is_floating_point
-            for t, need in zip(tensors, ctx.needs_input_grad[: len(tensor_names)])
-        ]
+        needs = [bool(need) and t is not None and t.dtype.is_floating_point
+                 for t, need in zip(tensors, ctx.needs_input_grad[: len(tensor_names)])]
         if not any(needs):
             return tuple(None for _ in range(len(tensors) + len(ctx.statics)))
         like = next(t for t in tensors if t is not None)
@@ -291,8 +273,6 @@ def register_module(module: torch.nn.Module) -> int:
     key = id(module)
     entry = _MODULES.get(key)
     if entry is None or entry[0]() is not module:
-        import weakref
-
         _MODULES[key] = (weakref.ref(module), [n for n, _ in module.named_parameters()])
     return key
 
@@ -317,8 +297,8 @@ def module_op(name: str, call: Callable[..., torch.Tensor], fake: Callable[..., 
         return getattr(existing, name)
 
     def run(x, aux, params, key, amp):
-        module, names = _MODULES[key]
-        module = module()
+        ref, names = _MODULES[key]
+        module = ref()
         with _replayed_autocast(x, amp):
             out = call(lambda *a, **k: torch.func.functional_call(module, dict(zip(names, params)), a, k), x, aux)
         return out.to(x.dtype)
@@ -346,15 +326,11 @@ def module_op(name: str, call: Callable[..., torch.Tensor], fake: Callable[..., 
         f"{NAMESPACE}::{name}_backward", backward_impl, mutates_args=(),
         schema='(Tensor grad, bool[] needs, Tensor x, Tensor aux, Tensor[] params, int key, *, str amp="") -> Tensor[]',
     )
-    backward.register_fake(
-        lambda grad, needs, x, aux, params, key, amp="": [
-            t.new_empty(t.shape) if need else no_output(x) for t, need in zip([x, *params], needs)
-        ]
-    )
+    backward.register_fake(lambda grad, needs, x, aux, params, key, amp="": [
+        t.new_empty(t.shape) if need else no_output(x) for t, need in zip([x, *params], needs)])
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
-        x, aux, params, key = inputs
-        ctx.key = key
+        x, aux, params, ctx.key = inputs
         ctx.amp = keyword_only_inputs.get("amp", "")
         ctx.save_for_backward(x, aux, *params)
 

@@ -24,10 +24,6 @@ def check_integer_tensor(name: str, value) -> None:
         raise ValueError(f"{name} must be an integer tensor; got dtype {value.dtype}")
 
 
-def _first_bad(mask: torch.Tensor) -> list[int]:
-    return torch.nonzero(mask)[0].tolist()
-
-
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
     """``ValueError`` unless ``input_ids`` is an integer ``[batch, seq]`` tensor, ``batch, seq >= 1``, with ids in
     ``[0, vocab_size)`` (the message names the first bad position, the value and the range)."""
@@ -41,7 +37,7 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, name: str = "input
     lo, hi = torch.aminmax(input_ids)
     if int(lo) < 0 or int(hi) >= vocab_size:
         bad = (input_ids < 0) | (input_ids >= vocab_size)
-        where = _first_bad(bad)
+        where = torch.nonzero(bad)[0].tolist()
         raise ValueError(
             f"{name} holds ids outside [0, vocab_size={vocab_size}): {int(input_ids[tuple(where)])} at {where} "
             f"({int(bad.sum())} such ids; min {int(lo)}, max {int(hi)})"
@@ -78,7 +74,7 @@ def check_labels(labels, input_shape: tuple[int, int], vocab_size: int, ignore_i
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):
-        where = _first_bad(bad)
+        where = torch.nonzero(bad)[0].tolist()
         raise ValueError(
             f"{name} holds {int(labels[tuple(where)])} at {where}; entries must be ids in [0, vocab_size="
             f"{vocab_size}) or ignore_index={ignore_index} ({int(bad.sum())} bad entries)"

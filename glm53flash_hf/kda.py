@@ -20,12 +20,7 @@ from .kda_ops import causal_conv1d_torch, chunk_kda_torch, kda_gate, recurrent_k
 from .offload import call_onloaded
 from .packing import DocumentLayout
 
-__all__ = [
-    "Glm53FlashForgetGate",
-    "Glm53FlashRMSNormGated",
-    "Glm53FlashLinearAttention",
-    "init_kda_weights",
-]
+__all__ = ["Glm53FlashForgetGate", "Glm53FlashRMSNormGated", "Glm53FlashLinearAttention", "init_kda_weights"]
 
 
 def _fused_loader(name: str):
@@ -33,10 +28,8 @@ def _fused_loader(name: str):
     return lambda: getattr(importlib.import_module(".kda_fused", __package__), name)
 
 
-register_fused("kda", chunk_kda_torch, _fused_loader("chunk_kda_fused"))
-register_fused("kda", recurrent_kda_torch, _fused_loader("recurrent_kda_fused"))
-register_fused("kda", causal_conv1d_torch, _fused_loader("causal_conv1d_fused"))
-register_fused("kda", rms_norm_gated_torch, _fused_loader("rms_norm_gated_fused"))
+for _op in (chunk_kda_torch, recurrent_kda_torch, causal_conv1d_torch, rms_norm_gated_torch):
+    register_fused("kda", _op, _fused_loader(_op.__name__.replace("_torch", "_fused")))
 
 
 class Glm53FlashForgetGate(nn.Module):
@@ -113,15 +106,9 @@ class Glm53FlashLinearAttention(nn.Module):
         self.k_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)
         self.v_proj = nn.Linear(self.hidden_size, self.qkv_dim, bias=False)
         self.conv_dim = 3 * self.qkv_dim
-        self.conv1d = nn.Conv1d(
-            in_channels=self.conv_dim,
-            out_channels=self.conv_dim,
-            kernel_size=self.conv_kernel_size,
-            groups=self.conv_dim,
-            padding=self.conv_kernel_size - 1,
-            bias=False,
-            dtype=torch.float32,
-        )
+        W = self.conv_kernel_size
+        self.conv1d = nn.Conv1d(in_channels=self.conv_dim, out_channels=self.conv_dim, kernel_size=W,
+                                groups=self.conv_dim, padding=W - 1, bias=False, dtype=torch.float32)
         self.forget_gate = Glm53FlashForgetGate(config)
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
@@ -129,13 +116,8 @@ class Glm53FlashLinearAttention(nn.Module):
         self.o_norm = Glm53FlashRMSNormGated(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(self.qkv_dim, self.hidden_size, bias=False)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        layout: DocumentLayout,
-        cache=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, None, None]:
+    def forward(self, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None, **kwargs
+                ) -> tuple[torch.Tensor, None, None]:
         """Mix the tokens of ``hidden_states`` ``[B, S, D]`` within the documents of ``layout`` (padding zeroed).
 
         Uncached or a cache without history: the chunked core over the documents. With a cache: a first call or a
@@ -157,9 +139,8 @@ class Glm53FlashLinearAttention(nn.Module):
         B, S, _ = hidden_states.shape
         H, K = self.num_heads, self.head_dim
         if layout.batch_size != B or layout.seq_len != S:
-            raise ValueError(
-                f"layout is for [{layout.batch_size}, {layout.seq_len}] but hidden_states is [{B}, {S}, ...]"
-            )
+            raise ValueError(f"layout is for [{layout.batch_size}, {layout.seq_len}] but hidden_states is "
+                             f"[{B}, {S}, ...]")
         shard = layout.shard  # a part of longer rows (DocumentLayout.shard): the initial states come from it
         conv_state = recurrent_state = None
         recording = False

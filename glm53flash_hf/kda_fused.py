@@ -24,16 +24,10 @@ from .fla_compat import (
     recurrent_step,
 )
 from .graph_ops import define_op, no_output
-from .kda_ops import check_conv_inputs, check_core_inputs, check_gate_params, check_state
+from .kda_ops import _conv_fake, check_conv_inputs, check_core_inputs, check_gate_params, check_norm_inputs, check_state
 
-__all__ = [
-    "fused_kda_available",
-    "chunk_kda_fused",
-    "chunk_arguments",
-    "causal_conv1d_fused",
-    "rms_norm_gated_fused",
-    "recurrent_kda_fused",
-]
+__all__ = ["fused_kda_available", "chunk_kda_fused", "chunk_arguments", "causal_conv1d_fused", "rms_norm_gated_fused",
+           "recurrent_kda_fused"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_HEAD_DIM = 16  # tl.dot's smallest K
@@ -52,31 +46,18 @@ def fused_kda_available(*tensors: Tensor) -> tuple[bool, str]:
     bad = sorted({str(t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in SUPPORTED_DTYPES})
     if bad:
         return False, f"unsupported dtype(s) {bad} (fused KDA supports float32, bfloat16, float16)"
-    dims = sorted({t.shape[-1] for t in tensors if t.dim() == 4})
-    wrong = [d for d in dims if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM]
+    wrong = sorted({t.shape[-1] for t in tensors if t.dim() == 4 and not MIN_HEAD_DIM <= t.shape[-1] <= MAX_HEAD_DIM})
     if wrong:
         return False, f"head dim {wrong[0]} is outside fla's supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
-    if not all(t.is_cuda for t in tensors):
-        if not (os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)):
-            return False, "the tensors are not on a CUDA device"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
+    if not (all(t.is_cuda for t in tensors) or interpreted):
+        return False, "the tensors are not on a CUDA device"
     error = import_error()
-    if error is not None:
-        return False, error
-    return True, ""
-
-
-def _check_head_dim(k: int, v: int) -> None:
-    for name, d in (("K", k), ("V", v)):
-        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"fused KDA needs head dim {name} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got {name}={d}")
+    return (False, error) if error is not None else (True, "")
 
 
 def _safe_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and SAFE_GATE_RANGE[0] <= lower_bound < SAFE_GATE_RANGE[1]
-
-
-def _or_none(t: Tensor, exists: bool) -> Tensor | None:
-    return t if exists else None
 
 
 def _indices_fake(like: Tensor, cu_seqlens: Tensor | None) -> Tensor:
@@ -109,10 +90,8 @@ def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
 
 
 def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
-            beta.new_empty(beta.shape), no_output(q) if A_log is None else A_log.new_empty(A_log.shape),
-            no_output(q) if dt_bias is None else dt_bias.new_empty(dt_bias.shape),
-            no_output(q) if initial_state is None else initial_state.new_empty(initial_state.shape))
+    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return tuple(no_output(q) if t is None else t.new_empty(t.shape) for t in inputs)
 
 
 _CHUNK_FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate",
@@ -133,8 +112,8 @@ def _chunk_backward(ctx, do, dht, *_):
     dht = dht if ctx.output_final_state else None
     dq, dk, dv, dg, db, dA, dbias, dh0 = _CHUNK_BWD(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
                                                     cu_seqlens, *residuals, ctx.scale, **ctx.flags)
-    return (dq, dk, dv, dg, db, _or_none(dA, A_log is not None), _or_none(dbias, dt_bias is not None),
-            _or_none(dh0, initial_state is not None)) + (None,) * 9
+    return (dq, dk, dv, dg, db, dA if A_log is not None else None, dbias if dt_bias is not None else None,
+            dh0 if initial_state is not None else None) + (None,) * 9
 
 
 _CHUNK_BWD = define_op("fla_chunk_kda_bwd", chunk_backward, _chunk_bwd_fake)
@@ -143,9 +122,9 @@ _CHUNK_FWD = define_op("fla_chunk_kda_fwd", chunk_forward, _chunk_fwd_fake, back
 
 
 def _conv_fwd_fake(x, weight, initial_state, cu_seqlens, activation, output_final_state):
-    n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final = x.new_empty((n, x.shape[2], weight.shape[1])) if output_final_state else no_output(x)
-    return x.new_empty(x.shape), final, _indices_fake(x, cu_seqlens)
+    y, final = _conv_fake(x, weight, initial_state, cu_seqlens, activation=activation,
+                          output_final_state=output_final_state)
+    return y, final, _indices_fake(x, cu_seqlens)
 
 
 def _conv_bwd_fake(dy, dht, x, weight, initial_state, cu_seqlens, chunk_indices, activation):
@@ -166,7 +145,7 @@ def _conv_backward(ctx, dy, dht, _):
         dy = torch.zeros_like(x, memory_format=torch.contiguous_format)
     dx, dw, dh0 = _CONV_BWD(dy, dht if ctx.output_final_state else None, x, weight, initial_state, cu_seqlens,
                             indices, ctx.activation)
-    return dx, dw, _or_none(dh0, initial_state is not None), None, None, None
+    return dx, dw, dh0 if initial_state is not None else None, None, None, None
 
 
 _CONV_BWD = define_op("fla_causal_conv1d_bwd", conv_backward, _conv_bwd_fake)
@@ -245,7 +224,9 @@ def chunk_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, 
     check_core_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    _check_head_dim(K, V)
+    for name, d in (("K", K), ("V", V)):
+        if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"fused KDA needs head dim {name} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got {name}={d}")
     A_log, dt_bias, lower_bound = gate
     in_kernel = check_gate_params(A_log, dt_bias, lower_bound, H, K)
     if in_kernel:
@@ -286,10 +267,7 @@ def rms_norm_gated_fused(x: Tensor, gate: Tensor, weight: Tensor, eps: float) ->
         ValueError: shape mismatch, or a sharded DTensor weight.
     """
     weight = local_tensor(weight, "o_norm.weight")
-    if gate.shape != x.shape:
-        raise ValueError(f"gate must have the shape of x {tuple(x.shape)}; got {tuple(gate.shape)}")
-    if tuple(weight.shape) != (x.shape[-1],):
-        raise ValueError(f"weight must be [{x.shape[-1]}]; got shape {tuple(weight.shape)}")
+    check_norm_inputs(x, gate, weight)
     return _NORM_FWD(x, gate, weight, float(eps))[0]
 
 
@@ -310,14 +288,8 @@ def recurrent_kda_fused(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         return chunk_kda_fused(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                                initial_state=initial_state, output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    check_core_inputs(q, k, v, g, beta)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    _check_head_dim(K, V)
-    check_gate_params(A_log, dt_bias, lower_bound, H, K)
-    check_state(initial_state, B, H, K, V)
-    A_log, dt_bias = local_tensor(A_log, "forget_gate.A_log"), local_tensor(dt_bias, "forget_gate.dt_bias")
-    state = None if initial_state is None else initial_state.float()
-    o, final = _RECURRENT(q, k, v, g, beta, A_log, dt_bias, state, None if scale is None else float(scale),
-                          lower_bound)
+    args = chunk_arguments(q, k, v, g, beta, scale, initial_state, output_final_state, None, 64,
+                           (A_log, dt_bias, lower_bound))
+    o, final = _RECURRENT(q, k, v, g, beta, args["A_log"], args["dt_bias"], args["initial_state"],
+                          None if scale is None else float(scale), lower_bound)
     return o, final if output_final_state else None

@@ -17,6 +17,7 @@ convolution and the chunked core run as custom ops (:func:`.graph_ops.recompute_
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +26,9 @@ from torch import Tensor
 
 from .graph_ops import autocast_off, in_graph, no_autocast, recompute_op
 
-__all__ = [
-    "check_conv_inputs",
-    "check_core_inputs",
-    "check_cu_seqlens",
-    "check_gate_params",
-    "check_state",
-    "causal_conv1d_torch",
-    "chunk_kda_torch",
-    "kda_gate",
-    "recurrent_kda_torch",
-    "rms_norm_gated_torch",
-]
+__all__ = ["check_conv_inputs", "check_core_inputs", "check_cu_seqlens", "check_gate_params", "check_norm_inputs",
+           "check_state", "causal_conv1d_torch", "chunk_kda_torch", "kda_gate", "recurrent_kda_torch",
+           "rms_norm_gated_torch"]
 
 _L2NORM_EPS = 1e-6
 
@@ -58,12 +50,10 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int, batch: int, name_batch: str
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != total:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={total}; got first={cu[0]}, last={cu[-1]}")
-    for i in range(len(cu) - 1):
-        if cu[i + 1] <= cu[i]:
-            raise ValueError(
-                f"cu_seqlens must be strictly increasing (no empty documents); got cu_seqlens[{i}]={cu[i]}, "
-                f"cu_seqlens[{i + 1}]={cu[i + 1]}"
-            )
+    i = next((i for i in range(len(cu) - 1) if cu[i + 1] <= cu[i]), None)
+    if i is not None:
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents); got cu_seqlens[{i}]={cu[i]}, "
+                         f"cu_seqlens[{i + 1}]={cu[i + 1]}")
     return cu
 
 
@@ -138,13 +128,18 @@ def kda_gate(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float |
     return -rate * F.softplus(f, beta=1.0, threshold=20.0)
 
 
-def rms_norm_gated_torch(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` over the last dim for ``x, gate`` ``[..., K]``,
-    ``weight`` ``[K]`` (transformers' ``Glm5NextTextRMSNormGated``); ``ValueError`` on a shape mismatch."""
+def check_norm_inputs(x: Tensor, gate: Tensor, weight: Tensor) -> None:
+    """Raise ``ValueError`` unless ``gate`` has the shape of ``x`` ``[..., K]`` and ``weight`` is ``[K]``."""
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}; got {tuple(gate.shape)}")
     if tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}]; got shape {tuple(weight.shape)}")
+
+
+def rms_norm_gated_torch(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``(RMSNorm_fp32(x) * weight * sigmoid(gate)).to(x.dtype)`` over the last dim for ``x, gate`` ``[..., K]``,
+    ``weight`` ``[K]`` (transformers' ``Glm5NextTextRMSNormGated``); ``ValueError`` on a shape mismatch."""
+    check_norm_inputs(x, gate, weight)
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
@@ -297,22 +292,17 @@ def _make_plan(B: int, T: int, H: int, C: int, cu_host: list[int] | None, device
     R = row + 1
     N = len(lengths)
     first_docs = [0] * R
-    resets: dict[int, tuple[list[int], list[int]]] = {}
-    ends: dict[int, tuple[list[int], list[int]]] = {}
+    resets: dict[int, list[tuple[int, int]]] = {}  # chunk -> (row, doc) pairs
+    ends: dict[int, list[tuple[int, int]]] = {}
     for d in range(N):
         if off_of[d] == 0:
             first_docs[row_of[d]] = d
         else:
-            resets.setdefault(off_of[d], ([], []))
-            resets[off_of[d]][0].append(row_of[d])
-            resets[off_of[d]][1].append(d)
-        e = off_of[d] + nchunks[d] - 1
-        ends.setdefault(e, ([], []))
-        ends[e][0].append(row_of[d])
-        ends[e][1].append(d)
+            resets.setdefault(off_of[d], []).append((row_of[d], d))
+        ends.setdefault(off_of[d] + nchunks[d] - 1, []).append((row_of[d], d))
 
     def _dev(groups):
-        return {n: (torch.tensor(r, device=device), torch.tensor(d, device=device)) for n, (r, d) in groups.items()}
+        return {n: tuple(torch.tensor(x, device=device) for x in zip(*pairs)) for n, pairs in groups.items()}
 
     cu = torch.tensor(cu_host, device=device, dtype=torch.long)
     lengths_t = cu[1:] - cu[:-1]
@@ -322,19 +312,9 @@ def _make_plan(B: int, T: int, H: int, C: int, cu_host: list[int] | None, device
     chunk_t = torch.tensor(off_of, device=device)[doc] + local // C
     base = ((chunk_t * R + row_t) * H) * C + local % C  # head 0
     token_index = (base.unsqueeze(1) + torch.arange(H, device=device) * C).flatten()  # [T * H]
-    return _ChunkPlan(
-        batch=1,
-        seq_len=T,
-        heads=H,
-        chunk=C,
-        num_chunks=L,
-        num_rows=R,
-        num_docs=N,
-        token_index=token_index,
-        first_docs=torch.tensor(first_docs, device=device),
-        resets=_dev(resets),
-        ends=_dev(ends),
-    )
+    return _ChunkPlan(batch=1, seq_len=T, heads=H, chunk=C, num_chunks=L, num_rows=R, num_docs=N,
+                      token_index=token_index, first_docs=torch.tensor(first_docs, device=device),
+                      resets=_dev(resets), ends=_dev(ends))
 
 
 def _lower_blocks(a: Tensor, h: int) -> Tensor:
@@ -459,7 +439,6 @@ def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
             raise ValueError(f"chunk_size must be a positive power of two; got chunk_size={chunk_size!r}")
         B, T, H, K = q.shape
         V = v.shape[-1]
-        C = chunk_size
         out_dtype = q.dtype
         if in_graph():
             o, final = _CHUNK_OP(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, lower_bound=lower_bound,
@@ -473,16 +452,11 @@ def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                                          lower_bound)
         h0 = initial_state.float() if initial_state is not None else None
 
-        if cu_host is None:
-            plan = _make_plan(B, T, H, _doc_chunk(T, C), None, q.device)
-            o, final = _chunk_kda_core(q, k, v, g, beta, h0, plan, output_final_state)
-            return o.to(out_dtype), final
-
-        lengths = [b - a for a, b in zip(cu_host[:-1], cu_host[1:])]
-        doc_chunks = [_doc_chunk(n, C) for n in lengths]
+        lengths = [T] if cu_host is None else [b - a for a, b in zip(cu_host[:-1], cu_host[1:])]
+        doc_chunks = [_doc_chunk(n, chunk_size) for n in lengths]
         sizes = sorted(set(doc_chunks))
-        if len(sizes) == 1:
-            plan = _make_plan(1, T, H, sizes[0], cu_host, q.device)
+        if len(sizes) == 1:  # B == 1 with cu_seqlens
+            plan = _make_plan(B, T, H, sizes[0], cu_host, q.device)
             o, final = _chunk_kda_core(q, k, v, g, beta, h0, plan, output_final_state)
             return o.to(out_dtype), final
 
@@ -496,9 +470,7 @@ def chunk_kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
         for size in sizes:
             docs = [d for d, c in enumerate(doc_chunks) if c == size]
             tokens = torch.nonzero(size_of_doc[doc_of_token] == size).flatten()
-            sub_cu = [0]
-            for d in docs:
-                sub_cu.append(sub_cu[-1] + lengths[d])
+            sub_cu = [0, *itertools.accumulate(lengths[d] for d in docs)]
             docs_t = torch.tensor(docs, device=device)
             plan = _make_plan(1, len(tokens), H, size, sub_cu, device)
             sub = (t.index_select(1, tokens) for t in (q, k, v, g, beta))
@@ -525,8 +497,7 @@ def _causal_matmul(a: Tensor, u: Tensor) -> Tensor:
 def _chunk_kda_core(q, k, v, g, beta, h0, plan: _ChunkPlan, output_final_state: bool):
     """The chunked recurrence on :func:`_prepare_core`'s inputs laid out by ``plan``; fp32 ``(o, final or None)``."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    C = plan.chunk
-    L, R = plan.num_chunks, plan.num_rows
+    C, L, R = plan.chunk, plan.num_chunks, plan.num_rows
     qc, kc, vc, gc = (plan.to_chunks(t) for t in (q, k, v, g))  # [L, R, H, C, *]
     bc = plan.to_chunks(beta.unsqueeze(-1))  # [L, R, H, C, 1]
 
@@ -601,8 +572,7 @@ class _StateRecurrence(torch.autograd.Function):
         else:
             stacked = torch.cat(finals)
             final = stacked.new_zeros(plan.num_docs, H, K, V).index_copy(0, torch.cat(final_docs), stacked)
-        ctx.plan, ctx.output_final_state, ctx.has_h0 = plan, output_final_state, h0 is not None
-        ctx.h0_shape = None if h0 is None else h0.shape
+        ctx.plan, ctx.output_final_state, ctx.h0_shape = plan, output_final_state, None if h0 is None else h0.shape
         ctx.save_for_backward(wk3, kg3, dec3, states, u)
         return states.view(L, R, H, K, V), u.view(L, R, H, C, V), final
 
@@ -610,7 +580,7 @@ class _StateRecurrence(torch.autograd.Function):
     @no_autocast
     def backward(ctx, d_states, d_u, d_final):
         wk3, kg3, dec3, states, u = ctx.saved_tensors
-        plan, output_final_state, has_h0 = ctx.plan, ctx.output_final_state, ctx.has_h0
+        plan, output_final_state, has_h0 = ctx.plan, ctx.output_final_state, ctx.h0_shape is not None
         L, M, K, V = states.shape
         C = u.shape[-2]
         R = plan.num_rows
@@ -705,9 +675,8 @@ def _chunk_fake(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *, 
 
 _CONV_OP = recompute_op(
     "kda_causal_conv1d",
-    lambda x, weight, initial_state, cu_seqlens, **kw: causal_conv1d_torch(
-        x, weight, initial_state=initial_state, cu_seqlens=cu_seqlens, **kw
-    ),
+    lambda x, weight, initial_state, cu_seqlens, **kw: causal_conv1d_torch(x, weight, initial_state=initial_state,
+                                                                           cu_seqlens=cu_seqlens, **kw),
     tensor_args=[("x", False), ("weight", False), ("initial_state", True), ("cu_seqlens", True)],
     static_args=[("activation", "str?"), ("output_final_state", "bool")],
     num_outputs=2,

@@ -12,20 +12,14 @@ from .dispatch import op_for, register_fused, requested_backend
 from .mhc_ops import hc_expand, hc_head, hc_post_torch, hc_pre_torch, sinkhorn_normalize
 
 
-def _hc_pre_fused():
-    from .mhc_fused import hc_pre_fused
+def _fused_ops():
+    from .mhc_fused import hc_post_fused, hc_pre_fused
 
-    return hc_pre_fused
-
-
-def _hc_post_fused():
-    from .mhc_fused import hc_post_fused
-
-    return hc_post_fused
+    return hc_pre_fused, hc_post_fused
 
 
-register_fused("mhc", hc_pre_torch, _hc_pre_fused)
-register_fused("mhc", hc_post_torch, _hc_post_fused)
+register_fused("mhc", hc_pre_torch, lambda: _fused_ops()[0])
+register_fused("mhc", hc_post_torch, lambda: _fused_ops()[1])
 
 
 class Glm53FlashHyperConnection(nn.Module):
@@ -53,9 +47,8 @@ class Glm53FlashHyperConnection(nn.Module):
 
     def forward(self, hidden_streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if hidden_streams.dim() != 4 or hidden_streams.shape[2] != self.hc_mult:
-            raise ValueError(
-                f"hidden_streams must be [B, S, hc_mult={self.hc_mult}, D]; got shape {tuple(hidden_streams.shape)}"
-            )
+            raise ValueError(f"hidden_streams must be [B, S, hc_mult={self.hc_mult}, D]; got shape "
+                             f"{tuple(hidden_streams.shape)}")
         hc_pre = op_for(hc_pre_torch, requested_backend(self.config, "mhc"), hidden_streams, self.fn, self.base,
                         self.scale)
         return hc_pre(hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters,

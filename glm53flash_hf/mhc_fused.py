@@ -223,8 +223,7 @@ def _hc_post_fwd_impl(y: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
                       ) -> torch.Tensor:
     b, s, n, d = residual.shape
     t = b * s
-    y_c, res_c = y.contiguous(), residual.contiguous()
-    post_c, comb_c = post.contiguous(), comb.contiguous()
+    y_c, res_c, post_c, comb_c = (x.contiguous() for x in (y, residual, post, comb))
     out = torch.empty_like(res_c)
     bd_fwd, _ = _post_blocks(d)
     if t > 0 and d > 0:
@@ -244,10 +243,8 @@ def _hc_post_bwd_impl(grad: torch.Tensor, y: torch.Tensor, residual: torch.Tenso
     b, s, n, d = residual.shape
     t = b * s
     y, res, post, comb, g = (x.contiguous() for x in (y, residual, post, comb, grad))
-    dy = torch.empty_like(y)
-    dres = torch.empty_like(res)
-    dpost = torch.empty(post.shape, dtype=torch.float32, device=post.device)
-    dcomb = torch.empty(comb.shape, dtype=torch.float32, device=comb.device)
+    dy, dres = torch.empty_like(y), torch.empty_like(res)
+    dpost, dcomb = (torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (post, comb))
     _, bd_bwd = _post_blocks(d)
     if t > 0:
         _hc_post_bwd_kernel[(t,)](
@@ -276,10 +273,7 @@ def _hc_post_backward(ctx, grad):
 
 def _pre_blocks(t: int, k: int, d: int) -> tuple[int, int, int]:
     """(BT tokens per program, BK columns of N*D, BD features) for the hc_pre kernels."""
-    bt = min(32, next_power_of_2(t, 16))
-    bk = min(128, next_power_of_2(k, 16))
-    bd = min(256, next_power_of_2(d, 16))
-    return bt, bk, bd
+    return min(32, next_power_of_2(t, 16)), min(128, next_power_of_2(k, 16)), min(256, next_power_of_2(d, 16))
 
 
 # Column blocks of the two backward dot kernels (dX: BD, dfn: BK): their fp32 ``ieee`` dots unroll to FMAs whose
@@ -412,13 +406,8 @@ def _hc_pre_backward(ctx, dpost, dcomb, dcollapsed, _dproj, _dsumsq):
                 outs.append(o)
                 grads.append(g.reshape(o.shape).to(o.dtype))
         inputs = [proj_r, sumsq_r] + ([base_r] if need_base else []) + ([scale_r] if need_scale else [])
-        if outs:
-            got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
-        else:
-            got = [None] * len(inputs)
-    got = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, got)]
-    dproj, dsumsq = got[0], got[1]
-    rest = got[2:]
+        got = torch.autograd.grad(outs, inputs, grads, allow_unused=True) if outs else [None] * len(inputs)
+    dproj, dsumsq, *rest = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, got)]
     dbase = rest.pop(0) if need_base else None
     dscale = rest.pop(0) if need_scale else None
     dx = _HC_PRE_DX(x, fn, dproj, dsumsq, pre.detach(), dcollapsed) if ctx.needs_input_grad[0] else None
@@ -454,16 +443,9 @@ def hc_post_fused(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
     return _HC_POST_FWD(y, residual, post, comb)
 
 
-def hc_pre_fused(
-    hidden_streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre_fused(hidden_streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                 sinkhorn_iters: int, hc_eps: float, norm_eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused alternative of :func:`.mhc_ops.hc_pre_torch` (its contract; ``X`` and ``fn`` in fp32/bf16/fp16).
     ``RuntimeError`` without triton; ``ValueError`` also for unsupported dtypes and a sharded DTensor parameter."""
     require_triton("glm53flash_hf.mhc_fused")
@@ -474,7 +456,5 @@ def hc_pre_fused(
     check_device("hidden_streams", hidden_streams)
     check_dtype("hidden_streams", hidden_streams)
     check_dtype("fn", fn)
-    post, comb, collapsed, _, _ = _HC_PRE_FWD(hidden_streams, fn, base, scale, int(sinkhorn_iters),
-                                              float(hc_eps), float(norm_eps))
-    return post, comb, collapsed
+    return _HC_PRE_FWD(hidden_streams, fn, base, scale, int(sinkhorn_iters), float(hc_eps), float(norm_eps))[:3]
 

@@ -46,21 +46,15 @@ def check_hc_post_args(y, residual, post, comb) -> None:
         raise ValueError(f"residual must be [B, S, N, D]; got shape {tuple(residual.shape)}")
     b, s, n, d = residual.shape
     if tuple(y.shape) != (b, s, d) or tuple(post.shape) != (b, s, n) or tuple(comb.shape) != (b, s, n, n):
-        raise ValueError(
-            f"hc_post shapes do not fit residual [B,S,N,D]={tuple(residual.shape)}: y {tuple(y.shape)} (want "
-            f"[B,S,D]), post {tuple(post.shape)} (want [B,S,N]), comb {tuple(comb.shape)} (want [B,S,N,N])"
-        )
+        raise ValueError(f"hc_post shapes do not fit residual [B,S,N,D]={tuple(residual.shape)}: y {tuple(y.shape)} "
+                         f"(want [B,S,D]), post {tuple(post.shape)} (want [B,S,N]), comb {tuple(comb.shape)} (want "
+                         "[B,S,N,N])")
 
 
-def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float, steps: list | None = None) -> torch.Tensor:
     """Sinkhorn-Knopp on positive ``comb [..., N, N]`` (fp32/fp64) with the reference's schedule: one column
     normalisation ``c / (colsum + eps)``, then ``iters - 1`` (row, column) rounds, no early exit. Same shape and
-    dtype; differentiable."""
-    return _sinkhorn(comb, iters, eps)
-
-
-def _sinkhorn(comb: torch.Tensor, iters: int, eps: float, steps: list | None = None) -> torch.Tensor:
-    """:func:`sinkhorn_normalize`'s op sequence; appends ``(output, denominator)`` of every step to ``steps``."""
+    dtype; differentiable. Appends ``(output, denominator)`` of every step to ``steps`` when given."""
     for step in range(2 * iters - 1):  # column, then (row, column) rounds: a fixed count, vectorised over tokens
         denom = comb.sum(dim=-1 if step % 2 else -2, keepdim=True) + eps
         comb = comb / denom
@@ -69,17 +63,8 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float, steps: list | None = N
     return comb
 
 
-def mix_weights(
-    proj: torch.Tensor,
-    mean_sq: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    n: int,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mix_weights(proj: torch.Tensor, mean_sq: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, n: int,
+                sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-token part of ``hc_pre`` (shared with :mod:`.mhc_fused`), from ``proj [..., (2+N)*N] = x @ fn^T``
     and ``mean_sq [..., 1] = mean(x^2)`` (fp32, fp64 for fp64 streams)::
 
@@ -88,8 +73,7 @@ def mix_weights(
         comb = sinkhorn(softmax(m[2N:].view(N, N) * scale[2] + base[2N:].view(N, N), -1) + hc_eps)
 
     Returns ``(pre [..., N], post [..., N], comb [..., N, N])`` in the inputs' promoted dtype; differentiable."""
-    pre, post, comb, _ = _mix_weights(proj, mean_sq, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, keep=False)
-    return pre, post, comb
+    return _mix_weights(proj, mean_sq, base, scale, n, sinkhorn_iters, hc_eps, norm_eps, keep=False)[:3]
 
 
 def _mix_weights(proj, mean_sq, base, scale, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, keep: bool):
@@ -107,7 +91,7 @@ def _mix_weights(proj, mean_sq, base, scale, n: int, sinkhorn_iters: int, hc_eps
     comb_logits = comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n)
     probs = torch.softmax(comb_logits, dim=-1)
     steps = [] if keep else None
-    comb = _sinkhorn(probs + hc_eps, sinkhorn_iters, hc_eps, steps)
+    comb = sinkhorn_normalize(probs + hc_eps, sinkhorn_iters, hc_eps, steps)
     return pre, post, comb, ((mixes, rs, sig_pre, sig_post, probs, steps) if keep else None)
 
 
@@ -121,9 +105,7 @@ def _mix_weights_backward(proj, scale, kept, d_pre, d_post, d_comb, n: int):
     ``r = (mean_sq + eps)^-1/2``: ``d mean_sq = -r^3 / 2 * sum(dm * proj)``."""
     mixes, rs, sig_pre, sig_post, probs, steps = kept
     lead = mixes.shape[:-1]
-    if d_comb is None:
-        d_comb = mixes.new_zeros(*lead, n, n)
-    dc = d_comb.to(mixes.dtype)
+    dc = mixes.new_zeros(*lead, n, n) if d_comb is None else d_comb.to(mixes.dtype)
     for i in range(len(steps) - 1, -1, -1):
         y, denom = steps[i]
         dim = -1 if i % 2 else -2
@@ -186,8 +168,7 @@ class _HcPre(torch.autograd.Function):
             proj, scale, (*kept[:5], steps), d_pre, d_post, d_comb, n)
         d_x = d_fn = None
         if ctx.needs_input_grad[0]:
-            fn_c = fn.to(compute)
-            d_x = torch.matmul(d_proj, fn_c)  # [B, S, N*D]
+            d_x = torch.matmul(d_proj, fn.to(compute))  # [B, S, N*D]
             d_x.addcmul_(x, d_mean_sq, value=2.0 / (n * dim))
             if d_collapsed is not None:
                 d_x.view(batch * seq, n, dim).baddbmm_(pre.reshape(batch * seq, n, 1),
@@ -199,16 +180,9 @@ class _HcPre(torch.autograd.Function):
                 d_scale.to(scale.dtype) if ctx.needs_input_grad[3] else None, None, None, None)
 
 
-def hc_pre_torch(
-    hidden_streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre_torch(hidden_streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                 sinkhorn_iters: int, hc_eps: float, norm_eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mixing weights of one mHC site and the collapsed sub-block input: per token, the streams ``X [N, D]`` as
     ``x [N*D]`` in fp32, :func:`mix_weights` of ``x @ fn^T`` and ``mean(x^2)``, ``collapsed = sum_n pre_n * X_n``.
 
@@ -231,9 +205,7 @@ def hc_pre_torch(
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_streams, fn, base, scale)):
         return _HcPre.apply(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
     with autocast_off(hidden_streams):
-        post, comb, collapsed, _ = _hc_pre_forward(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
-                                                   keep=False)
-    return post, comb, collapsed
+        return _hc_pre_forward(hidden_streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, keep=False)[:3]
 
 
 def hc_post_torch(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -133,14 +133,11 @@ class Glm53FlashMoE(nn.Module):
         router_logits, topk_weights, topk_indices = self.gate(hidden_states)
         tokens = hidden_states.reshape(-1, shape[-1])
         if self.token_dispatch is None:
-            routed = self.experts(tokens, topk_indices, topk_weights).view(shape)
+            routed = self.experts(tokens, topk_indices, topk_weights)
         else:
-            routed = self.token_dispatch(self.experts, tokens, topk_indices, topk_weights).view(shape)
-        out = routed + self.shared_experts(hidden_states)
-        if return_router_logits:
-            return out, router_logits
-        return out
-
+            routed = self.token_dispatch(self.experts, tokens, topk_indices, topk_weights)
+        out = routed.view(shape) + self.shared_experts(hidden_states)
+        return (out, router_logits) if return_router_logits else out
 
 
 def init_moe_weights(module: nn.Module, config) -> None:
@@ -187,21 +184,15 @@ class Glm53FlashDecoderLayer(GradientCheckpointingLayer):
         cache=None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        residual = hidden_states
         post, comb, x = self.attn_hc(hidden_states)
-        x = self.input_layernorm(x)
-        x, topk_indices, weights = self.self_attn(
-            x, layout=layout, prev_topk_indices=prev_topk_indices, cache=cache, output_attentions=output_attentions
-        )
-        hidden_states = op_for(hc_post_torch, requested_backend(self.config, "mhc"), x, residual, post, comb)(
-            x, residual, post, comb)
-
-        residual = hidden_states
+        x, topk_indices, weights = self.self_attn(self.input_layernorm(x), layout=layout,
+                                                  prev_topk_indices=prev_topk_indices, cache=cache,
+                                                  output_attentions=output_attentions)
+        mhc = requested_backend(self.config, "mhc")  # hc_post called here: one frame from the layer to its kernel
+        hidden_states = op_for(hc_post_torch, mhc, x, hidden_states, post, comb)(x, hidden_states, post, comb)
         post, comb, x = self.ffn_hc(hidden_states)
-        x = self.post_attention_layernorm(x)
-        x = self.mlp(x)
-        hidden_states = op_for(hc_post_torch, requested_backend(self.config, "mhc"), x, residual, post, comb)(
-            x, residual, post, comb)
+        x = self.mlp(self.post_attention_layernorm(x))
+        hidden_states = op_for(hc_post_torch, mhc, x, hidden_states, post, comb)(x, hidden_states, post, comb)
         return hidden_states, topk_indices, weights
 
 
@@ -230,9 +221,7 @@ class Glm53FlashMTPLayer(GradientCheckpointingLayer):
         self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor, layout: DocumentLayout, cache=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(inputs_embeds), self.hnorm(hidden_states)], dim=-1))
-        residual = x
-        attn, _, _ = self.self_attn(self.input_layernorm(x), layout=layout, cache=cache)
-        x = residual + attn
+        x = x + self.self_attn(self.input_layernorm(x), layout=layout, cache=cache)[0]
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.shared_head.norm(x), x
 
@@ -412,12 +401,6 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         self.layout_builder = None
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     @can_return_tuple
     def forward(
         self,
@@ -449,10 +432,11 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
                 f"mtp_depth={mtp_depth} needs an uncached forward of a model with an MTP layer; got "
                 f"num_nextn_predict_layers={self.config.num_nextn_predict_layers}, cache={type(cache).__name__}"
             )
-        output_router_logits = kwargs.pop("output_router_logits", None)
-        if output_router_logits is None:
-            output_router_logits = getattr(self.config, "output_router_logits", False)
-        embeds_given = inputs_embeds is not None
+        output_router_logits, output_attentions, output_hidden_states = (
+            getattr(self.config, name, False) if value is None else value for name, value in (
+                ("output_router_logits", kwargs.pop("output_router_logits", None)),
+                ("output_attentions", kwargs.pop("output_attentions", None)),
+                ("output_hidden_states", output_hidden_states)))  # fmt: skip
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
@@ -465,11 +449,6 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         )
         if self.gradient_checkpointing and self.training and cache is None:
             layout.selections = {}  # DSA ids kept for the layers' recompute (docs/design.md, DSA)
-        if output_hidden_states is None:
-            output_hidden_states = self.config.output_hidden_states
-        output_attentions = kwargs.pop("output_attentions", None)
-        if output_attentions is None:
-            output_attentions = self.config.output_attentions
         hidden_states = hc_expand(inputs_embeds, self.config.hc_mult)
         all_hidden = (hidden_states,) if output_hidden_states else None
         topk_indices = None
@@ -505,9 +484,8 @@ class Glm53FlashTextModel(Glm53FlashPreTrainedModel):
         mtp_inputs = {"pre_norm_hidden_state": h_pre, "mtp_inputs_embeds": inputs_embeds} if output_mtp_inputs else {}
         mtp_hidden = None
         if mtp_depth:
-            mtp_hidden = self.mtp_forward(
-                h_pre, layout, mtp_depth, inputs_embeds=inputs_embeds if embeds_given else None, input_ids=input_ids
-            )
+            embeds = inputs_embeds if input_ids is None else None
+            mtp_hidden = self.mtp_forward(h_pre, layout, mtp_depth, inputs_embeds=embeds, input_ids=input_ids)
             mtp_inputs["pre_norm_hidden_state"] = h_pre
         keep_layout = mtp_depth or output_router_logits or layout.shard is not None
         return Glm53FlashTextModelOutput(
@@ -661,13 +639,25 @@ def router_load_balancing_loss(config, router_logits: tuple[torch.Tensor, ...], 
     return load_balancing_loss_func(tuple(router_logits), config.n_routed_experts, config.num_experts_per_tok, mask)
 
 
-class _Glm53FlashGenerationHooks:
-    """``GenerationMixin`` hooks of both heads: croppable caches for assisted decoding (``_is_stateful = False``,
-    :func:`.generation_cache.make_croppable`), ``use_mtp=True`` drafting with our MTP layer, the 2-D padding mask
-    ``[B, past + S]`` as the layers' mask."""
+class _Glm53FlashHeadModel(Glm53FlashPreTrainedModel, GenerationMixin):
+    """What both heads share: ``model`` (:meth:`_backbone`) and an untied ``lm_head``, the MTP loss under a trainer's
+    fused LM head (:func:`.mtp.register_fused_head_mtp`), and the ``GenerationMixin`` hooks: croppable caches for
+    assisted decoding (``_is_stateful = False``, :func:`.generation_cache.make_croppable`), ``use_mtp=True`` drafting
+    with our MTP layer, the 2-D padding mask ``[B, past + S]`` as the layers' mask."""
 
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    accepts_loss_kwargs = True
     _is_stateful = False
     mtp_stats: dict | None = None  # the last generate(use_mtp=True): drafted, accepted, acceptance_rate, mtp_calls
+
+    def __init__(self, config):
+        super().__init__(config)
+        text_config = config.get_text_config(decoder=True)
+        self.model = self._backbone(config)
+        self.vocab_size = text_config.vocab_size
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        register_fused_head_mtp(self)
+        self.post_init()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """transformers' cache preparation; assisted (or assistant) generation gets croppable KDA / indexer layers."""
@@ -686,11 +676,8 @@ class _Glm53FlashGenerationHooks:
                                  *args, **kwargs):
         """``use_mtp=True``: :class:`.mtp_generation.Glm53FlashMTPCandidateGenerator` (``ValueError`` without an MTP
         layer); otherwise transformers' choice."""
-        if (
-            generation_config.use_mtp
-            and generation_config.assistant_early_exit is None
-            and generation_config.prompt_lookup_num_tokens is None
-        ):
+        others = (generation_config.assistant_early_exit, generation_config.prompt_lookup_num_tokens)
+        if generation_config.use_mtp and all(other is None for other in others):
             from .mtp_generation import Glm53FlashMTPCandidateGenerator
 
             return Glm53FlashMTPCandidateGenerator(self, generation_config, model_kwargs, logits_processor)
@@ -711,9 +698,8 @@ class _Glm53FlashGenerationHooks:
         names = ("input_ids", "inputs_embeds", "attention_mask", "pixel_values", "pixel_values_videos")
         check_not_meta({"inputs": inputs, **{name: kwargs.get(name) for name in names}}, self)
         cache = kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
-        prompt = inputs if inputs is not None else kwargs.get("input_ids")
-        if prompt is None:
-            prompt = kwargs.get("inputs_embeds")
+        given = (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
+        prompt = next((p for p in given if p is not None), None)
         prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else 0
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not torch.compiler.is_compiling():
@@ -746,7 +732,7 @@ class _Glm53FlashGenerationHooks:
         return attention_mask
 
 
-class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
+class Glm53FlashForCausalLM(_Glm53FlashHeadModel):
     """Text-only GLM-5.3-Flash causal LM (``lm_head`` untied) from :class:`Glm53FlashConfig` or its text config;
     loads the published layout (vision tensors skipped, one info line).
 
@@ -761,19 +747,12 @@ class Glm53FlashForCausalLM(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedMode
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    accepts_loss_kwargs = True
     _keys_to_ignore_on_load_unexpected = list(VISION_KEY_PATTERNS)
     _skips_vision_tower = True
 
-    def __init__(self, config):
-        super().__init__(config)
-        text_config = config.get_text_config(decoder=True)
-        self.model = Glm53FlashTextModel._from_config(text_config)
-        self.vocab_size = text_config.vocab_size
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-        register_fused_head_mtp(self)
-        self.post_init()
+    @staticmethod
+    def _backbone(config):
+        return Glm53FlashTextModel._from_config(config.get_text_config(decoder=True))
 
     @can_return_tuple
     def forward(
@@ -1015,24 +994,14 @@ def _holds_distributed_parameters(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-class Glm53FlashForConditionalGeneration(_Glm53FlashGenerationHooks, Glm53FlashPreTrainedModel, GenerationMixin):
+class Glm53FlashForConditionalGeneration(_Glm53FlashHeadModel):
     """GLM-5.3-Flash image/video-text-to-text model (``AutoModelForImageTextToText``, keys as
     ``Glm5NextForConditionalGeneration``): :class:`Glm53FlashModel`'s inputs plus ``labels``, ``num_items_in_batch``,
     ``logits_to_keep``; loss, label checks and TRL's fused LM head as :class:`Glm53FlashForCausalLM`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    accepts_loss_kwargs = True
     _no_split_modules = ["Glm53FlashDecoderLayer", "Glm53FlashMTPLayer", "Glm5NextVisionBlock"]
-
-    def __init__(self, config: Glm53FlashConfig):
-        super().__init__(config)
-        self.model = Glm53FlashModel(config)
-        text_config = config.get_text_config(decoder=True)
-        self.vocab_size = text_config.vocab_size
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-        register_fused_head_mtp(self)
-        self.post_init()
+    _backbone = Glm53FlashModel
 
     def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
         """:meth:`Glm53FlashModel.get_image_features` (transformers' ``BaseModelOutputWithPooling``)."""

@@ -4,8 +4,7 @@ decorator).
 
 Source: transformers ``models/glm5_next/modeling_glm5_next.py`` (``Glm5NextTextMLP``, ``Glm5NextTextTopkRouter``);
 parameter names, shapes and dtypes as there, so state dicts are interchangeable. The maths is in :mod:`.moe_ops`,
-the fused kernels in :mod:`.moe_fused`.
-"""
+the fused kernels in :mod:`.moe_fused`."""
 
 from __future__ import annotations
 
@@ -57,41 +56,29 @@ class Glm53FlashTopkRouter(nn.Module):
         self.topk_group = config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         if self.num_group < 1 or self.num_experts % self.num_group != 0:
-            raise ValueError(
-                f"n_routed_experts ({self.num_experts}) must be divisible by n_group; got n_group={self.num_group}"
-            )
+            raise ValueError(f"n_routed_experts ({self.num_experts}) must be divisible by n_group; got "
+                             f"n_group={self.num_group}")
         if self.num_group > 1 and self.num_experts // self.num_group < 2:
             raise ValueError(f"n_group={self.num_group} leaves fewer than 2 experts per group (E={self.num_experts})")
         if not 1 <= self.topk_group <= self.num_group:
             raise ValueError(f"topk_group must be in [1, n_group={self.num_group}]; got topk_group={self.topk_group}")
         eligible = self.topk_group * (self.num_experts // self.num_group)
         if not 1 <= self.top_k <= eligible:
-            raise ValueError(
-                f"num_experts_per_tok must be in [1, topk_group * n_routed_experts / n_group = {eligible}]; "
-                f"got num_experts_per_tok={self.top_k}"
-            )
+            raise ValueError("num_experts_per_tok must be in [1, topk_group * n_routed_experts / n_group = "
+                             f"{eligible}]; got num_experts_per_tok={self.top_k}")
         self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim, dtype=torch.float32))
-        self.register_buffer(
-            "e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True
-        )
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32),
+                             persistent=True)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden_states`` ``[T, hidden]`` or ``[B, S, hidden]`` (routed in fp32) -> ``(router_logits fp32 [T, E],
         topk_weights fp32 [T, k], topk_indices int64 [T, k])``; ``ValueError`` for another hidden size."""
         if hidden_states.shape[-1] != self.hidden_dim:
-            raise ValueError(
-                f"router input last dim must be hidden_size={self.hidden_dim}; got shape {tuple(hidden_states.shape)}"
-            )
-        return topk_routing(
-            hidden_states,
-            self.weight,
-            self.e_score_correction_bias,
-            top_k=self.top_k,
-            n_group=self.num_group,
-            topk_group=self.topk_group,
-            norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.routed_scaling_factor,
-        )
+            raise ValueError(f"router input last dim must be hidden_size={self.hidden_dim}; got shape "
+                             f"{tuple(hidden_states.shape)}")
+        return topk_routing(hidden_states, self.weight, self.e_score_correction_bias, top_k=self.top_k,
+                            n_group=self.num_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                            routed_scaling_factor=self.routed_scaling_factor)
 
 
 def _experts_forward_fused():

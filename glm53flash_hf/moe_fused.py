@@ -54,10 +54,8 @@ def _valid_rows(valid_rows: torch.Tensor | None, num_rows: int, device: torch.de
     if valid_rows is None:
         return torch.full((1,), num_rows, dtype=torch.int32, device=device)
     if valid_rows.numel() != 1 or valid_rows.dtype != torch.int32 or valid_rows.device != device:
-        raise ValueError(
-            f"valid_rows must be a one-element int32 tensor on {device}; got {valid_rows.numel()} "
-            f"element(s) of {valid_rows.dtype} on {valid_rows.device}"
-        )
+        raise ValueError(f"valid_rows must be a one-element int32 tensor on {device}; got {valid_rows.numel()} "
+                         f"element(s) of {valid_rows.dtype} on {valid_rows.device}")
     return valid_rows
 
 
@@ -169,38 +167,32 @@ if TRITON_AVAILABLE:
         tl.store(dw_ptr + r, tl.sum(acc, axis=0))
 
 
-def _swiglu_blocks(inter: int) -> tuple[int, int]:
-    block_c = min(1024, next_power_of_2(inter, 16))
-    return max(1, 2048 // block_c), block_c
-
-
-def _limits(limit: float | None, dtype: torch.dtype) -> tuple[bool, float, float]:
-    """``(has_limit, compare value, stored value)``: torch's ``clamp`` stores ``limit`` rounded to the dtype."""
-    if limit is None:
-        return False, 0.0, 0.0
-    return True, float(limit), float(torch.tensor(float(limit), dtype=torch.float32).to(dtype).item())
-
-
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has unit stride (what the kernels index), else a contiguous copy."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _swiglu_launch(kernel, gate_up: torch.Tensor, valid_rows: torch.Tensor, limit: float | None, **outputs) -> None:
+    """Run a clamped-SwiGLU ``kernel`` over ``gate_up [S, 2I]`` (unit last stride) with its other pointers and
+    strides ``outputs``."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    # the kernels compare with ``limit`` and store it rounded to the dtype, as torch's ``clamp``
+    lim = 0.0 if limit is None else float(limit)
+    lim_value = 0.0 if limit is None else float(torch.tensor(lim, dtype=torch.float32).to(gate_up.dtype).item())
+    if rows and inter:
+        block_c = min(1024, next_power_of_2(inter, 16))
+        block_r = max(1, 2048 // block_c)
+        kernel[(triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))](
+            gu_ptr=gate_up, nvalid_ptr=valid_rows, n_rows=rows, inter=inter, stride_gu=gate_up.stride(0),
+            limit=lim, limit_value=lim_value,
+            HAS_LIMIT=limit is not None, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c, **outputs,
+        )
+
+
 def _swiglu_fwd_impl(gate_up: torch.Tensor, valid_rows: torch.Tensor, limit: float | None) -> torch.Tensor:
     gate_up = _unit_last_stride(gate_up)
-    rows, two_i = gate_up.shape
-    inter = two_i // 2
-    has_limit, lim, lim_value = _limits(limit, gate_up.dtype)
-    act = torch.empty(rows, inter, device=gate_up.device, dtype=gate_up.dtype)
-    if rows and inter:
-        block_r, block_c = _swiglu_blocks(inter)
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
-        _swiglu_fwd_kernel[grid](
-            gu_ptr=gate_up, act_ptr=act, nvalid_ptr=valid_rows,
-            n_rows=rows, inter=inter, stride_gu=gate_up.stride(0), stride_act=act.stride(0),
-            limit=lim, limit_value=lim_value,
-            HAS_LIMIT=has_limit, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c,
-        )
+    act = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, device=gate_up.device, dtype=gate_up.dtype)
+    _swiglu_launch(_swiglu_fwd_kernel, gate_up, valid_rows, limit, act_ptr=act, stride_act=act.stride(0))
     return act
 
 
@@ -211,20 +203,10 @@ def _swiglu_fwd_fake(gate_up, valid_rows, limit):
 def _swiglu_bwd_impl(gate_up: torch.Tensor, dact: torch.Tensor, valid_rows: torch.Tensor, limit: float | None
                      ) -> torch.Tensor:
     gate_up = _unit_last_stride(gate_up)
-    rows, two_i = gate_up.shape
-    inter = two_i // 2
     dact = _unit_last_stride(dact.to(gate_up.dtype))
-    has_limit, lim, lim_value = _limits(limit, gate_up.dtype)
     dgu = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-    if rows and inter:
-        block_r, block_c = _swiglu_blocks(inter)
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
-        _swiglu_bwd_kernel[grid](
-            gu_ptr=gate_up, dact_ptr=dact, dgu_ptr=dgu, nvalid_ptr=valid_rows,
-            n_rows=rows, inter=inter, stride_gu=gate_up.stride(0), stride_dact=dact.stride(0),
-            stride_dgu=dgu.stride(0), limit=lim, limit_value=lim_value,
-            HAS_LIMIT=has_limit, DT=TL_DTYPES[gate_up.dtype], BLOCK_R=block_r, BLOCK_C=block_c,
-        )
+    _swiglu_launch(_swiglu_bwd_kernel, gate_up, valid_rows, limit, dact_ptr=dact, dgu_ptr=dgu,
+                   stride_dact=dact.stride(0), stride_dgu=dgu.stride(0))
     return dgu
 
 
@@ -326,15 +308,9 @@ def clamped_swiglu_fused(gate_up: torch.Tensor, limit: float | None, *, valid_ro
     return _SWIGLU_FWD(gate_up, valid_rows, None if limit is None else float(limit))
 
 
-def weighted_combine_fused(
-    rows: torch.Tensor,
-    row_weights: torch.Tensor,
-    token_rows: torch.Tensor,
-    token_of_row: torch.Tensor,
-    *,
-    out_dtype: torch.dtype,
-    valid_rows: torch.Tensor | None = None,
-) -> torch.Tensor:
+def weighted_combine_fused(rows: torch.Tensor, row_weights: torch.Tensor, token_rows: torch.Tensor,
+                           token_of_row: torch.Tensor, *, out_dtype: torch.dtype,
+                           valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_j row_weights[r] * rows[r]``, ``r = token_rows[t, j]`` in order, in fp32 rounded once to
     ``out_dtype`` (Triton, no atomics). ``rows [S, H]`` fp32/bf16/fp16 with unit last stride, ``row_weights [S]``,
     integer ``token_rows [T, k]`` (:func:`rows_by_token`) and its inverse ``token_of_row [S]``; ``valid_rows`` as
@@ -367,16 +343,9 @@ def weighted_combine_fused(
     return _COMBINE_FWD(rows, row_weights, token_rows.contiguous(), token_of_row.contiguous(), valid_rows, out_dtype)
 
 
-def experts_forward_fused(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    swiglu_limit: float | None,
-    *,
-    drop_out_of_range: bool = False,
-) -> torch.Tensor:
+def experts_forward_fused(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, swiglu_limit: float | None, *,
+                          drop_out_of_range: bool = False) -> torch.Tensor:
     """Routed experts, fused path: the contract of :func:`.moe_ops.experts_forward_torch` (its oracle).
 
     Expert weights of one dtype (fp32/bf16/fp16), cast to the autocast dtype under autocast as there; DTensor

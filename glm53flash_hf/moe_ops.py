@@ -23,17 +23,9 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
     return F.silu(gate) * up
 
 
-def topk_routing(
-    hidden_states: torch.Tensor,
-    weight: torch.Tensor,
-    correction_bias: torch.Tensor,
-    *,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def topk_routing(hidden_states: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, *, top_k: int,
+                 n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sigmoid top-k routing with an aux-free correction bias and group-limited selection (``Glm5NextTextTopkRouter``,
     same ops: equal indices and weights).
 
@@ -63,17 +55,14 @@ def topk_routing(
     return router_logits, topk_weights * routed_scaling_factor, topk_indices
 
 
-def routing_metadata(
-    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing_metadata(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_ids [S], token_of_row int64 [S], offsets int32 [E], row_weights [S])`` of the ``S = T * k`` rows of
     ``top_k_index`` / ``top_k_weights`` ``[T, k]`` sorted by expert (stable; sentinel ids ``>= num_experts`` last;
     ``offsets[e]``: rows with id ``<= e``). Raises ``ValueError`` for other shapes or ``num_experts < 1``."""
     if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
-        raise ValueError(
-            f"top_k_index and top_k_weights must both be [T, k]; got {tuple(top_k_index.shape)} and "
-            f"{tuple(top_k_weights.shape)}"
-        )
+        raise ValueError(f"top_k_index and top_k_weights must both be [T, k]; got {tuple(top_k_index.shape)} and "
+                         f"{tuple(top_k_weights.shape)}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1; got num_experts={num_experts}")
     sorted_ids, order, offsets = sort_rows(top_k_index, num_experts)
@@ -117,12 +106,10 @@ def rows_by_token(token_of_row: torch.Tensor, top_k: int) -> torch.Tensor:
 def _grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         return False
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False  # the native kernels refuse float64
-    # The kernels need 16-byte multiples for every non-unit stride (forward and backward operands), i.e. for the
-    # inner sizes K and N; the release sizes (4096, 2048) always qualify.
-    size = w.element_size()
-    if (w.shape[-2] * size) % 16 or (w.shape[-1] * size) % 16:
+    # The native kernels refuse float64 and need 16-byte multiples for every non-unit stride (forward and backward
+    # operands), i.e. for the inner sizes K and N; the release sizes (4096, 2048) always qualify.
+    aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[-2:])
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not aligned:
         return False
     if torch.compiler.is_compiling() and w.dtype != torch.bfloat16:
         return False  # inductor lowers grouped_mm for bf16 only
@@ -152,36 +139,22 @@ def check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, 
         raise ValueError(f"hidden_states must be [T, H]; got shape {tuple(hidden_states.shape)}")
     num_tokens, hidden = hidden_states.shape
     if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != num_tokens:
-        raise ValueError(
-            f"top_k_index and top_k_weights must both be [T, k] with T={num_tokens}; got {tuple(top_k_index.shape)} "
-            f"and {tuple(top_k_weights.shape)}"
-        )
+        raise ValueError(f"top_k_index and top_k_weights must both be [T, k] with T={num_tokens}; got "
+                         f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
     if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
-        raise ValueError(
-            f"gate_up_proj and down_proj must be 3-D; got {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
-        )
+        raise ValueError(f"gate_up_proj and down_proj must be 3-D; got {tuple(gate_up_proj.shape)} and "
+                         f"{tuple(down_proj.shape)}")
     if gate_up_proj.shape[-1] != hidden or down_proj.shape[:2] != (gate_up_proj.shape[0], hidden):
-        raise ValueError(
-            f"expert weights do not fit hidden size {hidden}: gate_up_proj {tuple(gate_up_proj.shape)}, "
-            f"down_proj {tuple(down_proj.shape)}"
-        )
+        raise ValueError(f"expert weights do not fit hidden size {hidden}: gate_up_proj {tuple(gate_up_proj.shape)}, "
+                         f"down_proj {tuple(down_proj.shape)}")
     if gate_up_proj.shape[1] != 2 * down_proj.shape[2]:
-        raise ValueError(
-            f"gate_up_proj rows ({gate_up_proj.shape[1]}) must be twice down_proj's intermediate size "
-            f"({down_proj.shape[2]})"
-        )
+        raise ValueError(f"gate_up_proj rows ({gate_up_proj.shape[1]}) must be twice down_proj's intermediate size "
+                         f"({down_proj.shape[2]})")
 
 
-def experts_forward_torch(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    swiglu_limit: float | None,
-    *,
-    drop_out_of_range: bool = False,
-) -> torch.Tensor:
+def experts_forward_torch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, swiglu_limit: float | None, *,
+                          drop_out_of_range: bool = False) -> torch.Tensor:
     """Routed experts as grouped GEMMs: ``y_t = sum_j w_tj * down_e(clamped_swiglu(gate_up_e(x_t)))``, ``e = idx_tj``.
 
     Maths and summation order of ``Glm5NextTextExperts`` (a token's rows in increasing expert order), each token's

@@ -152,9 +152,8 @@ def _fused_head_start(model, args, kwargs):
     if not kwargs.get("fused_lm_head"):
         return None
     requested = kwargs.pop("mtp", None)  # our forward's switch; the fused forward would hand it to the backbone
-    if requested is False or not _mtp_on(model) or not model.training:
-        return args, kwargs
-    if kwargs.get("labels") is None and kwargs.get("shift_labels") is None:
+    no_labels = kwargs.get("labels") is None and kwargs.get("shift_labels") is None
+    if requested is False or not _mtp_on(model) or not model.training or no_labels:
         return args, kwargs
     if getattr(model, "_trl_trainer", None) != _TRL_LM_LOSS:
         if getattr(model, "_trl_trainer", None) is None:  # other TRL trainers were warned at their start

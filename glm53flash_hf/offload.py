@@ -1,6 +1,5 @@
 """Reading parameters that accelerate offloads (``from_pretrained(device_map=..., offload_folder=...)``) outside
-their module's own forward.
-"""
+their module's own forward."""
 
 from __future__ import annotations
 

@@ -149,8 +149,7 @@ def build_document_layout(
         cu = cu_seqlens.to(device=device, dtype=torch.long).flatten()
         if cu.numel() < 2 or not torch.compiler.is_compiling():
             _check_cu_seqlens_values(cu, total)
-        flat = starts.view(-1)
-        flat[cu[:-1]] = True
+        starts.view(-1)[cu[:-1]] = True
 
     layout = layout_from_starts(starts, valid, trivial=statically_trivial)
     if not statically_trivial and not torch.compiler.is_compiling():

@@ -126,10 +126,9 @@ def _check_video_metadata(index: int, frames: int, meta, sampled: bool) -> None:
         return
     if meta.fps is not None and not _positive_number(meta.fps):
         raise ValueError(f"{name}: video_metadata.fps must be a finite number > 0; got fps={meta.fps!r}")
-    indices = meta.frames_indices
-    if indices is None:
+    if meta.frames_indices is None:
         return
-    indices = [int(i) for i in np.asarray(indices).reshape(-1)]
+    indices = [int(i) for i in np.asarray(meta.frames_indices).reshape(-1)]
     if len(indices) != frames:
         raise ValueError(
             f"{name}: video_metadata.frames_indices has {len(indices)} entries but the clip holds {frames} "
@@ -165,9 +164,7 @@ def _read_folder_json(path_or_repo, name: str, subfolder: str, kwargs: dict) -> 
     """``(parsed JSON object or None when absent, path shown in messages)`` of ``name`` in a folder or Hub repo;
     ``ValueError`` naming the file when it is not a JSON object."""
     resolved = _folder_file(path_or_repo, name, subfolder, kwargs)
-    shown = os.path.join(os.fspath(path_or_repo), subfolder, name) if subfolder else os.path.join(
-        os.fspath(path_or_repo), name
-    )
+    shown = os.path.join(os.fspath(path_or_repo), subfolder, name)  # subfolder "" adds no separator
     if resolved is None:
         return None, shown
     try:
@@ -567,11 +564,8 @@ class Glm53FlashProcessor(ProcessorMixin):
             )
         # In the vocabulary is not enough: the processor and the chat template write these tokens into the text, so
         # the tokenizer must read each of them back as its one id (an added token), not split it into pieces.
-        split = {}
-        for token, token_id in ids.items():
-            encoded = list(tokenizer.encode(token, add_special_tokens=False))
-            if encoded != [token_id]:
-                split[token] = encoded
+        encodings = {token: list(tokenizer.encode(token, add_special_tokens=False)) for token in ids}
+        split = {token: encoded for token, encoded in encodings.items() if encoded != [ids[token]]}
         if split:
             token, encoded = next(iter(split.items()))
             also = f" (also split: {list(split)[1:]})" if len(split) > 1 else ""
@@ -686,7 +680,6 @@ class Glm53FlashProcessor(ProcessorMixin):
         """
         from transformers import AutoImageProcessor, AutoTokenizer
 
-        processor_dict = processor_dict or {}
         kwargs.pop("trust_remote_code", None)
         subfolder = kwargs.pop("subfolder", "")
         folder = os.fspath(pretrained_model_name_or_path)
@@ -709,7 +702,7 @@ class Glm53FlashProcessor(ProcessorMixin):
         image_processor = AutoImageProcessor.from_pretrained(
             pretrained_model_name_or_path, subfolder=subfolder, backend="pil", **kwargs
         )
-        video_config = processor_dict.get("video_processor")
+        video_config = (processor_dict or {}).get("video_processor")
         if video_config is not None:
             saved_type = video_config.get("video_processor_type")
             if saved_type not in (None, Glm53FlashVideoProcessor.__name__):

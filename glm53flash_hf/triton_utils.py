@@ -1,6 +1,5 @@
 """What the Triton kernel modules share: the optional ``triton`` import (``TRITON_AVAILABLE``), accepted dtypes,
-availability probes and launch helpers.
-"""
+availability probes and launch helpers."""
 
 from __future__ import annotations
 
@@ -25,20 +24,8 @@ TL_DTYPES: dict = (
     {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if TRITON_AVAILABLE else {}
 )
 
-__all__ = [
-    "SUPPORTED_DTYPES",
-    "TL_DTYPES",
-    "TRITON_AVAILABLE",
-    "check_device",
-    "check_dtype",
-    "interpreting",
-    "next_power_of_2",
-    "probe_tensors",
-    "require_triton",
-    "round_to",
-    "tl",
-    "triton",
-]
+__all__ = ["SUPPORTED_DTYPES", "TL_DTYPES", "TRITON_AVAILABLE", "check_device", "check_dtype", "interpreting",
+           "next_power_of_2", "probe_tensors", "require_triton", "round_to", "tl", "triton"]
 
 
 def interpreting() -> bool:

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -26,17 +26,15 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..checkpoint_checks import SCALE_SUFFIX, fp8_block_size, inspect_checkpoint
-from ..checkpoint_io import atomic_save, open_shard, read_config_json
+from ..checkpoint_io import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, atomic_save, open_shard, read_config_json
 from ..fp8_blockwise import dequantize_fp8_blockwise
 from . import check_output_folder
 
-INDEX_NAME = "model.safetensors.index.json"
 COPY_PATTERNS = ("tokenizer*", "*.jinja", "*processor*config.json", "generation_config.json", "special_tokens_map.json",
                  "added_tokens.json", "chat_template.json", "*.py")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_LAYER_KEY = re.compile(
-    r"^(?P<prefix>model\.language_model\.|language_model\.|model\.|)layers\.(?P<idx>\d+)\.(?P<rest>.+)$"
-)
+_LAYER_KEY = re.compile(r"^(?P<prefix>model\.language_model\.|language_model\.|model\.|)"
+                        r"layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
 _INDEXED_SPELLINGS = ("deepseek_sparse_attention", "full_attention")
 
 
@@ -72,11 +70,8 @@ class CropPlan:
 
     def counts(self) -> dict[str, int]:
         """Number of source tensors per action, plus ``dequantize``."""
-        out = {"keep": 0, "rename": 0, "drop": 0, "scale": 0, "dequantize": 0}
-        for a in self.actions:
-            out[a.action] += 1
-            out["dequantize"] += a.dequantize
-        return out
+        out = dict.fromkeys(("keep", "rename", "drop", "scale"), 0) | Counter(a.action for a in self.actions)
+        return out | {"dequantize": sum(a.dequantize for a in self.actions)}
 
 
 def _text_config(config: dict) -> dict:
@@ -90,10 +85,8 @@ def _filter_layer_list(name: str, values: list[int], layer_types: list[str], wan
     for base in (0, 1):
         if {v - base for v in values} == positions:
             return [v for v in values if v - base < n]
-    raise ValueError(
-        f"linear_attn_config.{name}={values} matches neither 0- nor 1-based numbering of the {wanted!r} layers "
-        f"of layer_types ({sorted(positions)})"
-    )
+    raise ValueError(f"linear_attn_config.{name}={values} matches neither 0- nor 1-based numbering of the {wanted!r} "
+                     f"layers of layer_types ({sorted(positions)})")
 
 
 def rewrite_config(config: dict, layers: int, mtp_layers: int) -> tuple[dict, dict]:
@@ -122,22 +115,20 @@ def rewrite_config(config: dict, layers: int, mtp_layers: int) -> tuple[dict, di
             raise ValueError(f"text_config.{name} has {len(values)} entries but num_hidden_layers={n_src}")
         text[name] = list(values[:layers])
         changes[name] = (values, text[name])
-    layer_types = [("indexed_attention" if t in _INDEXED_SPELLINGS else t) for t in text.get("layer_types") or []]
-    indexer_types = text.get("indexer_types") or []
+    src_types = [("indexed_attention" if t in _INDEXED_SPELLINGS else t) for t in changes["layer_types"][0]]
+    layer_types, indexer_types = src_types[:layers], text["indexer_types"]
     for i, kind in enumerate(indexer_types):
         if kind == "shared" and layer_types and layer_types[i] == "indexed_attention":
             if i == 0 or layer_types[i - 1] != "indexed_attention" or indexer_types[i - 1] != "full":
-                raise ValueError(
-                    f"indexer_types[{i}]='shared' but layer {i - 1} is not a kept indexed_attention layer with a "
-                    "'full' indexer; a shared layer stores no indexer weights, so it cannot be made 'full'"
-                )
-    if "first_k_dense_replace" in text and text["first_k_dense_replace"] is not None:
+                raise ValueError(f"indexer_types[{i}]='shared' but layer {i - 1} is not a kept indexed_attention layer "
+                                 "with a 'full' indexer; a shared layer stores no indexer weights, so it cannot be "
+                                 "made 'full'")
+    if text.get("first_k_dense_replace") is not None:
         old = text["first_k_dense_replace"]
         text["first_k_dense_replace"] = min(old, layers)
         changes["first_k_dense_replace"] = (old, text["first_k_dense_replace"])
     lac = text.get("linear_attn_config")
     if isinstance(lac, dict):
-        src_types = [("indexed_attention" if t in _INDEXED_SPELLINGS else t) for t in changes["layer_types"][0]]
         for name, wanted in (("kda_layers", "linear_attention"), ("full_attn_layers", "indexed_attention")):
             if name in lac and lac[name] is not None:
                 old = lac[name]
@@ -171,7 +162,7 @@ def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> Cro
         raise ValueError(f"{src}: no config.json")
     ckpt = inspect_checkpoint(src, for_transformers=False)
     if ckpt is None:
-        raise ValueError(f"{src}: no {INDEX_NAME} or model.safetensors")
+        raise ValueError(f"{src}: no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}")
     weight_map = ckpt.weight_map
     text = _text_config(config)
     n_src = text.get("num_hidden_layers")
@@ -181,10 +172,8 @@ def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> Cro
         raise ValueError(f"MTP layers must follow the main stack at layers.{n_src}..; found layers {mtp_ids}")
     declared = text.get("num_nextn_predict_layers")
     if declared is not None and declared != len(mtp_ids):
-        raise ValueError(
-            f"config num_nextn_predict_layers={declared} but the checkpoint has {len(mtp_ids)} layers after "
-            f"layers.{n_src - 1} ({mtp_ids})"
-        )
+        raise ValueError(f"config num_nextn_predict_layers={declared} but the checkpoint has {len(mtp_ids)} layers "
+                         f"after layers.{n_src - 1} ({mtp_ids})")
     config_out, changes = rewrite_config(config, layers, len(mtp_ids))
     actions = []
     for key in weight_map:
@@ -199,11 +188,8 @@ def plan_crop(src: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> Cro
             actions.append(KeyAction(key, None, "drop", fp8))
         else:
             actions.append(KeyAction(key, f"{m['prefix']}layers.{layers + idx - n_src}.{m['rest']}", "rename", fp8))
-    copy_files = sorted(
-        name
-        for name in os.listdir(src)
-        if os.path.isfile(os.path.join(src, name)) and any(fnmatch.fnmatch(name, p) for p in COPY_PATTERNS)
-    )
+    copy_files = sorted(name for name in os.listdir(src) if os.path.isfile(os.path.join(src, name))
+                        and any(fnmatch.fnmatch(name, p) for p in COPY_PATTERNS))
     return CropPlan(
         src=src, layers=layers, dtype=dtype, weight_map=weight_map, dtypes=ckpt.dtypes, shapes=ckpt.shapes,
         actions=actions, config_in=config, config_out=config_out, schedule_changes=changes, copy_files=copy_files,
@@ -215,24 +201,17 @@ def describe(plan: CropPlan, list_keys: bool = False) -> str:
     """Human-readable summary of a plan (what ``--dry-run`` prints)."""
     c = plan.counts()
     n_src = _text_config(plan.config_in)["num_hidden_layers"]
-    lines = [
-        f"source: {plan.src} ({len(set(plan.weight_map.values()))} shards, {len(plan.weight_map)} tensors)",
-        f"main layers: {n_src} -> {plan.layers} (layers {plan.layers}..{n_src - 1} dropped: {c['drop']} tensors)"
-        if plan.layers < n_src
-        else f"main layers: {n_src} -> {plan.layers} (none dropped)",
-    ]
-    for i in range(plan.mtp_layers):
-        lines.append(f"MTP layer: layers.{n_src + i}.* -> layers.{plan.layers + i}.*")
+    dropped = f"layers {plan.layers}..{n_src - 1} dropped: {c['drop']} tensors" if plan.layers < n_src else None
+    lines = [f"source: {plan.src} ({len(set(plan.weight_map.values()))} shards, {len(plan.weight_map)} tensors)",
+             f"main layers: {n_src} -> {plan.layers} ({dropped or 'none dropped'})"]
+    lines += [f"MTP layer: layers.{n_src + i}.* -> layers.{plan.layers + i}.*" for i in range(plan.mtp_layers)]
     lines.append(f"tensors written: {c['keep'] + c['rename']} ({c['keep']} kept, {c['rename']} renamed)")
     if c["dequantize"] or c["scale"]:
         kept_fp8 = sum(a.dequantize for a in plan.actions if a.target is not None)
-        lines.append(
-            f"FP8: {kept_fp8} written weights dequantized to {str(plan.dtype).removeprefix('torch.')} "
-            f"({plan.block[0]}x{plan.block[1]} blocks); {c['scale']} scale tensors not written"
-        )
+        lines.append(f"FP8: {kept_fp8} written weights dequantized to {str(plan.dtype).removeprefix('torch.')} "
+                     f"({plan.block[0]}x{plan.block[1]} blocks); {c['scale']} scale tensors not written")
     lines.append("config.json changes:")
-    for name, (old, new) in plan.schedule_changes.items():
-        lines.append(f"  {name}: {old} -> {new}")
+    lines += [f"  {name}: {old} -> {new}" for name, (old, new) in plan.schedule_changes.items()]
     lines.append(f"files copied: {', '.join(plan.copy_files) if plan.copy_files else '(none)'}")
     if list_keys:
         lines.append("tensors:")
@@ -283,19 +262,16 @@ def run_crop(plan: CropPlan, out: str, max_shard_size: int | None = None, progre
 
 def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: bool) -> dict:
     """The body of :func:`run_crop`, writing into the empty folder ``out``."""
-    limit = max_shard_size
-    if limit is None:  # the largest source shard
-        limit = max(os.path.getsize(os.path.join(plan.src, f)) for f in set(plan.weight_map.values()))
+    # default: the largest source shard (max_shard_size is a positive int or None)
+    limit = max_shard_size or max(os.path.getsize(os.path.join(plan.src, f)) for f in set(plan.weight_map.values()))
     by_file: dict[str, list[KeyAction]] = {}
     for a in plan.actions:
         if a.target is not None:
             by_file.setdefault(plan.weight_map[a.source], []).append(a)
     by_file = dict(sorted(by_file.items()))
-    total_tensors = sum(len(v) for v in by_file.values())
     parts: list[tuple[str, list[str]]] = []
     buffer: dict[str, torch.Tensor] = {}
-    buffer_bytes = 0
-    total_size = 0
+    buffer_bytes = total_size = 0
 
     def flush():
         nonlocal buffer, buffer_bytes
@@ -306,7 +282,7 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
         parts.append((tmp, list(buffer)))
         buffer, buffer_bytes = {}, 0
 
-    bar = tqdm(total=total_tensors, desc="Cropping", unit="tensor", disable=not progress)
+    bar = tqdm(total=sum(map(len, by_file.values())), desc="Cropping", unit="tensor", disable=not progress)
     with bar, contextlib.closing(_ShardReaders(plan.src)) as scales:
         for fname, acts in by_file.items():
             bar.set_postfix_str(fname)
@@ -331,7 +307,7 @@ def _write_crop(plan: CropPlan, out: str, max_shard_size: int | None, progress: 
         name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.replace(os.path.join(out, tmp), os.path.join(out, name))
         weight_map.update(dict.fromkeys(keys, name))
-    with open(os.path.join(out, INDEX_NAME), "w") as f:
+    with open(os.path.join(out, SAFETENSORS_INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(plan.config_out, f, indent=2)
@@ -354,15 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(f"not a size: {value!r} is {n} bytes; expected a positive size")
         return n
 
-    p = argparse.ArgumentParser(
-        prog="glm53flash-crop",
-        description=(
-            "Keep the first N main layers of a GLM-5.3-Flash checkpoint folder, plus the MTP layer(s) (renumbered "
-            "from layers.{num_hidden_layers+i} to layers.{N+i}), the embeddings, final norm, lm_head and vision "
-            "tower. FP8 weights are dequantized and quantization_config is dropped. The schedule fields of "
-            "config.json are rewritten. Works one source shard at a time."
-        ),
-    )
+    p = argparse.ArgumentParser(prog="glm53flash-crop", description=(
+        "Keep the first N main layers of a GLM-5.3-Flash checkpoint folder, plus the MTP layer(s) (renumbered from "
+        "layers.{num_hidden_layers+i} to layers.{N+i}), the embeddings, final norm, lm_head and vision tower. FP8 "
+        "weights are dequantized and quantization_config is dropped. The schedule fields of config.json are "
+        "rewritten. Works one source shard at a time."))
     p.add_argument("src", metavar="SRC", help="source checkpoint folder (config.json + safetensors shards and index)")
     p.add_argument("out", metavar="OUT", help="output folder; must not exist or be empty (not created with --dry-run)")
     p.add_argument("--layers", type=int, required=True, metavar="N",
@@ -397,10 +369,8 @@ def main(argv=None) -> int:
         result = run_crop(plan, args.out, args.max_shard_size, progress=not args.no_progress)
     except ValueError as e:
         parser.exit(2, f"glm53flash-crop: error: {e}\n")
-    print(
-        f"wrote {result['tensors']} tensors ({result['total_size'] / 2**20:.1f} MiB) in {result['shards']} shards "
-        f"to {args.out}"
-    )
+    print(f"wrote {result['tensors']} tensors ({result['total_size'] / 2**20:.1f} MiB) in {result['shards']} shards "
+          f"to {args.out}")
     return 0
 
 

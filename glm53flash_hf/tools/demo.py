@@ -23,12 +23,9 @@ DEFAULT_MODEL = "glm53flash-tiny"
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"checkpoint folder (default: ./{DEFAULT_MODEL}, made with glm53flash-make-tiny when absent; any other "
-        "path must hold a checkpoint)",
-    )
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"checkpoint folder (default: ./{DEFAULT_MODEL}, made with glm53flash-make-tiny when "
+                             "absent; any other path must hold a checkpoint)")
     parser.add_argument("--length", type=int, default=96, help="tokens taken from each of the three passages")
     args = parser.parse_args(argv)
     if args.length < 1:

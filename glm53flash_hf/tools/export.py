@@ -25,6 +25,7 @@ from . import check_output_folder, docstring_parser
 
 logger = logging.get_logger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+CODE_SUFFIXES = (".py", ".pyc")  # the Python files of SRC, which export() never copies
 LINK_MODES = ("symlink", "hardlink", "copy")
 
 
@@ -45,17 +46,14 @@ def remote_code_files() -> list[str]:
     from ..modeling_glm53flash import AUTO_MAP, Glm53FlashForCausalLM
 
     package_dir = os.path.dirname(os.path.abspath(inspect.getfile(Glm53FlashForCausalLM)))
-    files: list[str] = []
+    files: dict[str, None] = {}  # in first-seen order
     refs = list(AUTO_MAP.values()) + list(processor_auto_map().values())
     for module in sorted({ref.split(".")[0] for ref in refs}):
         entry = os.path.join(package_dir, module + ".py")
         if not os.path.isfile(entry):
             raise FileNotFoundError(f"AUTO_MAP names module {module!r} but {entry} does not exist")
-        for path in [entry] + list(get_relative_import_files(entry)):
-            path = os.path.abspath(path)
-            if path not in files:
-                files.append(path)
-    return files
+        files.update(dict.fromkeys(os.path.abspath(path) for path in [entry, *get_relative_import_files(entry)]))
+    return list(files)
 
 
 def link_file(src: str, dst: str, mode: str = "symlink") -> str:
@@ -80,11 +78,6 @@ def link_file(src: str, dst: str, mode: str = "symlink") -> str:
     return "copy"
 
 
-def is_code_file(name: str) -> bool:
-    """True for the Python files of SRC that :func:`export` never copies (``*.py``, ``*.pyc``)."""
-    return name.endswith((".py", ".pyc"))
-
-
 def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """``(relative path, "link" | "copy")`` per non-hidden, non-code file of ``src``, and the code files' paths."""
     plan, code = [], []
@@ -95,7 +88,7 @@ def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[s
             rel = os.path.relpath(os.path.join(root, name), src)
             if name.startswith(".") or rel in skip_names:
                 continue
-            if is_code_file(name):
+            if name.endswith(CODE_SUFFIXES):
                 code.append(rel)
                 continue
             is_weight = name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")  # linked, not copied
@@ -105,17 +98,13 @@ def _plan(src: str, skip_names: set[str]) -> tuple[list[tuple[str, str]], list[s
 
 def _replace_auto_maps(data, auto_map: dict) -> bool:
     """Set every ``"auto_map"`` inside the JSON value ``data`` to ``auto_map``; return whether anything changed."""
-    changed = False
-    if isinstance(data, dict):
-        if "auto_map" in data and data["auto_map"] != auto_map:
-            data["auto_map"] = dict(auto_map)
-            changed = True
-        for key, value in data.items():
-            if key != "auto_map":
-                changed = _replace_auto_maps(value, auto_map) or changed
-    elif isinstance(data, list):
-        for value in data:
-            changed = _replace_auto_maps(value, auto_map) or changed
+    if not isinstance(data, (dict, list)):
+        return False
+    changed = isinstance(data, dict) and data.get("auto_map", auto_map) != auto_map
+    if changed:
+        data["auto_map"] = dict(auto_map)
+    for value in [v for k, v in data.items() if k != "auto_map"] if isinstance(data, dict) else data:
+        changed = _replace_auto_maps(value, auto_map) or changed
     return changed
 
 
@@ -126,13 +115,10 @@ def _with_our_auto_map(path: str):
     try:
         with open(path, "rb") as f:
             raw = f.read()
-    except OSError:
-        return None
-    if b'"auto_map"' not in raw:
-        return None
-    try:
+        if b'"auto_map"' not in raw:
+            return None
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return data if _replace_auto_maps(data, processor_auto_map()) else None
 
@@ -163,9 +149,8 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
         raise FileNotFoundError(f"SRC={src!r} has no config.json; pass a local checkpoint folder")
     config = read_json(config_path)
     if config.get("model_type") != "glm5_next":
-        raise ValueError(
-            f"{config_path}: model_type={config.get('model_type')!r}; expected 'glm5_next' (GLM-5.3-Flash)"
-        )
+        raise ValueError(f"{config_path}: model_type={config.get('model_type')!r}; expected 'glm5_next' "
+                         "(GLM-5.3-Flash)")
     try:
         Glm53FlashConfig.from_dict(dict(config))
     except Exception as error:  # the message names the field; keep the type visible
@@ -206,21 +191,18 @@ def export(src: str, out: str, link: str = "symlink", overwrite: bool = False, s
     atomic_save(out, write)
     kept = _scrub_kept_entries(out, written)
     ours = {os.path.basename(p): p for p in code}
-    foreign = [rel for rel in src_code if rel not in ours]
-    outdated = [
-        rel for rel in src_code if rel in ours and not filecmp.cmp(os.path.join(src, rel), ours[rel], shallow=False)
-    ]
-    replaced = sorted(rel for rel, kind in written.items() if kind == "config" and rel != "config.json")
-    if foreign or outdated or dropped_entries or replaced or kept:
-        parts = [f"SRC's code files not copied: {', '.join(foreign)}"] if foreign else []
-        if outdated:
-            parts.append(f"SRC's modules replaced by the package's: {', '.join(outdated)}")
-        if dropped_entries:
-            parts.append(f"config.json auto_map entries replaced or dropped: {', '.join(dropped_entries)}")
-        if replaced:
-            parts.append(f"auto_map replaced by the package's processor entry in: {', '.join(replaced)}")
-        if kept:
-            parts.append(f"removed or rewritten among OUT's previous files: {', '.join(kept)}")
+    notes = (
+        ("SRC's code files not copied", [rel for rel in src_code if rel not in ours]),
+        ("SRC's modules replaced by the package's", [
+            rel for rel in src_code if rel in ours and not filecmp.cmp(os.path.join(src, rel), ours[rel], shallow=False)
+        ]),
+        ("config.json auto_map entries replaced or dropped", dropped_entries),
+        ("auto_map replaced by the package's processor entry in",
+         sorted(rel for rel, kind in written.items() if kind == "config" and rel != "config.json")),
+        ("removed or rewritten among OUT's previous files", kept),
+    )
+    parts = [f"{what}: {', '.join(names)}" for what, names in notes if names]
+    if parts:
         logger.warning(f"glm53flash-export {src} -> {out}: OUT carries only this package's code; " + "; ".join(parts))
     return written
 
@@ -256,7 +238,7 @@ def _scrub_kept_entries(out: str, written: dict) -> list[str]:
             path = os.path.join(root, name)
             if os.path.relpath(path, out) in written or name.startswith("."):
                 continue
-            if is_code_file(name):
+            if name.endswith(CODE_SUFFIXES):
                 os.unlink(path)
                 changed.append(os.path.relpath(path, out))
             elif (data := _with_our_auto_map(path)) is not None:

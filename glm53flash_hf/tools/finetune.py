@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -76,6 +77,15 @@ def _resolve_dtype(args):
     if args.dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() and not _fsdp_launch() and args.ep == 1 else torch.float32
     return getattr(torch, args.dtype)
+
+
+def _reduce(accelerator, value: int, reduction: str) -> int:
+    """``value`` reduced over every process (``"sum"`` / ``"max"``); as is on a single process."""
+    import torch
+
+    if accelerator is None or accelerator.num_processes == 1:
+        return value
+    return int(accelerator.reduce(torch.tensor(value, device=accelerator.device), reduction=reduction))
 
 
 class OutputBusyError(RuntimeError):
@@ -175,14 +185,10 @@ def check_finite(model, what: str, accelerator=None) -> None:
     Raises:
         FloatingPointError: naming ``what``, the number of tensors holding NaN / inf and the first few names.
     """
-    import torch
-
     from ..checkpoint_checks import nonfinite_tensors
 
     bad = nonfinite_tensors([*model.named_parameters(), *model.named_buffers()])
-    count = len(bad)
-    if accelerator is not None and accelerator.num_processes > 1:
-        count = int(accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="sum"))
+    count = _reduce(accelerator, len(bad), "sum")
     if count:
         names = f": {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else " (on other processes)"
         raise FloatingPointError(f"{what} holds non-finite values (NaN / inf) in {count} tensors{names}; nothing "
@@ -208,26 +214,6 @@ def logit_degeneracy(logits) -> str | None:
     return None
 
 
-def _rms_norm_hooks(model, found: list):
-    """Forward hooks on every RMS norm of ``model`` appending ``(name, value)`` to ``found`` for the first one whose
-    input's float32 mean square (the statistic it divides by) is NaN / inf; returns the handles."""
-    import torch
-
-    def hook(name):
-        def record(module, args, output):
-            if found or not args or not torch.is_tensor(args[0]):
-                return
-            stat = args[0].detach().float().pow(2).mean(-1)
-            bad = ~torch.isfinite(stat)
-            if bool(bad.any()):
-                found.append((name, float(stat[bad].flatten()[0])))
-
-        return record
-
-    return [module.register_forward_hook(hook(name)) for name, module in model.named_modules()
-            if "RMSNorm" in type(module).__name__]
-
-
 def check_predicts(model, processor, question: str, what: str, learning_rate: float, accelerator=None) -> None:
     """Raise unless ``model`` still predicts on the chat prompt for ``question`` (eval mode, no grad; a collective
     forward on every process under FSDP / ``--ep``): its logits must not be constant (:func:`logit_degeneracy`) and
@@ -238,8 +224,18 @@ def check_predicts(model, processor, question: str, what: str, learning_rate: fl
     """
     import torch
 
-    found: list = []
-    handles = _rms_norm_hooks(model, found)
+    found: list = []  # (name, value) of the first RMS norm whose input's float32 mean square is NaN / inf
+
+    def record(name, module, args, output):
+        if found or not args or not torch.is_tensor(args[0]):
+            return
+        stat = args[0].detach().float().pow(2).mean(-1)
+        bad = ~torch.isfinite(stat)
+        if bool(bad.any()):
+            found.append((name, float(stat[bad].flatten()[0])))
+
+    handles = [module.register_forward_hook(functools.partial(record, name)) for name, module in model.named_modules()
+               if "RMSNorm" in type(module).__name__]
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in chat_inputs(processor, question).items()}
     training = model.training
@@ -252,10 +248,7 @@ def check_predicts(model, processor, question: str, what: str, learning_rate: fl
             handle.remove()
         model.train(training)
     degenerate = logit_degeneracy(logits)
-    dead = int(degenerate is not None or bool(found))
-    if accelerator is not None and accelerator.num_processes > 1:
-        dead = int(accelerator.reduce(torch.tensor(dead, device=accelerator.device), reduction="max"))
-    if not dead:
+    if not _reduce(accelerator, int(degenerate is not None or bool(found)), "max"):
         return
     reasons = [f"its logits are {degenerate}" if degenerate else "its logits on other processes are degenerate"]
     if found:
@@ -342,19 +335,6 @@ def check_saved_folder(out: str, adapter: bool) -> list[str]:
     if missing:
         raise RuntimeError(f"the saved folder {out} is incomplete; missing: {', '.join(missing)}")
     return files
-
-
-def save_auto_peft_adapters(vl_adapter_dir: str, causal_lm_adapter_dir: str) -> None:
-    """Make the job's adapter (saved by PEFT from the VL model in ``vl_adapter_dir``, labelled ``CAUSAL_LM``) load
-    through PEFT's Auto classes: relabel it for ``peft.AutoPeftModel`` (no task type, ``auto_mapping``
-    ``AutoModelForImageTextToText``) and write its causal-LM copy (keys ``model.*``, ``CAUSAL_LM``) into
-    ``causal_lm_adapter_dir`` for ``peft.AutoPeftModelForCausalLM``. Both keep ``base_model_name_or_path`` (the
-    trained checkpoint: an absolute path for a local folder, else the Hub id).
-    """
-    from ..train.adapters import mark_vl_adapter, write_causal_lm_adapter
-
-    mark_vl_adapter(vl_adapter_dir)
-    write_causal_lm_adapter(vl_adapter_dir, causal_lm_adapter_dir)
 
 
 def merge_adapter(base_path: str, adapter_dir: str, dtype, merged_format: str = "fp8"):
@@ -482,9 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def malloc_policy(choice: str, cuda_available: bool) -> str:
     """The heap policy ``--malloc`` asks for (``auto``: ``"bounded"`` without CUDA, else ``"default"``)."""
-    if choice == "auto":
-        return "default" if cuda_available else "bounded"
-    return choice
+    return ("default" if cuda_available else "bounded") if choice == "auto" else choice
 
 
 def _looks_local(path: str) -> bool:
@@ -504,13 +482,10 @@ def _check_args(parser, args) -> None:
     """``parser.error`` naming the option and value for every out-of-range option and conflicting pair."""
     from . import check_output_folder
 
-    for name in ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.answer_chars < 40:
-        parser.error(f"--answer-chars must be >= 40; got {args.answer_chars}")
-    if args.warmup_steps < 0:
-        parser.error(f"--warmup-steps must be >= 0; got {args.warmup_steps}")
+    at_least_1 = ("lora_r", "max_steps", "batch_size", "grad_accum", "max_length", "max_new_tokens", "sp", "ep")
+    for name, low in [(name, 1) for name in at_least_1] + [("answer_chars", 40), ("warmup_steps", 0)]:
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(args, name)}")
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be between 0 and 2**32 - 1; got {args.seed}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
@@ -698,8 +673,6 @@ def train(job: Job, trainer) -> dict:
             :class:`DeadModelError`: the trained model no longer predicts (constant logits, a non-finite RMS norm
             statistic: :func:`check_predicts`) or the loss never moved (:func:`check_loss_moved`).
     """
-    import torch
-
     result = trainer.train()
     what = f"the trained model (after step {trainer.state.global_step})"
     check_finite(trainer.model, what, trainer.accelerator)
@@ -708,9 +681,7 @@ def train(job: Job, trainer) -> dict:
     check_loss_moved(losses, lr)
     if trainer.sp_group is None:  # under --sp the text model expects its shard of each row
         check_predicts(trainer.model, job.processor, explain_prompt(job.args.held_out), what, lr, trainer.accelerator)
-    tokens = trainer.trained_tokens
-    if trainer.accelerator.num_processes > 1:
-        tokens = int(trainer.accelerator.reduce(torch.tensor(tokens, device=job.training_args.device), reduction="sum"))
+    tokens = _reduce(trainer.accelerator, trainer.trained_tokens, "sum")
     first, last, n = loss_summary(losses)
     return dict(seconds=float(result.metrics["train_runtime"]), tokens=tokens, first=first, last=last, n=n)
 
@@ -720,6 +691,7 @@ def save(job: Job, trainer, processor):
     ``job.staging``, check it and replace ``job.out`` by it. Returns the saved model on the main process when in
     memory, else ``None``.
     """
+    from ..train.adapters import add_router_biases, mark_vl_adapter, write_causal_lm_adapter
     from ..train.expert_parallel import save_adapter_ep, save_pretrained_ep
 
     stage = job.staging
@@ -739,13 +711,13 @@ def save(job: Job, trainer, processor):
             _save_trained(trainer, adapter_dir, job.main_process)
         if job.main_process:
             if job.args.balance_speed > 0:  # the balanced router biases: buffers, which PEFT does not save
-                from ..train.adapters import add_router_biases
-
                 add_router_biases(adapter_dir, trainer.accelerator.unwrap_model(trainer.model))
-            save_auto_peft_adapters(adapter_dir, os.path.join(stage, ADAPTER_DIR))
+            # PEFT's Auto classes load both: the VL adapter relabelled for peft.AutoPeftModel, its causal-LM copy
+            # (keys model.*, CAUSAL_LM) for peft.AutoPeftModelForCausalLM
+            mark_vl_adapter(adapter_dir)
+            write_causal_lm_adapter(adapter_dir, os.path.join(stage, ADAPTER_DIR))
             saved_model = merge_adapter(job.model_path, adapter_dir, job.dtype, job.args.merged_format)
-            report = getattr(saved_model, "fp8_merge_report", None)
-            if report is not None:
+            if (report := getattr(saved_model, "fp8_merge_report", None)) is not None:
                 job.say(f"merged into the FP8 base as {job.args.merged_format}: {report['merged_fp8_weights']} FP8 "
                         f"weights, max relative re-quantization error {report['max_rel_roundtrip_error']:.2e}")
             check_finite(saved_model, "the merged model")
@@ -849,10 +821,9 @@ def main(argv=None) -> int:
     job = Job(args=args, out=out, staging=staging, dtype=dtype, training_args=training_args,
               main_process=training_args.process_index == 0)
     if heap_set:
-        huge = huge_pages_in_use()
         job.say(f"heap: malloc policy {heap!r} (--malloc default: off); huge pages: "
                 + {True: "on", False: "off (THP_MEM_ALLOC_ENABLE set, or a tensor allocated first)",
-                   None: "not offered by this kernel"}[huge])
+                   None: "not offered by this kernel"}[huge_pages_in_use()])
     with contextlib.ExitStack() as stack:
         if job.main_process:
             try:

@@ -27,34 +27,12 @@ DEFAULT_FP8_CONFIG = os.path.join(HERE, "tiny_fp8_config.json")
 
 # GLM special tokens in id order (the release's tokenizer_config.json); the first one sits at the config's pad_token_id.
 SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "[MASK]",
-    "[gMASK]",
-    "[sMASK]",
-    "<sop>",
-    "<eop>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|observation|>",
-    "<|begin_of_image|>",
-    "<|end_of_image|>",
-    "<|begin_of_video|>",
-    "<|end_of_video|>",
-    "<|begin_of_audio|>",
-    "<|end_of_audio|>",
-    "<|image|>",
-    "<|video|>",
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<arg_key>",
-    "</arg_key>",
-    "<arg_value>",
-    "</arg_value>",
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
+    "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+    "<|begin_of_audio|>", "<|end_of_audio|>", "<|image|>", "<|video|>",
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
 )
 
 # Added tokens that decode as text (kept by ``decode(..., skip_special_tokens=True)``) so reasoning and tool-call
@@ -83,8 +61,6 @@ PRETOKENIZE_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
 
 def corpus_texts() -> list[str]:
     """The training text: every topic of CPython's ``pydoc_data.topics``, in sorted topic order."""
@@ -101,29 +77,22 @@ def train_tokenizer(bpe_vocab_size: int):
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if bpe_vocab_size <= len(alphabet):
-        raise ValueError(
-            f"the BPE vocabulary (pad_token_id={bpe_vocab_size}) must exceed the {len(alphabet)}-symbol byte alphabet"
-        )
+        raise ValueError(f"the BPE vocabulary (pad_token_id={bpe_vocab_size}) must exceed the {len(alphabet)}-symbol "
+                         "byte alphabet")
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    split = pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=bpe_vocab_size, show_progress=False, initial_alphabet=alphabet)
     tokenizer.train_from_iterator(corpus_texts(), trainer=trainer)
     if tokenizer.get_vocab_size() != bpe_vocab_size:
-        raise ValueError(
-            f"BPE training on pydoc_data.topics reached {tokenizer.get_vocab_size()} tokens, not the "
-            f"{bpe_vocab_size} requested (pad_token_id)"
-        )
+        raise ValueError(f"BPE training on pydoc_data.topics reached {tokenizer.get_vocab_size()} tokens, not the "
+                         f"{bpe_vocab_size} requested (pad_token_id)")
     for token in SPECIAL_TOKENS:  # one at a time: ids follow SPECIAL_TOKENS order
-        if token in TEXT_TAG_TOKENS:
-            tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)])
-        else:
-            tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+        text = token in TEXT_TAG_TOKENS
+        add = tokenizer.add_tokens if text else tokenizer.add_special_tokens
+        add([AddedToken(token, special=not text, normalized=False)])
     return tokenizer
 
 
@@ -144,28 +113,9 @@ def check_token_ids(config, tokenizer) -> None:
             if value is None and owner is not home:
                 continue
             if value != expected:
-                raise ValueError(
-                    f"{name}.{field}={value!r} does not match the tokenizer ({token!r} -> {expected!r}); the special "
-                    f"tokens start at pad_token_id and follow glm53flash_hf.tools.make_tiny.SPECIAL_TOKENS"
-                )
-
-
-def save_tokenizer(tokenizer, out: str, model_max_length: int) -> None:
-    """Save ``tokenizer`` with transformers: ``<|endoftext|>`` as EOS and pad, left padding, ``model_max_length``, the
-    GLM special tokens as extra special tokens.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-        model_max_length=model_max_length,
-        extra_special_tokens=[t for t in SPECIAL_TOKENS[1:] if t not in TEXT_TAG_TOKENS],
-    )
-    hf_tokenizer.save_pretrained(out)
+                raise ValueError(f"{name}.{field}={value!r} does not match the tokenizer ({token!r} -> {expected!r}); "
+                                 "the special tokens start at pad_token_id and follow "
+                                 "glm53flash_hf.tools.make_tiny.SPECIAL_TOKENS")
 
 
 def _tensor_bytes(tensors: dict) -> int:
@@ -176,7 +126,7 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
     """Rewrite the text shards (FP8 when ``fp8``), add ``vision_state`` as the last shard, and write the index."""
     from safetensors.torch import load_file, save_file
 
-    from ..checkpoint_io import read_weight_map, write_json
+    from ..checkpoint_io import SAFETENSORS_INDEX, read_weight_map, write_json
     from ..fp8_blockwise import fp8_keys_of, quantize_fp8_blockwise
 
     weight_map = read_weight_map(out)
@@ -198,10 +148,8 @@ def add_vision_and_fp8(out: str, vision_state: dict, total_parameters: int, fp8:
     save_file(vision_state, os.path.join(out, vision_name), metadata={"format": "pt"})
     new_map.update({k: vision_name for k in vision_state})
     total_size += _tensor_bytes(vision_state)
-    index = {
-        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
-        "weight_map": dict(sorted(new_map.items())),
-    }
+    index = {"metadata": {"total_parameters": total_parameters, "total_size": total_size},
+             "weight_map": dict(sorted(new_map.items()))}
     write_json(index, os.path.join(out, SAFETENSORS_INDEX), sort_keys=True)
 
 
@@ -262,11 +210,14 @@ def make_tiny(out: str, config_path: str | None = None, seed: int = 0, fp8: bool
 def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     """Write the checkpoint into the empty folder ``out``."""
     import torch
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
     from ..checkpoint_io import read_json, write_json
     from ..fp8_blockwise import fp8_quantization_config
     from ..modeling_glm53flash import Glm53FlashForCausalLM
+    from ..processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
 
     bar.set_postfix_str("text model")
     torch.manual_seed(seed)
@@ -289,63 +240,40 @@ def _write_folder(out, config, text, tokenizer, seed, fp8, dtype, bar) -> None:
     bar.update(2)
 
     bar.set_postfix_str("save tokenizer + processor")
-    save_tokenizer(tokenizer, out, model_max_length=text.max_position_embeddings)
-    save_processor(out, config)
-    bar.update(1)
-
-
-def save_processor(out: str, config) -> None:
-    """Write :class:`~.processing_glm53flash.Glm53FlashProcessor` (with the vision tower's patch/merge sizes) into
-    ``out``.
-    """
-    from transformers import AutoTokenizer
-    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-
-    from ..processing_glm53flash import Glm53FlashProcessor, Glm53FlashVideoProcessor
-
-    vision = config.vision_config
-    sizes = dict(
-        patch_size=vision.patch_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        merge_size=vision.spatial_merge_size,
-    )
-    processor = Glm53FlashProcessor(
-        Glm5NextImageProcessorPil(**sizes), AutoTokenizer.from_pretrained(out), Glm53FlashVideoProcessor(**sizes)
-    )
+    PreTrainedTokenizerFast(  # <|endoftext|> as EOS and pad, the other GLM special tokens as extra special tokens
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left",
+        clean_up_tokenization_spaces=False, model_max_length=text.max_position_embeddings,
+        extra_special_tokens=[t for t in SPECIAL_TOKENS[1:] if t not in TEXT_TAG_TOKENS],
+    ).save_pretrained(out)
+    vc = config.vision_config  # the processors take the vision tower's patch / merge sizes
+    sizes = dict(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size)
+    processor = Glm53FlashProcessor(Glm5NextImageProcessorPil(**sizes), AutoTokenizer.from_pretrained(out),
+                                    Glm53FlashVideoProcessor(**sizes))
     processor.save_pretrained(out)
+    bar.update(1)
 
 
 def main(argv=None) -> int:
     """Command-line entry point of ``glm53flash-make-tiny``; returns the exit status."""
     parser = docstring_parser("glm53flash-make-tiny", __doc__)
     parser.add_argument("out", metavar="OUT", help="folder to write (created; must be empty unless --overwrite)")
-    parser.add_argument(
-        "--fp8",
-        action="store_true",
-        help="store the tensors the FP8 release quantizes (experts, shared experts, dense MLPs, 4 DSA/MTP "
-        "projections) as float8_e4m3fn with 128x128-block <key>_scale_inv, and write quantization_config; "
-        "without --config, the model of tiny_fp8_config.json (configuration/tiny_fp8.json: 64 routed experts of "
-        "intermediate 128, so that the FP8 modules hold most of the bytes, as in the release)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="random seed of the weights (text: seed, vision: seed+1); default 0"
-    )
-    parser.add_argument(
-        "--config",
-        default=None,
-        help="model config JSON with text_config and vision_config (default: the package's tiny_config.json, "
-        "the same file as configuration/tiny.json; with --fp8, tiny_fp8_config.json); "
-        "its special-token ids must follow the layout described below",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float32"),
-        default="bfloat16",
-        help="dtype of the stored weights (default bfloat16, as the release); fp32-kept parameters stay float32",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="write into a non-empty OUT, removing its old safetensors files"
-    )
+    parser.add_argument("--fp8", action="store_true",
+                        help="store the tensors the FP8 release quantizes (experts, shared experts, dense MLPs, 4 "
+                             "DSA/MTP projections) as float8_e4m3fn with 128x128-block <key>_scale_inv, and write "
+                             "quantization_config; without --config, the model of tiny_fp8_config.json "
+                             "(configuration/tiny_fp8.json: 64 routed experts of intermediate 128, so that the FP8 "
+                             "modules hold most of the bytes, as in the release)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed of the weights (text: seed, vision: seed+1); default 0")
+    parser.add_argument("--config", default=None,
+                        help="model config JSON with text_config and vision_config (default: the package's "
+                             "tiny_config.json, the same file as configuration/tiny.json; with --fp8, "
+                             "tiny_fp8_config.json); its special-token ids must follow the layout described below")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="dtype of the stored weights (default bfloat16, as the release); fp32-kept parameters "
+                             "stay float32")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty OUT, removing its old safetensors files")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:

@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import sys
@@ -82,12 +83,10 @@ def check_setup(setup: Setup, config) -> None:
     if setup.fsdp not in (1, setup.gpus):
         raise ValueError(f"--fsdp must be 1 or --gpus={setup.gpus} (FSDP2 shards over every rank); "
                          f"got {setup.fsdp}")
-    if setup.gpus % setup.ep:
-        raise ValueError(f"--ep={setup.ep} must divide --gpus={setup.gpus}")
-    if setup.gpus % setup.sp:
-        raise ValueError(f"--sp={setup.sp} must divide --gpus={setup.gpus}")
-    if setup.seq_len % setup.sp:
-        raise ValueError(f"--sp={setup.sp} must divide --seq-len={setup.seq_len}")
+    for part, whole in (("ep", "gpus"), ("sp", "gpus"), ("sp", "seq_len")):
+        if getattr(setup, whole) % getattr(setup, part):
+            raise ValueError(f"--{part}={getattr(setup, part)} must divide --{whole.replace('_', '-')}="
+                             f"{getattr(setup, whole)}")
     if setup.ep > 1 and setup.sp > 1:
         raise ValueError(f"--ep and --sp cannot be combined (glm53flash-finetune refuses it); got --ep={setup.ep} "
                          f"--sp={setup.sp}")
@@ -243,9 +242,8 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
     n_dense = setup.fsdp
     n_expert_fsdp = setup.gpus // setup.ep if setup.fsdp > 1 else 1
 
-    weights = trainable = 0
+    weights = trainable = total_params = 0
     units: dict = {}  # FSDP unit -> [unsharded compute bytes, unsharded trainable elements]
-    total_params = 0
     for name, full_shape in names.items():
         expert = ".mlp.experts." in name
         shape = (full_shape[0] // setup.ep,) + full_shape[1:] if expert else full_shape
@@ -261,10 +259,8 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
                 compute = _fp8_bytes(shape)
             else:
                 stored, compute = base_b * local, base_b * math.prod(shape)
-            weights += stored
             adapter = setup.lora_rank * _lora_targets(name, shape)
-            # adapters: fp32, sharded like the weight they adapt
-            weights += 4 * math.ceil(adapter / n)
+            weights += stored + 4 * math.ceil(adapter / n)  # adapters: fp32, sharded like the weight they adapt
             trainable += math.ceil(adapter / n)
             compute += cb * adapter
         else:
@@ -293,13 +289,8 @@ def plan_memory(config, setup: Setup) -> MemoryPlan:
         t = setup.micro_batch * setup.seq_len // setup.sp
         comm += 2 * t * config.num_experts_per_tok * config.hidden_size * cb
 
-    parts = {
-        "weights": int(weights),
-        "gradients": int(4 * trainable),
-        "optimizer_states": int(8 * trainable),
-        "activations": int(act),
-        "communication_buffers": int(comm),
-    }
+    parts = {"weights": int(weights), "gradients": int(4 * trainable), "optimizer_states": int(8 * trainable),
+             "activations": int(act), "communication_buffers": int(comm)}
     total = sum(parts.values())
     budget = int((setup.gpu_memory_gib - setup.reserve_gib) * GIB)
     details = {"parameters": total_params, "trainable_per_gpu": int(trainable),
@@ -349,21 +340,17 @@ def fp8_load_bytes(config, dtype=None) -> dict[str, int]:
     fp8_keys = fp8_keys_of(revert_weight_conversion(model, model.state_dict()))
     names = fp8_module_names_of_keys(fp8_keys)
     before = {n: t.numel() * t.element_size() for n, t in model.named_parameters()}
-    quantizer = Glm53FlashFP8Quantizer(
-        FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK), modules_to_not_convert=MODULES_TO_NOT_CONVERT),
-        pre_quantized=True,
-    )
+    fp8_config = FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK),
+                                      modules_to_not_convert=MODULES_TO_NOT_CONVERT)
+    quantizer = Glm53FlashFP8Quantizer(fp8_config, pre_quantized=True)
     with fp8_quantizer_for_load(names):
         quantizer.preprocess_model(model)
     out = fp8_weight_bytes(model)
     converted = [(n, t) for n, t in model.named_parameters() if t.dtype == FP8_DTYPE or n.endswith("_scale_inv")]
-    out.update(
-        dequantized=dequantized,
-        converted=sum(t.numel() * t.element_size() for _, t in converted),
-        converted_dequantized=sum(before[n] for n, t in converted if t.dtype == FP8_DTYPE),
-        fp8_keys=len(fp8_keys),
-        fp8_modules=sum(type(m).__name__.startswith("Glm53FlashFP8") for m in model.modules()),
-    )
+    out.update(dequantized=dequantized, converted=sum(t.numel() * t.element_size() for _, t in converted),
+               converted_dequantized=sum(before[n] for n, t in converted if t.dtype == FP8_DTYPE),
+               fp8_keys=len(fp8_keys),
+               fp8_modules=sum(type(m).__name__.startswith("Glm53FlashFP8") for m in model.modules()))
     return out
 
 
@@ -393,18 +380,14 @@ def release_table(config) -> str:
     """Markdown table of :func:`release_setup` over :data:`RELEASE_GPUS`, LoRA r=16 / full, BF16 / FP8, 4k / 32k."""
     rows = ["| GPUs | training | base | tokens | FSDP2 / EP / SP | ckpt | weights | grads + optim | activations "
             "| comm | total GiB | usable GiB | fits |", "|" + "---|" * 13]
-    for gpu, memory in RELEASE_GPUS:
-        for rank in (16, 0):
-            for base in ("bf16", "fp8"):
-                for seq in (4096, 32768):
-                    s, p = release_setup(config, memory, rank, base, seq)
-                    g = {k: v / GIB for k, v in p.parts.items()}
-                    rows.append(
-                        f"| {gpu} | {'LoRA r=' + str(rank) if rank else 'full'} | {base.upper()} | {seq // 1024}k "
-                        f"| {s.fsdp} / {s.ep} / {s.sp} | yes | {g['weights']:.1f} "
-                        f"| {g['gradients'] + g['optimizer_states']:.1f} | {g['activations']:.1f} "
-                        f"| {g['communication_buffers']:.1f} | {p.total / GIB:.1f} | {p.budget / GIB:.1f} "
-                        f"| {'yes' if p.fits else 'no'} |")
+    for (gpu, memory), rank, base, seq in itertools.product(RELEASE_GPUS, (16, 0), ("bf16", "fp8"), (4096, 32768)):
+        s, p = release_setup(config, memory, rank, base, seq)
+        g = {k: v / GIB for k, v in p.parts.items()}
+        rows.append(f"| {gpu} | {'LoRA r=' + str(rank) if rank else 'full'} | {base.upper()} | {seq // 1024}k "
+                    f"| {s.fsdp} / {s.ep} / {s.sp} | yes | {g['weights']:.1f} "
+                    f"| {g['gradients'] + g['optimizer_states']:.1f} | {g['activations']:.1f} "
+                    f"| {g['communication_buffers']:.1f} | {p.total / GIB:.1f} | {p.budget / GIB:.1f} "
+                    f"| {'yes' if p.fits else 'no'} |")
     return "\n".join(rows)
 
 
@@ -438,10 +421,10 @@ def main(argv=None) -> int:
         if args.table:
             print(release_table(config))
             return 0
-        setup = Setup(gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib, fsdp=args.gpus if args.fsdp is None
-                      else args.fsdp, ep=args.ep, sp=args.sp, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                      lora_rank=args.lora_rank, base=args.base, compute_dtype=args.compute_dtype,
-                      checkpointing=not args.no_checkpointing, reserve_gib=args.reserve_gib)
+        fields = ("gpus", "gpu_memory_gib", "ep", "sp", "seq_len", "micro_batch", "lora_rank", "base", "compute_dtype",
+                  "reserve_gib")
+        setup = Setup(**{f: getattr(args, f) for f in fields}, checkpointing=not args.no_checkpointing,
+                      fsdp=args.gpus if args.fsdp is None else args.fsdp)
         plan = plan_memory(config, setup)
     except ValueError as exc:
         parser.error(str(exc))

@@ -1,15 +1,12 @@
 """PEFT adapters of the VL model in the two layouts PEFT's Auto classes load.
 
-An adapter trained on ``Glm53FlashForConditionalGeneration`` names the language model's modules
-``model.language_model.*``; ``Glm53FlashForCausalLM`` names the same modules ``model.*``. PEFT's Auto classes build
-the base from the adapter config's ``task_type`` (``CAUSAL_LM``: ``AutoModelForCausalLM``) or, without a task type,
-from its ``auto_mapping``, then load the adapter's keys by name: a VL adapter labelled ``CAUSAL_LM`` (what
-``PeftModel.save_pretrained`` writes for a model made with :func:`glm53flash_hf.train.trainer.default_lora_config`)
-is built as the causal LM and none of its LoRA keys match (PEFT only warns about missing adapter keys).
-
-:func:`mark_vl_adapter` relabels a VL adapter for ``peft.AutoPeftModel`` (no task type, ``auto_mapping`` naming
-``AutoModelForImageTextToText``); :func:`write_causal_lm_adapter` writes its causal-LM copy (keys renamed, task type
-``CAUSAL_LM``) for ``peft.AutoPeftModelForCausalLM``. Both keep ``base_model_name_or_path``.
+The VL model names the language model's modules ``model.language_model.*``, ``Glm53FlashForCausalLM`` ``model.*``.
+PEFT's Auto classes build the base from the adapter config's ``task_type`` (``CAUSAL_LM``: ``AutoModelForCausalLM``)
+or, without one, its ``auto_mapping``, then load the adapter's keys by name: a VL adapter labelled ``CAUSAL_LM`` (as
+``PeftModel.save_pretrained`` writes it for :func:`glm53flash_hf.train.trainer.default_lora_config`) is built as the
+causal LM and none of its LoRA keys match (PEFT only warns). :func:`mark_vl_adapter` relabels it for
+``peft.AutoPeftModel``; :func:`write_causal_lm_adapter` writes its causal-LM copy for
+``peft.AutoPeftModelForCausalLM``. Both keep ``base_model_name_or_path``.
 """
 
 from __future__ import annotations

@@ -191,14 +191,12 @@ class Glm53FlashPackingCollator(DataCollatorWithFlattening):
         out = {k: [] for k in ("input_ids", "labels", "position_ids", "mm_token_type_ids")}
         cu, max_seg, seg_idx_rows, seg = [0], 0, [], 0
         for flat in flat_rows:
-            n = int(flat["input_ids"].shape[1])
-            pad = width - n
+            pad = width - int(flat["input_ids"].shape[1])
             fills = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
             for key, fill in fills.items():
                 out[key].append(torch.cat([flat[key][0], torch.full((pad,), fill, dtype=torch.long)]))
             out["position_ids"].append(torch.cat([flat["position_ids"][0], torch.arange(pad, dtype=torch.long)]))
-            row_cu = flat["cu_seq_lens_q"].tolist()
-            lengths = [b - a for a, b in zip(row_cu[:-1], row_cu[1:])] + ([pad] if pad else [])
+            lengths = flat["cu_seq_lens_q"].diff().tolist() + ([pad] if pad else [])
             ids = []
             for length in lengths:
                 cu.append(cu[-1] + length)

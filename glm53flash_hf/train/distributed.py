@@ -93,10 +93,8 @@ def _default_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "FSDP2 needs an initialised process group: call torch.distributed.init_process_group (torchrun / "
-            "accelerate launch do) or pass mesh=..."
-        )
+        raise RuntimeError("FSDP2 needs an initialised process group: call torch.distributed.init_process_group "
+                           "(torchrun / accelerate launch do) or pass mesh=...")
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     device_type = acc.type if acc is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
@@ -130,25 +128,16 @@ def _check_masters(model: nn.Module, param_dtype: torch.dtype | None) -> None:
     if param_dtype in _LOW_PRECISION:
         bad = [f"{n} ({p.dtype})" for n, p in trainable if p.dtype != torch.float32]
         if bad:
-            raise ValueError(
-                f"param_dtype={param_dtype} keeps fp32 master weights: every trainable parameter must be float32 "
-                f"(cast with model.float()); got {len(bad)} others, e.g. {bad[:3]}"
-            )
+            raise ValueError(f"param_dtype={param_dtype} keeps fp32 master weights: every trainable parameter must be "
+                             f"float32 (cast with model.float()); got {len(bad)} others, e.g. {bad[:3]}")
     elif len(dtypes) > 1:
-        raise ValueError(
-            f"FSDP2 needs one dtype for the trainable parameters when param_dtype={param_dtype}; got {dtypes} "
-            "(cast with model.float(), or pass param_dtype=torch.bfloat16 to keep fp32 masters)"
-        )
+        raise ValueError(f"FSDP2 needs one dtype for the trainable parameters when param_dtype={param_dtype}; got "
+                         f"{dtypes} (cast with model.float(), or pass param_dtype=torch.bfloat16 to keep fp32 masters)")
 
 
-def shard_fp32_kept_units(
-    model: nn.Module,
-    *,
-    mesh=None,
-    param_dtype: torch.dtype = torch.bfloat16,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
-) -> Fsdp2Plan:
+def shard_fp32_kept_units(model: nn.Module, *, mesh=None, param_dtype: torch.dtype = torch.bfloat16,
+                          reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True
+                          ) -> Fsdp2Plan:
     """Shard the fp32 anchor units and the ``param_dtype`` units nested in them (call before ``accelerator.prepare``).
 
     ``model``: unsharded, fp32 trainable parameters; ``mesh``: 1-D (default: the default group); ``param_dtype``:
@@ -175,10 +164,8 @@ def shard_fp32_kept_units(
     for name in kept_names:
         anchor = _anchor_name(name, modules)
         if anchor is None:
-            raise ValueError(
-                f"fp32-kept parameter {name} is not inside any of {FP32_ANCHOR_CLASSES}; add the class of the "
-                "smallest module whose forward uses it to FP32_ANCHOR_CLASSES"
-            )
+            raise ValueError(f"fp32-kept parameter {name} is not inside any of {FP32_ANCHOR_CLASSES}; add the class "
+                             "of the smallest module whose forward uses it to FP32_ANCHOR_CLASSES")
         anchors.setdefault(anchor, []).append(name)
     mesh = mesh if mesh is not None else _default_mesh()
     low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -190,9 +177,8 @@ def shard_fp32_kept_units(
     for anchor in anchors:
         module = modules[anchor]
         if isinstance(module, FSDPModule):
-            raise ValueError(
-                f"{anchor} is already an FSDP unit; call shard_fp32_kept_units once, before any other sharding"
-            )
+            raise ValueError(f"{anchor} is already an FSDP unit; call shard_fp32_kept_units once, before any other "
+                             "sharding")
         children = _low_precision_children(module, anchor, kept_ids)
         for qual, child in children:
             if not isinstance(child, FSDPModule):
@@ -209,14 +195,8 @@ def shard_fp32_kept_units(
     return plan
 
 
-def apply_fsdp2(
-    model: nn.Module,
-    *,
-    mesh=None,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
-) -> Fsdp2Plan:
+def apply_fsdp2(model: nn.Module, *, mesh=None, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> Fsdp2Plan:
     """Shard ``model`` in place with FSDP2 (fp32 units under a low-precision ``param_dtype``, one unit per
     ``_no_split_modules`` block, then the root); parameters become ``Shard(0)`` DTensors on ``mesh``.
 
@@ -234,10 +214,8 @@ def apply_fsdp2(
         param_dtype = None
     mesh = mesh if mesh is not None else _default_mesh()
     if param_dtype in _LOW_PRECISION:
-        plan = shard_fp32_kept_units(
-            model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward,
-        )
+        plan = shard_fp32_kept_units(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                     reshard_after_forward=reshard_after_forward)
     else:
         plan = Fsdp2Plan(param_dtype=param_dtype)
     block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -253,9 +231,8 @@ def apply_fsdp2(
 def _check_checkpoint_dir(checkpoint_dir) -> str:
     path = os.fspath(checkpoint_dir)
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(
-            f"checkpoint_dir={path!r} is not a torch.distributed.checkpoint folder (no .metadata file)"
-        )
+        raise FileNotFoundError(f"checkpoint_dir={path!r} is not a torch.distributed.checkpoint folder (no .metadata "
+                                "file)")
     return path
 
 
@@ -266,10 +243,7 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
+    *(("pathlib", cls) for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
 }
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
@@ -296,11 +270,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module
         ) or (module == "torch" and isinstance(found, torch.dtype))
         if not allowed:
-            raise UnsafeCheckpointError(
-                f"{self.path}: refusing to unpickle {module}.{name}; a torch.distributed.checkpoint .metadata holds "
-                "only torch.distributed.checkpoint metadata classes, so this folder's metadata is not one written by "
-                "torch and loading it could run code from the folder"
-            )
+            raise UnsafeCheckpointError(f"{self.path}: refusing to unpickle {module}.{name}; a "
+                                        "torch.distributed.checkpoint .metadata holds only "
+                                        "torch.distributed.checkpoint metadata classes, so this folder's metadata is "
+                                        "not one written by torch and loading it could run code from the folder")
         return found
 
 

@@ -133,17 +133,15 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
             experts already sharded or wrapped.
     """
     if tuple(mesh.mesh_dim_names or ()) != ("dp", "ep"):
-        raise ValueError(
-            f"mesh must have mesh_dim_names ('dp', 'ep') (dp may be 1); got mesh_dim_names={mesh.mesh_dim_names}"
-        )
+        raise ValueError("mesh must have mesh_dim_names ('dp', 'ep') (dp may be 1); got "
+                         f"mesh_dim_names={mesh.mesh_dim_names}")
     dp_size, ep_size = mesh["dp"].size(), mesh["ep"].size()
     dp_rank, ep_rank = mesh["dp"].get_local_rank(), mesh["ep"].get_local_rank()
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError(f"model={type(model).__name__} has no {MOE_CLASS_NAME} block to shard")
     all_ranks = sorted(mesh.mesh.flatten().tolist())
-    ep_ranks = sorted(mesh["ep"].mesh.flatten().tolist())
-    dp_ranks = sorted(mesh["dp"].mesh.flatten().tolist())
+    ep_ranks, dp_ranks = (sorted(mesh[dim].mesh.flatten().tolist()) for dim in ("ep", "dp"))
     plan = ExpertParallelPlan(mesh, dp_size, ep_size, dp_rank, ep_rank, list(blocks), all_ranks, dp_ranks, ep_ranks)
     plan.flat_mesh = mesh["ep"] if dp_size == 1 else mesh._flatten("dp_ep")
     plan._groups[tuple(ep_ranks)] = mesh["ep"].get_group()
@@ -152,15 +150,12 @@ def apply_expert_parallel(model: nn.Module, mesh) -> ExpertParallelPlan:
     for name, moe in blocks.items():
         experts = moe.experts
         if type(experts).__name__ != "Glm53FlashExperts" or hasattr(experts, "expert_offset"):
-            raise ValueError(
-                f"{name}.experts must be an unsharded Glm53FlashExperts (apply EP before PEFT and FSDP); got "
-                f"{type(experts).__name__}"
-            )
+            raise ValueError(f"{name}.experts must be an unsharded Glm53FlashExperts (apply EP before PEFT and FSDP); "
+                             f"got {type(experts).__name__}")
         num_experts = experts.gate_up_proj.shape[0]
         if num_experts % ep_size:
-            raise ValueError(
-                f"n_routed_experts={num_experts} must be divisible by the ep size; got ep={ep_size} ({name})"
-            )
+            raise ValueError(f"n_routed_experts={num_experts} must be divisible by the ep size; got ep={ep_size} "
+                             f"({name})")
         n_local = num_experts // ep_size
         lo = ep_rank * n_local
         for attr in EXPERT_WEIGHTS:
@@ -211,11 +206,9 @@ def check_reduction_groups(model: nn.Module, plan: ExpertParallelPlan) -> None:
         if actual != expected:
             missing = sorted(set(expected) - set(actual or []))
             extra = sorted(set(actual or []) - set(expected))
-            raise ValueError(
-                f"parameter {name}: its gradient would be reduced over ranks {actual} but its replicas are on ranks "
-                f"{expected} (missing replicas {missing}, ranks without a replica {extra}); "
-                "expected reduction group = replica group"
-            )
+            raise ValueError(f"parameter {name}: its gradient would be reduced over ranks {actual} but its replicas "
+                             f"are on ranks {expected} (missing replicas {missing}, ranks without a replica {extra}); "
+                             "expected reduction group = replica group")
 
 
 @torch.no_grad()
@@ -247,10 +240,8 @@ def apply_fsdp2_ep(model: nn.Module, plan: ExpertParallelPlan, **fsdp_kwargs):
 
     from .distributed import apply_fsdp2
 
-    policy = MixedPrecisionPolicy(
-        param_dtype=fsdp_kwargs.get("param_dtype"), reduce_dtype=fsdp_kwargs.get("reduce_dtype", torch.float32),
-        cast_forward_inputs=False,
-    )
+    policy = MixedPrecisionPolicy(param_dtype=fsdp_kwargs.get("param_dtype"), cast_forward_inputs=False,
+                                  reduce_dtype=fsdp_kwargs.get("reduce_dtype", torch.float32))
     suffixes = tuple(f".{m}.experts" for m in plan.moe_modules)
     for experts in [m for n, m in model.named_modules() if f".{n}".endswith(suffixes)]:
         # a size-1 dp mesh (ep only) still makes a unit: its parameters then stay out of the dense units

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from ..fp8_blockwise import quantize_fp8_blockwise, roundtrip_error_bound
-from ..fp8_kept import _row_groups, _tiles
+from ..fp8_kept import FP8_DTYPE, Glm53FlashFP8Experts, Glm53FlashFP8Linear, _row_groups, _tiles
 
 
 def dequantize_rows(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
     """fp32 ``[out, in]`` of one FP8 weight (plain grid or separately blocked halves), tile by tile."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-
     out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     for r0, r1, w, s in _tiles(weight, scale_inv, tuple(block)):
         out[r0:r1] = _dequantize_fp8_weight(w, s, list(block), torch.float32)
@@ -57,9 +56,6 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
     """
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-    from ..fp8_kept import FP8_DTYPE, Glm53FlashFP8Experts, Glm53FlashFP8Linear
-    from ..modeling_glm53flash import Glm53FlashExperts
-
     adapters = peft_model.active_adapters
     if len(adapters) != 1:
         raise ValueError(f"merge_lora_fp8 merges one active adapter; got active_adapters={adapters!r}")
@@ -93,7 +89,7 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
         layer.lora_B.pop(adapter)
     model = peft_model.merge_and_unload()
     if not fp8:
-        _densify(model, dtype, Glm53FlashFP8Linear, Glm53FlashFP8Experts, Glm53FlashExperts)
+        _densify(model, dtype)
     report = {
         "fp8": fp8, "merged_fp8_weights": merged, "max_rel_roundtrip_error": max(errors, default=0.0),
         "max_roundtrip_bound_ratio": max(ratios, default=0.0),
@@ -101,12 +97,14 @@ def merge_lora_fp8(peft_model, fp8: bool = True, dtype: torch.dtype = torch.bflo
     return model, report
 
 
-def _densify(model, dtype, linear_cls, experts_cls, dense_experts_cls) -> None:
+def _densify(model, dtype) -> None:
     """Replace every FP8 module of ``model`` by its dense counterpart in ``dtype`` (merged weights where
     :func:`merge_lora_fp8` left them, else the dequantized FP8 weights) and drop the model's FP8 quantizer."""
+    from ..modeling_glm53flash import Glm53FlashExperts
+
     for name, module in list(model.named_modules()):
         dense = getattr(module, "_dense", {})
-        if isinstance(module, linear_cls):
+        if isinstance(module, Glm53FlashFP8Linear):
             w = dense.get("weight")
             if w is None:
                 w = dequantize_rows(module.weight, module.weight_scale_inv, module.block_size).to(dtype)
@@ -114,8 +112,8 @@ def _densify(model, dtype, linear_cls, experts_cls, dense_experts_cls) -> None:
             new.weight = nn.Parameter(w, requires_grad=False)
             if module.bias is not None:
                 new.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
-        elif isinstance(module, experts_cls):
-            new = dense_experts_cls(module.config).to(dtype)
+        elif isinstance(module, Glm53FlashFP8Experts):
+            new = Glm53FlashExperts(module.config).to(dtype)
             for p in ("gate_up_proj", "down_proj"):
                 w = dense.get(p)
                 if w is None:

@@ -1,19 +1,16 @@
 """Process-wide heap policy for CPU training: how glibc's malloc serves and returns the large blocks of a step.
 
-* ``"bounded"``: :data:`BOUNDED_SETTINGS` serve every block of 2 MiB or more with its own ``mmap``, returned on free
-  (a fixed ``M_MMAP_THRESHOLD``: glibc no longer raises it as blocks are freed), so resident memory stays close to
-  the peak of live tensors; every large block of a step is mapped and zero-filled again.
-* ``"reuse"``: :data:`REUSE_SETTINGS` keep freed large blocks in the heap for the next allocation (no page faults in
+* ``"bounded"`` (:data:`BOUNDED_SETTINGS`): every block of 2 MiB or more gets its own ``mmap``, returned on free, so
+  resident memory stays close to the peak of live tensors; every step maps and zero-fills its large blocks again.
+* ``"reuse"`` (:data:`REUSE_SETTINGS`): freed large blocks stay in the heap for the next allocation (no page faults in
   later steps); the heap fragments, and resident memory reaches up to about 2x the peak of live tensors.
-* ``"default"``: change nothing. glibc's dynamic mmap threshold rises to 32 MiB as blocks are freed, so blocks below
-  it stay in a heap that fragments, and larger ones are faulted in every step.
+* ``"default"``: change nothing. glibc's dynamic mmap threshold rises to 32 MiB as blocks are freed: smaller blocks
+  stay in a heap that fragments, larger ones are faulted in every step.
 
-Transparent huge pages make each page fault cover 2 MiB: torch's CPU allocator ``madvise``s its blocks of 2 MiB or
-more when ``THP_MEM_ALLOC_ENABLE=1`` is set at the process's first CPU tensor allocation (it is read then, once) and
-the kernel's THP mode is ``always`` or ``madvise``. ``"reuse"`` and ``"bounded"`` set the variable when it is unset
-and the kernel offers THP, which takes effect when no CPU tensor was allocated before; :func:`huge_pages_in_use`
-reports whether it did.
-glibc only; elsewhere nothing changes and a warning says so once. Why and the measurements: ``docs/design.md``,
+``"reuse"`` and ``"bounded"`` set ``THP_MEM_ALLOC_ENABLE=1`` when it is unset and the kernel's transparent-huge-page
+mode is ``always`` or ``madvise``: torch reads it once, at the process's first CPU tensor allocation, and then
+``madvise``s its blocks of 2 MiB or more (a page fault covers 2 MiB); :func:`huge_pages_in_use` reports whether it
+took. glibc only; elsewhere nothing changes and a warning says so once. Why and the measurements: ``docs/design.md``,
 "FSDP2 and fine-tuning".
 """
 
@@ -71,13 +68,14 @@ def _warn_once(message: str) -> None:
 
 
 def _thp_mode() -> str | None:
-    """The kernel's transparent-huge-page mode (``always`` / ``madvise`` / ``never``), or None where unknown."""
+    """The kernel's transparent-huge-page mode where it offers THP (``always`` / ``madvise``), else None."""
     try:
         with open(_THP_MODE_FILE) as f:
             text = f.read()
     except OSError:
         return None
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+    mode = text[text.index("[") + 1:text.index("]")] if "[" in text else None
+    return mode if mode in ("always", "madvise") else None
 
 
 def huge_pages_in_use() -> bool | None:
@@ -87,7 +85,7 @@ def huge_pages_in_use() -> bool | None:
     Returns ``None`` where the kernel offers no THP (no ``/sys/kernel/mm/transparent_hugepage``, or mode ``never``)
     or ``smaps`` cannot be read; else ``True`` when part of the block is backed by huge pages.
     """
-    if _thp_mode() not in ("always", "madvise"):
+    if _thp_mode() is None:
         return None
     import torch
 
@@ -106,12 +104,6 @@ def huge_pages_in_use() -> bool | None:
     except (OSError, ValueError):
         return None
     return None
-
-
-def _enable_huge_pages() -> None:
-    """Set ``THP_MEM_ALLOC_ENABLE=1`` for torch's CPU allocator when it is unset and the kernel offers THP."""
-    if "THP_MEM_ALLOC_ENABLE" not in os.environ and _thp_mode() in ("always", "madvise"):
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
 
 
 def set_malloc_policy(policy: str) -> bool:
@@ -138,7 +130,8 @@ def set_malloc_policy(policy: str) -> bool:
     if refused:
         _warn_once(f"malloc policy {policy!r}: mallopt refused {', '.join(refused)}; the heap policy is incomplete")
         return False
-    _enable_huge_pages()
+    if _thp_mode() is not None:  # torch's CPU allocator reads it at its first allocation
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     _state["policy"] = policy
     return True
 

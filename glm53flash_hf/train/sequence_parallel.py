@@ -146,9 +146,7 @@ class SequenceParallelContext:
         prev = parts[self.rank - 1] if self.rank > 0 else torch.zeros_like(parts[0])
         if keep is not None:
             prev = torch.where(keep.view(keep.shape + (1,) * (prev.dim() - 2)), prev, torch.zeros_like(prev))
-        if x.requires_grad:
-            prev = _anchor(prev, parts)
-        return prev
+        return _anchor(prev, parts) if x.requires_grad else prev
 
     def affine_prefix(self, a_local: torch.Tensor, b_local: torch.Tensor,
                       keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,9 +160,7 @@ class SequenceParallelContext:
             state = torch.matmul(a_all[r], state) + b_all[r]
         if keep is not None:
             state = torch.where(keep.view((-1,) + (1,) * (state.dim() - 1)), state, torch.zeros_like(state))
-        if grads:
-            state = _anchor(state, tuple(a_all) + tuple(b_all))
-        return state
+        return _anchor(state, tuple(a_all) + tuple(b_all)) if grads else state
 
     def global_count(self, count: torch.Tensor) -> torch.Tensor:
         """The group's sum of an integer count (an all-reduce of a copy)."""
@@ -214,26 +210,16 @@ def shard_sequence(batch: dict, rank: int, world: int, seq_dim: int = 1) -> dict
         elif n != seq:
             raise ValueError(f"shard_sequence: {key} has sequence length {n}, other tensors {seq}")
         if n % world:
-            raise ValueError(
-                f"shard_sequence: sequence length {n} of {key} is not a multiple of the SP world size {world} "
-                f"(uneven shards are refused; pad the rows to a multiple of {world})"
-            )
+            raise ValueError(f"shard_sequence: sequence length {n} of {key} is not a multiple of the SP world size "
+                             f"{world} (uneven shards are refused; pad the rows to a multiple of {world})")
         length = n // world
         out[key] = value.narrow(seq_dim, rank * length, length)
     return out
 
 
-def build_shard_layout(
-    packing,
-    group,
-    batch_size: int,
-    local_len: int,
-    device,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    cache=None,
-    **kwargs,
-):
+def build_shard_layout(packing, group, batch_size: int, local_len: int, device,
+                       attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, cache=None,
+                       **kwargs):
     """The local ``packing.DocumentLayout`` of this rank's ``[B, L]`` shard (the global segments cut at the shard
     start), its :class:`SequenceParallelContext` as ``layout.shard``; ``packing``: the model's own
     :mod:`glm53flash_hf.packing` module (a remote-code copy for a model loaded with ``trust_remote_code``).
@@ -245,18 +231,14 @@ def build_shard_layout(
             arguments (``packing.build_document_layout``).
     """
     if cache is not None:
-        raise ValueError(
-            "sequence parallelism runs uncached forwards only; got a cache (call "
-            "apply_sequence_parallel(model, None) before generating)"
-        )
+        raise ValueError("sequence parallelism runs uncached forwards only; got a cache (call "
+                         "apply_sequence_parallel(model, None) before generating)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     lengths = _gather_plain(torch.tensor([batch_size, local_len], device=device), group)
     lengths = [tuple(int(v) for v in t.tolist()) for t in lengths]
     if len(set(lengths)) != 1:
-        raise ValueError(
-            "sequence parallelism needs the same [batch, local_len] on every rank of the group (shard rows into equal"
-            f" contiguous parts, e.g. with shard_sequence); got per-rank shapes {lengths}"
-        )
+        raise ValueError("sequence parallelism needs the same [batch, local_len] on every rank of the group (shard "
+                         f"rows into equal contiguous parts, e.g. with shard_sequence); got per-rank shapes {lengths}")
     global_len = world * local_len
 
     def gather(t):
@@ -272,10 +254,8 @@ def build_shard_layout(
     extra = {k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seqlens") if kwargs.get(k) is not None}
     if kwargs.get("seq_idx") is not None:
         extra["seq_idx"] = gather(kwargs["seq_idx"])
-    glob = packing.build_layout(
-        batch_size, global_len, device, attention_mask=gather(attention_mask), position_ids=gather(position_ids),
-        **extra,
-    )
+    glob = packing.build_layout(batch_size, global_len, device, attention_mask=gather(attention_mask),
+                                position_ids=gather(position_ids), **extra)
     glob.segment_tensors()
     offset = rank * local_len
     sl = slice(offset, offset + local_len)
@@ -352,10 +332,8 @@ def fla_cp_context(sp, cu_seqlens: torch.Tensor):
         ctx = fla_compat.load_cp().build_cp_context(cu_seqlens=glob, group=sp.group, cu_seqlens_cpu=glob.cpu())
         mine = cu_seqlens.tolist()
         if ctx.cu_seqlens_cpu.tolist() != mine:
-            raise RuntimeError(
-                f"fla's context-parallel split of the row differs from this rank's layout: fla "
-                f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {sp.rank} of {sp.world})"
-            )
+            raise RuntimeError(f"fla's context-parallel split of the row differs from this rank's layout: fla "
+                               f"{ctx.cu_seqlens_cpu.tolist()}, layout {mine} (rank {sp.rank} of {sp.world})")
         sp.memo["fla_cp"] = ctx
     return sp.memo["fla_cp"]
 
@@ -389,8 +367,7 @@ def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, fla_cp
     bound); ``q, k, v, g, beta``: the flattened local rows ``[1, B*L, ...]`` with ``cu_seqlens``; ``fla_cp``: the
     gate parameters (``A_log``, ``dt_bias``, ``lower_bound``) for fla's context-parallel op
     (:func:`chunk_kda_context_parallel`), used when :func:`fla_cp_refusal` allows it (else a warning, once per
-    reason). Returns ``o``
-    ``[1, B*L, H, V]``.
+    reason). Returns ``o`` ``[1, B*L, H, V]``.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -400,11 +377,8 @@ def sp_chunk_kda(sp, core, q, k, v, g, beta, *, cu_seqlens: torch.Tensor, fla_cp
             return chunk_kda_context_parallel(q, k, v, g, beta, **fla_cp, cp_context=fla_cp_context(sp, cu_seqlens))
         if refusal not in _CP_WARNED:
             _CP_WARNED.add(refusal)
-            warnings.warn(
-                f"sequence parallelism: fla's context-parallel KDA is not used ({refusal}); the shards pass the "
-                "KDA state with this package's scheme (same result, fla's chunk kernels)",
-                stacklevel=3,
-            )
+            warnings.warn(f"sequence parallelism: fla's context-parallel KDA is not used ({refusal}); the shards pass "
+                          "the KDA state with this package's scheme (same result, fla's chunk kernels)", stacklevel=3)
 
     ft, first_cu = sp.first_tokens, sp.first_cu
     q1, k1, v1, g1, beta1 = (t.index_select(1, ft) for t in (q, k, v, g, beta))
@@ -459,16 +433,13 @@ def apply_sequence_parallel(model: nn.Module, group=None) -> None:
     Raises:
         ValueError: ``model`` holds no ``Glm53FlashTextModel``.
     """
-    found = False
-    for module in model.modules():
-        if type(module).__name__ != TEXT_MODEL_CLASS_NAME:
-            continue
-        found = True
+    text_models = [m for m in model.modules() if type(m).__name__ == TEXT_MODEL_CLASS_NAME]
+    if not text_models:
+        raise ValueError(f"model={type(model).__name__} holds no {TEXT_MODEL_CLASS_NAME} to apply SP to")
+    for module in text_models:
         if group is None:
             module.layout_builder = None
             continue
         package = type(module).__module__.rpartition(".")[0]
         packing = importlib.import_module(".packing", package) if package else importlib.import_module("packing")
         module.layout_builder = functools.partial(build_shard_layout, packing, group)
-    if not found:
-        raise ValueError(f"model={type(model).__name__} holds no {TEXT_MODEL_CLASS_NAME} to apply SP to")

@@ -110,19 +110,15 @@ def build_sft_example(
 
 
 def visual_spans(processor, input_ids) -> list[tuple[str, int, int]]:
-    """``(kind, first, last)`` inclusive token positions of each image / video span in one id row (unclosed: to the
-    end).
-    """
+    """``(kind, first, last)`` inclusive positions of each image / video span in one id row (unclosed: to the end)."""
     ids = [int(i) for i in input_ids]
-    boi, eoi = processor.token_ids[BEGIN_OF_IMAGE], processor.token_ids[END_OF_IMAGE]
+    opens = {processor.token_ids[BEGIN_OF_IMAGE]: "image", processor.video_start_id: "video"}
+    closes = {"image": processor.token_ids[END_OF_IMAGE], "video": processor.video_end_id}
     spans, open_kind, start = [], None, 0
     for pos, tid in enumerate(ids):
-        if open_kind is None:
-            if tid == processor.video_start_id:
-                open_kind, start = "video", pos
-            elif tid == boi:
-                open_kind, start = "image", pos
-        elif (open_kind == "video" and tid == processor.video_end_id) or (open_kind == "image" and tid == eoi):
+        if open_kind is None and tid in opens:
+            open_kind, start = opens[tid], pos
+        elif open_kind is not None and tid == closes[open_kind]:
             spans.append((open_kind, start, pos))
             open_kind = None
     if open_kind is not None:

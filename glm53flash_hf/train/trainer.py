@@ -8,12 +8,15 @@ Sources: DeepSeek-V3 technical report §2.1.2 ("Auxiliary-Loss-Free Load Balanci
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
 import re
+import shutil
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from .distributed import process_mesh
@@ -21,11 +24,9 @@ from .sft import IGNORE_INDEX
 
 ROUTER_CLASS_NAME = "Glm53FlashTopkRouter"
 
-#: ``nn.Linear`` leaf names adapted by default: MLA (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
-#: ``o_proj``), KDA (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) and the dense / shared-expert SwiGLU MLP
-#: (``gate_proj``, ``up_proj``, ``down_proj``). The routed experts are parameters, not modules, and are reached only
-#: through :data:`EXPERT_TARGET_PARAMETERS`. ``kv_b_proj`` (MLA's latent up-projection) is adapted too: the
-#: absorbed attention takes its effective weight from the wrapped module (``Glm53FlashAttention.kv_b_weight``).
+#: ``nn.Linear`` leaf names adapted by default: MLA's, KDA's and the dense / shared-expert SwiGLU MLP's projections,
+#: ``kv_b_proj`` included (the absorbed attention takes its effective weight from the wrapped module,
+#: ``Glm53FlashAttention.kv_b_weight``). The routed experts are parameters: :data:`EXPERT_TARGET_PARAMETERS`.
 DEFAULT_TARGET_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_proj", "k_proj", "v_proj",
                           "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -124,9 +125,9 @@ class AuxLossFreeBalancingCallback(TrainerCallback):
         if not self._handles:
             return
         loads = {name: count.to(torch.float32) for name, count in self._counts.items()}
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and loads:
+        if dist.is_available() and dist.is_initialized() and loads:
             flat = torch.cat(list(loads.values()))
-            torch.distributed.all_reduce(flat)
+            dist.all_reduce(flat)
             loads = dict(zip(loads, flat.split([load.numel() for load in loads.values()])))
         for name, load in loads.items():
             if load.sum() == 0:  # no training forward reached this router during the step
@@ -162,8 +163,6 @@ def sp_micro_batches(inputs: dict, group, pad_token_id: int, min_shard: int = 4)
     Raises:
         ValueError: visual inputs, a batch without ``input_ids``, or ranks with different batch sizes (names them).
     """
-    import torch.distributed as dist
-
     for key in ("pixel_values", "pixel_values_videos"):
         if inputs.get(key) is not None:
             raise ValueError(f"sequence parallelism trains text batches only; got {key}")
@@ -252,12 +251,7 @@ class Glm53FlashTrainer(Trainer):
         super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """``Trainer._save_checkpoint`` written under ``.checkpoint-N.partial/`` and swapped in when every process is
-        done.
-        """
-        import glob
-        import shutil
-
+        """``Trainer._save_checkpoint`` run in ``.checkpoint-N.partial/``, swapped in when all processes are done."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
         from ..checkpoint_io import exchange_paths
@@ -295,9 +289,7 @@ class Glm53FlashTrainer(Trainer):
             super()._push_from_checkpoint(final)
 
     def _load_saved_weights(self, folder: str, model) -> bool:
-        """Load a ``save_pretrained`` folder into ``model`` via ``from_pretrained``; False where the Trainer's path
-        applies.
-        """
+        """Load a ``save_pretrained`` folder into ``model`` by ``from_pretrained``; False: the Trainer's own path."""
         from transformers.trainer import _is_peft_model
 
         target = self.accelerator.unwrap_model(model)
@@ -342,8 +334,6 @@ class Glm53FlashTrainer(Trainer):
         self.trained_tokens += int(((ids != self.pad_token_id) | (labels != IGNORE_INDEX)).sum())
         if self.sp_group is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        import torch.distributed as dist
-
         from .sequence_parallel import apply_sequence_parallel, shard_sequence
 
         world, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
