@@ -122,6 +122,32 @@ def test_sft_dataset(tiny_processor):
         sft_data.build_sft_dataset(tiny_processor, 1, max_length=12, media=False)
 
 
+def test_long_text_dataset(tiny_processor):
+    """--long-text's samples: windows of exactly max_length tokens, each label its own token, one after another in the
+    stream of the seeded standard-library files (each tokenized on its own after a ``# <name>`` line); another seed
+    gives other files; more tokens than the sources hold is refused."""
+    tokenizer = tiny_processor.tokenizer
+    examples = sft_data.build_long_text_dataset(tokenizer, samples=3, max_length=256, seed=0)
+    stream = []
+    for path in sft_data.stdlib_sources(0):
+        text = f"# {os.path.basename(path)}\n\n{open(path, encoding='utf-8', errors='replace').read()}\n\n"
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(stream) >= 3 * 256:
+            break
+    assert [len(e["input_ids"]) for e in examples] == [256] * 3
+    for i, e in enumerate(examples):
+        assert e["input_ids"].tolist() == stream[i * 256:(i + 1) * 256]
+        assert torch.equal(e["labels"], e["input_ids"]) and not e["mm_token_type_ids"].any()
+    first = os.path.basename(sft_data.stdlib_sources(0)[0])
+    assert examples[0]["name"] == f"stdlib:{first}"
+    assert tokenizer.decode(examples[0]["input_ids"][:8]).startswith(f"# {first}")
+    assert sft_data.stdlib_sources(1) != sft_data.stdlib_sources(0)
+    with pytest.raises(ValueError, match="fewer than samples \\* max_length"):
+        sft_data.build_long_text_dataset(tokenizer, samples=10**4, max_length=10**4)
+    with pytest.raises(ValueError, match="samples and max_length must be >= 1"):
+        sft_data.build_long_text_dataset(tokenizer, samples=0, max_length=256)
+
+
 def test_loss_summary_and_folder_check(tmp_path):
     assert finetune.loss_summary([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0]) == (4.0, 0.0, 3)
     assert finetune.loss_summary([3.0, 1.0]) == (3.0, 1.0, 1)
@@ -170,8 +196,9 @@ def test_lora_job_trains_saves_and_reloads(lora_run):
     log = [json.loads(line) for line in open(os.path.join(out, finetune.LOSS_LOG))]
     assert [r["step"] for r in log] == list(range(1, 7))
     assert all(r["loss"] > 0 and 7.0 < r["mtp_loss"] < 8.5 for r in log)
-    tokens, rate = re.search(r"trained (\d+) tokens \(no padding\) in [0-9.]+ s: (\d+) tokens/s", stdout).groups()
-    assert int(tokens) > 6 * 8 * 30 and int(rate) > 0
+    tokens, rate, peak = re.search(r"trained (\d+) tokens \(no padding\) in [0-9.]+ s: (\d+) tokens/s; peak memory "
+                                   r"([0-9.]+) GiB per process \(resident\)", stdout).groups()
+    assert int(tokens) > 6 * 8 * 30 and int(rate) > 0 and 0.1 < float(peak) < 8
     assert f"saved: {out} " in stdout
 
     files = finetune.check_saved_folder(out, adapter=True)
@@ -200,6 +227,20 @@ def test_lora_job_trains_saves_and_reloads(lora_run):
         assert re.search(rf"generate\(use_mtp=True\), {key} prompt: equals plain greedy: yes; acceptance \d+/\d+ = ",
                          stdout), stdout
     assert "ERROR" not in stdout
+
+
+def test_long_text_job(tiny_checkpoint, tmp_path):
+    """``--long-text`` with checkpointing: windows of --max-length tokens from the standard library, every token
+    trained and counted (2 steps x 1 row x 1024), the peak memory printed."""
+    out = str(tmp_path / "out")
+    stdout, _ = _run_job(["--model", tiny_checkpoint, "--output-dir", out, "--long-text", "--max-length", "1024",
+                          "--samples", "2", "--batch-size", "1", "--max-steps", "2", "--no-media", "--no-reload",
+                          "--gradient-checkpointing"], tmp_path)
+    assert "SFT set: 2 windows of 1024 tokens from the standard-library sources + 0 image/video samples" in stdout
+    assert "2048 tokens, 2048 trained (every text token)" in stdout
+    assert re.search(r"trained 2048 tokens \(no padding\) in [0-9.]+ s: \d+ tokens/s; peak memory [0-9.]+ GiB per "
+                     r"process \(resident\)", stdout), stdout
+    finetune.check_saved_folder(out, adapter=True)
 
 
 def test_lora_adapter_reproduces_merged_folder(lora_run, tiny_checkpoint):

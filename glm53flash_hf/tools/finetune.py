@@ -30,6 +30,7 @@ from .sft_data import (
     IGNORE_INDEX,
     IMAGE_PROMPT,
     PROBE_PHOTO,
+    build_long_text_dataset,
     build_sft_dataset,
     chat_inputs,
     explain_prompt,
@@ -412,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help='"Explain <topic>" samples from pydoc_data.topics (default: %(default)s); the 5 photo '
                              "and 1 video samples come on top (--no-media drops them)")
     parser.add_argument("--no-media", action="store_true", help="text samples only")
+    parser.add_argument("--long-text", action="store_true",
+                        help="long context: the text samples are --samples windows of exactly --max-length tokens "
+                             "cut from CPython's standard-library sources concatenated, every token trained, instead "
+                             "of the pydoc chats (e.g. --long-text --max-length 131072 --samples 2 --batch-size 1 "
+                             "--gradient-checkpointing)")
     parser.add_argument("--held-out", default=DEFAULT_HELD_OUT,
                         help="pydoc_data.topics topic kept out of training and asked afterwards (default: %(default)s)")
     parser.add_argument("--answer-chars", type=int, default=400,
@@ -586,16 +592,20 @@ def prepare(job: Job):
         job.say(f"expert parallelism: mesh (dp={job.ep_plan.dp_size}, ep={job.ep_plan.ep_size}), "
                 f"{len(job.ep_plan.moe_modules)} MoE blocks, rank {job.ep_plan.ep_rank} of the ep group holds experts "
                 f"[{job.ep_plan.ep_rank} * E/{args.ep}, ...)")
-    dataset = build_sft_dataset(processor, args.samples, args.held_out, args.seed, args.max_length,
-                                args.answer_chars, media=not args.no_media)
+    dataset = build_sft_dataset(processor, 0 if args.long_text else args.samples, args.held_out, args.seed,
+                                args.max_length, args.answer_chars, media=not args.no_media)
+    if args.long_text:
+        dataset = build_long_text_dataset(processor.tokenizer, args.samples, args.max_length, args.seed) + dataset
     n_tokens = sum(len(e["input_ids"]) for e in dataset)
     n_trained = sum(int((e["labels"] != IGNORE_INDEX).sum()) for e in dataset)
-    n_media = sum(1 for e in dataset if not e["name"].startswith("topic:"))
+    n_media = sum(1 for e in dataset if not e["name"].startswith(("topic:", "stdlib:")))
     job.say(f"model: {job.model_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
             f"{job.dtype})")
-    job.say(f"SFT set: {len(dataset) - n_media} 'Explain <topic>' samples from pydoc_data.topics + {n_media} "
-            f"image/video samples from scikit-image; {n_tokens} tokens, {n_trained} trained (answers only); "
-            f"held out: {explain_prompt(args.held_out)!r}")
+    text = (f"windows of {args.max_length} tokens from the standard-library sources" if args.long_text
+            else "'Explain <topic>' samples from pydoc_data.topics")
+    job.say(f"SFT set: {len(dataset) - n_media} {text} + {n_media} image/video samples from scikit-image; {n_tokens} "
+            f"tokens, {n_trained} trained ({'every text token' if args.long_text else 'answers only'}); held out: "
+            f"{explain_prompt(args.held_out)!r}")
     return processor, model, dataset
 
 
@@ -683,7 +693,21 @@ def train(job: Job, trainer) -> dict:
         check_predicts(trainer.model, job.processor, explain_prompt(job.args.held_out), what, lr, trainer.accelerator)
     tokens = _reduce(trainer.accelerator, trainer.trained_tokens, "sum")
     first, last, n = loss_summary(losses)
-    return dict(seconds=float(result.metrics["train_runtime"]), tokens=tokens, first=first, last=last, n=n)
+    peak, where = peak_memory()
+    return dict(seconds=float(result.metrics["train_runtime"]), tokens=tokens, first=first, last=last, n=n,
+                peak=_reduce(trainer.accelerator, peak, "max"), peak_where=where)
+
+
+def peak_memory() -> tuple[int, str]:
+    """This process's memory high-water in bytes and what it counts: the CUDA allocator's peak of allocated tensors
+    on a GPU, else the peak resident set (``getrusage`` ``ru_maxrss``, loading included)."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated()), "allocated on the GPU"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "resident"
 
 
 def save(job: Job, trainer, processor):
@@ -864,7 +888,8 @@ def _run(parser, job: Job, start: float) -> int:
     job.say(f"loss: first {first:.4f} (mean of the first {n} steps), last {last:.4f} (mean of the last {n}); "
             + (f"fell by {first - last:.4f}" if last < first else "WARNING: the loss did not fall"))
     job.say(f"trained {result['tokens']} tokens (no padding) in {result['seconds']:.1f} s: "
-            f"{result['tokens'] / result['seconds']:.0f} tokens/s")
+            f"{result['tokens'] / result['seconds']:.0f} tokens/s; peak memory {result['peak'] / 2**30:.2f} GiB per "
+            f"process ({result['peak_where']})")
     job.say(f"saved: {out} ({'merged LoRA weights' if not args.full else 'fully fine-tuned weights'}, {dtype}; "
             "remote code, auto_map, processor, chat template)"
             + ("" if args.full else f"; adapters: {os.path.join(out, ADAPTER_DIR)} (AutoPeftModelForCausalLM), "

@@ -1,8 +1,8 @@
 """The embedded default SFT set of ``glm53flash-finetune`` and the chat helpers used to ask the model afterwards.
 
-Text: "Explain <topic>" answered by CPython's ``pydoc_data.topics``; images: "Describe the image." on
-scikit-image's photos; video: "Describe the video." on its animated GIF. Imports nothing from ``glm53flash_hf``
-at the top (the reload check runs it as a plain file).
+Text: "Explain <topic>" answered by CPython's ``pydoc_data.topics`` (for long context: windows cut from the
+standard-library sources); images: "Describe the image." on scikit-image's photos; video: "Describe the video." on
+its animated GIF. Imports nothing from ``glm53flash_hf`` at the top (the reload check runs it as a plain file).
 """
 
 from __future__ import annotations
@@ -182,6 +182,51 @@ def build_sft_dataset(processor, samples: int, held_out: str = DEFAULT_HELD_OUT,
             raise ValueError(f"SFT sample {conv['name']!r} has no trained token within max_length={max_length}")
         example["name"] = conv["name"]
         examples.append(example)
+    return examples
+
+
+def stdlib_sources(seed: int = 0) -> list[str]:
+    """Paths of CPython's standard-library modules (the ``*.py`` files directly in ``sysconfig``'s ``stdlib``
+    folder) in a seeded random order; ``FileNotFoundError`` when that folder holds none."""
+    import glob
+    import random
+    import sysconfig
+
+    folder = sysconfig.get_paths()["stdlib"]
+    paths = sorted(glob.glob(os.path.join(folder, "*.py")))
+    if not paths:
+        raise FileNotFoundError(f"no standard-library sources (*.py) in {folder}")
+    random.Random(seed).shuffle(paths)
+    return paths
+
+
+def build_long_text_dataset(tokenizer, samples: int, max_length: int, seed: int = 0) -> list[dict]:
+    """``samples`` language-modelling examples of exactly ``max_length`` tokens, cut one after another from CPython's
+    standard-library sources (:func:`stdlib_sources`, each file after a ``# <name>`` line) concatenated: dicts with
+    1-D long ``input_ids``, ``labels`` equal to them (every token trained), zero ``mm_token_type_ids`` and ``"name"``
+    (``"stdlib:<first module>"``). ``ValueError`` for ``samples`` or ``max_length`` < 1, or when the sources hold fewer
+    than ``samples * max_length`` tokens (the message gives how many they hold)."""
+    import torch
+
+    if samples < 1 or max_length < 1:
+        raise ValueError(f"samples and max_length must be >= 1; got samples={samples}, max_length={max_length}")
+    wanted, ids, names = samples * max_length, [], []
+    for path in stdlib_sources(seed):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f"# {os.path.basename(path)}\n\n{f.read()}\n\n"
+        names.append((len(ids), os.path.basename(path)))
+        ids += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if len(ids) >= wanted:
+            break
+    if len(ids) < wanted:
+        raise ValueError(f"the standard-library sources hold {len(ids)} tokens, fewer than samples * max_length = "
+                         f"{samples} * {max_length}; lower --samples or --max-length")
+    examples = []
+    for i in range(samples):
+        window = torch.tensor(ids[i * max_length:(i + 1) * max_length], dtype=torch.long)
+        first = [name for start, name in names if start <= i * max_length][-1]
+        examples.append(dict(input_ids=window, labels=window.clone(), mm_token_type_ids=torch.zeros_like(window),
+                             name=f"stdlib:{first}"))
     return examples
 
 
